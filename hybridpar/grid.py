@@ -1,0 +1,207 @@
+"""The process grid: data-parallel replicas × pipeline stages × a 3D spatial grid.
+
+Why: every other piece asks the same questions (which sub-volume do I own, who are my neighbours
+along height, which ranks reduce my gradients, which rank of the next stage gets my activations),
+and the answers must agree on every rank. Vocabulary: an *axis* is a grid axis (``data``, ``pipe``,
+``d``, ``h``, ``w``); a *dim* is a tensor dimension.
+
+Rank order is row-major over (data, pipe, d, h, w), so the ranks of one spatial group are adjacent
+(one node) and halo traffic stays local while data-parallel traffic crosses nodes.
+
+A layer may split its activations differently from its neighbours (``grid.with_spatial((1, 1, 4))``):
+such a *layout* re-factors the same stage ranks. A layout that uses fewer ranks than the stage has
+(``(2, 1, 1)`` on 4 ranks, or ``(1, 1, 1)`` for a replicated head) is held by several identical
+replicas, each computing the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.launch import init_distributed
+
+AXES = ("d", "h", "w")
+_GROUP_CACHE: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
+
+
+def _partition_groups(partition: list[list[int]]) -> list[dist.ProcessGroup]:
+    """Create (once) one process group per block of a partition of the world; every rank must call.
+
+    Groups are created in the same order on every rank, as ``new_group`` requires.
+    """
+    key = tuple(tuple(b) for b in partition)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = [dist.new_group(list(b)) for b in partition]
+    return _GROUP_CACHE[key]
+
+
+def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> tuple[int, int, tuple[int, ...]]:
+    sizes = [data, pipe, *spatial]
+    if len(spatial) != 3:
+        raise ValueError(f"ProcessGrid: spatial must have 3 entries (d, h, w), got {tuple(spatial)}")
+    if sizes.count(-1) > 1:
+        raise ValueError("ProcessGrid: at most one size may be -1 (the ranks left over)")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if known <= 0 or world % known:
+            raise ValueError(f"ProcessGrid: world size {world} is not divisible by the fixed sizes "
+                             f"(product {known})")
+        sizes[sizes.index(-1)] = world // known
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"ProcessGrid: sizes must be positive, got data={data} pipe={pipe} "
+                         f"spatial={tuple(spatial)}")
+    d, p, sd, sh, sw = sizes
+    if d * p * sd * sh * sw != world:
+        raise ValueError(
+            f"ProcessGrid: data({d}) * pipe({p}) * spatial({sd}*{sh}*{sw}) = {d * p * sd * sh * sw} "
+            f"!= world size {world}")
+    return d, p, (sd, sh, sw)
+
+
+class ProcessGrid:
+    """data × pipe × (d, h, w) ranks, with the groups and neighbours each rank needs.
+
+    ``ProcessGrid(spatial=(2, 2, 1))`` on 4 ranks splits every activation in two along depth and
+    height. Sizes may hold one ``-1``: the ranks left over.
+    """
+
+    def __init__(self, data: int = 1, pipe: int = 1, spatial: Sequence[int] = (1, 1, 1)) -> None:
+        if not dist.is_initialized():
+            init_distributed()
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.data, self.pipe, self.stage_spatial = _resolve(data, pipe, spatial, self.world_size)
+        self.stage_size = math.prod(self.stage_spatial)
+        idx = self.rank
+        self.spatial_index = idx % self.stage_size          # position within the stage's ranks
+        self.pipe_index = (idx // self.stage_size) % self.pipe
+        self.data_index = idx // (self.stage_size * self.pipe)
+        self._layout(self.stage_spatial)
+
+    # ------------------------------------------------------------------ layouts
+    def _layout(self, spatial: tuple[int, int, int]) -> None:
+        self.spatial_shape = tuple(int(s) for s in spatial)
+        self.spatial_size = math.prod(self.spatial_shape)
+        if self.stage_size % self.spatial_size:
+            raise ValueError(
+                f"ProcessGrid: a spatial split {self.spatial_shape} ({self.spatial_size} ranks) must "
+                f"divide the {self.stage_size} ranks of a stage {self.stage_spatial}")
+        self.replica = self.spatial_index // self.spatial_size
+        rest = self.spatial_index % self.spatial_size
+        sd, sh, sw = self.spatial_shape
+        self.spatial_coord = (rest // (sh * sw), (rest // sw) % sh, rest % sw)
+
+    def with_spatial(self, spatial: Sequence[int] | None) -> ProcessGrid:
+        """The same ranks with another spatial split (``None`` or ``(1, 1, 1)``: replicated)."""
+        spatial = (1, 1, 1) if spatial is None else tuple(int(s) for s in spatial)
+        if len(spatial) != 3:
+            raise ValueError(f"ProcessGrid.with_spatial: need 3 sizes (d, h, w), got {spatial}")
+        if spatial == self.spatial_shape:
+            return self
+        other = object.__new__(ProcessGrid)
+        for k in ("world_size", "rank", "data", "pipe", "stage_spatial", "stage_size",
+                  "spatial_index", "pipe_index", "data_index"):
+            setattr(other, k, getattr(self, k))
+        other._layout(spatial)
+        return other
+
+    @property
+    def root(self) -> ProcessGrid:
+        """The grid with the stage's own spatial split."""
+        return self.with_spatial(self.stage_spatial)
+
+    # ------------------------------------------------------------------ rank arithmetic
+    def global_rank(self, data: int, pipe: int, spatial_index: int) -> int:
+        """Global rank of position ``spatial_index`` within the stage ranks of (data, pipe)."""
+        return (data * self.pipe + pipe) * self.stage_size + spatial_index
+
+    def rank_at(self, coord: Sequence[int], replica: int | None = None) -> int:
+        """Global rank holding spatial ``coord`` of this layout, in this rank's replica and stage."""
+        sd, sh, sw = self.spatial_shape
+        rep = self.replica if replica is None else replica
+        idx = rep * self.spatial_size + (coord[0] * sh + coord[1]) * sw + coord[2]
+        return self.global_rank(self.data_index, self.pipe_index, idx)
+
+    def neighbours(self, axis: int) -> tuple[int | None, int | None]:
+        """Global ranks of the lower and upper neighbours along spatial axis 0, 1 or 2 (None at edges)."""
+        out: list[int | None] = []
+        for step in (-1, 1):
+            c = list(self.spatial_coord)
+            c[axis] += step
+            out.append(self.rank_at(c) if 0 <= c[axis] < self.spatial_shape[axis] else None)
+        return out[0], out[1]
+
+    @property
+    def spatial_ranks(self) -> list[int]:
+        """Global ranks of this rank's spatial group (its replica of this layout), in coordinate order."""
+        base = self.replica * self.spatial_size
+        return [self.global_rank(self.data_index, self.pipe_index, base + i)
+                for i in range(self.spatial_size)]
+
+    @property
+    def is_replicated(self) -> bool:
+        """True when this layout does not split activations at all."""
+        return self.spatial_size == 1
+
+    # ------------------------------------------------------------------ groups
+    def _my_group(self, key_of) -> dist.ProcessGroup:
+        """The group of ranks sharing ``key_of(rank)``, created on every rank in the same order."""
+        blocks: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            blocks.setdefault(key_of(r), []).append(r)
+        partition = sorted(blocks.values())
+        groups = _partition_groups(partition)
+        return groups[next(i for i, b in enumerate(partition) if self.rank in b)]
+
+    def _pos(self, r: int) -> tuple[int, int, int, int]:
+        """(data, pipe, replica, index in replica) of global rank r under this layout."""
+        s = r % self.stage_size
+        return (r // (self.stage_size * self.pipe), (r // self.stage_size) % self.pipe,
+                s // self.spatial_size, s % self.spatial_size)
+
+    @cached_property
+    def spatial_group(self) -> dist.ProcessGroup:
+        """Ranks that split one activation together (same data replica, stage and layout replica)."""
+        return self._my_group(lambda r: self._pos(r)[:3])
+
+    @cached_property
+    def halo_group(self) -> dist.ProcessGroup:
+        """A second communicator over the spatial group, so halo traffic on a helper thread or stream
+        never interleaves with collectives issued by the main thread."""
+        return self._my_group(lambda r: (*self._pos(r)[:3], "halo"))
+
+    @cached_property
+    def stage_group(self) -> dist.ProcessGroup:
+        """All ranks of this pipeline stage (data × spatial): where weight gradients are reduced."""
+        return self._my_group(lambda r: self._pos(r)[1])
+
+    @cached_property
+    def data_group(self) -> dist.ProcessGroup:
+        """Ranks at the same stage and spatial position in every data-parallel replica."""
+        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[1]))
+
+    @cached_property
+    def pipe_group(self) -> dist.ProcessGroup:
+        """Ranks at the same spatial position of one replica, one per stage: a pipeline."""
+        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[0]))
+
+    @cached_property
+    def mesh(self):
+        """The grid as a torch ``DeviceMesh`` with axes ("data", "pipe", "d", "h", "w")."""
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+        if self.spatial_shape != self.stage_spatial:
+            return self.root.mesh
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return init_device_mesh(dev, (self.data, self.pipe, *self.stage_spatial),
+                                mesh_dim_names=("data", "pipe", *AXES))
+
+    def __repr__(self) -> str:
+        return (f"ProcessGrid(data={self.data}, pipe={self.pipe}, spatial={self.spatial_shape}, "
+                f"rank={self.rank}, coord=(data={self.data_index}, pipe={self.pipe_index}, "
+                f"spatial={self.spatial_coord}, replica={self.replica}))")

@@ -1,0 +1,133 @@
+"""Find out how this process was launched and join the process group.
+
+Why: the same training script must run under torchrun, mpirun/mpiexec (Open MPI, MPICH) and Slurm's
+srun, and as a plain single process, without the user exporting anything by hand. Each launcher
+leaves its own environment variables; this module reads them, fills in what torch.distributed's
+``env://`` rendezvous needs, and picks the backend (NCCL on CUDA with a gloo group beside it for
+host-side work such as checkpoint writers, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# (rank, world size, local rank) variables of each launcher, in the order they are tried.
+_LAUNCHERS: dict[str, tuple[str, str, str]] = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, and how it learned it."""
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as ``nid[001-004,007],gpu12`` (no scontrol needed)."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise RuntimeError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_launcher(env: dict[str, str] | None = None) -> tuple[str, int, int, int] | None:
+    """(launcher, rank, world size, local rank) from the environment, or None for a plain process."""
+    env = os.environ if env is None else env
+    for name, (r, w, lr) in _LAUNCHERS.items():
+        if r in env and w in env:
+            local = env.get(lr) or env.get("LOCAL_RANK") or env.get("MPI_LOCALRANKID") or "0"
+            return name, int(env[r]), int(env[w]), int(local)
+    return None
+
+
+def _mpi4py_world() -> tuple[int, int, int] | None:
+    """(rank, size, local rank) from mpi4py if it is installed and MPI was initialised by a launcher."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 (optional dependency)
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        return None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    return comm.Get_rank(), comm.Get_size(), local
+
+
+def _rendezvous(launcher: str, rank: int, env: dict[str, str]) -> None:
+    """Fill MASTER_ADDR/MASTER_PORT where the launcher did not (mpirun, srun)."""
+    if "MASTER_ADDR" not in env:
+        if launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
+            env["MASTER_ADDR"] = _first_slurm_host(env["SLURM_JOB_NODELIST"])
+        else:
+            env["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in env:
+        job = env.get("SLURM_JOB_ID", "0")
+        env["MASTER_PORT"] = str(29500 + int(job) % 1000 if job.isdigit() else 29500)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> LaunchInfo:
+    """Join the job's process group (idempotent) and return where this process sits.
+
+    Tries torchrun, Open MPI, MPICH, Slurm and mpi4py, in that order. A plain process with no launcher
+    gets a world of one: it still initialises a one-rank gloo group so that every distributed code path
+    runs unchanged. A world larger than one without rendezvous information is an error naming the
+    variables looked for.
+    """
+    env = os.environ
+    found = detect_launcher()
+    if found is None:
+        mpi = _mpi4py_world()
+        found = ("mpi4py", *mpi) if mpi else ("none", 0, 1, 0)
+    launcher, rank, world, local = found
+    if world > 1 and launcher in ("openmpi", "mpich", "slurm", "mpi4py"):
+        _rendezvous(launcher, rank, env)
+    if world > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+        looked = ", ".join(f"{r}/{w}" for r, w, _ in _LAUNCHERS.values())
+        raise RuntimeError(
+            f"hybridpar.init_distributed: world size {world} but no rendezvous address: set MASTER_ADDR "
+            f"and MASTER_PORT, or launch with torchrun, mpirun or srun (looked for {looked} and "
+            f"MASTER_ADDR/MASTER_PORT)")
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not dist.is_initialized():
+        from datetime import timedelta  # noqa: PLC0415
+
+        if world == 1 and "MASTER_ADDR" not in env:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            env.setdefault("RANK", str(rank))
+            env.setdefault("WORLD_SIZE", str(world))
+            env.setdefault("LOCAL_RANK", str(local))
+            kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s), **kwargs)
+    return LaunchInfo(launcher, dist.get_rank(), dist.get_world_size(), local, backend)
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its CUDA device if any, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")

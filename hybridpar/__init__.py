@@ -1,7 +1,15 @@
-"""hybridpar: spatial, pipeline and data parallelism for 3D CNNs on volumes too large for one device."""
+"""hybridpar: spatial, pipeline and data parallelism for 3D CNNs on volumes too large for one device.
 
+The public surface is small: :func:`init_distributed`, :class:`ProcessGrid`, the layers in
+:mod:`hybridpar.nn`, and the layout changes :func:`scatter`, :func:`gather` and :class:`Redistribute`.
+"""
+
+from hybridpar import nn
+from hybridpar.comm import gather, no_grad_sync, redistribute, scatter
 from hybridpar.grid import ProcessGrid
 from hybridpar.launch import init_distributed
+from hybridpar.nn.layout import Redistribute
 
-__all__ = ["ProcessGrid", "init_distributed"]
+__all__ = ["ProcessGrid", "init_distributed", "nn", "scatter", "gather", "redistribute", "Redistribute",
+           "no_grad_sync"]
 __version__ = "0.1.0"

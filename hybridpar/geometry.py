@@ -137,7 +137,7 @@ def _link(extent: int, ins: list[Range], outs: list[Range], needs: list[Range], 
     """Plans of all ranks with sends set to what the neighbours receive, checked to be neighbourly."""
     parts = len(ins)
     local = [_local_plan(ins[i], outs[i], needs[i], extent) for i in range(parts)]
-    for i, (plan, lo_rng, hi_rng) in enumerate(local):
+    for i, (_, lo_rng, hi_rng) in enumerate(local):
         for side, rng, j in (("left", lo_rng, i - 1), ("right", hi_rng, i + 1)):
             width = rng[1] - rng[0]
             if not width:

@@ -1,0 +1,159 @@
+"""Reductions across the ranks that split one activation.
+
+Convention (the one every primitive here and in :mod:`hybridpar.comm.redistribute` follows): a
+*replicated* tensor is one tensor held in identical copies, and so is its gradient; a *split* tensor
+is the disjoint union of its shards. A weight is replicated and used on every shard, so its gradient
+is the sum of the shards' contributions: after ``backward`` every rank's ``weight.grad`` is the
+gradient of the sum of all ranks' (shard) losses, exactly what ``torch.nn`` gives on the whole volume.
+
+The pipeline engine accumulates micro-batches before reducing: inside :func:`no_grad_sync` layers
+skip their per-layer reduction, and :func:`reduce_gradients` later reduces every parameter in a few
+large buckets with the scale each needs (see ``grad_split``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+_STATE = threading.local()
+
+
+def grad_sync_enabled() -> bool:
+    """False inside :func:`no_grad_sync`."""
+    return getattr(_STATE, "enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad_sync() -> Iterator[None]:
+    """Leave weight gradients as local contributions (for accumulation over micro-batches)."""
+    prev = grad_sync_enabled()
+    _STATE.enabled = False
+    try:
+        yield
+    finally:
+        _STATE.enabled = prev
+
+
+def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, async_op: bool = False):
+    """Sum ``tensors`` in place across ``group`` with one collective (flattened when several)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    if len(tensors) == 1:
+        return dist.all_reduce(tensors[0], group=group, async_op=async_op)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    work = dist.all_reduce(flat, group=group, async_op=async_op)
+
+    class _Unflatten:
+        def wait(self) -> None:
+            if work is not None:
+                work.wait()
+            off = 0
+            for t in tensors:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+    done = _Unflatten()
+    if not async_op:
+        done.wait()
+    return done
+
+
+def all_reduce_async(tensors: list[torch.Tensor], group: dist.ProcessGroup | None):
+    """Start summing ``tensors`` across ``group``; returns a handle with ``wait()`` (or None)."""
+    return _all_reduce(tensors, group, async_op=True)
+
+
+class SyncGrads(torch.autograd.Function):
+    """Identity on replicated parameters whose backward sums their gradient over the split group."""
+
+    @staticmethod
+    def forward(ctx, group, *params: torch.Tensor):
+        ctx.group = group
+        views = tuple(p.view_as(p) for p in params)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        grads = [g.contiguous().clone() for g in grads]
+        if grad_sync_enabled():
+            _all_reduce(grads, ctx.group)
+        return (None, *grads)
+
+
+def sync_grads(group: dist.ProcessGroup | None, *params: torch.Tensor):
+    """Use replicated ``params`` on a shard; their gradients come back summed over ``group``."""
+    live = [p for p in params if p is not None]
+    if group is None or dist.get_world_size(group) == 1 or not live or not torch.is_grad_enabled():
+        return params if len(params) > 1 else params[0]
+    synced = SyncGrads.apply(group, *live)
+    out = iter(synced if len(live) > 1 else [synced])
+    res = tuple(next(out) if p is not None else None for p in params)
+    return res if len(res) > 1 else res[0]
+
+
+class SumToReplicated(torch.autograd.Function):
+    """Partial sums on each shard -> their total on every rank (replicated).
+
+    Adjoint under the replicated-counts-once convention: each partial sum's gradient is the
+    (replicated) gradient of the total, so backward needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        y = x.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+def sum_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable all-reduce of partial sums (see :class:`SumToReplicated`)."""
+    return SumToReplicated.apply(x, group)
+
+
+def grad_split(param: torch.Tensor) -> int:
+    """How many shards contribute partial gradients to ``param`` (1 for replicated computation)."""
+    return getattr(param, "_hp_split", 1)
+
+
+def reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None,
+                     bucket_bytes: int = 25 << 20) -> None:
+    """Reduce accumulated local gradients over ``group`` (a stage's data × spatial ranks), bucketed.
+
+    A parameter used by a layer split ``s`` ways, on a group of ``n`` ranks, receives ``n / s`` copies
+    of each of its ``s`` partial contributions per data replica: it is scaled by ``s / n`` so that the
+    result sums over shards and averages over data-parallel replicas.
+    """
+    params = [p for p in params if p.grad is not None]
+    if group is None or not params:
+        return
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    buckets: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if size and size + p.grad.numel() * p.grad.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.grad.numel() * p.grad.element_size()
+    pending = []
+    for bucket in buckets:
+        flat = torch.cat([p.grad.reshape(-1) * (grad_split(p) / n) for p in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        off = 0
+        for p in bucket:
+            p.grad.copy_(flat[off:off + p.grad.numel()].view_as(p.grad))
+            off += p.grad.numel()

@@ -1,0 +1,11 @@
+"""Spatially distributed layers: drop-in counterparts of ``torch.nn`` layers taking ``grid=``."""
+
+from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
+from hybridpar.nn.layout import Gather, Redistribute, Scatter
+from hybridpar.nn.norm import DistBatchNorm3d
+from hybridpar.nn.pool import DistAvgPool3d, DistGlobalAvgPool3d, DistMaxPool3d
+
+__all__ = [
+    "DistConv3d", "DistConvTranspose3d", "DistMaxPool3d", "DistAvgPool3d", "DistGlobalAvgPool3d",
+    "DistBatchNorm3d", "Scatter", "Gather", "Redistribute",
+]

@@ -1,0 +1,118 @@
+"""Spatially distributed convolutions: ``DistConv3d`` and ``DistConvTranspose3d``.
+
+Why subclasses of the torch layers: same constructor arguments, same parameter initialisation (so a
+seed gives the same weights), same ``state_dict`` keys and shapes (weights load both ways), and
+``isinstance(m, nn.Conv3d)`` still holds for tools that inspect models. Only ``forward`` changes:
+exchange halos, then run the torch kernel on the extended shard with no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.comm.halo import halo_exchange
+from hybridpar.comm.reduce import sync_grads
+from hybridpar.geometry import same_padding, transposed_plans, window_plans
+from hybridpar.grid import ProcessGrid
+from hybridpar.nn.overlap import OverlappedConv3d
+from hybridpar.nn.spatial import SpatialLayer, _triple
+
+
+class DistConv3d(SpatialLayer, nn.Conv3d):
+    """``torch.nn.Conv3d`` on a spatially split input; gives what Conv3d gives on the whole volume.
+
+    ``overlap=True`` computes the interior while halos are in flight (forward and backward).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 device=None, dtype=None, *, grid: ProcessGrid | None = None, overlap: bool = False,
+                 transport: str | None = None) -> None:
+        nn.Conv3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                           groups, bias, padding_mode, device, dtype)
+        self._init_spatial(grid, transport)
+        if padding_mode != "zeros":
+            raise NotImplementedError(f"DistConv3d: padding_mode={padding_mode!r} is not supported; "
+                                      f"use 'zeros'")
+        self.overlap = overlap
+        self._mark_params(self.grid.spatial_size)
+
+    def _pads(self) -> list[tuple[int, int]]:
+        if self.padding == "valid":
+            return [(0, 0)] * 3
+        if self.padding == "same":
+            return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
+        return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.global_shape(x)
+        pads = self._pads()
+        ex = self.exchanger(shape, lambda n, parts, dim: window_plans(
+            n, parts, self.kernel_size[dim_i(dim)], self.stride[dim_i(dim)], *pads[dim_i(dim)],
+            self.dilation[dim_i(dim)], layer=self.layer_name, dim=dim))
+        group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
+        if self.overlap:
+            return OverlappedConv3d.apply(x, self.weight, self.bias, ex, self.stride, self.dilation,
+                                          self.groups, group)
+        weight, bias = sync_grads(group, self.weight, self.bias)
+        return F.conv3d(halo_exchange(x, ex), weight, bias, self.stride, 0, self.dilation, self.groups)
+
+
+def dim_i(name: str) -> int:
+    """Index of a dim name (``"D"``, ``"H"``, ``"W"``)."""
+    return "DHW".index(name)
+
+
+class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
+    """``torch.nn.ConvTranspose3d`` on a spatially split input (output balanced-split as well).
+
+    A rank gathers the inputs that reach its output shard, runs the transposed convolution with no
+    padding and crops to its shard; the bias is added after the crop so padded voxels get it too.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
+                 padding_mode: str = "zeros", device=None, dtype=None, *, grid: ProcessGrid | None = None,
+                 transport: str | None = None) -> None:
+        nn.ConvTranspose3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding,
+                                    output_padding, groups, bias, dilation, padding_mode, device, dtype)
+        self._init_spatial(grid, transport)
+        self._mark_params(self.grid.spatial_size)
+
+    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+        if output_size is not None:
+            raise NotImplementedError("DistConvTranspose3d: output_size is not supported; set "
+                                      "output_padding instead")
+        shape = self.global_shape(x)
+        geo = {}
+
+        def plans_of(n, parts, dim):
+            i = dim_i(dim)
+            plans, origins = transposed_plans(n, parts, self.kernel_size[i], self.stride[i], self.padding[i],
+                                              self.dilation[i], self.output_padding[i],
+                                              layer=self.layer_name, dim=dim)
+            geo[i] = origins
+            return plans
+
+        ex = self.exchanger(shape, plans_of, key=("T",))
+        if not hasattr(ex, "origins"):
+            ex.origins = [geo[i][self.grid.spatial_coord[i]] for i in range(3)]  # type: ignore[attr-defined]
+        group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
+        weight, bias = sync_grads(group, self.weight, self.bias)
+        ext = halo_exchange(x, ex)
+        outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
+        if all(s > 0 for s in ext.shape[2:]):
+            y = F.conv_transpose3d(ext, weight, None, self.stride, 0, 0, self.groups, self.dilation)
+        else:
+            y = ext.new_zeros((*ext.shape[:1], self.out_channels, 0, 0, 0))
+        pad = []
+        for i in (2, 1, 0):  # F.pad lists the last dim first; negative values crop
+            origin, (a, b) = ex.origins[i], outs[i]
+            pad += [origin - a, b - (origin + y.shape[2 + i])]
+        y = F.pad(y, pad) if y.numel() else y.new_zeros((y.shape[0], self.out_channels,
+                                                         *(b - a for a, b in outs)))
+        if bias is not None:
+            y = y + bias.view(1, -1, 1, 1, 1)
+        return y

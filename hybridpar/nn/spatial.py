@@ -1,0 +1,79 @@
+"""What every spatially split layer shares: its grid, the global input shape, memoised halo plans.
+
+Why: a layer sees only its shard, but its halos depend on the global extent and on every rank's
+shard. The global shape is inferred once per forward from all ranks' local shapes (a tiny CPU
+collective), or set ahead of time by the engine (``layer.global_input_shape``) to skip even that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridpar.comm.halo import DimExchange, HaloExchanger
+from hybridpar.comm.redistribute import infer_global_shape
+from hybridpar.comm.transport import get_transport
+from hybridpar.geometry import HaloPlan
+from hybridpar.grid import ProcessGrid
+
+DIM_NAMES = ("D", "H", "W")
+
+
+def _triple(v, what: str, layer: str) -> tuple[int, int, int]:
+    t = tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
+    if len(t) != 3 or not all(isinstance(i, int) for i in t):
+        raise ValueError(f"{layer}: {what} must be an int or 3 ints, got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+class SpatialLayer(nn.Module):
+    """Mixin for layers whose input is split over ``grid``'s spatial axes."""
+
+    grid: ProcessGrid
+    global_input_shape: tuple[int, int, int] | None
+
+    def _init_spatial(self, grid: ProcessGrid | None, transport: str | None) -> None:
+        if not isinstance(grid, ProcessGrid):
+            raise TypeError(f"{type(self).__name__}: pass grid=hybridpar.ProcessGrid(...), got {grid!r}")
+        self.grid = grid
+        self.transport_name = transport
+        self.global_input_shape = None
+        self.layer_name = type(self).__name__
+        self._exchangers: dict[tuple, HaloExchanger] = {}
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 5:
+            raise ValueError(f"{self.layer_name}: expected a 5-D (N, C, D, H, W) shard, got shape "
+                             f"{tuple(x.shape)}")
+
+    def global_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
+        """Global (D, H, W) of the input whose shard is ``x``."""
+        self._check_input(x)
+        if self.global_input_shape is not None:
+            return tuple(self.global_input_shape)  # type: ignore[return-value]
+        return infer_global_shape(x, self.grid)
+
+    def exchanger(self, shape: tuple[int, int, int], plans_of: Callable[[int, int, str], list[HaloPlan]],
+                  fill: float = 0.0, key: tuple = ()) -> HaloExchanger:
+        """The (memoised) halo exchanger for global ``shape``; ``plans_of(extent, parts, dim_name)``."""
+        k = (tuple(shape), fill, *key)
+        if k not in self._exchangers:
+            dims = []
+            for axis in range(3):
+                plans = plans_of(shape[axis], self.grid.spatial_shape[axis], DIM_NAMES[axis])
+                lo, hi = self.grid.neighbours(axis)
+                dims.append(DimExchange(2 + axis, plans[self.grid.spatial_coord[axis]], lo, hi))
+            ex = HaloExchanger(dims, get_transport(self.transport_name, self.grid.halo_group), fill)
+            ex.all_dims = dims  # type: ignore[attr-defined]
+            self._exchangers[k] = ex
+        return self._exchangers[k]
+
+    def _mark_params(self, split: int) -> None:
+        """Tell the engine's bucketed reduction how many shards contribute to each parameter."""
+        for p in self.parameters(recurse=False):
+            p._hp_split = split  # type: ignore[attr-defined]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, split={self.grid.spatial_shape}"

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import halo_exchange
+from hybridpar.comm.halo import HaloExchanger, halo_exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.geometry import same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
@@ -46,12 +46,15 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
         return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.global_shape(x)
+    def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
+        """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
         pads = self._pads()
-        ex = self.exchanger(shape, lambda n, parts, dim: window_plans(
+        return self.exchanger(shape, lambda n, parts, dim: window_plans(
             n, parts, self.kernel_size[dim_i(dim)], self.stride[dim_i(dim)], *pads[dim_i(dim)],
             self.dilation[dim_i(dim)], layer=self.layer_name, dim=dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.halo_exchanger(self.global_shape(x))
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         if self.overlap:
             return OverlappedConv3d.apply(x, self.weight, self.bias, ex, self.stride, self.dilation,
@@ -81,11 +84,8 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         self._init_spatial(grid, transport)
         self._mark_params(self.grid.spatial_size)
 
-    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
-        if output_size is not None:
-            raise NotImplementedError("DistConvTranspose3d: output_size is not supported; set "
-                                      "output_padding instead")
-        shape = self.global_shape(x)
+    def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
+        """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
         geo = {}
 
         def plans_of(n, parts, dim):
@@ -99,6 +99,13 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         ex = self.exchanger(shape, plans_of, key=("T",))
         if not hasattr(ex, "origins"):
             ex.origins = [geo[i][self.grid.spatial_coord[i]] for i in range(3)]  # type: ignore[attr-defined]
+        return ex
+
+    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+        if output_size is not None:
+            raise NotImplementedError("DistConvTranspose3d: output_size is not supported; set "
+                                      "output_padding instead")
+        ex = self.halo_exchanger(self.global_shape(x))
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         weight, bias = sync_grads(group, self.weight, self.bias)
         ext = halo_exchange(x, ex)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import halo_exchange
+from hybridpar.comm.halo import HaloExchanger, halo_exchange
 from hybridpar.comm.reduce import sum_to_replicated
 from hybridpar.geometry import window_plans
 from hybridpar.grid import ProcessGrid
@@ -41,12 +41,15 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
         self.d = _triple(dilation, "dilation", self.layer_name)
         _check_pad(self.layer_name, self.k, self.p, self.d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.global_shape(x)
-        ex = self.exchanger(shape, lambda n, parts, dim: window_plans(
+    def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
+        """The halo operator (boundary fill -inf) for a global (D, H, W) = ``shape`` input."""
+        return self.exchanger(shape, lambda n, parts, dim: window_plans(
             n, parts, self.k["DHW".index(dim)], self.s["DHW".index(dim)], self.p["DHW".index(dim)],
             self.p["DHW".index(dim)], self.d["DHW".index(dim)], self.ceil_mode, layer=self.layer_name,
             dim=dim), fill=float("-inf"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.halo_exchanger(self.global_shape(x))
         return F.max_pool3d(halo_exchange(x, ex), self.k, self.s, 0, self.d)
 
 
@@ -87,11 +90,15 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
                 self._divisors[key] = div.to(like.device)
         return self._divisors[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.global_shape(x)
-        ex = self.exchanger(shape, lambda n, parts, dim: window_plans(
+    def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
+        """The halo operator (boundary fill 0) for a global (D, H, W) = ``shape`` input."""
+        return self.exchanger(shape, lambda n, parts, dim: window_plans(
             n, parts, self.k["DHW".index(dim)], self.s["DHW".index(dim)], self.p["DHW".index(dim)],
             self.p["DHW".index(dim)], 1, self.ceil_mode, layer=self.layer_name, dim=dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.global_shape(x)
+        ex = self.halo_exchanger(shape)
         sums = F.avg_pool3d(halo_exchange(x, ex), self.k, self.s, 0, divisor_override=1)
         outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
         return sums / self._divisor(shape, outs, sums)

@@ -1,0 +1,191 @@
+"""Geometry checked without any process: against torch.tensor_split, torch's output sizes, and a
+1-D simulation of every rank assembling its extended input from its plan and computing its outputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpar.geometry import (
+    HaloError,
+    conv_output_extent,
+    interior,
+    max_parts,
+    same_padding,
+    shard_range,
+    shard_ranges,
+    transposed_output_extent,
+    transposed_plans,
+    window_plans,
+)
+
+
+@pytest.mark.parametrize("extent,parts", [(n, p) for n in (0, 1, 5, 13, 17, 64) for p in (1, 2, 3, 4, 7, 8)])
+def test_shards_match_tensor_split(extent, parts):
+    """Balanced split, first shards take the remainder, exactly as torch.tensor_split."""
+    pieces = torch.tensor_split(torch.arange(extent), parts)
+    assert [(int(p[0]), int(p[-1]) + 1) if len(p) else None for p in pieces] == \
+        [r if r[1] > r[0] else None for r in shard_ranges(extent, parts)]
+
+
+def test_shard_range_rejects_bad_index():
+    with pytest.raises(ValueError, match="outside"):
+        shard_range(10, 2, 2)
+    with pytest.raises(ValueError, match="parts"):
+        shard_range(10, 0, 0)
+
+
+@pytest.mark.parametrize("n,k,s,p,d,ceil", list(itertools.product((5, 8, 13), (1, 2, 3, 4), (1, 2, 3), (0, 1),
+                                                                   (1, 2), (False, True))))
+def test_output_extent_matches_torch(n, k, s, p, d, ceil):
+    if p > (d * (k - 1) + 1) // 2 or d * (k - 1) + 1 > n + 2 * p:
+        return
+    x = torch.zeros(1, 1, n)
+    assert conv_output_extent(n, k, s, p, p, d) == F.conv1d(x, torch.zeros(1, 1, k), stride=s, padding=p,
+                                                           dilation=d).shape[-1]
+    assert conv_output_extent(n, k, s, p, p, d, ceil) == F.max_pool1d(x, k, s, p, d, ceil_mode=ceil).shape[-1]
+
+
+@pytest.mark.parametrize("n,k,s,p,d,op", [(n, k, s, p, d, op) for n in (3, 7) for k in (1, 2, 3)
+                                          for s in (1, 2, 3) for p in (0, 1) for d in (1, 2) for op in (0, 1)
+                                          if op < max(s, d) and (n - 1) * s - 2 * p + d * (k - 1) + op + 1 > 0])
+def test_transposed_extent_matches_torch(n, k, s, p, d, op):
+    y = F.conv_transpose1d(torch.zeros(1, 1, n), torch.zeros(1, 1, k), stride=s, padding=p, dilation=d,
+                           output_padding=op)
+    assert transposed_output_extent(n, k, s, p, d, op) == y.shape[-1]
+
+
+def test_same_padding_puts_odd_voxel_right():
+    assert same_padding(3) == (1, 1)
+    assert same_padding(4) == (1, 2)
+    assert same_padding(3, 2) == (2, 2)
+
+
+def _extended(x, plans, i, fill=0.0):
+    """What rank i assembles: fill, left halo (as the left rank sends it), own trimmed, right halo, fill."""
+    p = plans[i]
+    own = x[p.own[0]:p.own[1]]
+    parts = [np.full(p.pad_lo, fill)]
+    if p.recv_lo:
+        left = plans[i - 1]
+        parts.append(x[left.own[0]:left.own[1]][left.send_hi[0]:left.send_hi[1]])
+    parts.append(own[p.trim_lo:len(own) - p.trim_hi])
+    if p.recv_hi:
+        right = plans[i + 1]
+        parts.append(x[right.own[0]:right.own[1]][right.send_lo[0]:right.send_lo[1]])
+    parts.append(np.full(p.pad_hi, fill))
+    ext = np.concatenate(parts)
+    assert len(ext) == p.extended
+    return ext
+
+
+def _windows(x, k, s, d, n_out):
+    return np.array([x[o * s:o * s + d * (k - 1) + 1:d].sum() for o in range(n_out)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 7, 13, 17])
+def test_window_plans_reproduce_global_windows(n):
+    """Every (parts, kernel, stride, pads, dilation, ceil): concatenated local results == global result,
+    or a HaloError; every rank's windows lie fully inside its extended input."""
+    rng = np.random.default_rng(n)
+    checked = 0
+    for parts, k, s, pl, ph, d, ceil in itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4, 5), (1, 2, 3),
+                                                          (0, 1, 2), (0, 1, 2), (1, 2), (False, True)):
+        x = rng.random(n)
+        n_out = conv_output_extent(n, k, s, pl, ph, d, ceil)
+        if n_out == 0:
+            continue
+        try:
+            plans = window_plans(n, parts, k, s, pl, ph, d, ceil)
+        except HaloError:
+            continue
+        padded = np.concatenate([np.zeros(pl), x, np.zeros(ph + d * k + s)])
+        expected = _windows(padded, k, s, d, n_out)
+        got = []
+        for i, p in enumerate(plans):
+            ext = _extended(x, plans, i)
+            n_loc = p.out[1] - p.out[0]
+            assert n_loc == 0 or (n_loc - 1) * s + d * (k - 1) + 1 <= len(ext)
+            got.append(_windows(ext, k, s, d, n_loc))
+        np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-12)
+        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("n", [3, 5, 8, 13])
+def test_transposed_plans_reproduce_global_result(n):
+    rng = np.random.default_rng(n)
+    checked = 0
+    for parts, k, s, p, d, op in itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3), (0, 1, 2), (1, 2),
+                                                    (0, 1, 2)):
+        if op >= max(s, d) or transposed_output_extent(n, k, s, p, d, op) <= 0:
+            continue
+        x, w = rng.random(n), rng.random(k)
+        ref = F.conv_transpose1d(torch.tensor(x).view(1, 1, -1), torch.tensor(w).view(1, 1, -1), stride=s,
+                                 padding=p, dilation=d, output_padding=op).view(-1).numpy()
+        try:
+            plans, origins = transposed_plans(n, parts, k, s, p, d, op)
+        except HaloError:
+            continue
+        got = []
+        for i, pl in enumerate(plans):
+            ext = _extended(x, plans, i)
+            a, b = pl.out
+            full = np.zeros(b - a)
+            if len(ext):
+                y = F.conv_transpose1d(torch.tensor(ext).view(1, 1, -1), torch.tensor(w).view(1, 1, -1),
+                                       stride=s, dilation=d).view(-1).numpy()
+                for j, v in enumerate(y):
+                    if a <= origins[i] + j < b:
+                        full[origins[i] + j - a] = v
+            got.append(full)
+        np.testing.assert_allclose(np.concatenate(got), ref, rtol=1e-12, atol=1e-12)
+        checked += 1
+    assert checked > 50
+
+
+def test_asymmetric_halos_and_trims():
+    """Stride 2 on an uneven split: halos differ left and right, and surplus input is trimmed."""
+    plans = window_plans(13, 3, 3, 2, 1, 1, 1)
+    assert [p.out for p in plans] == [(0, 3), (3, 5), (5, 7)]
+    assert plans[1].halo == (0, 1)          # needs one voxel from the right, nothing from the left
+    assert plans[0].send_hi == (0, 0) and plans[1].send_lo == (0, 1)
+    assert plans[2].pad_hi == 1 and plans[0].pad_lo == 1
+    trims = window_plans(12, 2, 1, 3, 0, 0, 1)   # 1x1 stride 3 reads every third voxel only
+    assert any(p.trim_lo or p.trim_hi for p in trims)
+
+
+def test_halo_wider_than_neighbour_is_a_clear_error():
+    with pytest.raises(HaloError) as err:
+        window_plans(5, 4, 5, 1, 2, 2, 1, layer="DistConv3d(features.0)", dim="H")
+    msg = str(err.value)
+    assert "DistConv3d(features.0)" in msg and "dim H" in msg and "shard of 1 voxels" in msg
+    assert "halo of 2 voxels" in msg and "at most 3" in msg
+
+
+def test_too_small_to_split_names_what_fits():
+    with pytest.raises(HaloError, match="at most 2 along W"):
+        window_plans(4, 4, 2, 2, layer="DistMaxPool3d", dim="W")
+
+
+def test_max_parts():
+    assert max_parts(16, 3, 1, 1, 1) == 16
+    assert max_parts(5, 5, 1, 2, 2) == 3
+
+
+def test_interior_excludes_every_halo_read():
+    for n, parts, k, s, p in itertools.product((9, 13), (2, 3), (1, 3, 5), (1, 2), (0, 1, 2)):
+        try:
+            plans = window_plans(n, parts, k, s, p, p)
+        except HaloError:
+            continue
+        for pl in plans:
+            lo, hi = interior(pl, pl.out[1] - pl.out[0], k, s, 1)
+            first_own = pl.pad_lo + pl.recv_lo if pl.recv_lo else 0
+            last_own = pl.extended - (pl.recv_hi + pl.pad_hi) if pl.recv_hi else pl.extended
+            for o in range(lo, hi):
+                assert o * s >= first_own and o * s + k <= last_own

@@ -1,0 +1,74 @@
+"""Launcher detection and process-grid arithmetic, without spawning (plus one small spawned check)."""
+
+from __future__ import annotations
+
+import pytest
+
+import distributed
+from hybridpar.grid import _resolve
+from hybridpar.launch import _first_slurm_host, detect_launcher
+
+
+def test_detects_each_launcher():
+    assert detect_launcher({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == ("torchrun", 3, 8, 1)
+    assert detect_launcher({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == ("openmpi", 2, 4, 2)
+    assert detect_launcher({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}) == ("mpich", 1, 2, 1)
+    assert detect_launcher({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}) == \
+        ("slurm", 5, 16, 1)
+    assert detect_launcher({}) is None
+
+
+@pytest.mark.parametrize("nodes,first", [("nid001", "nid001"), ("nid[004-007,012]", "nid004"),
+                                         ("gpu[12,15],cpu3", "gpu12")])
+def test_slurm_master_is_first_node(nodes, first):
+    assert _first_slurm_host(nodes) == first
+
+
+def test_world_without_rendezvous_is_a_clear_error(monkeypatch):
+    import hybridpar.launch as launch
+
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR.*RANK/WORLD_SIZE"):
+        launch.init_distributed()
+
+
+def test_grid_arithmetic_errors():
+    with pytest.raises(ValueError, match=r"data\(2\) \* pipe\(1\) \* spatial\(2\*2\*1\) = 8 != world size 4"):
+        _resolve(2, 1, (2, 2, 1), 4)
+    assert _resolve(-1, 1, (2, 1, 1), 8) == (4, 1, (2, 1, 1))
+    assert _resolve(1, 2, (2, -1, 1), 8) == (1, 2, (2, 2, 1))
+    with pytest.raises(ValueError, match="at most one"):
+        _resolve(-1, -1, (1, 1, 1), 4)
+    with pytest.raises(ValueError, match="not divisible"):
+        _resolve(-1, 1, (3, 1, 1), 8)
+
+
+def _grid_body(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import hybridpar as hp
+
+    g = hp.ProcessGrid(data=2, pipe=2, spatial=(2, 1, 1))
+    # rank order (data, pipe, d, h, w): spatial neighbours are adjacent ranks
+    assert (g.data_index, g.pipe_index, g.spatial_coord) == (rank // 4, (rank // 2) % 2, (rank % 2, 0, 0))
+    assert g.neighbours(0) == ((None, rank + 1) if rank % 2 == 0 else (rank - 1, None))
+    assert g.spatial_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+    for group, size in ((g.spatial_group, 2), (g.stage_group, 4), (g.data_group, 2), (g.pipe_group, 2)):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        assert t.item() == size
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=g.data_group)
+    assert t.item() == rank + (rank + 4 if rank < 4 else rank - 4)
+    assert g.mesh.mesh_dim_names == ("data", "pipe", "d", "h", "w")
+    r = g.with_spatial((1, 1, 1))
+    assert r.replica == rank % 2 and r.spatial_ranks == [rank]
+
+
+def test_grid_groups_and_neighbours():
+    distributed.run(_grid_body, 8, timeout=300)

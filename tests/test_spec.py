@@ -1,0 +1,462 @@
+"""The parallelism spec: parsing, validation messages, plan resolution, stage balancing, ``explain``.
+
+Checked against: hand-written expected dataclasses and messages (each error says what would fit);
+shapes and halos worked out by hand for a known split; FLOPs and parameter counts against the
+CosmoFlow figures (68.9 GFLOP forward per 128^3 sample, 8,907,556 parameters) and against torch's
+own ``FlopCounterMode``; automatic stage placement against brute force over every partition.
+No process is spawned: the CLI runs in-process through ``main``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import types
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.spec import (
+    GridSpec,
+    LayerRule,
+    ParallelSpec,
+    PipelineSpec,
+    SpecError,
+    balance_stages,
+    explain,
+    load_spec,
+)
+from hybridpar.spec.__main__ import main
+from hybridpar.spec.explain import COLUMNS
+from hybridpar.spec.plan import forward_flops, layer_flops, sequential_layers, trace_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+COSMO = (1, 4, 128, 128, 128)
+ISSUE_YAML = """
+grid: {data: 2, pipe: 2, spatial: [2, 1, 1]}
+pipeline:
+  schedule: gpipe
+  microbatches: 4
+  stages: auto
+  recompute: false
+layers:
+  "features.0*": {spatial: [2, 1, 1]}
+  "features.12*": {spatial: [1, 1, 1]}
+  "head.*": {spatial: replicate}
+"""
+
+
+def cosmoflow_like() -> nn.Sequential:
+    """The MLPerf CosmoFlow model: 5 x [conv k3 'same', LeakyReLU(0.3), maxpool 2], dense head."""
+    feats: list[nn.Module] = []
+    cin = 4
+    for cout in (32, 64, 128, 256, 512):
+        feats += [nn.Conv3d(cin, cout, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2)]
+        cin = cout
+    head = [nn.Flatten(), nn.Linear(32768, 128), nn.LeakyReLU(0.3), nn.Dropout(0.5), nn.Linear(128, 64),
+            nn.LeakyReLU(0.3), nn.Dropout(0.5), nn.Linear(64, 4), nn.Tanh()]
+    return nn.Sequential(OrderedDict(features=nn.Sequential(*feats), head=nn.Sequential(*head)))
+
+
+def small(width: int = 4, kernel: int = 3) -> nn.Sequential:
+    """Two conv blocks and a linear head on 2 x 16^3 inputs (16 -> 8 -> 4 voxels per dim)."""
+    return nn.Sequential(OrderedDict(
+        features=nn.Sequential(nn.Conv3d(2, width, kernel, padding=kernel // 2), nn.ReLU(), nn.MaxPool3d(2),
+                               nn.Conv3d(width, width, kernel, padding=kernel // 2), nn.ReLU(),
+                               nn.MaxPool3d(2)),
+        head=nn.Sequential(nn.Flatten(), nn.Linear(width * 64, 3))))
+
+
+def spec_of(grid: dict | None = None, pipeline: dict | None = None, layers: dict | None = None):
+    return ParallelSpec.from_dict({"grid": grid or {}, "pipeline": pipeline or {}, "layers": layers or {}})
+
+
+def raises(match_all: list[str], fn, *args, **kwargs) -> str:
+    """Call ``fn``; it must raise SpecError whose message contains every string in ``match_all``."""
+    with pytest.raises(SpecError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    for part in match_all:
+        assert part in msg, f"{part!r} not in message: {msg}"
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_issue_example_parses_to_typed_dataclasses():
+    """The YAML of the issue gives the dataclasses written out by hand, rules in file order."""
+    spec = ParallelSpec.from_yaml(ISSUE_YAML)
+    assert spec == ParallelSpec(
+        GridSpec(2, 2, (2, 1, 1)), PipelineSpec("gpipe", 4, "auto", False),
+        (LayerRule("features.0*", (2, 1, 1)), LayerRule("features.12*", (1, 1, 1)),
+         LayerRule("head.*", "replicate")))
+    assert spec.layers[2].split == (1, 1, 1)
+
+
+def test_round_trips_dict_and_yaml(tmp_path):
+    """from_dict(to_dict()) and load_spec(to_yaml()) give back an equal spec; defaults fill gaps."""
+    spec = ParallelSpec.from_dict({
+        "grid": {"data": -1, "pipe": 2, "spatial": [2, 2, 1]},
+        "pipeline": {"schedule": "1f1b", "microbatches": 8, "stages": ["a", "b"], "recompute": True},
+        "layers": {"a*": {"spatial": [4, 1, 1]}, "b": {"spatial": "replicate"}}})
+    assert ParallelSpec.from_dict(spec.to_dict()) == spec
+    path = tmp_path / "s.yaml"
+    path.write_text(spec.to_yaml())
+    assert load_spec(path) == spec
+    assert spec.to_dict()["pipeline"]["stages"] == ["a", "b"]
+    assert ParallelSpec.from_dict({}) == ParallelSpec() == ParallelSpec.from_yaml("")
+    assert ParallelSpec.from_dict({}).to_dict() == {
+        "grid": {"data": 1, "pipe": 1, "spatial": [1, 1, 1]},
+        "pipeline": {"schedule": "gpipe", "microbatches": 1, "stages": "auto", "recompute": False},
+        "layers": {}}
+
+
+def test_example_config_is_valid_for_four_ranks():
+    """launch/configs/hybrid.yaml: data 1 x pipe 2 x spatial (2,1,1), 2 micro-batches, fits CosmoFlow."""
+    spec = load_spec(ROOT / "launch" / "configs" / "hybrid.yaml")
+    assert spec.grid == GridSpec(1, 2, (2, 1, 1)) and spec.pipeline.microbatches == 2
+    plan = spec.validate_for(cosmoflow_like(), (2, 4, 128, 128, 128), world_size=4)
+    assert {r.stage for r in plan} == {0, 1}
+
+
+@pytest.mark.parametrize(("d", "where", "near"), [
+    ({"gird": {}}, "spec", "grid"),
+    ({"grid": {"spacial": [1, 1, 1]}}, "grid", "spatial"),
+    ({"pipeline": {"microbatch": 2}}, "pipeline", "microbatches"),
+    ({"pipeline": {"recompte": True}}, "pipeline", "recompute"),
+    ({"layers": {"x": {"spatail": [1, 1, 1]}}}, "layers['x']", "spatial"),
+])
+def test_unknown_key_suggests_nearest_and_lists_valid(d, where, near):
+    """Every level rejects unknown keys, names the nearest valid one and lists them all."""
+    msg = raises([f"{where}: unknown key", f"did you mean {near!r}", "valid keys:", near],
+                 ParallelSpec.from_dict, d)
+    assert msg.startswith(where)
+
+
+@pytest.mark.parametrize(("d", "parts"), [
+    ({"pipeline": {"schedule": "pipedream"}}, ["pipeline.schedule", "'pipedream'", "gpipe, 1f1b"]),
+    ({"pipeline": {"schedule": "1F1B"}}, ["did you mean '1f1b'"]),
+    ({"pipeline": {"microbatches": 0}}, ["pipeline.microbatches", ">= 1", "got 0"]),
+    ({"pipeline": {"microbatches": "4"}}, ["pipeline.microbatches", "got '4'"]),
+    ({"pipeline": {"microbatches": True}}, ["pipeline.microbatches", "got True"]),
+    ({"pipeline": {"recompute": "yes"}}, ["pipeline.recompute", "true or false"]),
+    ({"pipeline": {"stages": "manual"}}, ["pipeline.stages", "'auto' or a list of layer names"]),
+    ({"pipeline": {"stages": []}}, ["pipeline.stages", "'auto' or a list"]),
+    ({"grid": {"pipe": 2}, "pipeline": {"stages": ["a", "a"]}}, ["a given more than once"]),
+    ({"grid": {"spatial": [2, 1]}}, ["grid.spatial", "3 positive integers [d, h, w]", "[2, 1]"]),
+    ({"grid": {"spatial": [0, 1, 1]}}, ["grid.spatial", "[0, 1, 1]"]),
+    ({"grid": {"spatial": "replicate"}}, ["grid.spatial", "3 positive integers"]),
+    ({"grid": {"data": 0}}, ["grid.data", ">= 1 or -1 (the ranks left over)", "got 0"]),
+    ({"grid": {"data": -1, "pipe": -1}}, ["at most one size may be -1", "data(-1) * pipe(-1)"]),
+    ({"layers": {"x": {"spatial": "replicated"}}}, ["layers['x'].spatial", "or 'replicate'"]),
+    ({"layers": {"x": {"spatial": [2, 1, 1.5]}}}, ["layers['x'].spatial", "3 positive integers"]),
+    ({"layers": {"x": {}}}, ["layers['x']: missing key 'spatial'", "spatial: replicate"]),
+    ({"layers": ["x"]}, ["layers: expected a mapping"]),
+    ({"grid": {"pipe": 2}, "pipeline": {"stages": ["a", "b", "c"]}},
+     ["3 stage start(s) given (a, b, c) but grid.pipe is 2", "exactly 2 layer names"]),
+    ({"grid": {"spatial": [2, 2, 1]}, "layers": {"x": {"spatial": [3, 1, 1]}}},
+     ["layers['x'].spatial", "uses 3 ranks", "does not divide the 4 ranks of a stage", "divides 4"]),
+])
+def test_bad_values_say_what_would_fit(d, parts):
+    """Bad types and values are refused when the spec is built, naming the key and the valid choices."""
+    raises(parts, ParallelSpec.from_dict, d)
+
+
+def test_constructors_validate_too():
+    """Direct dataclass construction runs the same checks as from_dict (one validation path)."""
+    raises(["pipeline.schedule"], PipelineSpec, schedule="zb")
+    raises(["layers['h*'].spatial"], LayerRule, "h*", (1, 1))
+    assert GridSpec(spatial=[2, 1, 1]).spatial == (2, 1, 1)
+
+
+def test_load_spec_names_the_file(tmp_path):
+    """Errors from a file are prefixed with its path; broken YAML is a SpecError, not a traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grid: {dta: 2}\n")
+    raises([str(bad), "grid: unknown key 'dta'", "did you mean 'data'"], load_spec, bad)
+    bad.write_text("grid: [1, 2\n")
+    raises([str(bad), "not valid YAML"], load_spec, bad)
+
+
+# ---------------------------------------------------------------------------------------------- grid
+def test_resolve_grid_fills_minus_one_anywhere():
+    """-1 takes the ranks left over, whichever size it is in."""
+    spec = spec_of({"data": -1, "pipe": 2, "spatial": [2, 1, 1]})
+    assert spec.resolve_grid(8).grid == GridSpec(2, 2, (2, 1, 1))
+    assert spec_of({"data": 2, "pipe": -1}).resolve_grid(6).grid == GridSpec(2, 3, (1, 1, 1))
+    assert spec_of({"spatial": [2, -1, 1]}).resolve_grid(8).grid == GridSpec(1, 1, (2, 4, 1))
+    spec = spec_of({"data": 2, "pipe": 2, "spatial": [2, 1, 1]})
+    assert spec.resolve_grid(8) == spec
+
+
+def test_resolve_grid_prints_the_arithmetic():
+    """Product != world size prints data(..) * pipe(..) * spatial(..) = P != world size W and what fits."""
+    spec = spec_of({"data": 2, "pipe": 2, "spatial": [2, 1, 1]})
+    raises(["data(2) * pipe(2) * spatial(2*1*1) = 8 != world size 4", "launch 8 ranks", "-1",
+            "data: 1 or pipe: 1 or spatial: [1, 1, 1]"], spec.resolve_grid, 4)
+    raises(["data(2) * pipe(-1) * spatial(2*1*1)", "multiply to 4", "does not divide world size 6",
+            "multiple of 4"], spec_of({"data": 2, "pipe": -1, "spatial": [2, 1, 1]}).resolve_grid, 6)
+
+
+def test_minus_one_resolution_rechecks_stages_and_rules():
+    """Checks deferred while a size was -1 run once it is filled in."""
+    spec = spec_of({"pipe": -1}, {"stages": ["features.0", "head"]})
+    raises(["2 stage start(s)", "grid.pipe is 4"], spec.resolve_grid, 4)
+    spec = spec_of({"spatial": [-1, 1, 1]}, layers={"x": {"spatial": [4, 1, 1]}})
+    raises(["uses 4 ranks", "does not divide the 2 ranks"], spec.resolve_grid, 2)
+
+
+# ---------------------------------------------------------------------------------------------- model checks
+def test_glob_matching_no_layer_lists_names():
+    spec = spec_of(layers={"feature.0*": {"spatial": "replicate"}})
+    raises(["layers['feature.0*']: the glob matches no layer", "close: features.0",
+            "features.0, features.1", "head.1 (8 layers)"], spec.plan, small(), (2, 2, 16, 16, 16))
+
+
+def test_split_finer_than_halo_names_layer_input_and_split():
+    """A k5 conv needs 2 halo voxels; split 8 ways its 8^3 input leaves shards of 1 voxel."""
+    model = nn.Sequential(nn.Conv3d(1, 1, 5, padding=2), nn.ReLU())
+    spec = spec_of({"spatial": [8, 1, 1]})
+    raises(["0 (Conv3d)", "split [8, 1, 1]", "input of 8x8x8 voxels", "dim d", "halo of 2",
+            "shard of 1", "use a split of at most 4 along d"], spec.plan, model, (1, 1, 8, 8, 8))
+    # CosmoFlow's fourth pool turns 16^3 into 8^3: split 16 ways, its output shards would be empty
+    raises(["features.11 (MaxPool3d)", "input of 16x16x16 voxels", "split [16, 1, 1]", "output extent 8",
+            "at most 8 along d"],
+           spec_of({"spatial": [16, 1, 1]}).plan, cosmoflow_like(), COSMO)
+
+
+def test_batch_arithmetic_errors():
+    """Global batch vs data, micro-batches vs per-replica batch, and a pipeline asked of one sample."""
+    model, vol = small(), (2, 16, 16, 16)
+    raises(["global batch 6 does not split evenly over data(4)", "multiple of 4", "data in {1, 2, 3, 6}"],
+           spec_of({"data": 4}).plan, model, (6, *vol))
+    raises(["pipeline.microbatches: 4 does not divide the per-replica batch 6",
+            "(global batch 12 / data(2))", "counts that would: 1, 2, 3, 6"],
+           spec_of({"data": 2}, {"microbatches": 4}).plan, model, (12, *vol))
+    for grid, pipeline in (({"pipe": 2, "data": 2}, {}), ({}, {"microbatches": 2})):
+        raises(["per-replica batch of 1", "one sample per device", "spatial parallelism",
+                "data parallelism"], spec_of(grid, pipeline).plan, model, (grid.get("data", 1), *vol))
+    msg = raises(["grid.spatial [4, 1, 1], pipe 1"], spec_of({"pipe": 2, "spatial": [2, 1, 1]}).plan,
+                 cosmoflow_like(), COSMO)
+    assert "microbatches: 1" in msg
+
+
+def test_stage_names_checked():
+    model, shape = small(), (4, 2, 16, 16, 16)
+    grid = {"pipe": 2}
+    raises(["pipeline.stages: 'head.9' is not a layer of the model", "did you mean", "head.0"],
+           spec_of(grid, {"stages": ["features.0", "head.9"], "microbatches": 2}).plan, model, shape)
+    raises(["first stage must start at the first layer 'features.0'"],
+           spec_of(grid, {"stages": ["features.3", "head"]}).plan, model, shape)
+    raises(["'features.0' does not come after 'features.3'"],
+           spec_of({"pipe": 3}, {"stages": ["features", "features.3", "features.0"]}).plan, model, shape)
+    raises(["grid.pipe: 9 stages need at least 9 layers; the model has 8"],
+           spec_of({"pipe": 9}).plan, model, (9, 2, 16, 16, 16))
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 1, 3), nn.ReLU()
+
+    def forward(self, x):
+        return self.b(self.a(x)) + 1
+
+
+class SeqWithForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_only_sequential_models_with_how_to_wrap():
+    """A custom forward may do anything: refuse it and say how to wrap, at the top or nested."""
+    spec = ParallelSpec()
+    nested = nn.Sequential(OrderedDict(body=SeqWithForward(nn.ReLU())))
+    for model, name in ((Custom(), "model (Custom)"), (SeqWithForward(nn.ReLU()), "model (SeqWithForward)"),
+                        (nested, "body (SeqWithForward)")):
+        raises([name, "only sequential models are supported", "nn.Sequential(OrderedDict(",
+                "nn.Sequential(model)"], spec.plan, model, (1, 1, 8, 8, 8))
+    # wrapped whole, a custom module is one replicated layer
+    plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Custom()), (1, 1, 8, 8, 8))
+    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Custom", (1, 1, 1))]
+
+
+def test_rule_cannot_split_unsplittable_layer():
+    spec = spec_of({"spatial": [2, 1, 1]}, layers={"head.1": {"spatial": [2, 1, 1]}})
+    raises(["layers['head.1']: head.1 (Linear) cannot be split spatially", "input is not N, C, D, H, W",
+            "spatial: replicate"], spec.plan, small(), (1, 2, 16, 16, 16))
+
+
+def test_model_that_fails_on_the_shape_names_the_layer():
+    raises(["does not run on input shape [1, 3, 16, 16, 16]", "at layer features.0"],
+           ParallelSpec().plan, small(), (1, 3, 16, 16, 16))
+    raises(["input shape must be 5 positive integers"], ParallelSpec().plan, small(), (1, 2, 16, 16))
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def test_glob_first_match_wins_and_pointwise_layers_follow():
+    """Rules apply in file order; unmatched pointwise layers keep their input's split; Flatten/Linear
+    replicate; a redistribute is marked wherever the split changes."""
+    spec = spec_of({"spatial": [2, 2, 1]}, layers={
+        "features.0": {"spatial": "replicate"},
+        "features.*": {"spatial": [4, 1, 1]},
+        "features.3": {"spatial": [1, 1, 4]},       # shadowed by features.*: first match wins
+    })
+    plan = spec.plan(small(), (1, 2, 16, 16, 16))
+    got = [(r.name, r.split, r.rule, r.redistribute) for r in plan]
+    assert got == [
+        ("features.0", (1, 1, 1), "features.0", False),
+        ("features.1", (4, 1, 1), "features.*", True),
+        ("features.2", (4, 1, 1), "features.*", False),
+        ("features.3", (4, 1, 1), "features.*", False),
+        ("features.4", (4, 1, 1), "features.*", False),
+        ("features.5", (4, 1, 1), "features.*", False),
+        ("head.0", (1, 1, 1), None, True),
+        ("head.1", (1, 1, 1), None, False),
+    ]
+    plan = spec_of({"spatial": [2, 2, 1]}, layers={"features.0": {"spatial": [1, 1, 1]}}).plan(
+        small(), (1, 2, 16, 16, 16))
+    assert [r.split for r in plan[:4]] == [(1, 1, 1), (1, 1, 1), (2, 2, 1), (2, 2, 1)]
+
+
+def test_cosmoflow_shapes_halos_params_flops():
+    """Global/local shapes and halos for split (2, 2, 1) worked out by hand; params and FLOPs against
+    the published CosmoFlow figures; the meta forward leaves the model on the CPU."""
+    model = cosmoflow_like()
+    plan = spec_of({"data": 2, "spatial": [2, 2, 1]}, {"microbatches": 2}).plan(model, (8, 4, 128, 128, 128))
+    by = {r.name: r for r in plan}
+    c0, p2, c12, lin = by["features.0"], by["features.2"], by["features.12"], by["head.1"]
+    assert c0.input_shape == (8, 4, 128, 128, 128) and c0.output_shape == (8, 32, 128, 128, 128)
+    assert c0.local_input_shape == (2, 4, 64, 64, 128)        # 8 / data 2 / 2 micro-batches
+    assert c0.halo == ((1, 1), (1, 1), (0, 0))                # k3 pad 1: one voxel each side of a cut
+    assert p2.halo == ((0, 0), (0, 0), (0, 0)) and p2.local_output_shape == (2, 32, 32, 32, 64)
+    assert c12.input_shape == (8, 256, 8, 8, 8) and c12.local_input_shape == (2, 256, 4, 4, 8)
+    assert c12.activation_bytes == 4 * 2 * 512 * 4 * 4 * 8
+    assert by["head.0"].redistribute and by["head.0"].local_input_shape == (2, 512, 4, 4, 4)
+    assert lin.input_shape == (8, 32768) and lin.split == (1, 1, 1) and lin.halo == ((0, 0),) * 3
+    assert sum(r.params for r in plan) == 8_907_556
+    assert math.isclose(sum(r.flops for r in plan) / 8, 68.9e9, rel_tol=1e-3)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_planning_leaves_the_model_untouched():
+    """The meta forward swaps parameters in functionally: BatchNorm's running stats do not move."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = spec_of({"spatial": [2, 1, 1]}).plan(model, (2, 1, 8, 8, 8))
+    assert plan[1].kind == "BatchNorm3d" and plan[1].split == (2, 1, 1) and not plan[1].redistribute
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
+
+
+def test_uneven_split_reports_most_loaded_rank():
+    """15 voxels over 2 ranks: the first shard holds 8 (torch.tensor_split order)."""
+    model = nn.Sequential(nn.Conv3d(1, 1, 3, padding=1))
+    plan = spec_of({"spatial": [2, 1, 1]}).plan(model, (1, 1, 15, 6, 6))
+    assert plan[0].local_input_shape == (1, 1, 8, 6, 6) and plan[0].halo[0] == (1, 1)
+
+
+def test_flops_match_torch_flop_counter():
+    """Per-model forward FLOPs equal torch.utils.flop_counter on a real forward of the small model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, shape = small(), (2, 2, 16, 16, 16)
+    plan = ParallelSpec().plan(model, shape)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(shape))
+    assert sum(r.flops for r in plan) == counter.get_total_flops()
+
+
+def test_own_flop_formula_agrees_with_flops_module():
+    """The fallback formula (used when a model cannot be copied to meta) gives, layer by layer, what
+    hybridpar.flops.count gives; a conv inside a custom module is credited to that module's row."""
+    for model, shape in ((cosmoflow_like(), COSMO), (small(), (2, 2, 16, 16, 16))):
+        leaves, _ = sequential_layers(model)
+        shapes = trace_shapes(model, leaves, shape)
+        own = [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]
+        assert own == layer_flops(model, leaves, shape, shapes)
+        assert any(own)
+    plan = ParallelSpec().plan(nn.Sequential(Custom()), (1, 1, 8, 8, 8))
+    assert plan[0].flops == 2 * 6**3 * 27
+
+
+def test_balance_stages_against_brute_force():
+    """The DP minimises the costliest stage (checked against every partition) and, among those,
+    the bytes sent across boundaries."""
+    assert balance_stages([1, 1, 1, 1], 2) == [0, 2]
+    assert balance_stages([5, 1, 1, 1, 1, 1], 2) == [0, 1]
+    assert balance_stages([10, 0, 0, 10, 0, 0], 2, sends=[8, 8, 1, 8, 8, 1]) == [0, 3]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(3, 9, (1,), generator=gen))
+        k = int(torch.randint(1, n + 1, (1,), generator=gen))
+        costs = torch.randint(0, 20, (n,), generator=gen).tolist()
+
+        def worst(starts, costs=costs):
+            ends = [*starts[1:], len(costs)]
+            return max(sum(costs[a:b]) for a, b in zip(starts, ends, strict=True))
+
+        best = min(worst([0, *c]) for c in itertools.combinations(range(1, n), k - 1))
+        starts = balance_stages(costs, k)
+        assert len(starts) == k and starts[0] == 0 and starts == sorted(set(starts))
+        assert worst(starts) == best
+
+
+def test_auto_and_named_stages_on_cosmoflow():
+    """Auto: conv1+conv2 (43.5 GFLOP per rank) against the rest (25.4), cut after the pool where the
+    activation is 8x smaller. Named: container names start at their first leaf."""
+    auto = spec_of({"pipe": 2, "spatial": [2, 1, 1]}, {"microbatches": 2}).plan(
+        cosmoflow_like(), (2, *COSMO[1:]))
+    assert [r.name for r in auto if r.stage == 1][0] == "features.6"
+    named = spec_of({"pipe": 2}, {"stages": ["features", "head"], "microbatches": 2}).plan(
+        cosmoflow_like(), (2, *COSMO[1:]))
+    assert [r.name for r in named if r.stage == 1][0] == "head.0"
+    assert [r.stage for r in named].count(0) == 15
+
+
+# ---------------------------------------------------------------------------------------------- explain
+def test_explain_cli_on_cosmoflow(tmp_path, capsys):
+    """The CLI table has every column, one row per layer with the right local shape and halos, the
+    gather before the head, and a summary per stage; it accepts a .py path as MODULE."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("grid: {data: 1, pipe: 2, spatial: [2, 2, 1]}\npipeline: {microbatches: 2}\n")
+    rc = main(["explain", str(spec), "--model", f"{__file__}:cosmoflow_like",
+               "--input-shape", "2,4,128,128,128"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("layer"))
+    cols = ["layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank"]
+    assert list(COLUMNS) == cols and all(c in header for c in cols)
+    row = next(ln for ln in lines if ln.startswith("features.0 "))
+    assert row.split()[:5] == ["features.0", "Conv3d", "0", "2x2x1", "1x4x64x64x128"]
+    assert "1/1 1/1 0/0" in row and "3.49 K" in row and "28.99 G" in row and "64.0 MiB" in row
+    assert next(ln for ln in lines if ln.startswith("head.1 ")).split()[:5] == \
+        ["head.1", "Linear", "1", "repl", "1x32768"]
+    assert "  ~ redistribute 2x2x1 -> repl" in lines[lines.index(
+        next(ln for ln in lines if ln.startswith("head.0"))) - 1]
+    assert sum(1 for ln in lines if ln.startswith(("features.", "head."))) == 24
+    assert "data(1) * pipe(2) * spatial(2*2*1) = 8 ranks" in out
+    assert "stage 0: features.0 .. features.5" in out and "stage 1: features.6 .. head.8" in out
+    assert "total: 8.91 M params, 137.72 G FLOPs forward" in out
+
+
+def test_explain_cli_dotted_module_world_size_and_errors(tmp_path, capsys, monkeypatch):
+    """MODULE as a dotted name; --world-size fills a -1; a bad spec or model exits 2 with the message."""
+    fake = types.ModuleType("fake_models")
+    fake.build = lambda width=4: small(width)          # a factory with no required arguments
+    monkeypatch.setitem(sys.modules, "fake_models", fake)
+    spec = ParallelSpec.from_dict({"grid": {"data": -1, "spatial": [2, 1, 1]}})
+    assert "data(2) * pipe(1) * spatial(2*1*1) = 4 ranks" in explain(spec, small(), (2, 2, 16, 16, 16), 4)
+    path = tmp_path / "s.yaml"
+    path.write_text(spec.to_yaml())
+    args = ["explain", str(path), "--input-shape", "2,2,16,16,16", "--world-size"]
+    assert main([*args, "4", "--model", "fake_models:build"]) == 0
+    assert "features.3" in capsys.readouterr().out
+    assert main([*args, "3", "--model", "fake_models:build"]) == 2
+    assert capsys.readouterr().err.startswith("error: grid: data(-1) * pipe(1) * spatial(2*1*1)")
+    assert main([*args, "4", "--model", "fake_models:nope"]) == 2
+    assert "has no attribute 'nope'" in capsys.readouterr().err

@@ -1,0 +1,49 @@
+"""The per-layer parallelism spec: how many replicas, stages and spatial shards, and for which layers.
+
+Why a package of its own: the spec is the one place where a user's intent (a small YAML file) meets
+the model and the world size, and every mistake it can hold should surface here, before a single
+process starts, with a message that prints the arithmetic and says what would fit.
+
+* :mod:`~hybridpar.spec.config`: YAML -> typed dataclasses (``GridSpec``, ``PipelineSpec``,
+  ``LayerRule``, ``ParallelSpec``), validated when built.
+* :mod:`~hybridpar.spec.plan`: the spec resolved against a model and a global input shape, one
+  ``LayerPlan`` per leaf layer (split, stage, shapes, halos, FLOPs, activation bytes).
+* :mod:`~hybridpar.spec.explain`: that plan as a table; ``python -m hybridpar.spec explain`` prints it.
+
+Example::
+
+    grid: {data: 2, pipe: 2, spatial: [2, 1, 1]}   # -1 in one place = the ranks left over
+    pipeline: {schedule: gpipe, microbatches: 4, stages: auto, recompute: false}
+    layers:                                         # module-name globs; first match wins
+      "head.*": {spatial: replicate}
+"""
+
+from hybridpar.spec.config import (
+    REPLICATE,
+    SCHEDULES,
+    GridSpec,
+    LayerRule,
+    ParallelSpec,
+    PipelineSpec,
+    SpecError,
+    load_spec,
+)
+from hybridpar.spec.explain import explain, format_plan
+from hybridpar.spec.plan import LayerPlan, balance_stages, build_plan, sequential_layers
+
+__all__ = [
+    "REPLICATE",
+    "SCHEDULES",
+    "GridSpec",
+    "LayerPlan",
+    "LayerRule",
+    "ParallelSpec",
+    "PipelineSpec",
+    "SpecError",
+    "balance_stages",
+    "build_plan",
+    "explain",
+    "format_plan",
+    "load_spec",
+    "sequential_layers",
+]

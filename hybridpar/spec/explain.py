@@ -1,0 +1,95 @@
+"""The resolved plan as a table a person can check before spending a single rank-hour.
+
+Why: a spec is a promise about memory and balance; printing what each rank will hold (local
+shapes, halos, activation bytes) and what each stage will cost turns that promise into numbers that
+can be compared with the device's memory and with each other, without launching any process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from hybridpar.spec.config import ParallelSpec, Split
+from hybridpar.spec.plan import LayerPlan, build_plan
+
+COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:g}"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:g} B"
+
+
+def _split(split: Split) -> str:
+    return "x".join(map(str, split)) if split != (1, 1, 1) else "repl"
+
+
+def _halo(rec: LayerPlan) -> str:
+    if rec.replicated or len(rec.input_shape) != 5:
+        return "-"
+    return " ".join(f"{lo}/{hi}" for lo, hi in rec.halo)
+
+
+def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: Sequence[int]) -> str:
+    """Header (grid, batch arithmetic), one row per layer, redistributes, and a per-stage summary.
+
+    ``spec`` must have a resolved grid. FLOPs are forward FLOPs of the whole global batch on the
+    un-sharded model; local shapes and activation bytes are per rank and per micro-batch.
+    """
+    g, p = spec.grid, spec.pipeline
+    n = input_shape[0]
+    micro = n // g.data // p.microbatches
+    lines = [
+        f"grid: {g.arithmetic} = {g.data * g.pipe * g.stage_size} ranks",
+        f"pipeline: {p.schedule}, {p.microbatches} micro-batch(es) of {micro} sample(s) "
+        f"(global batch {n} / data({g.data}) = {n // g.data} per replica), "
+        f"recompute {'on' if p.recompute else 'off'}",
+        f"input: {'x'.join(map(str, input_shape))} (global); local shapes and act/rank are per rank and "
+        f"micro-batch on the most loaded rank; FLOPs are forward, whole global batch",
+        "",
+    ]
+    rows = [COLUMNS]
+    for i, r in enumerate(records):
+        if r.redistribute:
+            rows.append((f"  ~ redistribute {_split(records[i - 1].split)} -> {_split(r.split)}",))
+        rows.append((r.name, r.kind, str(r.stage), _split(r.split), "x".join(map(str, r.local_input_shape)),
+                     _halo(r), _si(r.params), _si(r.flops), _bytes(r.activation_bytes)))
+    widths = [max(len(row[c]) for row in rows if len(row) > 1) for c in range(len(COLUMNS))]
+    for row in rows:
+        lines.append(row[0] if len(row) == 1 else
+                     "  ".join(v.ljust(w) if c < 6 else v.rjust(w)
+                               for c, (v, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    lines.append("")
+    for s in range(g.pipe):
+        recs = [r for r in records if r.stage == s]
+        rank_flops = sum(r.flops / (g.data * (r.split[0] * r.split[1] * r.split[2])) for r in recs)
+        act = sum(r.activation_bytes for r in recs)
+        kept = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, g.pipe - s)
+        lines.append(
+            f"stage {s}: {recs[0].name} .. {recs[-1].name} ({len(recs)} layers): "
+            f"{_si(sum(r.params for r in recs))} params, {_si(rank_flops)} FLOPs fwd per rank per step, "
+            f"activations {_bytes(act)} per rank per micro-batch ({_bytes(act * kept)} with {kept} in "
+            f"flight under {p.schedule}{', before recompute' if p.recompute else ''})")
+    lines.append(f"total: {_si(sum(r.params for r in records))} params, "
+                 f"{_si(sum(r.flops for r in records))} FLOPs forward")
+    return "\n".join(lines)
+
+
+def explain(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
+            world_size: int | None = None) -> str:
+    """Validate ``spec`` for ``model`` and return the plan table (raises :class:`SpecError`)."""
+    records = build_plan(spec, model, input_shape, world_size)
+    if world_size is not None:
+        spec = spec.resolve_grid(world_size)
+    return format_plan(spec, records, tuple(input_shape))

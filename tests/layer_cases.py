@@ -78,10 +78,10 @@ def compare_layer(fails: Failures, desc: str, grid, ref: nn.Module, ours: nn.Mod
             fails.check(f"{desc} step {step} buffer {name}", b.to(br.dtype), br)
 
 
-def _fits(fn) -> bool:
+def _fits(fn, *args) -> bool:
     """Whether a geometry call succeeds (the layer must then succeed; otherwise raise HaloError)."""
     try:
-        fn()
+        fn(*args)
         return True
     except HaloError:
         return False
@@ -125,8 +125,8 @@ def run_conv(fails: Failures, grid, rng: random.Random, n_random: int = 12) -> i
         ours = hp.nn.DistConv3d(cin, cout, **kw, grid=grid, overlap=c["overlap"])
         pads = (same_padding(c["k"], c["d"]) if c["p"] == "same" else (0, 0) if c["p"] == "valid"
                 else (c["p"], c["p"]))
-        ok = all(_fits(lambda a=a: window_plans(c["shape"][2 + a], grid.spatial_shape[a], c["k"], c["s"],
-                                                *pads, c["d"])) for a in range(3))
+        ok = all(_fits(window_plans, c["shape"][2 + a], grid.spatial_shape[a], c["k"], c["s"], *pads, c["d"])
+                 for a in range(3))
         compare_layer(fails, f"conv {c} grid {grid.spatial_shape}", grid, ref, ours, c["shape"], 10 * i,
                       expect_error=not ok)
         count += 1
@@ -147,8 +147,8 @@ def run_conv_transpose(fails: Failures, grid, rng: random.Random, n: int = 10) -
         torch.manual_seed(i)
         ref = nn.ConvTranspose3d(3, 2, **kw)
         ours = hp.nn.DistConvTranspose3d(3, 2, **kw, grid=grid)
-        ok = all(_fits(lambda a=a: transposed_plans(shape[2 + a], grid.spatial_shape[a], c["k"], c["s"], c["p"],
-                                                    c["d"], c["op"])) for a in range(3))
+        ok = all(_fits(transposed_plans, shape[2 + a], grid.spatial_shape[a], c["k"], c["s"], c["p"], c["d"],
+                       c["op"]) for a in range(3))
         compare_layer(fails, f"convT {c} grid {grid.spatial_shape}", grid, ref, ours, shape, 7 * i,
                       expect_error=not ok)
     return len(cases)
@@ -167,9 +167,11 @@ def run_pools(fails: Failures, grid, rng: random.Random, n: int = 8) -> int:
     count = 0
     for i, c in enumerate(cases):
         shape = (2, 2, *[rng.choice((8, 9, 13)) for _ in range(3)])
-        fits = lambda d: all(_fits(lambda a=a: window_plans(shape[2 + a], grid.spatial_shape[a], c["k"],  # noqa: E731
-                                                            c["s"], c["p"], c["p"], d, c["ceil"]))
-                             for a in range(3))
+
+        def fits(d, shape=shape, c=c):
+            return all(_fits(window_plans, shape[2 + a], grid.spatial_shape[a], c["k"], c["s"], c["p"],
+                             c["p"], d, c["ceil"]) for a in range(3))
+
         ref = nn.MaxPool3d(c["k"], c["s"], c["p"], c["d"], ceil_mode=c["ceil"])
         ours = hp.nn.DistMaxPool3d(c["k"], c["s"], c["p"], c["d"], ceil_mode=c["ceil"], grid=grid)
         compare_layer(fails, f"maxpool {c} grid {grid.spatial_shape}", grid, ref, ours, shape, 3 * i,

@@ -50,9 +50,9 @@ def test_output_extent_matches_torch(n, k, s, p, d, ceil):
     assert conv_output_extent(n, k, s, p, p, d, ceil) == F.max_pool1d(x, k, s, p, d, ceil_mode=ceil).shape[-1]
 
 
-@pytest.mark.parametrize("n,k,s,p,d,op", [(n, k, s, p, d, op) for n in (3, 7) for k in (1, 2, 3)
-                                          for s in (1, 2, 3) for p in (0, 1) for d in (1, 2) for op in (0, 1)
-                                          if op < max(s, d) and (n - 1) * s - 2 * p + d * (k - 1) + op + 1 > 0])
+@pytest.mark.parametrize("n,k,s,p,d,op", [
+    (n, k, s, p, d, op) for n in (3, 7) for k in (1, 2, 3) for s in (1, 2, 3) for p in (0, 1) for d in (1, 2)
+    for op in (0, 1) if op < max(s, d) and (n - 1) * s - 2 * p + d * (k - 1) + op + 1 > 0])
 def test_transposed_extent_matches_torch(n, k, s, p, d, op):
     y = F.conv_transpose1d(torch.zeros(1, 1, n), torch.zeros(1, 1, k), stride=s, padding=p, dilation=d,
                            output_padding=op)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import distributed
 from hybridpar.grid import _resolve
 from hybridpar.launch import _first_slurm_host, detect_launcher
+
+import distributed
 
 
 def test_detects_each_launcher():

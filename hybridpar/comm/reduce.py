@@ -14,29 +14,29 @@ large buckets with the scale each needs (see ``grad_split``).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-_STATE = threading.local()
+# Process-wide, not thread-local: on CUDA the autograd engine runs backward on its own threads.
+_SYNC = {"enabled": True}
 
 
 def grad_sync_enabled() -> bool:
     """False inside :func:`no_grad_sync`."""
-    return getattr(_STATE, "enabled", True)
+    return _SYNC["enabled"]
 
 
 @contextlib.contextmanager
 def no_grad_sync() -> Iterator[None]:
     """Leave weight gradients as local contributions (for accumulation over micro-batches)."""
-    prev = grad_sync_enabled()
-    _STATE.enabled = False
+    prev = _SYNC["enabled"]
+    _SYNC["enabled"] = False
     try:
         yield
     finally:
-        _STATE.enabled = prev
+        _SYNC["enabled"] = prev
 
 
 def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, async_op: bool = False):

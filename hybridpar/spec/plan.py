@@ -119,7 +119,8 @@ def trace_shapes(model: nn.Module, leaves: list[tuple[str, nn.Module]],
     state = {k: torch.empty_like(v, device="meta")
              for k, v in [*model.named_parameters(), *model.named_buffers()]}
     try:
-        torch.func.functional_call(model, state, (torch.empty(input_shape, device="meta"),))
+        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+        torch.func.functional_call(model, state, (torch.empty(input_shape, device="meta", dtype=dtype),))
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where

@@ -1,0 +1,337 @@
+"""``hybridpar.parallelize``: an ordinary sequential model + a spec -> a hybrid-parallel engine.
+
+Why: a scientist writes ``nn.Sequential`` and a YAML file; the engine does the rest in a fixed order:
+(1) resolve the spec against the model and the input shape (one plan every rank computes alike),
+(2) create every process group any rank will use, in the same order everywhere,
+(3) build this rank's stage: Dist layers per the plan, weights copied, Redistributes where splits
+change, (4) run a training step as a pipeline schedule over micro-batches, activations and gradients
+moving shard to shard between stages, (5) reduce gradients once, bucketed and overlapped with the
+last backward, over the stage's data × spatial ranks.
+
+The training step gives the same numbers as the single-process model on any layout: each
+micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
+averaged, and the loss a head computes on replicated ranks counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridpar.comm.redistribute import local_box
+from hybridpar.comm.reduce import no_grad_sync
+from hybridpar.grid import ProcessGrid
+from hybridpar.launch import init_distributed
+from hybridpar.nn.layout import Redistribute
+from hybridpar.nn.norm import recomputing
+from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.pipeline.convert import to_distributed
+from hybridpar.pipeline.reducer import GradReducer
+from hybridpar.pipeline.schedule import schedule
+from hybridpar.profiling import range as prange
+from hybridpar.spec import ParallelSpec, load_spec, sequential_layers
+
+_FWD, _BWD = 1 << 12, 1 << 13
+REPLICATED = (1, 1, 1)
+
+
+def _split_sizes(batch: int, parts: int) -> list[int]:
+    parts = min(parts, batch)
+    return [len(c) for c in torch.arange(batch).tensor_split(parts)]
+
+
+class Engine:
+    """A model parallelized per a spec (see module doc). Build with :func:`parallelize`."""
+
+    def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
+                 input_shape: Sequence[int] | None = None, overlap: bool = False,
+                 bucket_bytes: int = 25 << 20) -> None:
+        sequential_layers(model)  # a non-sequential model fails here, before anything starts
+        if not dist.is_initialized():
+            init_distributed()
+        self.world = dist.get_world_size()
+        self.spec = spec.resolve_grid(self.world)
+        g = self.spec.grid
+        self.grid = ProcessGrid(data=g.data, pipe=g.pipe, spatial=g.spatial)
+        self.model, self.loss_fn = model, loss_fn
+        self.overlap, self.bucket_bytes = overlap, bucket_bytes
+        self.layers: list[tuple[str | None, nn.Module]] = []
+        self.plan: list[Any] | None = None
+        self.reducer: GradReducer | None = None
+        self._training = model.training
+        if input_shape is not None:
+            self._build(tuple(input_shape))
+
+    # ------------------------------------------------------------------ build
+    @property
+    def built(self) -> bool:
+        return self.plan is not None
+
+    def _require_built(self, what: str) -> None:
+        if not self.built:
+            raise RuntimeError(f"Engine.{what}: the engine is built from the first batch's shape; call "
+                               f"shard_batch(x, y) first, or pass input_shape=(N, C, D, H, W) to "
+                               f"parallelize")
+
+    @property
+    def first_stage(self) -> bool:
+        return self.grid.pipe_index == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.grid.pipe_index == self.grid.pipe - 1
+
+    def _layout(self, split: tuple[int, int, int]) -> ProcessGrid:
+        return self.grid.with_spatial(split)
+
+    def _make_groups(self) -> None:
+        """Every group any rank may use, created on every rank in one order (new_group requires it)."""
+        for split in sorted({lp.split for lp in self.plan} | {self.grid.stage_spatial}):
+            layout = self._layout(split)
+            layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
+        self.grid.stage_group, self.grid.data_group, self.grid.pipe_group  # noqa: B018
+        self.cross_group = self.grid._my_group(lambda r: ("cross", r % self.grid.stage_size))
+
+    def _build(self, input_shape: tuple[int, ...]) -> None:
+        self.input_shape = input_shape
+        self.plan = self.spec.validate_for(self.model, input_shape, self.world)
+        self._make_groups()
+        stage = self.grid.pipe_index
+        mine = [lp for lp in self.plan if lp.stage == stage]
+        layers: list[tuple[str | None, nn.Module]] = []
+        for i, lp in enumerate(mine):
+            layout = self._layout(lp.split)
+            if i > 0 and mine[i - 1].split != lp.split:
+                layers.append((None, Redistribute(self._layout(mine[i - 1].split), layout,
+                                                  tuple(lp.input_shape[2:]))))
+            src = self.model.get_submodule(lp.name)
+            m = to_distributed(src, layout, self.overlap)
+            if isinstance(m, SpatialLayer):
+                m.global_input_shape = tuple(lp.input_shape[2:])
+                m.layer_name = f"{type(m).__name__}({lp.name})"
+            layers.append((lp.name, m))
+        following = [lp for lp in self.plan if lp.stage == stage + 1]
+        out_split = mine[-1].split
+        target = following[0].split if following else REPLICATED
+        if target != out_split:  # hand over in the next stage's split (or replicated for the loss)
+            layers.append((None, Redistribute(self._layout(out_split), self._layout(target),
+                                              tuple(mine[-1].output_shape[2:]))))
+        self.layers = layers
+        self.first_layer, self.last_layer = mine[0], mine[-1]
+        self.input_grid = self._layout(mine[0].split)
+        self.train(self._training)
+        if dist.get_world_size(self.grid.stage_group) > 1:
+            self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
+
+    # ------------------------------------------------------------------ user API
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (its stage's layers)."""
+        self._require_built("parameters")
+        return [p for _, m in self.layers for p in m.parameters()]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's names."""
+        self._require_built("named_parameters")
+        for name, m in self.layers:
+            if name is not None:
+                for k, p in m.named_parameters():
+                    yield f"{name}.{k}", p
+
+    def train(self, mode: bool = True) -> Engine:
+        self._training = mode
+        for _, m in self.layers:
+            m.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        """Global batch (the same on every rank) -> this rank's piece: its replica's samples, and of the
+        input only its first layer's shard. Targets are this replica's, whole."""
+        if not self.built:
+            self._build(tuple(x.shape))
+        n = x.shape[0]
+        if n % self.grid.data:
+            raise ValueError(f"Engine.shard_batch: global batch {n} does not split over "
+                             f"data({self.grid.data}) replicas; use a multiple of {self.grid.data}")
+        per = n // self.grid.data
+        rows = slice(self.grid.data_index * per, (self.grid.data_index + 1) * per)
+        x_rep = x[rows]
+        if x.dim() == 5 and self.first_layer.split != REPLICATED:
+            box = local_box(tuple(x.shape[2:]), self.input_grid)
+            x_rep = x_rep[(Ellipsis, *(slice(a, b) for a, b in box))]
+        return x_rep.contiguous(), (None if y is None else y[rows].contiguous())
+
+    # ------------------------------------------------------------------ stage execution
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        for _, m in self.layers:
+            x = m(x)
+        return x
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        with prange("stage_forward", "compute"):
+            if self.spec.pipeline.recompute and torch.is_grad_enabled():
+                return checkpoint(self._run, x, use_reentrant=False,
+                                  context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+            return self._run(x)
+
+    def _in_shape(self, b: int) -> tuple[int, ...]:
+        lp = self.first_layer
+        shape = lp.input_shape
+        if len(shape) == 5:
+            box = local_box(tuple(shape[2:]), self._layout(lp.split))
+            return (b, shape[1], *(hi - lo for lo, hi in box))
+        return (b, *shape[1:])
+
+    def _peer(self, stage: int) -> int:
+        return self.grid.global_rank(self.grid.data_index, stage, self.grid.spatial_index)
+
+    def _recv(self, shape, dtype, device, src_stage: int, tag: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        with prange("pipeline_recv", "pipeline"):
+            dist.recv(t, self._peer(src_stage), tag=tag)
+        return t
+
+    def _send(self, t: torch.Tensor, dst_stage: int, tag: int):
+        with prange("pipeline_send", "pipeline"):
+            return dist.isend(t.detach().contiguous(), self._peer(dst_stage), tag=tag)
+
+    def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
+        p = next(iter(self.parameters()), None)
+        ref = x if x is not None and x.is_floating_point() else p
+        if ref is None:
+            return torch.get_default_dtype(), torch.device("cpu")
+        return ref.dtype, ref.device
+
+    def train_step(self, x_local: torch.Tensor, y_local: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the micro-batches; gradients end reduced in ``.grad``.
+
+        Returns the global-batch mean loss, on every rank.
+        """
+        self._require_built("train_step")
+        if self.loss_fn is None:
+            raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
+        batch = y_local.shape[0]
+        sizes = _split_sizes(batch, self.spec.pipeline.microbatches)
+        xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
+        ys = y_local.split(sizes)
+        dtype, device = self._dtype_device(x_local)
+        ops = schedule(self.spec.pipeline.schedule, self.grid.pipe, len(sizes), self.grid.pipe_index)
+        last_backward = max(i for i, (op, _) in enumerate(ops) if op == "B")
+        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        sends, loss_sum = [], torch.zeros((), dtype=torch.float64)
+        stage = self.grid.pipe_index
+        with no_grad_sync():
+            for i, (op, m) in enumerate(ops):
+                if op == "F":
+                    if self.first_stage:
+                        inp = xs[m]
+                    else:
+                        inp = self._recv(self._in_shape(sizes[m]), dtype, device, stage - 1, _FWD + m)
+                        inp.requires_grad_()
+                    out = self._forward(inp)
+                    if self.last_stage:
+                        out = self.loss_fn(out, ys[m].to(device)) * (sizes[m] / batch)
+                        loss_sum += out.detach().double().cpu()
+                    else:
+                        sends.append(self._send(out, stage + 1, _FWD + m))
+                    held[m] = (None if self.first_stage else inp, out)
+                else:
+                    inp, out = held.pop(m)
+                    if i == last_backward and self.reducer is not None:
+                        self.reducer.arm()
+                    grad = None if self.last_stage else \
+                        self._recv(out.shape, out.dtype, out.device, stage + 1, _BWD + m)
+                    if out.requires_grad:
+                        with prange("stage_backward", "compute"):
+                            out.backward(grad)
+                    if inp is not None:
+                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                        sends.append(self._send(g, stage - 1, _BWD + m))
+        for w in sends:
+            w.wait()
+        if self.reducer is not None:
+            self.reducer.finish()
+        return self._global_loss(loss_sum)
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The last stage's replica loss, averaged over replicas, on every rank (one small collective)."""
+        t = loss_sum if self.last_stage else torch.zeros_like(loss_sum)
+        if dist.get_world_size(self.cross_group) > 1:
+            dist.all_reduce(t, group=self.cross_group)
+        return t / self.grid.data
+
+    @torch.no_grad()
+    def predict(self, x_local: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+        """Model outputs for this replica's samples, on every rank of the replica (all stages)."""
+        self._require_built("predict")
+        batch = x_local.shape[0] if batch is None else batch
+        sizes = _split_sizes(batch, self.spec.pipeline.microbatches)
+        xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
+        dtype, device = self._dtype_device(x_local)
+        stage, outs, sends = self.grid.pipe_index, [], []
+        for m, b in enumerate(sizes):
+            inp = xs[m] if self.first_stage else self._recv(self._in_shape(b), dtype, device, stage - 1,
+                                                           _FWD + m)
+            out = self._run(inp)
+            if self.last_stage:
+                outs.append(out)
+            else:
+                sends.append(self._send(out, stage + 1, _FWD + m))
+        for w in sends:
+            w.wait()
+        final = (batch, *self.plan[-1].output_shape[1:])
+        y = torch.cat(outs) if self.last_stage else torch.empty(final, dtype=dtype, device=device)
+        if self.grid.pipe > 1:
+            dist.broadcast(y, self._peer(self.grid.pipe - 1), group=self.grid.pipe_group)
+        return y
+
+    # ------------------------------------------------------------------ state
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of the original model's state dict."""
+        self._require_built("local_state_dict")
+        return {f"{name}.{k}": v for name, m in self.layers if name is not None
+                for k, v in m.state_dict().items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state dict (keys, shapes, order), assembled from all stages, on every rank."""
+        local = {k: v.detach().cpu().clone() for k, v in self.local_state_dict().items()}
+        parts = [local]
+        if self.grid.pipe > 1:
+            parts = [None] * self.grid.pipe
+            dist.all_gather_object(parts, local, group=self.grid.pipe_group)
+        merged = {k: v for p in parts for k, v in p.items()}
+        return {k: merged[k] for k in self.model.state_dict() if k in merged}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the original model's state dict into this rank's layers (any layout saved it)."""
+        self._require_built("load_full_state_dict")
+        for name, m in self.layers:
+            if name is None:
+                continue
+            prefix = f"{name}."
+            sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            m.load_state_dict(sub)
+
+
+def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
+                *, input_shape: Sequence[int] | None = None, overlap: bool = False,
+                bucket_bytes: int = 25 << 20) -> Engine:
+    """Make ``model`` (an ``nn.Sequential``, possibly nested) hybrid-parallel per ``spec``.
+
+    ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
+    engine is built from ``input_shape`` (global N, C, D, H, W) or from the first batch it sees.
+    """
+    if isinstance(spec, (str, Path)):
+        spec = load_spec(spec)
+    elif isinstance(spec, dict):
+        spec = ParallelSpec.from_dict(spec)
+    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes)

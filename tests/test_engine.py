@@ -1,0 +1,101 @@
+"""The hybrid engine against the single-process model: 3 SGD-with-momentum steps, float64, losses per
+step and full_state_dict() equal within 1e-10 relative, for pipe=2; spatial (2,1,1) x pipe 2;
+data 2 x pipe 2; data 2 x spatial 2; data 2 x pipe 2 x spatial 2 (8 ranks); GPipe and 1F1B; with
+and without activation recomputation."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distributed
+
+STEPS, BATCH = 3, 8
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    features = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2),
+                             nn.Conv3d(4, 8, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2))
+    head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 4 * 4 * 4, 16), nn.LeakyReLU(0.3), nn.Linear(16, 4))
+    return nn.Sequential(OrderedDict(features=features, head=head)).double()
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 2, 16, 16, 16, generator=g, dtype=torch.float64),
+             torch.randn(BATCH, 4, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+
+
+def reference():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _body(rank: int, world: int, layouts: list[dict]) -> None:
+    import hybridpar as hp
+
+    ref_losses, ref_state = reference()
+    failures = []
+    for layout in layouts:
+        spec = hp.ParallelSpec.from_dict(layout)
+        engine = hp.parallelize(make_model(), spec, loss_fn=F.mse_loss)
+        opt = None
+        for step, (x, y) in enumerate(batches()):
+            x_local, y_local = engine.shard_batch(x, y)
+            opt = opt or torch.optim.SGD(engine.parameters(), lr=0.05, momentum=0.9)
+            loss = engine.train_step(x_local, y_local)
+            opt.step()
+            opt.zero_grad()
+            err = abs(loss.item() - ref_losses[step]) / abs(ref_losses[step])
+            if not err <= 1e-10:
+                failures.append(f"{layout}: step {step} loss {loss.item()} vs {ref_losses[step]} ({err:.2e})")
+        state = engine.full_state_dict()
+        if list(state) != list(ref_state):
+            failures.append(f"{layout}: full_state_dict keys {list(state)} != {list(ref_state)}")
+        for k, v in ref_state.items():
+            if k in state and not _rel(state[k], v) <= 1e-10:
+                failures.append(f"{layout}: {k} relative error {_rel(state[k], v):.2e}")
+        out = engine.predict(engine.shard_batch(*batches()[0])[0])
+        model = make_model()
+        model.load_state_dict(ref_state)
+        per = BATCH // engine.grid.data
+        want = model(batches()[0][0])[engine.grid.data_index * per:(engine.grid.data_index + 1) * per]
+        if not _rel(out, want.detach()) <= 1e-10:
+            failures.append(f"{layout}: predict relative error {_rel(out, want.detach()):.2e}")
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def _layout(data=1, pipe=1, spatial=(1, 1, 1), schedule="gpipe", micro=2, recompute=False) -> dict:
+    return {"grid": {"data": data, "pipe": pipe, "spatial": list(spatial)},
+            "pipeline": {"schedule": schedule, "microbatches": micro, "recompute": recompute}}
+
+
+@pytest.mark.parametrize("world,layouts", [
+    (2, [_layout(pipe=2), _layout(pipe=2, schedule="1f1b", micro=4), _layout(pipe=2, recompute=True),
+         _layout(pipe=2, schedule="1f1b", recompute=True)]),
+    (4, [_layout(pipe=2, spatial=(2, 1, 1)),
+         _layout(pipe=2, spatial=(2, 1, 1), schedule="1f1b", recompute=True),
+         _layout(data=2, pipe=2), _layout(data=2, pipe=2, schedule="1f1b"),
+         _layout(data=2, spatial=(2, 1, 1), micro=1), _layout(data=2, spatial=(1, 2, 1), recompute=True)]),
+    (8, [_layout(data=2, pipe=2, spatial=(2, 1, 1)),
+         _layout(data=2, pipe=2, spatial=(1, 1, 2), schedule="1f1b", recompute=True)]),
+])
+def test_engine_matches_single_process(world, layouts):
+    distributed.run(_body, world, layouts, timeout=600)

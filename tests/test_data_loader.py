@@ -3,7 +3,8 @@
 Two small datasets of our own (the loader is generic): one in memory, one over HDF5 files written to
 ``tmp_path``. Both encode the sample index in ``y`` and count the bytes they read, so every test
 can say which samples a rank got and how much of each it read. A ``Placement`` stands in for a
-process grid: the loader needs only its four numbers, not a process group.
+process grid (and a plain dataclass with the same four attributes, as a ProcessGrid has them): the
+loader needs only those numbers, not a process group.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import pickle
 import time
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -32,6 +34,16 @@ from hybridpar.geometry import shard_range
 pytestmark = pytest.mark.timeout(60)
 
 SHAPE = (2, 7, 5, 4)  # C, D, H, W: odd extents so shards are uneven
+
+
+@dataclass
+class FakeGrid:
+    """The four attributes of a ProcessGrid the loader reads (a real one needs a process group)."""
+
+    data: int
+    data_index: int
+    spatial_shape: tuple[int, int, int]
+    spatial_coord: tuple[int, int, int]
 
 
 def full_sample(i: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
@@ -192,7 +204,7 @@ def test_spatial_shards_tile_the_sample(split):
     out = [torch.full((batch, *SHAPE), float("nan")) for _ in reference]
     ys = []
     for coord in np.ndindex(*split):
-        loader = VolumeLoader(MemoryVolumes(n), Placement(1, 0, split, coord), batch, seed=1,
+        loader = VolumeLoader(MemoryVolumes(n), FakeGrid(1, 0, split, coord), batch, seed=1,
                               workers=0)
         ranges = [shard_range(e, p, c) for e, p, c in zip(SHAPE[1:], split, coord, strict=True)]
         for k, (x, y) in enumerate(loader):
@@ -260,6 +272,12 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches():
     assert ended.state_dict() == {"epoch": 2, "index": 0, "seed": 7}
     with pytest.raises(ValueError, match="does not fit"):
         ended.load_state_dict({"epoch": 0, "index": 6, "seed": 7})
+
+    older, newer = iter(ended), iter(ended)
+    next(older)
+    next(newer)
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(older)
 
 
 def test_wait_time_is_measured():
@@ -365,7 +383,7 @@ def test_staging_copies_files_and_reads_the_copies(h5_dataset, tmp_path, capsys)
     A second staging reuses the copies."""
     expected = epoch_ids(VolumeLoader(h5_dataset, None, 4, workers=0))
     local = tmp_path / "local"
-    loader = VolumeLoader(h5_dataset, None, 4, workers=0, stage_dir=local)
+    loader = VolumeLoader(h5_dataset, None, 4, workers=0, stage_dir=local, progress=True)
     assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["a.h5", "b.h5"]
     assert "staging" in capsys.readouterr().err
     assert loader.dataset.files == [str(local / "a.h5"), str(local / "b.h5")]

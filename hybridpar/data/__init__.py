@@ -1,0 +1,43 @@
+"""Input for hybrid-parallel training: each rank reads its own sub-volume of its replica's batches.
+
+The pieces, one idea per module:
+
+* :mod:`~hybridpar.data.dataset` - what a dataset must offer (``len``, ``read(i, region)``);
+* :mod:`~hybridpar.data.sampler` - a global shuffle per epoch from a shared seed, *then* a shard per
+  data-parallel replica;
+* :mod:`~hybridpar.data.placement` - which replica and which spatial shard a rank reads;
+* :mod:`~hybridpar.data.workers` - reader processes prefetching batches through shared memory;
+* :mod:`~hybridpar.data.staging` - copying the dataset's files to node-local storage first;
+* :mod:`~hybridpar.data.loader` - :class:`VolumeLoader`, which puts them together and keeps the
+  position a checkpoint saves.
+
+Example::
+
+    loader = VolumeLoader(dataset, grid, batch_size=64, workers=2, prefetch=2)
+    loader.load_state_dict(ckpt["loader"])          # on resume
+    for x_local, y in loader:                       # x_local: (64 // grid.data, C, d, h, w)
+        ...
+        ckpt["loader"] = loader.state_dict()
+"""
+
+from hybridpar.data.dataset import FileBacked, Region, VolumeDataset, read_batch
+from hybridpar.data.loader import VolumeLoader
+from hybridpar.data.placement import Placement
+from hybridpar.data.sampler import ShardedSampler, epoch_permutation
+from hybridpar.data.staging import ProgressBar, stage_dataset, stage_files
+from hybridpar.data.workers import WorkerError
+
+__all__ = [
+    "FileBacked",
+    "Placement",
+    "ProgressBar",
+    "Region",
+    "ShardedSampler",
+    "VolumeDataset",
+    "VolumeLoader",
+    "WorkerError",
+    "epoch_permutation",
+    "read_batch",
+    "stage_dataset",
+    "stage_files",
+]

@@ -1,0 +1,192 @@
+"""Reader processes that prefetch batches while the model computes.
+
+Why processes and not threads: h5py holds one global lock, so reader threads take turns; separate
+processes read in parallel. Each worker unpickles its own copy of the dataset, which opens its files
+lazily inside the worker (h5py handles cannot cross a fork). Batches come back through
+``torch.multiprocessing`` queues, which move tensor storage through shared memory rather than
+copying it through a pipe.
+
+Tasks carry a *generation*: when an iteration stops early (``break``, an exception) and a new one
+begins, unread tasks are withdrawn and late results of the old generation are dropped, so the pool
+can be reused without restarting processes. Workers exit on a sentinel, and also on their own when
+the parent process disappears, so a crashed trainer leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.multiprocessing as tmp
+
+from hybridpar.data.dataset import Region, read_batch
+
+_POLL_S = 0.5
+
+
+def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: int) -> None:
+    """Loop of one worker: read the batches named on ``tasks`` and put them on ``results``."""
+    torch.set_num_threads(1)  # stacking a batch needs no thread pool; the trainer owns the cores
+    try:
+        dataset = pickle.loads(payload)
+    except Exception:
+        results.put(("fatal", -1, -1, traceback.format_exc()))
+        return
+    seen = getattr(dataset, "bytes_read", None)
+    while True:
+        try:
+            task = tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the trainer died without closing us
+                return
+            continue
+        if task is None:
+            return
+        generation, k, indices = task
+        try:
+            # Into shared memory here, not in the queue's feeder thread: a full /dev/shm must come
+            # back as an error, not leave the trainer waiting for a batch that was dropped.
+            x, y = read_batch(dataset, indices, region, shared=True)
+            x.share_memory_()  # no-op unless the batch was empty
+            y.share_memory_()
+        except Exception:
+            results.put(("error", generation, k, traceback.format_exc()))
+            seen = getattr(dataset, "bytes_read", None)
+            continue
+        now = getattr(dataset, "bytes_read", None)
+        nbytes = now - seen if isinstance(now, int) and isinstance(seen, int) else 0
+        seen = now
+        results.put(("ok", generation, k, (x, y, nbytes)))
+
+
+class WorkerError(RuntimeError):
+    """A reader process failed; the message carries its traceback."""
+
+
+class WorkerPool:
+    """``workers`` processes reading batches of one dataset region; results handed out in order."""
+
+    def __init__(self, dataset: object, region: Region | None, workers: int,
+                 start_method: str | None = None) -> None:
+        try:
+            payload = pickle.dumps(dataset)
+        except Exception as err:
+            raise TypeError(
+                f"the dataset must pickle to be sent to loader worker processes ({err}); open files "
+                f"lazily inside read() and leave handles out of __getstate__, or use workers=0"
+            ) from err
+        ctx = tmp.get_context(start_method)
+        self._tasks = ctx.Queue()
+        self._results = ctx.Queue()
+        self._generation = 0
+        self._ready: dict[Hashable, tuple[str, object]] = {}  # key -> ("ok", batch) | ("error", tb)
+        self._closed = False
+        self._procs = [
+            ctx.Process(target=_worker_main, name=f"hybridpar-loader-{i}", daemon=True,
+                        args=(payload, region, self._tasks, self._results, os.getpid()))
+            for i in range(workers)]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers (for tests and monitoring)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (also after a worker failure)."""
+        return self._closed
+
+    @property
+    def generation(self) -> int:
+        """The current generation (tasks of older ones are dropped)."""
+        return self._generation
+
+    def begin(self) -> int:
+        """Start a new generation: withdraw queued tasks of the previous one, forget its results."""
+        self._generation += 1
+        self._ready.clear()
+        while True:
+            try:
+                self._tasks.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                break
+        return self._generation
+
+    def submit(self, generation: int, k: Hashable, indices: Sequence[int]) -> None:
+        """Ask for batch ``k`` (any key, e.g. (epoch, index)) of ``generation``: ``indices`` to read."""
+        self._tasks.put((generation, k, list(indices)))
+
+    def get(self, generation: int, k: Hashable) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Block until batch ``k`` of ``generation`` arrives: ``(x, y, bytes the worker read)``."""
+        if generation != self._generation or self._closed:
+            raise RuntimeError(f"batch {k} of an abandoned loader iteration (or a closed pool) "
+                               f"will never arrive")
+        while k not in self._ready:
+            try:
+                kind, gen, j, body = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if kind == "fatal":
+                self.close()
+                raise WorkerError(f"a loader worker could not unpickle the dataset:\n{body}")
+            if gen == generation:  # else a late result of an abandoned iteration
+                self._ready[j] = (kind, body)
+        kind, body = self._ready.pop(k)
+        if kind == "error":  # raised when the failed batch is due, not when a look-ahead hits it
+            self.close()
+            raise WorkerError(f"a loader worker failed reading batch {k}:\n{body}")
+        return body
+
+    def _check_alive(self) -> None:
+        for p in self._procs:
+            if p.exitcode is not None:
+                code = p.exitcode
+                self.close()
+                raise WorkerError(
+                    f"loader worker {p.name} (pid {p.pid}) exited unexpectedly with code {code} "
+                    f"(killed for memory? a signal is shown as a negative code)")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers and wait for them: sentinel first, then terminate, then kill."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._procs:
+            try:
+                self._tasks.put(None)
+            except (OSError, ValueError):
+                break
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            while p.is_alive() and time.monotonic() < deadline:
+                self._drain()  # a worker cannot exit while its results sit unread in the pipe
+                p.join(0.05)
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._drain()
+        for q in (self._tasks, self._results):
+            q.cancel_join_thread()
+            q.close()
+        self._ready.clear()
+
+    def _drain(self) -> None:
+        """Discard whatever results are waiting (bounded: a broken queue must not spin forever)."""
+        for _ in range(10_000):
+            try:
+                self._results.get_nowait()
+            except queue.Empty:
+                return
+            except Exception:  # a result whose sender already exited cannot be rebuilt; skip it
+                continue

@@ -17,6 +17,7 @@ import torch
 from hybridpar.comm import background
 from hybridpar.comm.transport import Transport
 from hybridpar.geometry import HaloPlan
+from hybridpar.profiling import range as prange
 
 _FWD_TAG, _ADJ_TAG = 100, 200
 
@@ -67,7 +68,8 @@ class HaloExchanger:
             recvs.append((ex.lo, lo_buf, tag))        # what the lower neighbour sent upwards
         if hi_buf is not None:
             recvs.append((ex.hi, hi_buf, tag + 1))
-        self.transport.exchange(sends, recvs)
+        with prange("halo_exchange", "halo"):
+            self.transport.exchange(sends, recvs)
         own = x.shape[d] - p.trim_lo - p.trim_hi
         pieces = []
         if p.pad_lo:
@@ -109,7 +111,8 @@ class HaloExchanger:
             recvs.append((ex.lo, lo_buf, tag))
         if hi_buf is not None:
             recvs.append((ex.hi, hi_buf, tag + 1))
-        self.transport.exchange(sends, recvs)
+        with prange("halo_adjoint", "halo"):
+            self.transport.exchange(sends, recvs)
         if own == n_own and lo_buf is None and hi_buf is None:
             return g.narrow(d, off + p.recv_lo, own)
         out = g.new_zeros(_sized(g, d, n_own))

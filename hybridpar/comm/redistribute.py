@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hybridpar.comm.transport import TorchP2P
 from hybridpar.geometry import Range, shard_range
 from hybridpar.grid import ProcessGrid
+from hybridpar.profiling import range as prange
 
 Box = tuple[Range, Range, Range]
 _TAG = 300
@@ -102,7 +103,8 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
                 recvs.append((rank_of(sender), buf, _TAG))
                 received.append((piece, buf))
     # The world group: a layout's own group may hold a single replica, and this runs on the main thread.
-    TorchP2P(None).exchange(sends, recvs)
+    with prange("redistribute", "halo"):
+        TorchP2P(None).exchange(sends, recvs)
     for piece in local:
         out[_slices(piece, my_dst)] = x[_slices(piece, my_src)]
     for piece, buf in received:

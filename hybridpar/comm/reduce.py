@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from hybridpar.profiling import range as prange
+
 # Process-wide, not thread-local: on CUDA the autograd engine runs backward on its own threads.
 _SYNC = {"enabled": True}
 
@@ -81,7 +83,8 @@ class SyncGrads(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         grads = [g.contiguous().clone() for g in grads]
         if grad_sync_enabled():
-            _all_reduce(grads, ctx.group)
+            with prange("grad_sync", "grad_reduce"):
+                _all_reduce(grads, ctx.group)
         return (None, *grads)
 
 

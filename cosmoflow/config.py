@@ -1,0 +1,203 @@
+"""Training configuration: YAML -> typed dataclasses, ``--set key=value`` overrides, validated early.
+
+Why: a run must fail in its first second, with a message that names the key and what would fit, not
+an hour later. The config is also copied into the run directory, so a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot work; the message says what would."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "data/train"            # directory, file or glob (raw universes, MLPerf split, packed)
+    val: str = "data/val"
+    sample_size: int = 128
+    workers: int = 1                     # reader processes per rank (0: read in the training process)
+    prefetch: int = 2                    # batches read ahead
+    stage_dir: str | None = None         # copy this replica's files here first (node-local disk)
+
+
+@dataclass
+class ModelConfig:
+    n_conv: int = 5
+    base_filters: int = 32
+    max_filters: int = 512
+    dense: list[int] = field(default_factory=lambda: [128, 64])
+    dropout: float = 0.5
+    batchnorm: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "sgd"                    # sgd | lars
+    base_lr: float = 0.001               # per base_batch samples, scaled linearly with the global batch
+    base_batch: int = 64
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_epochs: float = 4.0
+    decay_epochs: list[float] = field(default_factory=lambda: [32.0, 64.0])
+    decay_factors: list[float] = field(default_factory=lambda: [0.25, 0.125])
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 8
+    batch_size: int = 8                  # global batch
+    seed: int = 0
+    max_steps: int | None = None         # stop early (tests, smoke runs)
+    log_every: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = 50
+    every_minutes: float | None = None
+    keep_last: int = 3
+    keep_every: int | None = None
+    best_metric: str | None = "val_mae"  # pin the version with the lowest value of this metric
+    resume: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/cosmoflow"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: dict[str, Any] = field(default_factory=lambda: {"grid": {"data": -1}})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Short hash of the configuration, recorded with every checkpoint."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _coerce(where: str, value: Any, typ: Any, default: Any) -> Any:
+    """Check (and, for strings from ``--set``, convert) one value against its declared type."""
+    text = str(typ)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ConfigError(f"{where}: must not be empty")
+    if "list" in text:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list like [1, 2], got {value!r}")
+        return value
+    if text.startswith("dict") or "dict[" in text:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    for kind in (bool, int, float, str):
+        if kind.__name__ in text.replace("None", ""):
+            if kind is bool and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+                return value.lower() in ("true", "1", "yes")
+            if kind in (int, float) and isinstance(value, bool):
+                break
+            try:
+                if kind is int and isinstance(value, float) and not value.is_integer():
+                    break
+                return kind(value)
+            except (TypeError, ValueError):
+                break
+    raise ConfigError(f"{where}: expected {text.replace('typing.', '')}, got {value!r} "
+                      f"(default {default!r})")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"unknown config key {path!r}{hint} (valid: {', '.join(fields)})")
+        f = fields[key]
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            kwargs[key] = _build(f.type, value, path)
+            continue
+        sub = globals().get(str(f.type))
+        if sub is not None and dataclasses.is_dataclass(sub):
+            kwargs[key] = _build(sub, value, path)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kwargs[key] = _coerce(path, value, f.type, default)
+    return cls(**kwargs)
+
+
+def _set(tree: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. train.epochs=4")
+    key, value = assignment.split("=", 1)
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply ``key=value`` overrides, validate, and return the typed config."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+    for item in overrides or []:
+        _set(tree, item)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types alone do not catch."""
+    if cfg.optimizer.name not in ("sgd", "lars"):
+        raise ConfigError(f"optimizer.name: {cfg.optimizer.name!r} is not one of sgd, lars")
+    if len(cfg.optimizer.decay_epochs) != len(cfg.optimizer.decay_factors):
+        raise ConfigError(f"optimizer.decay_epochs ({len(cfg.optimizer.decay_epochs)} entries) and "
+                          f"decay_factors ({len(cfg.optimizer.decay_factors)}) must have equal length")
+    for name, value in (("train.batch_size", cfg.train.batch_size), ("train.epochs", cfg.train.epochs),
+                        ("data.sample_size", cfg.data.sample_size)):
+        if value < 1:
+            raise ConfigError(f"{name}: must be at least 1, got {value}")
+    n = cfg.model.n_conv
+    if cfg.data.sample_size % (2 ** n):
+        fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]
+        raise ConfigError(f"model.n_conv: {n} pooling layers need a sample size divisible by {2 ** n}; "
+                          f"data.sample_size {cfg.data.sample_size} fits n_conv in {fits}")

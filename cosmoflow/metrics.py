@@ -1,0 +1,147 @@
+"""What a run reports: a progress line, per-step and per-epoch metrics in CSV and TensorBoard, plots.
+
+Why: a scientist watches a run live (progress bar on rank 0), compares runs later (CSV, TensorBoard
+event files) and looks at what the model learned (loss curves, predicted against true per
+parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies.
+TensorBoard and matplotlib are optional: without them the run still writes CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PARAMS = ("Omega_m", "sigma_8", "n_s", "H_0")
+
+
+class CsvLog:
+    """Append-only CSV whose columns are fixed by the first row."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fields: list[str] | None = None
+        if path.exists() and path.stat().st_size:
+            with path.open() as f:
+                self.fields = next(csv.reader(f), None)
+
+    def write(self, row: dict[str, Any]) -> None:
+        new = not self.path.exists() or not self.path.stat().st_size
+        if self.fields is None:
+            self.fields = list(row)
+        with self.path.open("a", newline="") as f:
+            w = csv.DictWriter(f, self.fields, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow(row)
+
+    def read(self) -> list[dict[str, str]]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            return list(csv.DictReader(f))
+
+
+class Reporter:
+    """Rank 0's outputs: progress line, CSV, TensorBoard. Other ranks get a reporter that does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, progress: bool) -> None:
+        self.enabled, self.progress = enabled, progress and enabled
+        self.steps = CsvLog(run_dir / "metrics_steps.csv")
+        self.epochs = CsvLog(run_dir / "metrics_epochs.csv")
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional)
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+        self.t0 = time.monotonic()
+
+    def step(self, row: dict[str, Any], total_steps: int) -> None:
+        if not self.enabled:
+            return
+        self.steps.write(row)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, row["step"])
+        if self.progress:
+            done = row["step"] / max(total_steps, 1)
+            bar = "#" * int(30 * done)
+            sys.stderr.write(
+                f"\r[{bar:<30}] step {row['step']}/{total_steps} epoch {row['epoch']} "
+                f"loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s {row['gflops']:.2f} GFLOP/s "
+                f"data {100 * row['data_wait_share']:.0f}% comm {100 * row['comm_share']:.0f}%  ")
+            sys.stderr.flush()
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.epochs.write(row)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "epoch" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"val/{k}", v, row["epoch"])
+            self.tb.flush()
+        if self.progress:
+            sys.stderr.write("\n")
+        maes = " ".join(f"{p}={row[f'mae_{p}']:.4f}" for p in PARAMS if f"mae_{p}" in row)
+        print(f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f} "
+              f"val MAE {row['val_mae']:.4f} ({maes})", flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def mae_per_parameter(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    """Mean absolute error of each of the four outputs, in unitPar units."""
+    err = np.abs(pred - true).mean(axis=0)
+    return {f"mae_{name}": float(e) for name, e in zip(PARAMS, err)}
+
+
+def plot_run(run_dir: Path, pred: np.ndarray | None, true: np.ndarray | None) -> list[Path]:
+    """Loss curves and predicted-against-true scatter plots as PNG; nothing if matplotlib is absent."""
+    try:
+        import matplotlib  # noqa: PLC0415 (optional)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return []
+    out = []
+    steps = CsvLog(run_dir / "metrics_steps.csv").read()
+    epochs = CsvLog(run_dir / "metrics_epochs.csv").read()
+    if steps:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([int(r["step"]) for r in steps], [float(r["loss"]) for r in steps], lw=0.8,
+                label="train (step)")
+        if epochs:
+            ax.plot([int(r["last_step"]) for r in epochs], [float(r["val_loss"]) for r in epochs], "o-",
+                    label="validation (epoch)")
+        ax.set(xlabel="step", ylabel="MSE loss", yscale="log", title="CosmoFlow training")
+        ax.legend()
+        fig.tight_layout()
+        out.append(run_dir / "plots" / "loss.png")
+        out[-1].parent.mkdir(exist_ok=True)
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    if pred is not None and true is not None:
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+        for i, (ax, name) in enumerate(zip(axes, PARAMS)):
+            ax.scatter(true[:, i], pred[:, i], s=6, alpha=0.6)
+            ax.plot([-1.2, 1.2], [-1.2, 1.2], "k--", lw=0.7)
+            ax.set(title=name, xlabel="true (unitPar)", ylabel="predicted", xlim=(-1.2, 1.2),
+                   ylim=(-1.2, 1.2))
+        fig.tight_layout()
+        out.append(run_dir / "plots" / "predicted_vs_true.png")
+        out[-1].parent.mkdir(exist_ok=True)
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    return out

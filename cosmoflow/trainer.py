@@ -1,0 +1,266 @@
+"""The CosmoFlow training loop on hybridpar: data, model, engine, optimizer, checkpoints, metrics.
+
+Why one file: like nanoGPT's ``train.py``, the loop should be readable in one sitting; everything it
+calls lives in the library (engine, loader, checkpointer, profiler) or in small application modules
+(config, optim, metrics). Launch it with ``launch/train.py`` under torchrun, mpirun or srun.
+
+A run directory holds ``config.yaml``, ``metrics_steps.csv``, ``metrics_epochs.csv``,
+``tensorboard/``, ``plots/``, ``checkpoints/`` and ``summary.json``. Starting again on the same run
+directory resumes from its newest complete checkpoint. SIGTERM (a Slurm time limit) ends the run at
+the next step boundary with a final checkpoint; a NaN loss stops it without overwriting the last good
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+import hybridpar as hp
+from cosmoflow.config import Config
+from cosmoflow.data import open_dataset
+from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
+from cosmoflow.model import build_model
+from cosmoflow.optim import lr_at, make_optimizer, set_lr
+from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from hybridpar.data import VolumeLoader
+from hybridpar.profiling import StepTimer
+
+
+class Stop(Exception):
+    """The run ends early (NaN loss); the message says why."""
+
+
+def _signals() -> dict[str, bool]:
+    """Turn SIGTERM/SIGINT into a flag read at step boundaries (all ranks then agree to stop)."""
+    flag = {"stop": False}
+
+    def handler(signum, _frame):
+        flag["stop"] = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return flag
+
+
+def _agree(flag: bool, group=None) -> bool:
+    """True on every rank if it is true on any."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _write_config(run_dir: Path, cfg: Config) -> None:
+    """Keep every configuration a run directory was started with (nothing is overwritten)."""
+    path = run_dir / "config.yaml"
+    n = 1
+    while path.exists():
+        if yaml.safe_load(path.read_text()) == cfg.to_dict():
+            return
+        path = run_dir / f"config.{n}.yaml"
+        n += 1
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+    """Validation loss and MAE per parameter over the whole set (summed over data replicas)."""
+    engine.eval()
+    preds, trues = [], []
+    for x_local, y in loader:
+        out = engine.predict(x_local)
+        preds.append(out.detach().cpu().double().numpy())
+        trues.append(y.cpu().double().numpy())
+    engine.train()
+    pred = np.concatenate(preds) if preds else np.zeros((0, 4))
+    true = np.concatenate(trues) if trues else np.zeros((0, 4))
+    err = pred - true
+    sums = torch.tensor([*np.abs(err).sum(0), (err ** 2).sum(), len(pred)], dtype=torch.float64)
+    if dist.get_world_size(engine.grid.data_group) > 1:
+        dist.all_reduce(sums, group=engine.grid.data_group)
+        gathered: list[Any] = [None] * engine.grid.data
+        dist.all_gather_object(gathered, (pred, true), group=engine.grid.data_group)
+        pred = np.concatenate([g[0] for g in gathered])
+        true = np.concatenate([g[1] for g in gathered])
+    n = max(sums[-1].item(), 1.0)
+    maes = {f"mae_{p}": sums[i].item() / n for i, p in enumerate(PARAMS)}
+    metrics = {"val_loss": sums[4].item() / (4 * n), "val_mae": sum(maes.values()) / 4, **maes}
+    return metrics, pred, true
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline)."""
+    info = hp.init_distributed()
+    rank = info.rank
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir, cfg)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+
+    train_ds = open_dataset(cfg.data.train, sample_size=cfg.data.sample_size)
+    val_ds = open_dataset(cfg.data.val, sample_size=cfg.data.sample_size)
+    S = cfg.data.sample_size
+    model = build_model(S, train_ds.sample_shape[0], cfg.model.n_conv, cfg.model.base_filters,
+                        cfg.model.max_filters, dense=cfg.model.dense, dropout=cfg.model.dropout,
+                        batchnorm=cfg.model.batchnorm)
+    batch = cfg.train.batch_size
+    spec = hp.ParallelSpec.from_dict(cfg.parallel)
+    channels = train_ds.sample_shape[0]
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S))
+    grid = engine.grid
+    # Dropout masks must agree inside a replica (replicated head), differ between replicas.
+    torch.manual_seed(cfg.train.seed + 1000 * grid.data_index + 1)
+    flops = hp.flops.count(model, (1, train_ds.sample_shape[0], S, S, S))
+
+    loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
+                          workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir)
+    val_loader = VolumeLoader(val_ds, engine.input_grid, batch_size=batch, shuffle=False, drop_last=False,
+                              workers=cfg.data.workers, prefetch=cfg.data.prefetch)
+    opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
+    ck = cfg.checkpoint
+    ckpt = Checkpointer(run_dir / "checkpoints", grid, keep_last=ck.keep_last, keep_every=ck.keep_every,
+                        keep_every_on="epoch", best=(ck.best_metric, "min") if ck.best_metric else None,
+                        config=cfg.to_dict())
+    ckpt.attach(opt)  # the optimizer step waits for an overlapped snapshot copy, nothing else does
+
+    step, epoch = 0, 0
+    if ck.resume:
+        state = ckpt.load()
+        if state is not None:
+            engine.load_full_state_dict(state["model"])
+            load_optimizer_state(engine, opt, state["optimizer"])
+            loader.load_state_dict(state["loader"])
+            if "rng" in state:
+                set_rng_state(state["rng"])
+            step, epoch = int(state["step"]), int(state["epoch"])
+            if rank == 0:
+                print(f"resumed from step {step} (epoch {epoch}, batch {loader.index}) in {ckpt.root}",
+                      flush=True)
+
+    reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress)
+    timer = StepTimer(rank=rank)
+    steps_per_epoch = len(loader)
+    total = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    stop = _signals()
+    last_save = time.monotonic()
+
+    def save(metadata: dict[str, Any] | None = None, overlap: bool = True) -> None:
+        nonlocal last_save
+        state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
+                 "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch}
+        ckpt.save(step, state, {"epoch": epoch, **(metadata or {})}, overlap=overlap)
+        last_save = time.monotonic()
+
+    metrics: dict[str, Any] = {}
+    pred = true = None
+    try:
+        while epoch < cfg.train.epochs and step < total:
+            loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
+            losses = []
+            for x_local, y in loader:
+                set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
+                t0 = time.perf_counter()
+                with timer.step(step):
+                    loss = engine.train_step(x_local, y)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                dt = time.perf_counter() - t0
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise Stop(f"loss is {value} at step {step} (epoch {epoch}); stopping. The newest good "
+                               f"checkpoint is step {ckpt.latest()} in {ckpt.root}; lower optimizer.base_lr "
+                               f"or check the data")
+                step += 1
+                losses.append(value)
+                parts = timer.breakdown()
+                comm = sum(parts.get(k, 0.0) for k in ("halo", "pipeline", "grad_reduce"))
+                reporter.step({"step": step, "epoch": epoch, "loss": value, "lr": opt.param_groups[0]["lr"],
+                               "step_s": dt, "samples_per_s": batch / dt,
+                               "gflops": flops.total * batch / dt / 1e9,
+                               "data_wait_share": min(loader.last_wait / (dt + loader.last_wait), 1.0),
+                               "comm_share": comm / dt}, total)
+                due = (ck.every_steps and step % ck.every_steps == 0) or \
+                    (ck.every_minutes and time.monotonic() - last_save > 60 * ck.every_minutes)
+                if _agree(bool(due) or stop["stop"]):
+                    if _agree(stop["stop"]):
+                        raise KeyboardInterrupt
+                    save()
+                if step >= total:
+                    break
+            if loader.epoch > epoch:  # the epoch ran to its end
+                epoch += 1
+            metrics, pred, true = evaluate(engine, val_loader)
+            train_loss = float(np.mean(losses)) if losses else float("nan")
+            reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
+            save({"metrics": metrics})
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(f"\nstopping on a signal at step {step}: writing a final checkpoint", flush=True)
+        save(overlap=False)
+        ckpt.close()
+        reporter.close()
+        return {"stopped": True, "step": step}
+    except Stop as err:
+        ckpt.close()
+        reporter.close()
+        if rank == 0:
+            print(f"\n{err}", file=sys.stderr, flush=True)
+        raise
+    ckpt.close()
+    reporter.close()
+    loader.close()
+    val_loader.close()
+    summary = {"step": step, "epoch": epoch, **metrics}
+    if rank == 0 and pred is not None:
+        base = mae_per_parameter(np.broadcast_to(train_ds.labels.mean(0), true.shape), true)
+        summary["baseline"] = base
+        summary["plots"] = [str(p) for p in plot_run(run_dir, pred, true)] if cfg.logging.plots else []
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print("\nvalidation MAE per parameter (unitPar units), model vs predict-the-training-mean baseline:")
+        print(f"  {'parameter':<10} {'model':>8} {'baseline':>9} {'change':>8}")
+        for p in PARAMS:
+            m, b = metrics[f"mae_{p}"], base[f"mae_{p}"]
+            print(f"  {p:<10} {m:8.4f} {b:9.4f} {100 * (m / b - 1):+7.1f}%")
+        print(f"run directory: {run_dir.resolve()}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch/train.py``'s entry: ``--config FILE [--set key=value ...]``."""
+    import argparse  # noqa: PLC0415
+
+    from cosmoflow.config import ConfigError, load_config  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="YAML config (see launch/configs/)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config entry, e.g. --set train.epochs=4 (repeatable)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        run(cfg)
+    except (ConfigError, FileNotFoundError, ValueError, Stop) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

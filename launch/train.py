@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""Train CosmoFlow with hybridpar.
+
+    torchrun --nproc-per-node 4 launch/train.py --config launch/configs/demo.yaml
+    mpirun -n 4 python launch/train.py --config launch/configs/demo.yaml
+    srun python launch/train.py --config launch/configs/cosmoflow_128.yaml   (see launch/slurm.sbatch)
+
+Override any entry with ``--set key=value`` (e.g. ``--set train.epochs=2 --set run_dir=runs/try``).
+Starting again on the same ``run_dir`` resumes from its newest complete checkpoint.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cosmoflow.trainer import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -158,8 +158,15 @@ def test_paths_glob_list_and_pack_range(universes, split_dir, packed, tmp_path) 
 
 
 def _sum_sample(args: tuple) -> float:
-    ds, i = args
-    return float(ds.read(i, (slice(0, 8), slice(0, 16), slice(0, 16)))[0].sum())
+    ds, i = args  # numpy's sum: torch ops in a forked child can hang on the parent's OpenMP pool
+    return float(ds.read(i, (slice(0, 8), slice(0, 16), slice(0, 16)))[0].numpy().sum(dtype=np.float64))
+
+
+_INHERITED: list = []  # a dataset a forked child inherits, with the parent's file handles open
+
+
+def _sum_inherited(i: int) -> float:
+    return _sum_sample((_INHERITED[0], i))
 
 
 def test_pickle_and_fork_with_open_files(packed) -> None:
@@ -168,8 +175,14 @@ def test_pickle_and_fork_with_open_files(packed) -> None:
     clone = pickle.loads(pickle.dumps(ds))
     assert clone.bytes_read == 0
     assert _sum_sample((clone, 2)) == expected[2]
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        assert pool.map(_sum_sample, [(ds, i) for i in range(4)]) == expected
+    _INHERITED[:] = [ds]
+    try:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            assert pool.map_async(_sum_inherited, range(4)).get(timeout=60) == expected
+            assert pool.map_async(_sum_sample, [(ds, i) for i in range(4)]).get(timeout=60) == expected
+    finally:
+        _INHERITED.clear()
+    assert ds.bytes_read == 4 * ds.sample_nbytes // 2  # the children's reads are theirs
     ds.close()
     assert _sum_sample((ds, 1)) == expected[1]  # reopens after close
 

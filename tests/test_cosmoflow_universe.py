@@ -103,16 +103,20 @@ def test_counts_layout() -> None:
     assert full.min() >= 0
 
 
-def test_log1p_variance_rises_with_sigma8() -> None:
+@pytest.mark.parametrize("smoothing", [2.0, 1.0])
+def test_log1p_variance_rises_with_sigma8(smoothing) -> None:
     for seed in range(3):
-        variances = [_log1p_var(make_universe(32, [0.0, s, 0.0, 0.0], seed)) for s in (-1, -0.5, 0, 0.5, 1)]
+        unit = draw_unit_params(seed)
+        variances = [_log1p_var(make_universe(32, [unit[0], s, unit[2], unit[3]], seed, smoothing=smoothing))
+                     for s in (-1, -0.5, 0, 0.5, 1)]
         assert np.all(np.diff(np.array(variances), axis=0) > 0), (seed, variances)
 
 
-def test_clustering_grows_with_time() -> None:
+@pytest.mark.parametrize("smoothing", [2.0, 1.0])
+def test_clustering_grows_with_time(smoothing) -> None:
     for seed in range(3):
         unit = draw_unit_params(seed)
-        var = _log1p_var(make_universe(32, unit, seed))  # channels z = 0, 0.5, 1.5, 3
+        var = _log1p_var(make_universe(32, unit, seed, smoothing=smoothing))  # channels z = 0, 0.5, 1.5, 3
         assert np.all(np.diff(var) < 0), (seed, unit, var)
 
 
@@ -132,9 +136,9 @@ def test_deterministic_per_seed() -> None:
 
 def test_generate_cli_layout_and_worker_independence(tmp_path, capsys) -> None:
     assert gen.main(["--out", str(tmp_path / "a"), "--universes", "3", "--size", "16", "--workers", "2",
-                     "--seed", "5"]) == 0
+                     "--seed", "5", "--smoothing", "1.5"]) == 0
     assert "universes 16^3 [" in capsys.readouterr().err
-    gen.generate(tmp_path / "b", universes=3, size=16, workers=1, seed=5, progress=False)
+    gen.generate(tmp_path / "b", universes=3, size=16, workers=1, seed=5, progress=False, smoothing=1.5)
     files = sorted((tmp_path / "a").iterdir())
     assert [f.name for f in files] == [f"univ_s5_{i:05d}.h5" for i in range(3)]
     for f in files:
@@ -143,6 +147,7 @@ def test_generate_cli_layout_and_worker_independence(tmp_path, capsys) -> None:
             assert fa["unitPar"].shape == (4,) and fa["unitPar"].dtype == np.float32
             np.testing.assert_array_equal(fa["full"][()], fb["full"][()])
             np.testing.assert_array_equal(fa["unitPar"][()], fb["unitPar"][()])
+            assert fa.attrs["smoothing_mpc_h"] == 1.5
     with pytest.raises(SystemExit):
         gen.main(["--out", str(tmp_path / "c"), "--universes", "0", "--size", "16"])
     assert "--universes must be at least 1" in capsys.readouterr().err

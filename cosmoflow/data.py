@@ -1,0 +1,373 @@
+"""CosmoFlow samples from HDF5, whole or as a spatial region read straight from the file.
+
+Why: a rank of a spatial group needs only its own sub-volume of each sample. Reading the whole
+16 MiB sample and slicing it in memory would multiply the I/O by the number of spatial ranks, so
+``read(i, region)`` turns the region into an HDF5 hyperslab and only those voxels leave the file
+(and, with chunks aligned to the shards, only those chunks).
+
+Three on-disk formats are recognised per file, all channels last with int16 particle counts:
+
+====================  ======================================  ==========================================
+format                datasets                                samples per file
+====================  ======================================  ==========================================
+raw universe          ``full`` (U, U, U, C), ``unitPar`` (4,)  (U/S)³ sub-cubes, numbered (i·n + j)·n + k
+MLPerf split          ``x`` (S, S, S, C), ``y`` (4,)           1
+packed (ours)         ``x`` (N, S, S, S, C), ``y`` (N, 4)      N, one chunked file per split
+====================  ======================================  ==========================================
+
+Sub-cube (i, j, k) of a raw universe (i along axis 0, …) is sample ``(i·n + j)·n + k`` of that file,
+the order in which MLPerf's prepare step splits a universe with ``np.split`` over axes 0, 1, 2.
+
+In memory a sample is ``x`` float32 (C, d, h, w) channels first after ``log1p``, ``y`` float32 (4,).
+
+h5py handles cannot cross a fork or be pickled, so files are opened lazily, on the first read in
+each process; pickling drops them and a process that finds handles opened by another pid discards
+them. The files are inspected once in :func:`open_dataset` (and closed again) to detect the
+formats and keep all labels in memory, which also gives the loader ``labels`` for free.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+import torch
+
+Region = tuple[slice, slice, slice]
+"""Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
+Format = Literal["universe", "split", "packed"]
+PathsLike = str | os.PathLike | Iterable[str | os.PathLike]
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file's place in the dataset: its format and how its samples are laid out."""
+
+    path: str
+    format: Format
+    count: int
+    """Samples in this file."""
+    per_side: int = 1
+    """Sub-cubes per side (raw universes); 1 otherwise."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _expand(paths: PathsLike) -> list[str]:
+    """Files named by a directory, a file, a glob or a list of those, in a stable order."""
+    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not items:
+        raise FileNotFoundError("no paths given; expected a directory, an HDF5 file, a glob or a list")
+    files: list[str] = []
+    for item in items:
+        p = os.fspath(item)
+        if os.path.isdir(p):
+            found = sorted(str(f) for f in Path(p).iterdir()
+                           if f.is_file() and f.suffix.lower() in HDF5_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"{p}: no HDF5 files ({', '.join('*' + s for s in HDF5_SUFFIXES)}) "
+                                        "in this directory")
+            files.extend(found)
+        elif os.path.isfile(p):
+            files.append(p)
+        elif any(ch in p for ch in "*?["):
+            found = sorted(f for f in glob.glob(p) if os.path.isfile(f))
+            if not found:
+                raise FileNotFoundError(f"{p}: the glob matches no files")
+            files.extend(found)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+    return files
+
+
+def _dataset(f: h5py.File, path: str, name: str) -> h5py.Dataset:
+    obj = f.get(name)
+    if not isinstance(obj, h5py.Dataset):
+        found = ", ".join(sorted(f.keys())) or "nothing"
+        raise ValueError(f"{path}: no dataset '{name}' (found: {found}); expected 'full' + 'unitPar' "
+                         "(raw universe) or 'x' + 'y' (MLPerf split or packed)")
+    return obj
+
+
+def _check_counts(ds: h5py.Dataset, path: str, name: str, want: str) -> None:
+    if ds.dtype != np.int16:
+        raise ValueError(f"{path}: dataset '{name}' has dtype {ds.dtype}; expected int16 particle counts "
+                         f"of shape {want}")
+
+
+def _check_labels(ds: h5py.Dataset, path: str, name: str, want: tuple[int, ...], n_outputs: int) -> None:
+    if ds.shape != want:
+        raise ValueError(f"{path}: dataset '{name}' has shape {ds.shape}; expected {want} "
+                         f"({n_outputs} parameters per sample)")
+    if ds.dtype.kind not in "fiu":
+        raise ValueError(f"{path}: dataset '{name}' has dtype {ds.dtype}; expected float32 parameters")
+
+
+def _cube_side(shape: tuple[int, ...], lead: int, channels: int) -> int | None:
+    """Side S if ``shape`` is ``lead`` leading dims then (S, S, S, channels), else None."""
+    if len(shape) != lead + 4:
+        return None
+    s = shape[lead:lead + 3]
+    return s[0] if s[0] == s[1] == s[2] and s[0] > 0 and shape[-1] == channels else None
+
+
+def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_outputs: int = 4,
+                 size_from: str = "") -> tuple[FileEntry, int, np.ndarray]:
+    """Detect the format of one file: (entry, sample size, labels (count, n_outputs) float32).
+
+    ``size_from`` names where ``sample_size`` came from when it was not given (for the error message).
+    """
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise ValueError(f"{path}: not a readable HDF5 file ({err})") from None
+    with f:
+        if "full" in f:
+            full = _dataset(f, path, "full")
+            want = f"(U, U, U, {channels}) with U a multiple of the sample size"
+            side = _cube_side(full.shape, 0, channels)
+            if side is None:
+                raise ValueError(f"{path}: dataset 'full' has shape {full.shape}; expected {want}")
+            _check_counts(full, path, "full", want)
+            if "unitPar" not in f:
+                raise ValueError(f"{path}: raw universe without dataset 'unitPar'; expected 'unitPar' of "
+                                 f"shape ({n_outputs},) beside 'full'")
+            par = _dataset(f, path, "unitPar")
+            _check_labels(par, path, "unitPar", (n_outputs,), n_outputs)
+            size = side if sample_size is None else sample_size
+            if side % size:
+                fits = ", ".join(str(d) for d in _divisors(side))
+                raise ValueError(f"{path}: sample_size {size} does not divide the universe size {side}; "
+                                 f"sample sizes that fit: {fits}")
+            n = side // size
+            labels = np.repeat(np.asarray(par[()], dtype=np.float32)[None], n ** 3, axis=0)
+            return FileEntry(path, "universe", n ** 3, n), size, labels
+        if "x" in f:
+            x = _dataset(f, path, "x")
+            if "y" not in f:
+                raise ValueError(f"{path}: dataset 'x' without dataset 'y'; expected 'y' of shape "
+                                 f"({n_outputs},) (MLPerf split) or (N, {n_outputs}) (packed)")
+            y = _dataset(f, path, "y")
+            lead = len(x.shape) - 4
+            side = _cube_side(x.shape, lead, channels) if lead in (0, 1) else None
+            if side is None:
+                raise ValueError(f"{path}: dataset 'x' has shape {x.shape}; expected (S, S, S, {channels}) "
+                                 f"(MLPerf split) or (N, S, S, S, {channels}) (packed)")
+            _check_counts(x, path, "x", f"(S, S, S, {channels})")
+            if sample_size is not None and sample_size != side:
+                wanted = f"size {sample_size} of {size_from}" if size_from else f"sample_size {sample_size}"
+                raise ValueError(f"{path}: holds samples of size {side}, not the {wanted}; use "
+                                 f"sample_size={side} or a divisor of the universes' size (only raw "
+                                 "universes are cut to size)")
+            if lead == 0:
+                _check_labels(y, path, "y", (n_outputs,), n_outputs)
+                return FileEntry(path, "split", 1), side, np.asarray(y[()], dtype=np.float32)[None]
+            count = x.shape[0]
+            _check_labels(y, path, "y", (count, n_outputs), n_outputs)
+            return FileEntry(path, "packed", count), side, np.asarray(y[()], dtype=np.float32)
+        found = ", ".join(sorted(f.keys())) or "nothing"
+        raise ValueError(f"{path}: no dataset 'full' or 'x' (found: {found}); expected 'full' + 'unitPar' "
+                         "(raw universe) or 'x' + 'y' (MLPerf split or packed)")
+
+
+def _region_bounds(region: Sequence[slice] | None, size: int) -> tuple[tuple[int, int], ...]:
+    """``((d0, d1), (h0, h1), (w0, w1))`` of a region, checked against a sample of side ``size``."""
+    if region is None:
+        return ((0, size),) * 3
+    if not isinstance(region, tuple | list) or len(region) != 3 or not all(isinstance(s, slice)
+                                                                           for s in region):
+        raise ValueError(f"region must be 3 slices along D, H, W, got {region!r}")
+    bounds = []
+    for s in region:
+        start = 0 if s.start is None else s.start
+        stop = size if s.stop is None else s.stop
+        if s.step not in (None, 1) or not (0 <= start < stop <= size):
+            raise ValueError(f"region {region!r} is not 3 slices with 0 <= start < stop <= {size} and "
+                             "no step")
+        bounds.append((int(start), int(stop)))
+    return tuple(bounds)
+
+
+def _chunk_bytes(ds: h5py.Dataset, sel: tuple[tuple[int, int], ...]) -> int:
+    """Bytes of all chunks a hyperslab touches (HDF5 reads chunks whole); the slab itself if contiguous."""
+    item = ds.dtype.itemsize
+    if ds.chunks is None:
+        return math.prod(b - a for a, b in sel) * item
+    count = 1
+    for (a, b), c in zip(sel, ds.chunks, strict=True):
+        count *= (b - 1) // c - a // c + 1
+    return count * math.prod(ds.chunks) * item
+
+
+class CosmoDataset:
+    """Samples of one or more HDF5 files; picklable, opening files lazily in each process.
+
+    ``bytes_read`` counts the raw (int16) bytes of the hyperslabs this process read, and
+    ``chunk_bytes_read`` the bytes of the HDF5 chunks those hyperslabs touch (what a cold read fetches
+    from disk); both restart from zero in a new process.
+    """
+
+    def __init__(self, entries: list[FileEntry], labels: np.ndarray, sample_size: int, channels: int,
+                 chunk_cache_bytes: int | None = None) -> None:
+        self.entries = entries
+        self.labels = labels
+        """All labels (len, n_outputs) float32, in sample order."""
+        self.sample_size = sample_size
+        self.channels = channels
+        self.chunk_cache_bytes = chunk_cache_bytes
+        self._starts = np.cumsum([0] + [e.count for e in entries])
+        self._reset_process()
+
+    def _reset_process(self) -> None:
+        self._pid = os.getpid()
+        self._files: dict[str, h5py.File] = {}
+        self._bytes_read = 0
+        self._chunk_bytes_read = 0
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():  # forked: the inherited handles belong to the parent
+            self._reset_process()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_files", "_pid", "_bytes_read", "_chunk_bytes_read"):
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process()
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __repr__(self) -> str:
+        kinds = sorted({e.format for e in self.entries})
+        return (f"CosmoDataset({len(self)} samples of {self.sample_shape} from {len(self.entries)} files, "
+                f"formats {', '.join(kinds)})")
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int, int]:
+        """In-memory shape of a whole sample, channels first."""
+        s = self.sample_size
+        return (self.channels, s, s, s)
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Raw (int16, on-disk) bytes of one whole sample."""
+        return self.channels * self.sample_size ** 3 * 2
+
+    @property
+    def bytes_read(self) -> int:
+        self._check_process()
+        return self._bytes_read
+
+    @property
+    def chunk_bytes_read(self) -> int:
+        self._check_process()
+        return self._chunk_bytes_read
+
+    def reset_counters(self) -> None:
+        self._check_process()
+        self._bytes_read = self._chunk_bytes_read = 0
+
+    def locate(self, index: int) -> tuple[FileEntry, int]:
+        """The file holding sample ``index`` and the sample's index inside that file."""
+        index = self._index(index)
+        f = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return self.entries[f], index - int(self._starts[f])
+
+    def _index(self, index: int) -> int:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
+        return int(index) % n
+
+    def _file(self, path: str) -> h5py.File:
+        self._check_process()
+        f = self._files.get(path)
+        if f is None:
+            kw = {} if self.chunk_cache_bytes is None else {"rdcc_nbytes": self.chunk_cache_bytes}
+            f = self._files[path] = h5py.File(path, "r", **kw)
+        return f
+
+    def read_raw(self, index: int, region: Region | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, y)`` as stored: x int16 (d, h, w, C) channels last, y float32; only the region is read."""
+        entry, local = self.locate(index)
+        (d0, d1), (h0, h1), (w0, w1) = _region_bounds(region, self.sample_size)
+        f = self._file(entry.path)
+        if entry.format == "universe":
+            n, s = entry.per_side, self.sample_size
+            i, j, k = local // (n * n), (local // n) % n, local % n
+            ds = f["full"]
+            sel = ((i * s + d0, i * s + d1), (j * s + h0, j * s + h1), (k * s + w0, k * s + w1))
+        elif entry.format == "split":
+            ds = f["x"]
+            sel = ((d0, d1), (h0, h1), (w0, w1))
+        else:
+            ds = f["x"]
+            sel = ((local, local + 1), (d0, d1), (h0, h1), (w0, w1))
+        sel = sel + ((0, self.channels),)
+        x = ds[tuple(slice(a, b) for a, b in sel)]
+        if entry.format == "packed":
+            x = x[0]
+        self._bytes_read += x.nbytes
+        self._chunk_bytes_read += _chunk_bytes(ds, sel)
+        return x, self.labels[self._index(index)].copy()
+
+    def read(self, index: int, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: x float32 (C, d, h, w) channels first, ``log1p`` of the counts; y float32 (4,).
+
+        Without ``region`` the whole sample, (C, S, S, S); with it only that hyperslab is read.
+        """
+        raw, y = self.read_raw(index, region)
+        # numpy, not torch: torch's OpenMP pool deadlocks in a forked child once the parent has used
+        # it, and loader workers are forked; numpy's ufuncs run single-threaded and fork-safe.
+        x = np.empty((raw.shape[3], *raw.shape[:3]), dtype=np.float32)
+        np.copyto(x, raw.transpose(3, 0, 1, 2), casting="unsafe")
+        np.log1p(x, out=x)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read(index)
+
+    def close(self) -> None:
+        """Close this process's open files (they reopen on the next read)."""
+        self._check_process()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int = 4, n_outputs: int = 4,
+                 chunk_cache_bytes: int | None = None) -> CosmoDataset:
+    """Open CosmoFlow samples from a directory, an HDF5 file, a glob or a list of those.
+
+    ``sample_size`` cuts raw universes into cubes of that side and must match the other formats; None
+    takes each file's natural size (a whole universe is one sample), which must then agree across files.
+    ``chunk_cache_bytes`` sets h5py's per-file chunk cache (default 1 MiB).
+    """
+    if sample_size is not None and sample_size < 1:
+        raise ValueError(f"sample_size must be a positive number of voxels, got {sample_size}")
+    entries: list[FileEntry] = []
+    labels: list[np.ndarray] = []
+    size: int | None = sample_size
+    size_from = ""
+    for path in _expand(paths):
+        entry, side, lab = inspect_file(path, size, channels, n_outputs, size_from)
+        if size is None:  # the first file fixes the size the others must have (or be cut to)
+            size, size_from = side, f"the first file {path}"
+        entries.append(entry)
+        labels.append(lab)
+    assert size is not None
+    return CosmoDataset(entries, np.concatenate(labels), size, channels, chunk_cache_bytes)

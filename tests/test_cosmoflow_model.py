@@ -1,0 +1,96 @@
+"""The CosmoFlow networks, checked against the published reference numbers.
+
+* Defaults at 128³: exactly 8,907,556 parameters (MLPerf HPC reference) and 68.9 GFLOP forward
+  (FlopCounterMode on the meta device, so nothing is computed); the layer list is flat and in the
+  reference order, LeakyReLU slope 0.3, output tanh × 1.2.
+* ``padding=1`` convolutions equal torch's ``padding='same'``.
+* LBANN's 512³ variant: 7 conv layers, 16…256 channels, ≈1.35 TFLOP forward.
+* The 64³ demo model runs forward and backward on CPU; invalid combinations fail with what would fit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from cosmoflow.model import OutputScale, build_lbann_model, build_model, count_parameters
+
+
+def _forward_flops(model: nn.Module, size: int) -> tuple[float, torch.Size]:
+    with torch.device("meta"):
+        x = torch.empty(1, 4, size, size, size)
+    with FlopCounterMode(display=False) as counter:
+        y = model.to("meta")(x)
+    return counter.get_total_flops(), y.shape
+
+
+def test_reference_model_size_and_flops() -> None:
+    with torch.device("meta"):
+        model = build_model()
+    assert count_parameters(model) == 8_907_556
+    assert all(not isinstance(m, nn.Sequential) for m in model.children())
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Conv3d", "LeakyReLU", "MaxPool3d"] * 5 + [
+        "Flatten", "Linear", "LeakyReLU", "Dropout", "Linear", "LeakyReLU", "Dropout", "Linear", "Tanh",
+        "OutputScale"]
+    convs = [m for m in model if isinstance(m, nn.Conv3d)]
+    assert [c.out_channels for c in convs] == [32, 64, 128, 256, 512]
+    assert all(c.padding == (1, 1, 1) and c.kernel_size == (3, 3, 3) for c in convs)
+    assert all(m.negative_slope == 0.3 for m in model if isinstance(m, nn.LeakyReLU))
+    assert isinstance(model[-1], OutputScale) and model[-1].scale == 1.2
+    assert model[16].in_features == 4 ** 3 * 512
+    flops, shape = _forward_flops(model, 128)
+    assert shape == (1, 4)
+    assert flops / 1e9 == pytest.approx(68.9, abs=0.05)
+
+
+def test_padding_one_is_same() -> None:
+    torch.manual_seed(0)
+    conv = build_model(16, n_conv=1, base_filters=3, dense=())[0]
+    x = torch.randn(2, 4, 7, 8, 9)
+    same = nn.functional.conv3d(x, conv.weight, conv.bias, padding="same")
+    torch.testing.assert_close(conv(x), same)
+
+
+def test_lbann_model() -> None:
+    with torch.device("meta"):
+        model = build_lbann_model()
+    convs = [m for m in model if isinstance(m, nn.Conv3d)]
+    assert [c.out_channels for c in convs] == [16, 32, 64, 128, 256, 256, 256]
+    pools = [m for m in model if isinstance(m, nn.AvgPool3d)]
+    assert len(pools) == 7 and pools[0].kernel_size == 3 and pools[0].stride == 2 and pools[0].padding == 1
+    assert [m.out_features for m in model if isinstance(m, nn.Linear)] == [2048, 256, 4]
+    flops, shape = _forward_flops(model, 512)
+    assert shape == (1, 4) and flops / 1e12 == pytest.approx(1.35, abs=0.01)
+    with torch.device("meta"):
+        bn = build_lbann_model(128, batchnorm=True)
+    assert sum(isinstance(m, nn.BatchNorm3d) for m in bn) == 5
+    assert all(m.bias is None for m in bn if isinstance(m, nn.Conv3d))
+
+
+def test_demo_model_forward_backward() -> None:
+    torch.manual_seed(0)
+    model = build_model(64, n_conv=4, base_filters=8)
+    x = torch.log1p(torch.poisson(torch.ones(2, 4, 64, 64, 64)))
+    y = model(x)
+    assert y.shape == (2, 4) and bool((y.abs() < 1.2).all())
+    nn.functional.mse_loss(y, torch.zeros_like(y)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_invalid_combinations() -> None:
+    with pytest.raises(ValueError, match="input_size 100 is not divisible by 2\\^n_conv = 32 .* input sizes "
+                                         "that fit: 96 or 128; n_conv that fit: 1, 2"):
+        build_model(100)
+    with pytest.raises(ValueError, match="input sizes that fit: 32"):
+        build_model(16)
+    with pytest.raises(ValueError, match="kernel_size must be odd"):
+        build_model(64, kernel_size=2)
+    with pytest.raises(ValueError, match="pool must be 'max'"):
+        build_model(64, pool="min")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="power-of-two input_size"):
+        build_lbann_model(96)
+    with pytest.raises(ValueError, match="init must be"):
+        build_model(64, init="zeros")  # type: ignore[arg-type]

@@ -39,11 +39,13 @@ class ModelConfig:
     dense: list[int] = field(default_factory=lambda: [128, 64])
     dropout: float = 0.5
     batchnorm: bool = False
+    global_pool: bool = False            # global average pooling before the dense head
+    head_norm: bool = False              # BatchNorm1d on the pooled features
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "sgd"                    # sgd | lars
+    name: str = "sgd"                    # sgd | lars | adamw
     base_lr: float = 0.001               # per base_batch samples, scaled linearly with the global batch
     base_batch: int = 64
     momentum: float = 0.9
@@ -187,8 +189,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch."""
-    if cfg.optimizer.name not in ("sgd", "lars"):
-        raise ConfigError(f"optimizer.name: {cfg.optimizer.name!r} is not one of sgd, lars")
+    if cfg.optimizer.name not in ("sgd", "lars", "adamw"):
+        raise ConfigError(f"optimizer.name: {cfg.optimizer.name!r} is not one of sgd, lars, adamw")
     if len(cfg.optimizer.decay_epochs) != len(cfg.optimizer.decay_factors):
         raise ConfigError(f"optimizer.decay_epochs ({len(cfg.optimizer.decay_epochs)} entries) and "
                           f"decay_factors ({len(cfg.optimizer.decay_factors)}) must have equal length")

@@ -77,7 +77,8 @@ def _init(model: nn.Module, how: Init, slope: float) -> None:
 
 def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: int, pool: str,
            dense: Sequence[int], n_outputs: int, dropout: float, batchnorm: bool, leaky_slope: float,
-           output_scale: float, bn_momentum: float) -> nn.Sequential:
+           output_scale: float, bn_momentum: float, global_pool: bool = False,
+           head_norm: bool = False) -> nn.Sequential:
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be odd so that padding k//2 is 'same', got {kernel_size}; "
                          "kernels that fit: 1, 3, 5, ...")
@@ -92,8 +93,12 @@ def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: 
         layers.append(nn.LeakyReLU(leaky_slope))
         layers.append(_pool(pool))
         c_in, extent = c_out, _pooled(extent, pool)
+    if global_pool:  # translation-invariant summary statistics of the field, one per channel
+        layers.append(nn.AdaptiveAvgPool3d(1))
     layers.append(nn.Flatten())
-    features = c_in * extent ** 3
+    features = c_in * (1 if global_pool else extent ** 3)
+    if head_norm:  # standardise the summaries across the batch: small parameter effects become O(1)
+        layers.append(nn.BatchNorm1d(features, momentum=0.1))
     for width in dense:
         layers += [nn.Linear(features, width), nn.LeakyReLU(leaky_slope)]
         if dropout > 0:
@@ -112,8 +117,13 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 max_filters: int = 512, kernel_size: int = 3, pool: Literal["max", "avg"] = "max",
                 dense: Sequence[int] = (128, 64), n_outputs: int = 4, dropout: float = 0.5,
                 batchnorm: bool = False, leaky_slope: float = 0.3, output_scale: float = 1.2,
-                init: Init = "glorot", bn_momentum: float = 0.01) -> nn.Sequential:
+                init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
+                head_norm: bool = False) -> nn.Sequential:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
+
+    ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
+    channel, which generalises from far fewer samples) and ``head_norm`` standardises those summaries
+    across the batch; both are off in the reference model.
 
     ``input_size`` must be divisible by 2^n_conv (each max-pool halves it); a 64³ demo model is e.g.
     ``build_model(64, n_conv=4)`` or ``build_model(64, base_filters=8)``. With ``batchnorm`` the convs
@@ -129,7 +139,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
         raise ValueError(f"input_size {input_size} is not divisible by 2^n_conv = {step} ({n_conv} "
                          f"max-pools halve it); input sizes that fit: {sizes}; n_conv that fit: {convs}")
     model = _build(input_size, in_channels, conv_channels(n_conv, base_filters, max_filters), kernel_size,
-                   pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum)
+                   pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum,
+                   global_pool, head_norm)
     _init(model, init, leaky_slope)
     return model
 

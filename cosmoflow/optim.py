@@ -76,6 +76,8 @@ def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], globa
     lr = lr_at(cfg, global_batch, 0.0)
     if cfg.name == "lars":
         return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":  # for small synthetic sets; the MLPerf recipe is SGD
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

@@ -118,7 +118,8 @@ def run(cfg: Config) -> dict[str, Any]:
     S = cfg.data.sample_size
     model = build_model(S, train_ds.sample_shape[0], cfg.model.n_conv, cfg.model.base_filters,
                         cfg.model.max_filters, dense=cfg.model.dense, dropout=cfg.model.dropout,
-                        batchnorm=cfg.model.batchnorm)
+                        batchnorm=cfg.model.batchnorm, global_pool=cfg.model.global_pool,
+                        head_norm=cfg.model.head_norm)
     batch = cfg.train.batch_size
     spec = hp.ParallelSpec.from_dict(cfg.parallel)
     channels = train_ds.sample_shape[0]

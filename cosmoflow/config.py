@@ -61,6 +61,8 @@ class TrainConfig:
     batch_size: int = 8                  # global batch
     seed: int = 0
     max_steps: int | None = None         # stop early (tests, smoke runs)
+    precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
+                                         # training batches with the weights frozen (0: off)
     log_every: int = 1
 
 

@@ -103,6 +103,32 @@ def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float],
     return metrics, pred, true
 
 
+@torch.no_grad()
+def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int) -> None:
+    """Re-estimate BatchNorm running statistics with the current weights (Wu & Johnson, 2021).
+
+    Running averages taken while the weights move lag behind them; a model whose head normalises
+    pooled features across the batch then evaluates far off. Averaging the batch statistics of a few
+    training batches, weights frozen, removes the lag.
+    """
+    norms = [m for _, layer in engine.layers for m in layer.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms or batches <= 0:
+        return
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the batches below
+    engine.train()
+    loader.set_epoch(epoch)
+    for i, (x_local, _) in enumerate(loader):
+        engine.predict(x_local)
+        if i + 1 >= batches:
+            break
+    for m, mom in zip(norms, saved):
+        m.momentum = mom
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline)."""
     info = hp.init_distributed()
@@ -133,6 +159,8 @@ def run(cfg: Config) -> dict[str, Any]:
                           workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir)
     val_loader = VolumeLoader(val_ds, engine.input_grid, batch_size=batch, shuffle=False, drop_last=False,
                               workers=cfg.data.workers, prefetch=cfg.data.prefetch)
+    bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,
+                             workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir / "checkpoints", grid, keep_last=ck.keep_last, keep_every=ck.keep_every,
@@ -208,6 +236,8 @@ def run(cfg: Config) -> dict[str, Any]:
                     break
             if loader.epoch > epoch:  # the epoch ran to its end
                 epoch += 1
+            if bn_loader is not None:
+                precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
             metrics, pred, true = evaluate(engine, val_loader)
             train_loss = float(np.mean(losses)) if losses else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})

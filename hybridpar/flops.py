@@ -344,6 +344,9 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     meta = _meta_copy(model)
+    for mod in meta.modules():  # same FLOPs either way, and training mode refuses a batch of one
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            mod.eval()
     chosen, unsupported = _select(meta)
     records: list[LayerFlops] = []
     calls: dict[str, int] = {}

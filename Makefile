@@ -21,11 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,mpi]"
 	touch $(STAMP)
 
 $(APP_STAMP): $(STAMP)
-	$(PIP) install -q -e ".[test,app]"
+	$(PIP) install -q -e ".[test,mpi,app]"
 	touch $(APP_STAMP)
 
 test: $(STAMP)

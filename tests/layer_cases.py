@@ -112,7 +112,8 @@ def conv_cases(grid, rng: random.Random, n_random: int):
     return fixed
 
 
-def run_conv(fails: Failures, grid, rng: random.Random, n_random: int = 12) -> int:
+def run_conv(fails: Failures, grid, rng: random.Random, n_random: int = 12,
+             transport: str | None = None) -> int:
     from hybridpar.geometry import same_padding, window_plans
 
     count = 0
@@ -122,7 +123,7 @@ def run_conv(fails: Failures, grid, rng: random.Random, n_random: int = 12) -> i
                   bias=c["bias"])
         torch.manual_seed(i)
         ref = nn.Conv3d(cin, cout, **kw)
-        ours = hp.nn.DistConv3d(cin, cout, **kw, grid=grid, overlap=c["overlap"])
+        ours = hp.nn.DistConv3d(cin, cout, **kw, grid=grid, overlap=c["overlap"], transport=transport)
         pads = (same_padding(c["k"], c["d"]) if c["p"] == "same" else (0, 0) if c["p"] == "valid"
                 else (c["p"], c["p"]))
         ok = all(_fits(window_plans, c["shape"][2 + a], grid.spatial_shape[a], c["k"], c["s"], *pads, c["d"])

@@ -64,6 +64,7 @@ class MPIP2P:
                 f"mpirun so both agree, or use transport='torch'")
 
     def _buf(self, t: torch.Tensor):
+        t = t.detach()  # same storage; numpy() refuses tensors that require grad
         if t.is_cuda:
             return t  # __cuda_array_interface__: needs a CUDA-aware MPI build
         return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()

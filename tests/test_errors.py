@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the layer, the dimension and what would fit; in one process
+(a plain process gets a one-rank group without any launcher)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridpar as hp
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return hp.ProcessGrid()
+
+
+def test_single_process_needs_no_launcher(grid):
+    assert (grid.world_size, grid.spatial_shape) == (1, (1, 1, 1))
+    conv = hp.nn.DistConv3d(2, 3, 3, padding=1, grid=grid)
+    x = torch.randn(1, 2, 5, 6, 7)
+    ref = nn.Conv3d(2, 3, 3, padding=1)
+    ref.load_state_dict(conv.state_dict())
+    torch.testing.assert_close(conv(x), ref(x))
+
+
+def test_layer_errors_name_layer_and_fix(grid):
+    with pytest.raises(TypeError, match="DistConv3d: pass grid=hybridpar.ProcessGrid"):
+        hp.nn.DistConv3d(2, 3, 3)
+    with pytest.raises(ValueError, match=r"DistConv3d: expected a 5-D \(N, C, D, H, W\) shard"):
+        hp.nn.DistConv3d(2, 3, 3, grid=grid)(torch.randn(2, 5, 5, 5))
+    with pytest.raises(NotImplementedError, match="padding_mode='circular' is not supported"):
+        hp.nn.DistConv3d(2, 3, 3, padding=1, padding_mode="circular", grid=grid)
+    with pytest.raises(NotImplementedError, match="return_indices"):
+        hp.nn.DistMaxPool3d(2, return_indices=True, grid=grid)
+    with pytest.raises(ValueError, match="padding 2 should be at most half"):
+        hp.nn.DistMaxPool3d(3, padding=2, grid=grid)
+    with pytest.raises(ValueError, match="stats must be 'spatial' or 'stage'"):
+        hp.nn.DistBatchNorm3d(3, grid=grid, stats="global")
+    with pytest.raises(NotImplementedError, match="output_size"):
+        hp.nn.DistConvTranspose3d(2, 2, 2, 2, grid=grid)(torch.randn(1, 2, 3, 3, 3), output_size=(6, 6, 6))
+    with pytest.raises(ValueError, match="expected more than 1 value per channel"):
+        hp.nn.DistBatchNorm3d(2, grid=grid)(torch.randn(1, 2, 1, 1, 1))
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        hp.nn.DistConv3d(2, 2, 3, grid=grid, transport="tcp")(torch.randn(1, 2, 4, 4, 4))
+
+
+def test_grid_with_spatial_must_divide_the_stage(grid):
+    with pytest.raises(ValueError, match=r"must divide the 1 ranks of a stage"):
+        grid.with_spatial((2, 1, 1))
+
+
+def _model():
+    return nn.Sequential(OrderedDict(features=nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU()),
+                                     head=nn.Sequential(nn.Flatten(), nn.Linear(2 * 64, 1))))
+
+
+def test_engine_errors():
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv3d(1, 1, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.a(x)
+
+    with pytest.raises(hp.SpecError, match="only sequential models are supported"):
+        hp.parallelize(Skip(), {"grid": {"data": 1}}, loss_fn=F.mse_loss)
+    engine = hp.parallelize(_model(), {"grid": {"data": 1}}, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError, match="call shard_batch"):
+        engine.parameters()
+    x, y = torch.randn(4, 1, 4, 4, 4), torch.randn(4, 1)
+    x_local, y_local = engine.shard_batch(x, y)
+    assert torch.isfinite(engine.train_step(x_local, y_local))
+    with pytest.raises(hp.SpecError, match="micro"):
+        hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 3}}, loss_fn=F.mse_loss,
+                       input_shape=(4, 1, 4, 4, 4))
+    with pytest.raises(hp.SpecError, match="per-replica batch of 1"):
+        hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 2}}, loss_fn=F.mse_loss,
+                       input_shape=(1, 1, 4, 4, 4))

@@ -193,6 +193,10 @@ def run(cfg: Config) -> dict[str, Any]:
 
     def save(metadata: dict[str, Any] | None = None, overlap: bool = True) -> None:
         nonlocal last_save
+        finite = all(bool(torch.isfinite(p).all()) for p in engine.parameters())
+        if _agree(not finite):  # never let a diverged model become the newest checkpoint
+            raise Stop(f"weights became non-finite by step {step} (epoch {epoch}); not saving. The newest "
+                       f"good checkpoint is step {ckpt.latest()} in {ckpt.root}; lower optimizer.base_lr")
         state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
                  "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch}
         ckpt.save(step, state, {"epoch": epoch, **(metadata or {})}, overlap=overlap)

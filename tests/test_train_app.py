@@ -82,6 +82,17 @@ def test_train_resume_and_outputs(tiny_data, tmp_path):
     assert (run / "config.yaml").exists() and (run / "config.1.yaml").exists()   # nothing overwritten
 
 
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    res = _torchrun(_args(tiny_data, run, "train.epochs=2", "optimizer.base_lr=1e38",
+                          "optimizer.warmup_epochs=0", "checkpoint.every_steps=1"))
+    assert res.returncode != 0
+    assert "non-finite" in res.stderr or "loss is nan" in res.stderr, res.stderr[-3000:]
+    listing = subprocess.run([sys.executable, "-m", "hybridpar.checkpoint", "verify",
+                              str(run / "checkpoints")], capture_output=True, text=True, cwd=ROOT)
+    assert listing.returncode == 0, listing.stdout + listing.stderr
+
+
 def test_missing_data_is_a_one_line_error(tmp_path):
     res = _torchrun(_args(tmp_path / "nowhere", tmp_path / "run", "train.epochs=1"), nproc=1, timeout=120)
     assert res.returncode != 0

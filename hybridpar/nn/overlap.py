@@ -95,6 +95,14 @@ class OverlappedConv3d(torch.autograd.Function):
         ex, stride, dilation, groups, group, core, shell, has_bias, x_shape = ctx.meta
         gy = gy.contiguous()
         kernel = weight.shape[2:]
+        if not ctx.needs_input_grad[0]:  # e.g. the first layer: no input gradient, no halo traffic
+            gw = conv3d_weight(ext, weight.shape, gy, stride, 0, dilation, groups)
+            gb = gy.sum(dim=(0, 2, 3, 4)) if has_bias else None
+            if grad_sync_enabled():
+                work = all_reduce_async([t for t in (gw, gb) if t is not None], group)
+                if work is not None:
+                    work.wait()
+            return None, gw, gb, None, None, None, None, None
         # 1. Input gradient that comes from the shell: it holds every halo gradient.
         g_shell = torch.zeros_like(ext)
         for box in shell:

@@ -13,32 +13,26 @@ large buckets with the scale each needs (see ``grad_split``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
 
 from hybridpar.profiling import range as prange
+from hybridpar.switch import Switch
 
-# Process-wide, not thread-local: on CUDA the autograd engine runs backward on its own threads.
-_SYNC = {"enabled": True}
+_SYNC = Switch(True)
 
 
 def grad_sync_enabled() -> bool:
     """False inside :func:`no_grad_sync`."""
-    return _SYNC["enabled"]
+    return _SYNC.on
 
 
-@contextlib.contextmanager
-def no_grad_sync() -> Iterator[None]:
+def no_grad_sync() -> AbstractContextManager[None]:
     """Leave weight gradients as local contributions (for accumulation over micro-batches)."""
-    prev = _SYNC["enabled"]
-    _SYNC["enabled"] = False
-    try:
-        yield
-    finally:
-        _SYNC["enabled"] = prev
+    return _SYNC.set(False)
 
 
 def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, async_op: bool = False):

@@ -8,8 +8,7 @@ pass reduces its two per-channel sums in one collective.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -19,19 +18,14 @@ from torch import nn
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.switch import Switch
 
-_RECOMPUTING = {"on": False}
+_RECOMPUTING = Switch(False)
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
+def recomputing() -> AbstractContextManager[None]:
     """Marks activation recomputation: running statistics must not be updated a second time."""
-    prev = _RECOMPUTING["on"]
-    _RECOMPUTING["on"] = True
-    try:
-        yield
-    finally:
-        _RECOMPUTING["on"] = prev
+    return _RECOMPUTING.set(True)
 
 
 def _allreduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -109,7 +103,7 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
             raise ValueError(f"{self.layer_name}: expected more than 1 value per channel when training, "
                              f"got input of global size {(x.shape[0], x.shape[1], *shape)}")
         y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, group, count, replicas)
-        if self.training and self.track_running_stats and not _RECOMPUTING["on"]:
+        if self.training and self.track_running_stats and not _RECOMPUTING.on:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 factor = self.momentum if self.momentum is not None \

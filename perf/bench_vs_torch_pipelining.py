@@ -1,0 +1,386 @@
+"""hybridpar's GPipe against ``torch.distributed.pipelining.ScheduleGPipe``: speed, memory, numbers.
+
+Why: the issue lets the engine build on torch's pipelining or write its own scheduler, and asks that
+either way it be measured against torch's: throughput ratio >= 1.0, peak memory per stage no worse.
+
+Both run the same model (``bench_pipeline.make_stack``: depth x [Conv3d C->C k3 p1, LeakyReLU(0.3)],
+MaxPool3d(2), Flatten, Linear -> 4; MSE loss; float32), the same weights, split (stage 1 starts at
+conv depth // 2), batch (micro-batch ``--micro`` samples, batch micro * M) and micro-batch count, on
+2 ranks x 1 thread over gloo on CPU:
+
+* ``hybridpar``: ``hp.parallelize(model, {grid: {pipe: 2}, pipeline: {microbatches: M, stages:
+  [...]}}, loss_fn=F.mse_loss)``; ``engine.train_step(x_local, y_local)``;
+* ``torch``: the two halves as ``nn.Sequential`` modules (original layer names kept), one
+  ``PipelineStage(half, rank, 2, cpu)`` per rank, ``ScheduleGPipe(stage, M, loss_fn=F.mse_loss)``
+  (default ``scale_grads=True``); ``step(x)`` on stage 0 and ``step(target=y, losses=[...])`` on
+  stage 1, ``return_outputs=False``.
+
+Each step sets gradients to None first; no optimizer step. A step lasts until its slowest rank is done.
+
+Memory per stage, two ways, each rank in a fresh process per (implementation, M), after 2 warm-up
+steps, glibc told to return every block >= 64 KiB to the OS (``MALLOC_MMAP_THRESHOLD_=65536``) so the
+resident set follows live tensors:
+
+* *peak RSS*: the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
+  during one step, minus the resident set before the model was built: weights, gradients,
+  activations, communication buffers and the library's own state;
+* *saved activations*: the peak of the bytes of tensors autograd holds for backward (distinct
+  storages, weights excluded), counted with ``torch.autograd.graph.saved_tensors_hooks``:
+  independent of the allocator.
+
+Numbers: one step in float64 from the same weights and batch, each stage's gradients against the
+whole model on one process (the full-batch mean loss), for hybridpar, torch (``scale_grads=True``,
+the default in torch 2.13), and torch with ``scale_grads=False`` (torch's behaviour before the flag).
+(A batch that M does not divide is not compared: hybridpar's spec refuses it, and torch's stage 1
+receives every micro-batch into buffers shaped like the first one, so its loss fails on the shape.)
+
+    .venv/bin/python perf/bench_vs_torch_pipelining.py                 # V=24, M = 2, 4, 8, 3 rounds
+    .venv/bin/python perf/bench_vs_torch_pipelining.py --size 12 --rounds 1 --steps 3 --no-wait \\
+        --out-dir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+import common
+import torch
+import torch.nn.functional as F
+from bench_pipeline import make_stack, split_layer, stack_data
+from torch import nn
+
+RANKS = 2
+IMPLS = ["hybridpar", "torch"]
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+# ---------------------------------------------------------------------------- memory probes
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def rss_mib() -> float:
+    """Resident set now."""
+    return _status_kib("VmRSS") / 1024
+
+
+def reset_peak_rss() -> None:
+    """Set the kernel's high-water mark of the resident set to the resident set now (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mib() -> float:
+    """Highest resident set since the last :func:`reset_peak_rss`."""
+    return _status_kib("VmHWM") / 1024
+
+
+class _Held:
+    """What autograd stores in place of a saved tensor; freed when autograd lets it go."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class SavedActivations:
+    """Peak bytes of the distinct storages autograd holds for backward, weights excluded.
+
+    Use as a context manager around forward *and* backward of a step::
+
+        with SavedActivations(model.parameters()) as saved:
+            loss = model(x).sum(); loss.backward()
+        saved.peak_bytes
+    """
+
+    def __init__(self, params) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip or t.device.type == "meta":
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        held = _Held(t)
+        weakref.finalize(held, self._release, key, storage.nbytes())
+        return held
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------- the two pipelines
+def halves(model: nn.Sequential, k: int) -> list[nn.Sequential]:
+    """Stage modules with the original layer names ("0", "1", ...), so state-dict keys agree."""
+    named = list(model.named_children())
+    return [nn.Sequential(OrderedDict(named[:k])), nn.Sequential(OrderedDict(named[k:]))]
+
+
+def build(impl: str, rank: int, cfg: dict, m: int, x: torch.Tensor, y: torch.Tensor, dtype=torch.float32,
+          scale_grads: bool = True):
+    """(step() -> loss or None, this rank's named parameters) for ``impl`` with M micro-batches."""
+    model = make_stack(cfg["size"], cfg["channels"], cfg["depth"]).to(dtype)
+    k = split_layer(cfg)
+    if impl == "hybridpar":
+        import hybridpar as hp
+
+        spec = {"grid": {"pipe": RANKS},
+                "pipeline": {"schedule": "gpipe", "microbatches": m, "stages": ["0", str(k)]}}
+        engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
+        x_local, y_local = engine.shard_batch(x, y)
+        named = dict(engine.named_parameters())
+
+        def step():
+            for p in named.values():
+                p.grad = None
+            return engine.train_step(x_local, y_local)
+
+        return step, named
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    half = halves(model, k)[rank]
+    stage = PipelineStage(half, rank, RANKS, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, m, loss_fn=F.mse_loss, scale_grads=scale_grads)
+    named = dict(half.named_parameters())
+
+    def step():
+        for p in named.values():
+            p.grad = None
+        if rank == 0:
+            schedule.step(x, return_outputs=False)
+            return None
+        losses: list[torch.Tensor] = []
+        schedule.step(target=y, losses=losses, return_outputs=False)
+        return losses
+
+    return step, named
+
+
+# ---------------------------------------------------------------------------- jobs
+def time_job(rank: int, world: int, cfg: dict, impl: str, ms: list[int]) -> dict:
+    """Step times of ``impl`` for each M (one process group, configurations one after another)."""
+    out = {}
+    for m in ms:
+        x, y = stack_data(cfg, cfg["micro"] * m)
+        step, _ = build(impl, rank, cfg, m, x, y)
+        times = common.time_steps(step, cfg["warmup"], cfg["steps"], before=common.barrier)
+        out[f"{impl} M={m}"] = common.slowest_rank(times)
+    return out
+
+
+def memory_job(rank: int, world: int, cfg: dict, impl: str, m: int) -> list[dict]:
+    """Peak RSS over a step and peak saved activations, per rank (fresh process, one configuration)."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining  # noqa: F401 (imported before the base line, as in timing)
+
+    import hybridpar  # noqa: F401
+
+    base = rss_mib()
+    x, y = stack_data(cfg, cfg["micro"] * m)
+    step, named = build(impl, rank, cfg, m, x, y)
+    for _ in range(2):
+        step()
+    common.barrier()
+    before = rss_mib()
+    reset_peak_rss()
+    step()
+    peak = peak_rss_mib()
+    common.barrier()
+    with SavedActivations(named.values()) as saved:
+        step()
+    mine = {"rank": rank, "stage": rank, "rss_base_mib": base, "rss_before_step_mib": before,
+            "peak_rss_step_mib": peak, "peak_over_base_mib": peak - base,
+            "peak_over_prestep_mib": peak - before,
+            "saved_activations_peak_mib": saved.peak_bytes / 2 ** 20,
+            "params_mib": sum(p.numel() * p.element_size() for p in named.values()) / 2 ** 20}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def check_job(rank: int, world: int, cfg: dict, m: int) -> list[dict]:
+    """One float64 step of each variant against the whole model on one process, per rank."""
+    import torch.distributed as dist
+
+    batch = cfg["micro"] * m
+    g = torch.Generator().manual_seed(3)
+    v = cfg["size"]
+
+    def data(b: int):
+        return (torch.randn(b, cfg["channels"], v, v, v, generator=g, dtype=torch.float64),
+                torch.randn(b, 4, generator=g, dtype=torch.float64))
+
+    x, y = data(batch)
+    model = make_stack(v, cfg["channels"], cfg["depth"]).double()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    ref_loss, ref_grads = loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    mine: dict = {"rank": rank, "M": m, "batch": batch, "reference_loss": ref_loss}
+    for name, impl, scale in [("hybridpar", "hybridpar", True),
+                              ("torch scale_grads=True (default)", "torch", True),
+                              ("torch scale_grads=False", "torch", False)]:
+        step, named = build(impl, rank, cfg, m, x, y, torch.float64, scale)
+        out = step()
+        grads = {n: p.grad for n, p in named.items()}
+        ratio = statistics.median((grads[n].norm() / ref_grads[n].norm()).item() for n in grads)
+        rec = {"grad_rel_err": max(_rel(grads[n], ref_grads[n]) for n in grads), "grad_norm_ratio": ratio}
+        if isinstance(out, torch.Tensor):
+            rec["loss"], rec["loss_rel_err"] = out.item(), abs(out.item() - ref_loss) / abs(ref_loss)
+        elif out is not None:  # torch's per-micro-batch losses (last stage)
+            mean = torch.stack(out).mean().item()
+            rec["loss_mean_of_microbatches"] = mean
+            rec["loss_rel_err"] = abs(mean - ref_loss) / abs(ref_loss)
+        mine[name] = rec
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+# ---------------------------------------------------------------------------- report
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
+    ap.add_argument("--channels", type=int, default=16, help="conv channels C (default 16)")
+    ap.add_argument("--depth", type=int, default=4, help="conv layers (default 4)")
+    ap.add_argument("--split", type=int, default=None, help="conv where stage 1 starts (default depth//2)")
+    ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
+    ap.add_argument("--microbatches", default="2,4,8", help="M values (default 2,4,8)")
+    ap.add_argument("--rounds", type=int, default=3, help="hybridpar/torch alternations (default 3)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
+    ap.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 check")
+    ap.add_argument("--pin", action="store_true", help="bind rank r to core r")
+    ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-min load below this")
+    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
+    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
+    ap.add_argument("--out", default="vs_torch_pipelining", help="name of the JSON file")
+    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.microbatches.split(",")]
+    cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
+           "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
+           "batch": 0, "warmup": args.warmup, "steps": args.steps}
+
+    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    print(f"load average at start: {load['load_at_start']}", flush=True)
+    check = common.launch(check_job, RANKS, cfg, max(ms), threads=1) if args.check else None
+    # Both implementations every round, in swapped order every other round.
+    samples, rounds = common.alternate(args.rounds, [
+        lambda r, i=i: common.launch(time_job, RANKS, cfg, IMPLS[(i + r) % 2], ms if r % 2 == 0 else ms[::-1],
+                                     threads=1, pin=args.pin)
+        for i in range(2)])
+    memory: dict = {}
+    if args.memory:
+        os.environ.update(MALLOC_ENV)  # read by glibc at start-up of the spawned ranks
+        try:
+            for m in ms:
+                for impl in IMPLS:
+                    memory[f"{impl} M={m}"] = common.launch(memory_job, RANKS, cfg, impl, m, threads=1)
+        finally:
+            for k in MALLOC_ENV:
+                os.environ.pop(k, None)
+    load_end = common.loadavg()
+
+    stats = {n: common.summarize(t) for n, t in samples.items()}
+    med = {n: s["median_ms"] for n, s in stats.items()}
+    rows, result = [], {}
+    for m in ms:
+        b = cfg["micro"] * m
+        per_round = [statistics.median(rd[f"torch M={m}"]) / statistics.median(rd[f"hybridpar M={m}"])
+                     for rd in rounds]
+        ratio = med[f"torch M={m}"] / med[f"hybridpar M={m}"]
+        result[m] = {"batch": b, "throughput_ratio": ratio, "throughput_ratio_per_round": per_round,
+                     "meets_throughput_goal": ratio >= 1.0}
+        for impl in IMPLS:
+            name = f"{impl} M={m}"
+            mem = memory.get(name)
+            peak = [r["peak_over_base_mib"] for r in mem] if mem else None
+            saved = [r["saved_activations_peak_mib"] for r in mem] if mem else None
+            result[m][impl] = {"step_ms": med[name], "samples_s": 1e3 * b / med[name],
+                               "peak_rss_over_base_mib": peak, "saved_activations_peak_mib": saved}
+            rows.append([m, b, impl, med[name], f"{stats[name]['q1_ms']:.1f}-{stats[name]['q3_ms']:.1f}",
+                         1e3 * b / med[name], f"{ratio:.3f}" if impl == "hybridpar" else "",
+                         " / ".join(f"{v:.1f}" for v in peak) if peak else "",
+                         " / ".join(f"{v:.2f}" for v in saved) if saved else ""])
+        if memory:
+            ours, theirs = (result[m][i]["peak_rss_over_base_mib"] for i in IMPLS)
+            s_ours, s_theirs = (result[m][i]["saved_activations_peak_mib"] for i in IMPLS)
+            result[m]["memory_no_worse"] = {
+                "peak_rss": [a <= 1.02 * t + 1.0 for a, t in zip(ours, theirs)],
+                "saved_activations": [a <= t * (1 + 1e-9) for a, t in zip(s_ours, s_theirs)]}
+    table = common.print_table(
+        ["M", "batch", "impl", "median ms", "IQR ms", "samples/s", "ratio (torch ms / ours)",
+         "peak RSS over base MiB (stage 0 / 1)", "saved activations MiB (0 / 1)"], rows,
+        title=f"hybridpar GPipe vs torch.distributed.pipelining.ScheduleGPipe: 2 ranks x 1 thread, gloo, "
+              f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {args.size}^3, micro-batch "
+              f"{args.micro}, float32 ({args.rounds} rounds x {args.steps} steps; 1-min load "
+              f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")
+    check_rows = []
+    if check:
+        for rec in check:
+            for variant, v in rec.items():
+                if isinstance(v, dict):
+                    check_rows.append([rec["rank"], variant, f"{v['grad_rel_err']:.1e}",
+                                       f"{v['grad_norm_ratio']:.4f}",
+                                       f"{v['loss_rel_err']:.1e}" if "loss_rel_err" in v else ""])
+        check_table = common.print_table(
+            ["stage", "variant", "grad rel. err vs 1 process", "grad norm ratio", "loss rel. err"],
+            check_rows, title=f"One float64 step, M={max(ms)}, batch {cfg['micro'] * max(ms)}, against the "
+                              f"whole model in one process")
+    else:
+        check_table = ""
+    common.write_json(args.out, {
+        "config": {**cfg, "microbatches": ms, "rounds": args.rounds, "ranks": RANKS,
+                   "stage_starts": ["0", str(split_layer(cfg))], "batch": "micro * M",
+                   "model": repr(make_stack(args.size, args.channels, args.depth)).splitlines(),
+                   "dtype": "float32", "threads_per_process": 1, "pin": args.pin, "backend": "gloo",
+                   "torch_schedule": "ScheduleGPipe(PipelineStage(half, rank, 2, cpu), M, loss_fn=mse_loss), "
+                                     "scale_grads default (True), step(..., return_outputs=False)",
+                   "memory_method": "fresh processes per (impl, M), MALLOC_MMAP_THRESHOLD_=65536; peak RSS "
+                                    "= VmHWM over one step (reset via /proc/self/clear_refs) minus VmRSS "
+                                    "before the model was built; saved activations = peak distinct "
+                                    "storage bytes held by autograd (saved_tensors_hooks), weights "
+                                    "excluded; third step after 2 warm-ups"},
+        "load": {**load, "load_at_end": load_end},
+        "stats": stats, "result": result, "memory": memory, "check": check, "rounds": rounds,
+        "table": table, "check_table": check_table}, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

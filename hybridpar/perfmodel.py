@@ -1107,7 +1107,9 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     node_ranks = min(world, machine.ranks_per_node)
     slow = machine.contention if node_ranks >= 2 else 1.0
     if machine.cores is not None and node_ranks > machine.cores:
-        # time-shared cores: a message waits for its receiver's next turn on a core
+        # time-shared cores: a rank computes on its share of a core while the others that are busy
+        # (all but the pipeline's idle share) compute too, and a message waits for its receiver's turn
+        slow *= max(1.0, node_ranks * (1 - bubble_fraction(S, M)) / machine.cores)
         wait = node_ranks / machine.cores
         machine = dataclasses.replace(
             machine, intra=Link(machine.intra.latency * wait, machine.intra.bandwidth),
@@ -1218,10 +1220,10 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     exposed = max(exposed, 0.0)
     # optimizer step (memory-bound, 4 passes over params) and slicing the rank's input shard
     crit_params = max(st.params for st in stages)
-    other = c.pointwise.time(0.0, 4 * e * crit_params) + machine.step_overhead
+    own = c.pointwise.time(0.0, 4 * e * crit_params) + machine.step_overhead
     # the global loss: one tiny all-reduce over the ranks at one stage position (data x pipe)
     cross = [(d * S + s) * stage_size for d in range(g.data) for s in range(S)]
-    other += allreduce_time(8, cross, machine, world)
+    other = own + allreduce_time(8, cross, machine, world)
     first_in = math.prod(plan[0].local_input_shape) * M * e
     data_wait = c.pointwise.time(0.0, 2 * first_in)
     compute = M * stages[crit].compute
@@ -1237,7 +1239,7 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
         for s, st in enumerate(stages):
             ranks = g.data * stage_size
             ar_xfer = st.grad_reduce - st.grad_reduce_latency
-            busy += ranks * (M * (st.time - st.latency) + ar_xfer + other + (data_wait if s == 0 else 0.0))
+            busy += ranks * (M * (st.time - st.latency) + ar_xfer + own + (data_wait if s == 0 else 0.0))
         floor = busy * min(node_ranks, world) / world / machine.cores
         if floor > step:
             oversubscribed = True

@@ -220,14 +220,21 @@ def _run_config(rank: int, cfg: Config, warmup: int, steps: int, timeline: str |
     return {"steps_s": slowest.tolist(), "ranks": everyone}
 
 
-def state_probe(rank: int, world: int, probe: tuple, window: float = 0.8) -> dict[str, Any]:
+def state_probe(rank: int, world: int, probe: tuple, window: float = 1.0) -> dict[str, Any]:
     """The machine's state at the start of a group, from ranks 0 and 1 (the others sleep, and a
-    sleeping rank costs nothing): the slowdown of a layer when two ranks compute at once (contention),
-    and the cost of a halo-like exchange right after computing (the link the model uses)."""
+    sleeping rank costs nothing): the slowdown of the plain model's training step on the per-rank
+    problem when two ranks run it at once (contention), and the cost of a halo-like exchange right
+    after computing (the link the model uses)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    _key, m, shape, needs = probe
-    _fwd, both = pm.layer_callables(m, shape, needs, wrap=False)
+    name, shape = probe
+    model = build_model(name, shape)
+    x = torch.randn(shape)
+
+    def both() -> None:  # a whole training step's memory traffic, not one kernel's
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
     pair = dist.new_group([0, 1])
     ratios = []
     for _ in range(2):
@@ -342,14 +349,11 @@ def calibrate(cfgs: list[Config], workloads: dict, path: Path, refresh: bool, re
     return machine
 
 
-def probe_layer(cfgs: list[Config], workloads: dict, machine: pm.Machine) -> tuple:
-    """The costliest measured layer of the one-rank configs: what the state probe times."""
-    entries = []
-    for cfg in cfgs:
-        if cfg.world == 1:
-            w = workloads[(cfg.model, cfg.input_shape)]
-            entries += pm.layer_entries(w, w.plan(_spec(cfg)))
-    return max(entries, key=lambda e: sum(machine.measured.get(e[0], (0.0, 0.0))))
+def probe_problem(cfgs: list[Config]) -> tuple[str, tuple[int, ...]]:
+    """What the state probe runs: the smallest one-rank problem of the sweep (the weak per-rank one)."""
+    ones = [c for c in cfgs if c.world == 1] or cfgs
+    small = min(ones, key=lambda c: c.input_shape[0] * c.input_shape[2] * c.input_shape[3] * c.input_shape[4])
+    return small.model, small.input_shape
 
 
 def _spec(cfg: Config):
@@ -722,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
 
     raw: dict[str, dict] = {}
     loads = {}
-    probe = probe_layer(cfgs, workloads, machine)
+    probe = probe_problem(cfgs)
     for world in sorted({c.world for c in cfgs}):
         group = [c for c in cfgs if c.world == world]
         note = f" (oversubscribed: {world} ranks on {cores} cores)" if world > cores else ""

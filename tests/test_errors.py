@@ -13,9 +13,15 @@ from torch import nn
 import hybridpar as hp
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def grid():
-    return hp.ProcessGrid()
+    """A one-rank group for this module only: later tests must not inherit an initialised group."""
+    yield hp.ProcessGrid()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    from hybridpar import grid as grid_module
+
+    grid_module._GROUP_CACHE.clear()
 
 
 def test_single_process_needs_no_launcher(grid):

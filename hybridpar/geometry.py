@@ -183,13 +183,13 @@ def window_plans(extent: int, parts: int, kernel: int, stride: int = 1, pad_lo: 
     _check_nonempty(extent, n_out, parts, layer, dim)
     ins, outs = shard_ranges(extent, parts), shard_ranges(n_out, parts)
     needs = [_need(o, kernel, stride, pad_lo, dilation) for o in outs]
-    fits = "use a smaller split along " + dim
-    if layer:  # the search for what fits is itself built on this function; skip it when probing
-        fits = (f"use a split of at most "
-                f"{max_parts(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode)} along {dim}")
     try:
         return _link(extent, ins, outs, needs, layer, dim, "")
     except HaloError as err:
+        fits = "use a smaller split along " + dim
+        if layer:  # the search for what fits calls this function; only a real layer's error pays for it
+            fits = (f"use a split of at most "
+                    f"{max_parts(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode)} along {dim}")
         raise HaloError(f"{err}{fits}") from None
 
 

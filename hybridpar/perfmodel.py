@@ -163,21 +163,33 @@ class Machine:
     before the fitted costs when present (see :func:`measure_layers`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data for JSON (infinite rates as the string ``"inf"``, which strict JSON lacks)."""
+        return _finite(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Machine:
         c = dict(d["compute"])
-        compute = Compute(**{k: Cost(**v) for k, v in c.items() if k != "dtype_bytes"},
+        num = lambda v: {k: float(x) for k, x in v.items()}  # noqa: E731
+        compute = Compute(**{k: Cost(**num(v)) for k, v in c.items() if k != "dtype_bytes"},
                           dtype_bytes=c.get("dtype_bytes", 4))
         rest = {k: v for k, v in d.items() if k not in ("compute", "intra", "inter", "measured")}
         measured = {k: tuple(v) for k, v in d.get("measured", {}).items()}
-        return cls(compute=compute, intra=Link(**d["intra"]), inter=Link(**d["inter"]), measured=measured,
-                   **rest)
+        return cls(compute=compute, intra=Link(**num(d["intra"])), inter=Link(**num(d["inter"])),
+                   measured=measured, **rest)
 
     def with_measured(self, table: Mapping[str, tuple[float, float]]) -> Machine:
         """This machine with more measured layer times (new entries win)."""
         return dataclasses.replace(self, measured={**self.measured, **table})
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _gpu(name: str, description: str, *, flops: float, fraction: float, hbm: float, mem_fraction: float,
@@ -239,7 +251,7 @@ def save_machine(machine: Machine, path: str | os.PathLike, extra: Mapping[str, 
     """Write ``machine`` (and ``extra`` facts such as the raw calibration samples) as JSON."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine.to_dict(), **(extra or {})}, indent=1) + "\n")
+    path.write_text(json.dumps({"machine": machine.to_dict(), **_finite(dict(extra or {}))}, indent=1) + "\n")
     return path
 
 

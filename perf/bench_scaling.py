@@ -10,8 +10,10 @@ LeakyReLU(0.3), MaxPool3d(2); batch 1; forward + backward; float32) runs on an S
   kernels DistConv3d runs; torch's CPU conv speed depends on the padding argument);
 * ``dist``: 2 ranks x 1 thread, split (2, 1, 1), with ``overlap=False`` and ``overlap=True``.
 
-speedup = T(1 process x 2 threads) / T(2 ranks); goal of issue 2: >= 1.0. The jobs run one after
-another (never at the same time) and alternate for ``--rounds`` rounds.
+speedup = T(1 process x 2 threads) / T(2 ranks) on step-time medians; goal of issue 2: >= 1.0.
+"fastest steps" is the same ratio of the minima, which interference from other work on a shared
+machine (it only ever adds time) distorts least. The jobs run one after another (never at the same
+time) and alternate for ``--rounds`` rounds.
 
     .venv/bin/python perf/bench_scaling.py                      # S=128, 3 rounds x 4 steps
     .venv/bin/python perf/bench_scaling.py --size 32 --rounds 2 --steps 2 --no-wait --out-dir /tmp
@@ -113,21 +115,24 @@ def main() -> None:
     med = {n: stats[n]["median_ms"] for n in NAMES}
     iqr = lambda n: f"{stats[n]['q1_ms']:.0f}-{stats[n]['q3_ms']:.0f}"  # noqa: E731
     rows = [[f"1 process x {args.threads} threads, torch.nn (padding=1), whole volume", med[BASE[0]],
-             iqr(BASE[0]), 1.0, "", "", ""],
+             iqr(BASE[0]), 1.0, "", "", "", ""],
             [f"1 process x {args.threads} threads, F.pad + conv padding=0 (DistConv3d's kernels)",
-             med[BASE[1]], iqr(BASE[1]), med[BASE[0]] / med[BASE[1]], "", "", ""]]
+             med[BASE[1]], iqr(BASE[1]), med[BASE[0]] / med[BASE[1]], "", "", "", ""]]
     result = {}
     for n in DIST:
         speedup, same = med[BASE[0]] / med[n], med[BASE[1]] / med[n]
         per_round = [rd["speedup"][n] for rd in rounds]
+        best = stats[BASE[0]]["min_ms"] / stats[n]["min_ms"]
         result[n] = {"speedup": speedup, "speedup_per_round": per_round, "goal": 1.0,
+                     "speedup_of_fastest_steps": best,
                      "meets_goal": speedup >= 1.0, "speedup_same_kernels": same,
                      "speedup_same_kernels_per_round": [rd["speedup_same_kernels"][n] for rd in rounds]}
         rows.append([f"{n}: 2 ranks x 1 thread, split (2,1,1)", med[n], iqr(n), speedup,
-                     f"{min(per_round):.3f} .. {max(per_round):.3f}", same, ">= 1.0"])
+                     f"{min(per_round):.3f} .. {max(per_round):.3f}", best, same, ">= 1.0"])
     s = args.size
     table = common.print_table(
-        ["config", "median ms", "IQR ms", "speedup", "per-round speedup", "vs pre-padded", "goal"], rows,
+        ["config", "median ms", "IQR ms", "speedup", "per-round speedup", "fastest steps", "vs pre-padded",
+         "goal"], rows,
         title=f"Strong scaling: CosmoFlow-like stack, {s}^3 x 4, batch 1, fwd+bwd, float32 "
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f}, the benchmark's own processes included)"

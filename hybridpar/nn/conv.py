@@ -14,7 +14,7 @@ from torch import nn
 
 from hybridpar.comm.halo import HaloExchanger, halo_exchange
 from hybridpar.comm.reduce import sync_grads
-from hybridpar.geometry import same_padding, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.overlap import OverlappedConv3d
 from hybridpar.nn.spatial import SpatialLayer, _triple
@@ -46,12 +46,26 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
         return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
 
+    def _native_pads(self) -> tuple[int, int, int]:
+        """Padding torch's kernel can apply itself: symmetric padding along dims that are not split
+        (no copy of the input). The overlapped path pads everything in the exchanger instead."""
+        if self.overlap:
+            return (0, 0, 0)
+        return tuple(lo if lo == hi and self.grid.spatial_shape[i] == 1 else 0  # type: ignore[return-value]
+                     for i, (lo, hi) in enumerate(self._pads()))
+
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
-        pads = self._pads()
-        return self.exchanger(shape, lambda n, parts, dim: window_plans(
-            n, parts, self.kernel_size[dim_i(dim)], self.stride[dim_i(dim)], *pads[dim_i(dim)],
-            self.dilation[dim_i(dim)], layer=self.layer_name, dim=dim))
+        pads, native = self._pads(), self._native_pads()
+
+        def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
+            i = dim_i(dim)
+            if native[i]:  # unsplit, padded by the kernel: nothing to exchange, trim or fill
+                return [HaloPlan((0, n), (0, n), (0, n), 0, 0, 0, 0, 0, 0, (0, 0), (0, 0))]
+            return window_plans(n, parts, self.kernel_size[i], self.stride[i], *pads[i], self.dilation[i],
+                                layer=self.layer_name, dim=dim)
+
+        return self.exchanger(shape, plans_of, key=("native", native))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.halo_exchanger(self.global_shape(x))
@@ -60,7 +74,8 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             return OverlappedConv3d.apply(x, self.weight, self.bias, ex, self.stride, self.dilation,
                                           self.groups, group)
         weight, bias = sync_grads(group, self.weight, self.bias)
-        return F.conv3d(halo_exchange(x, ex), weight, bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv3d(halo_exchange(x, ex), weight, bias, self.stride, self._native_pads(), self.dilation,
+                        self.groups)
 
 
 def dim_i(name: str) -> int:

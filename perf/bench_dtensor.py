@@ -13,8 +13,9 @@ questions on 2 ranks (gloo, CPU, 1 thread each):
    The input needs no gradient (a first layer), because ``_tp_conv`` returns no input gradient in 3-D.
    Two more rows time the local conv on the own shard alone, no communication, with ``padding=1``
    (the kernel ``_tp_conv`` calls) and on an explicitly padded shard with ``padding=0`` (the kernel
-   DistConv3d calls): torch's CPU conv speed depends a lot on that argument on some shapes, and these
-   floors tell kernel choice apart from communication.
+   the overlapped DistConv3d calls; the non-overlapped one pads W explicitly and H, D in the kernel):
+   torch's CPU conv speed depends a lot on that argument on some shapes, and these floors tell
+   kernel choice apart from communication.
 2. *Cases*: stride 2, padding 0/'valid'/'same', dilation 2, even kernels, a split on D or H, an
    uneven split, a 2-D split (4 ranks), MaxPool3d. For each: what DTensor does (exception, wrong
    result, silent all-gather) and what ours does, both checked against torch.nn in float64 (forward

@@ -8,9 +8,10 @@ batch 1; forward + backward; float32):
 * ``local``: 1 process x 1 thread, plain ``torch.nn`` on one S^3 shard, no communication (the
   baseline of issue 2);
 * ``local pre-padded``: the same, but each conv zero-pads explicitly and runs with ``padding=0``,
-  the torch kernel DistConv3d runs on its halo-extended shard. torch's CPU conv speed depends on the
-  padding argument (either way, by ~10 % on these shapes), so this second baseline separates the
-  cost of communication from the choice of kernel;
+  the torch kernel the overlapped DistConv3d runs on its halo-extended shard (the non-overlapped one
+  pads only the split dim explicitly and lets the kernel pad the others). torch's CPU conv speed
+  depends on the padding argument (either way, by ~10 % on these shapes), so this second baseline
+  separates the cost of communication from the choice of kernel;
 * ``dist``: 2 ranks x 1 thread, split (2, 1, 1) of a (2S) x S x S volume, so every rank holds the
   same S^3 shard, with ``overlap=False`` and ``overlap=True``.
 
@@ -150,7 +151,7 @@ def main() -> None:
     iqr = lambda n: f"{stats[n]['q1_ms']:.1f}-{stats[n]['q3_ms']:.1f}"  # noqa: E731
     rows = [["local: 1 rank x 1 thread, torch.nn (padding=1), no comm", med["local"], iqr("local"), 1.0,
              "", "", "", "", ""],
-            ["local pre-padded: same, F.pad + conv padding=0 (DistConv3d's kernels)", med[LOCAL[1]],
+            ["local pre-padded: same, F.pad + conv padding=0 (overlapped kernel)", med[LOCAL[1]],
              iqr(LOCAL[1]), med[LOCAL[1]] / med["local"], "", "", "", "", ""]]
     result = {}
     for n in names[2:]:

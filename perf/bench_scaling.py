@@ -7,7 +7,7 @@ LeakyReLU(0.3), MaxPool3d(2); batch 1; forward + backward; float32) runs on an S
 
 * ``threads``: 1 process x 2 threads, plain ``torch.nn`` on the whole volume (what a user would run),
   and the same with each conv zero-padding explicitly and running with ``padding=0`` (the torch
-  kernels DistConv3d runs; torch's CPU conv speed depends on the padding argument);
+  kernel the overlapped DistConv3d runs; torch's CPU conv speed depends on the padding argument);
 * ``dist``: 2 ranks x 1 thread, split (2, 1, 1), with ``overlap=False`` and ``overlap=True``.
 
 speedup = T(1 process x 2 threads) / T(2 ranks) on step-time medians; goal of issue 2: >= 1.0.
@@ -116,7 +116,7 @@ def main() -> None:
     iqr = lambda n: f"{stats[n]['q1_ms']:.0f}-{stats[n]['q3_ms']:.0f}"  # noqa: E731
     rows = [[f"1 process x {args.threads} threads, torch.nn (padding=1), whole volume", med[BASE[0]],
              iqr(BASE[0]), 1.0, "", "", "", ""],
-            [f"1 process x {args.threads} threads, F.pad + conv padding=0 (DistConv3d's kernels)",
+            [f"1 process x {args.threads} threads, F.pad + conv padding=0 (overlapped kernel)",
              med[BASE[1]], iqr(BASE[1]), med[BASE[0]] / med[BASE[1]], "", "", "", ""]]
     result = {}
     for n in DIST:

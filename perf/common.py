@@ -182,8 +182,8 @@ def cosmo_stack(grid=None, overlap: bool = False, seed: int = 0, prepad: bool = 
 
     ``grid=None``: plain ``torch.nn`` layers; otherwise the hybridpar layers on ``grid``. The same
     seed gives the same weights either way (the Dist layers subclass the torch ones). ``prepad``
-    (plain layers only): zero-pad explicitly and convolve with ``padding=0``, i.e. the torch kernels
-    that DistConv3d runs on its halo-extended shard, to separate kernel choice from communication.
+    (plain layers only): zero-pad explicitly and convolve with ``padding=0``, the torch kernel the
+    overlapped DistConv3d runs on its halo-extended shard, to separate kernel choice from communication.
     """
     torch.manual_seed(seed)
     if grid is None:

@@ -607,24 +607,13 @@ class Workload:
         self.leaves, self.containers = _plan.sequential_layers(model)
         self.shapes = _plan.trace_shapes(model, self.leaves, shape)
         self.count = flop_count.count(model, shape)
-        index = {name: i for i, (name, _) in enumerate(self.leaves)}
-        sums = [[0, 0, 0, 0] for _ in self.leaves]
-        for rec in self.count.per_layer:
-            parts = rec.name.split("#", 1)[0].split(".")
-            for k in range(len(parts), 0, -1):
-                i = index.get(".".join(parts[:k]))
-                if i is not None:
-                    s = sums[i]
-                    s[0] += rec.forward
-                    s[1] += rec.input_grad
-                    s[2] += rec.weight_grad
-                    s[3] += rec.forward_other
-                    break
+        sums = _plan.leaf_flop_sums(self.count, self.leaves)
         self.layers = [
             _Leaf(name, m, _op_class(m, s[0]), s[0], s[1], s[2], s[3], sum(p.numel() for p in m.parameters()),
                   isinstance(m, _plan.WINDOW))
             for (name, m), s in zip(self.leaves, sums)]
         self.fwd_flops = [lf.forward for lf in self.layers]
+        self.train_flops = [s[0] + s[1] + s[2] for s in sums]
         self._halo_cache: dict[tuple[int, Split], Any] = {}
 
     @property
@@ -688,8 +677,7 @@ class Workload:
         local_out = [_plan._local(o, micro, s) for (_, o), s in zip(self.shapes, splits)]
         act = [_plan.BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
         if pipe.stages == "auto":
-            per_rank = [-(-f // math.prod(s)) for f, s in zip(self.fwd_flops, splits)]
-            starts = _plan.balance_stages(per_rank, grid.pipe, act)
+            starts = _plan.auto_stages(self.train_flops, splits, act, grid.pipe)
         else:
             starts = _plan._named_stages(pipe.stages, self.leaves, self.containers)
         stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(self.leaves))]
@@ -700,7 +688,7 @@ class Workload:
             local_input_shape=_plan._local(self.shapes[i][0], micro, splits[i]),
             local_output_shape=local_out[i],
             halo=halos[i], params=self.layers[i].params, flops=self.fwd_flops[i], activation_bytes=act[i],
-            redistribute=i > 0 and splits[i] != splits[i - 1])
+            redistribute=i > 0 and splits[i] != splits[i - 1], train_flops=self.train_flops[i])
             for i, (name, m) in enumerate(self.leaves)]
 
 

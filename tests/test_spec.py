@@ -405,6 +405,40 @@ def test_balance_stages_against_brute_force():
         assert worst(starts) == best
 
 
+def test_balance_stages_memory_then_sends_against_brute_force():
+    """Among the partitions with the smallest costliest stage, the fewest bytes sent win, then the
+    smallest largest stage memory (checked against every partition)."""
+    assert balance_stages([4, 0, 0, 4], 2, memory=[1, 5, 1, 1]) == [0, 2]
+    assert balance_stages([4, 0, 0, 4], 2, sends=[9, 1, 9, 0], memory=[1, 1, 9, 1]) == [0, 2]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        n = int(torch.randint(3, 9, (1,), generator=gen))
+        k = int(torch.randint(1, n + 1, (1,), generator=gen))
+        costs, mem, sends = (torch.randint(0, 4, (n,), generator=gen).tolist() for _ in range(3))
+
+        def key(starts, costs=costs, mem=mem, sends=sends):
+            ends = [*starts[1:], len(costs)]
+            return (max(sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)),
+                    sum(sends[s - 1] for s in starts[1:]),
+                    max(sum(mem[a:b]) for a, b in zip(starts, ends, strict=True)))
+
+        best = min(key([0, *c]) for c in itertools.combinations(range(1, n), k - 1))
+        assert key(balance_stages(costs, k, sends=sends, memory=mem)) == best
+
+
+def test_auto_stages_balance_training_flops():
+    """Forward FLOPs 20:4:16 would cut after the first conv (20 | 20); a training step costs
+    2x forward for the first conv (no input gradient) and 3x for the others (40 | 12 + 48 = 60
+    against 40 + 12 | 48), so ``auto`` cuts after the second."""
+    model = nn.Sequential(nn.Conv3d(5, 4, 1), nn.Conv3d(4, 1, 1), nn.Conv3d(1, 16, 1))
+    plan = spec_of({"pipe": 2}, {"microbatches": 2}).plan(model, (2, 5, 4, 4, 4))
+    fwd = [r.flops for r in plan]
+    assert [f // fwd[1] for f in fwd] == [5, 1, 4]
+    assert [r.train_flops for r in plan] == [2 * fwd[0], 3 * fwd[1], 3 * fwd[2]]
+    assert balance_stages(fwd, 2) == [0, 1]
+    assert [r.stage for r in plan] == [0, 0, 1]
+
+
 def test_auto_and_named_stages_on_cosmoflow():
     """Auto: conv1+conv2 (43.5 GFLOP per rank) against the rest (25.4), cut after the pool where the
     activation is 8x smaller. Named: container names start at their first leaf."""
@@ -442,6 +476,21 @@ def test_explain_cli_on_cosmoflow(tmp_path, capsys):
     assert "data(1) * pipe(2) * spatial(2*2*1) = 8 ranks" in out
     assert "stage 0: features.0 .. features.5" in out and "stage 1: features.6 .. head.8" in out
     assert "total: 8.91 M params, 137.72 G FLOPs forward" in out
+    # 1-sample micro-batches: the convs with N*C*D*H <= 20480 (not features.3: 1x32x32x32) are named
+    assert "note: on CPU, 4 conv(s) (features.0, features.6, features.9, features.12)" in out
+
+
+def test_explain_warns_of_slow_cpu_convs_for_one_sample_micro_batches():
+    """A 1-sample micro-batch whose local conv input has N*C*D*H <= 20480 falls onto slow_conv3d on
+    CPU: explain says so and says what to change; 2-sample micro-batches or larger inputs do not."""
+    spec = spec_of({"pipe": 2}, {"microbatches": 2})
+    out = explain(spec, small(), (2, 2, 16, 16, 16))
+    assert "note: on CPU, 2 conv(s) (features.0, features.3) get a 1-sample local input" in out
+    assert "micro-batches of 2 or more samples" in out
+    assert "note:" not in explain(spec_of({"pipe": 2}, {"microbatches": 1}), small(), (2, 2, 16, 16, 16))
+    convs = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 4, 3, padding=1))
+    assert "note:" in explain(spec, convs, (2, 2, 64, 64, 16))            # 1*2*64*64 = 8192
+    assert "note:" not in explain(spec, convs, (2, 2, 128, 128, 16))      # 1*2*128*128 = 32768
 
 
 def test_explain_cli_dotted_module_world_size_and_errors(tmp_path, capsys, monkeypatch):

@@ -7,6 +7,7 @@ can be compared with the device's memory and with each other, without launching 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from torch import nn
@@ -74,16 +75,39 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
     for s in range(g.pipe):
         recs = [r for r in records if r.stage == s]
         rank_flops = sum(r.flops / (g.data * (r.split[0] * r.split[1] * r.split[2])) for r in recs)
+        rank_train = sum(r.local_train_flops / g.data for r in recs)
         act = sum(r.activation_bytes for r in recs)
         kept = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, g.pipe - s)
         lines.append(
             f"stage {s}: {recs[0].name} .. {recs[-1].name} ({len(recs)} layers): "
-            f"{_si(sum(r.params for r in recs))} params, {_si(rank_flops)} FLOPs fwd per rank per step, "
+            f"{_si(sum(r.params for r in recs))} params, {_si(rank_flops)} FLOPs fwd "
+            f"({_si(rank_train)} fwd+bwd) per rank per step, "
             f"activations {_bytes(act)} per rank per micro-batch ({_bytes(act * kept)} with {kept} in "
             f"flight under {p.schedule}{', before recompute' if p.recompute else ''})")
     lines.append(f"total: {_si(sum(r.params for r in records))} params, "
-                 f"{_si(sum(r.flops for r in records))} FLOPs forward")
+                 f"{_si(sum(r.flops for r in records))} FLOPs forward, "
+                 f"{_si(sum(r.train_flops for r in records))} forward + backward")
+    lines += [f"note: {n}" for n in cpu_notes(records)]
     return "\n".join(lines)
+
+
+# oneDNN takes a float32 conv on CPU only when N > 1 or N*C*D*H > 20480 (torch's ConvParams::use_mkldnn);
+# below that, Conv3d runs aten::slow_conv3d, measured 3x slower per call than N = 2 (perf/PIPELINE.md).
+SLOW_CONV3D_ELEMENTS = 20480
+
+
+def cpu_notes(records: Sequence[LayerPlan]) -> list[str]:
+    """Warnings that only matter on CPU: 1-sample micro-batches whose local conv input is small
+    enough for torch to fall off oneDNN onto its slow reference kernel."""
+    slow = [r for r in records if r.kind in ("Conv3d", "ConvTranspose3d") and len(r.local_input_shape) == 5
+            and r.local_input_shape[0] == 1 and math.prod(r.local_input_shape[:4]) <= SLOW_CONV3D_ELEMENTS]
+    if not slow:
+        return []
+    names = ", ".join(r.name for r in slow[:4]) + (", ..." if len(slow) > 4 else "")
+    return [f"on CPU, {len(slow)} conv(s) ({names}) get a 1-sample local input with N*C*D*H <= "
+            f"{SLOW_CONV3D_ELEMENTS}: torch runs them on slow_conv3d instead of oneDNN (about 3x slower "
+            f"per call); use micro-batches of 2 or more samples (fewer micro-batches) or a smaller "
+            f"spatial split there. No effect on GPUs."]
 
 
 def explain(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],

@@ -54,6 +54,12 @@ class LayerPlan:
     flops: int
     activation_bytes: int
     redistribute: bool
+    train_flops: int = 0  # forward + input gradient + weight gradient, whole global batch
+
+    @property
+    def local_train_flops(self) -> float:
+        """Training FLOPs one rank of this layer's stage runs per step (per data replica, per shard)."""
+        return self.train_flops / math.prod(self.split)
 
     @property
     def replicated(self) -> bool:
@@ -197,27 +203,48 @@ def forward_flops(m: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int,
     return 0
 
 
-def layer_flops(model: nn.Module, leaves: list[tuple[str, nn.Module]], input_shape: tuple[int, ...],
-                shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
-    """Forward matmul FLOPs per leaf, from :func:`hybridpar.flops.count` (one counting convention for
-    the whole project; it also sees convs inside custom modules, credited to their leaf here).
-
-    Falls back to :func:`forward_flops` when the model cannot be copied to the meta device.
-    """
-    try:
-        counted = flop_count.count(model, input_shape)
-    except TypeError:
-        return [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]
+def leaf_flop_sums(counted: flop_count.FlopCount, leaves: list[tuple[str, nn.Module]]) -> list[list[int]]:
+    """``[forward, input_grad, weight_grad, forward_other]`` per leaf, from one
+    :func:`hybridpar.flops.count`: a conv inside a custom module is credited to that module's leaf."""
     index = {name: i for i, (name, _) in enumerate(leaves)}
-    totals = [0] * len(leaves)
+    sums = [[0, 0, 0, 0] for _ in leaves]
     for rec in counted.per_layer:
         parts = rec.name.split("#", 1)[0].split(".")
         for k in range(len(parts), 0, -1):
             leaf = index.get(".".join(parts[:k]))
             if leaf is not None:
-                totals[leaf] += rec.forward
+                s = sums[leaf]
+                s[0] += rec.forward
+                s[1] += rec.input_grad
+                s[2] += rec.weight_grad
+                s[3] += rec.forward_other
                 break
-    return totals
+    return sums
+
+
+def layer_flops(model: nn.Module, leaves: list[tuple[str, nn.Module]], input_shape: tuple[int, ...],
+                shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
+    """Forward matmul FLOPs per leaf (see :func:`layer_flop_costs`)."""
+    return layer_flop_costs(model, leaves, input_shape, shapes)[0]
+
+
+def layer_flop_costs(model: nn.Module, leaves: list[tuple[str, nn.Module]], input_shape: tuple[int, ...],
+                     shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[list[int], list[int]]:
+    """Per leaf: forward matmul FLOPs, and training FLOPs (forward + input gradient + weight
+    gradient), from :func:`hybridpar.flops.count` (one counting convention for the whole project).
+
+    Stages are balanced on the training FLOPs, since that is what a stage spends per micro-batch:
+    the first layer computes no input gradient, so balancing forward FLOPs leaves the first stage
+    light. Falls back to :func:`forward_flops` when the model cannot be copied to the meta device
+    (a training step then counts as 3x forward, 2x for the first layer).
+    """
+    try:
+        counted = flop_count.count(model, input_shape)
+    except TypeError:
+        fwd = [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]
+        return fwd, [f * (2 if i == 0 else 3) for i, f in enumerate(fwd)]
+    sums = leaf_flop_sums(counted, leaves)
+    return [s[0] for s in sums], [s[0] + s[1] + s[2] for s in sums]
 
 
 def _shard(extent: int, parts: int) -> int:
@@ -232,43 +259,62 @@ def _local(shape: tuple[int, ...], micro: int, split: Split) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- stages
-def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | None = None) -> list[int]:
+def _prefix(values: Sequence[int]) -> list[int]:
+    pre = [0]
+    for v in values:
+        pre.append(pre[-1] + v)
+    return pre
+
+
+def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | None = None,
+                   memory: Sequence[int] | None = None) -> list[int]:
     """Start index of each of ``stages`` contiguous, non-empty stages, minimising the costliest stage.
 
     Among partitions with that minimum, the one sending the fewest bytes across boundaries wins
-    (``sends[i]``: bytes layer ``i`` would send if a stage ended after it), so a boundary falls after
-    a pooling layer rather than before it. Two exact dynamic programmes, O(stages * n^2).
+    (``sends[i]``: bytes layer ``i`` would send if a stage ended after it), so that a boundary falls
+    after a pooling layer rather than before it: those bytes are time on every micro-batch. Among
+    those, the one whose largest stage ``memory`` (bytes kept for backward per micro-batch) is
+    smallest. Two exact dynamic programmes, O(stages * n^2); the second is exact because its key
+    (bytes sent, largest memory) only grows, in order, as stages are appended.
     """
     n = len(costs)
     if stages > n:
         raise SpecError(f"grid.pipe: {stages} stages need at least {stages} layers; the model has {n}")
     sends = [0] * n if sends is None else list(sends)
-    pre = [0]
-    for c in costs:
-        pre.append(pre[-1] + c)
+    pre_c, pre_m = _prefix(costs), _prefix([0] * n if memory is None else memory)
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
-            best[k][i] = min(max(best[k - 1][j], pre[i] - pre[j]) for j in range(k - 1, i))
+            best[k][i] = min(max(best[k - 1][j], pre_c[i] - pre_c[j]) for j in range(k - 1, i))
     bound = best[stages][n]
-    comm = [[inf] * (n + 1) for _ in range(stages + 1)]
+    key: list[list[tuple[float, float]]] = [[(inf, inf)] * (n + 1) for _ in range(stages + 1)]
     back = [[0] * (n + 1) for _ in range(stages + 1)]
-    comm[0][0] = 0
+    key[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                if pre[i] - pre[j] > bound or comm[k - 1][j] == inf:
+                if pre_c[i] - pre_c[j] > bound or key[k - 1][j][0] == inf:
                     continue
-                c = comm[k - 1][j] + (sends[j - 1] if j else 0)
-                if c < comm[k][i]:
-                    comm[k][i], back[k][i] = c, j
+                sent, mem = key[k - 1][j]
+                cand = (sent + (sends[j - 1] if j else 0), max(mem, pre_m[i] - pre_m[j]))
+                if cand < key[k][i]:
+                    key[k][i], back[k][i] = cand, j
     starts, i = [], n
     for k in range(stages, 0, -1):
         i = back[k][i]
         starts.append(i)
     return starts[::-1]
+
+
+def auto_stages(train_flops: Sequence[int], splits: Sequence[Split], activation_bytes: Sequence[int],
+                stages: int) -> list[int]:
+    """``pipeline.stages: auto``: balance the training FLOPs each rank of a stage runs per
+    micro-batch (a layer's FLOPs divided over its spatial shards), then the bytes sent between
+    stages, then the activation memory each rank keeps (:func:`balance_stages`)."""
+    per_rank = [-(-f // math.prod(s)) for f, s in zip(train_flops, splits, strict=True)]
+    return balance_stages(per_rank, stages, sends=activation_bytes, memory=activation_bytes)
 
 
 def _named_stages(names: Sequence[str], leaves: list[tuple[str, nn.Module]],
@@ -370,12 +416,11 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
         splits.append(split)
         halos.append(_halos(name, m, in_shape, split))
 
-    flops = layer_flops(model, leaves, shape, shapes)
+    flops, train_flops = layer_flop_costs(model, leaves, shape, shapes)
     local_out = [_local(o, micro, s) for (_, o), s in zip(shapes, splits, strict=True)]
     act = [BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
     if pipe.stages == "auto":
-        per_rank = [-(-f // math.prod(s)) for f, s in zip(flops, splits, strict=True)]
-        starts = balance_stages(per_rank, grid.pipe, act)
+        starts = auto_stages(train_flops, splits, act, grid.pipe)
     else:
         starts = _named_stages(pipe.stages, leaves, containers)  # count checked by ParallelSpec
     stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(leaves))]
@@ -386,5 +431,6 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
         input_shape=shapes[i][0], output_shape=shapes[i][1],
         local_input_shape=_local(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
         halo=halos[i], params=sum(p.numel() for p in m.parameters()), flops=flops[i],
-        activation_bytes=act[i], redistribute=i > 0 and splits[i] != splits[i - 1])
+        activation_bytes=act[i], redistribute=i > 0 and splits[i] != splits[i - 1],
+        train_flops=train_flops[i])
         for i, (name, m) in enumerate(leaves)]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridpar import cpu_alloc
+
 # (rank, world size, local rank) variables of each launcher, in the order they are tried.
 _LAUNCHERS: dict[str, tuple[str, str, str]] = {
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -110,6 +112,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
+    else:
+        cpu_alloc.tune()  # activations come from glibc malloc: keep freed memory between steps
     if not dist.is_initialized():
         from datetime import timedelta  # noqa: PLC0415
 

@@ -56,7 +56,7 @@ from torch import nn
 
 RANKS = 2
 IMPLS = ["hybridpar", "torch"]
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "HYBRIDPAR_MALLOC_TUNING": "0"}
 
 
 # ---------------------------------------------------------------------------- memory probes

@@ -7,7 +7,10 @@ number in ``perf/results/*.json`` can be trusted and reproduced without reading 
 
 Every configuration runs in a fresh process started here (``launch``): a distributed job gets a gloo
 group over ``world`` local ranks, as ``tests/distributed.py`` does; a baseline gets one process and no
-group at all. Each process sets its own thread count before doing any work.
+group at all. Each process sets its own thread count before doing any work, and every one, the
+baselines included, keeps glibc from trimming its heap between steps (``hybridpar.cpu_alloc``, what
+hybridpar's own ranks do; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
+decided by the allocator.
 
 ``wait_for_quiet`` first takes a machine-wide lock (``/tmp/hybridpar-perf.lock``, held until the
 process exits), so benchmarks built on this module run one at a time instead of all starting the
@@ -75,7 +78,9 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_default_threads": torch.get_num_threads(),
         "mkldnn": torch.backends.mkldnn.is_available(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYBRIDPAR_MALLOC_TUNING")
+                if k in os.environ},
+        "malloc_tuning": os.environ.get("HYBRIDPAR_MALLOC_TUNING", "1") != "0",
     }
 
 
@@ -231,6 +236,9 @@ def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: boo
         os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(threads)})
     import torch.distributed as dist  # noqa: PLC0415
 
+    from hybridpar import cpu_alloc  # noqa: PLC0415
+
+    cpu_alloc.tune()  # every job alike, baselines included (what hybridpar does in its own ranks)
     if group:
         import hybridpar as hp  # noqa: PLC0415
 

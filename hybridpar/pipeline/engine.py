@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hybridpar import cpu_alloc
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.grid import ProcessGrid
@@ -56,6 +57,8 @@ class Engine:
         sequential_layers(model)  # a non-sequential model fails here, before anything starts
         if not dist.is_initialized():
             init_distributed()
+        if all(p.device.type == "cpu" for p in model.parameters()):
+            cpu_alloc.tune()  # GPipe frees all micro-batches' activations at once: keep that memory
         self.world = dist.get_world_size()
         self.spec = spec.resolve_grid(self.world)
         g = self.spec.grid
@@ -200,6 +203,11 @@ class Engine:
             dist.recv(t, self._peer(src_stage), tag=tag)
         return t
 
+    def _irecv(self, shape, dtype, device, src_stage: int, tag: int) -> tuple[torch.Tensor, Any]:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        with prange("pipeline_post_recv", "pipeline"):
+            return t, dist.irecv(t, self._peer(src_stage), tag=tag)
+
     def _send(self, t: torch.Tensor, dst_stage: int, tag: int):
         with prange("pipeline_send", "pipeline"):
             return dist.isend(t.detach().contiguous(), self._peer(dst_stage), tag=tag)
@@ -227,35 +235,57 @@ class Engine:
         ops = schedule(self.spec.pipeline.schedule, self.grid.pipe, len(sizes), self.grid.pipe_index)
         last_backward = max(i for i, (op, _) in enumerate(ops) if op == "B")
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        sends, loss_sum = [], torch.zeros((), dtype=torch.float64)
+        # the loss stays on the device: a .cpu() per micro-batch would stall a GPU pipeline
+        sends, loss_sum = [], torch.zeros((), dtype=torch.float64, device=device)
         stage = self.grid.pipe_index
+        # Receives are posted one op ahead, so that an activation or gradient moves while this stage
+        # computes (a point-to-point transfer starts only once its receive is posted).
+        posted: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+
+        def post(j: int) -> None:
+            if j >= len(ops) or ops[j] in posted:
+                return
+            op, m = ops[j]
+            if op == "F" and not self.first_stage:
+                posted[ops[j]] = self._irecv(self._in_shape(sizes[m]), dtype, device, stage - 1, _FWD + m)
+            elif op == "B" and not self.last_stage and m in held:  # its shape is known once F(m) ran
+                out = held[m][1]
+                posted[ops[j]] = self._irecv(out.shape, out.dtype, out.device, stage + 1, _BWD + m)
+
+        def take(key: tuple[str, int]) -> torch.Tensor:
+            t, work = posted.pop(key)
+            with prange("pipeline_recv", "pipeline"):
+                work.wait()
+            return t
+
         with no_grad_sync():
             for i, (op, m) in enumerate(ops):
+                post(i)
+                post(i + 1)
                 if op == "F":
                     if self.first_stage:
                         inp = xs[m]
                     else:
-                        inp = self._recv(self._in_shape(sizes[m]), dtype, device, stage - 1, _FWD + m)
-                        inp.requires_grad_()
+                        inp = take(ops[i]).requires_grad_()
                     out = self._forward(inp)
                     if self.last_stage:
                         out = self.loss_fn(out, ys[m].to(device)) * (sizes[m] / batch)
-                        loss_sum += out.detach().double().cpu()
+                        loss_sum += out.detach().double()
                     else:
                         sends.append(self._send(out, stage + 1, _FWD + m))
                     held[m] = (None if self.first_stage else inp, out)
                 else:
-                    inp, out = held.pop(m)
                     if i == last_backward and self.reducer is not None:
                         self.reducer.arm()
-                    grad = None if self.last_stage else \
-                        self._recv(out.shape, out.dtype, out.device, stage + 1, _BWD + m)
+                    grad = None if self.last_stage else take(ops[i])
+                    inp, out = held.pop(m)
                     if out.requires_grad:
                         with prange("stage_backward", "compute"):
                             out.backward(grad)
                     if inp is not None:
                         g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                         sends.append(self._send(g, stage - 1, _BWD + m))
+                post(i + 1)
         for w in sends:
             w.wait()
         if self.reducer is not None:

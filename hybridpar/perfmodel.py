@@ -41,6 +41,9 @@ The model, per training step of a spec on a machine
   when two or more ranks share a node. Ranks beyond ``Machine.cores`` time-share the cores: the step
   takes at least the busy time (compute and transfers, not waits) of all the node's ranks divided by
   the cores, and a message waits for its receiver's turn (latencies times ranks / cores).
+  ``Machine.drift`` multiplies all compute: a shared host's speed at the moment of a run against
+  the moment of calibration (1 on a dedicated machine; the scaling harness measures it before
+  every configuration, since the development VM varied by up to 1.5x within minutes).
 * **Memory per rank.** Weights, gradients and optimizer state of the rank's stage, plus the
   activations autograd keeps per micro-batch (layer outputs, halo-extended inputs of window layers,
   max-pool indices) times the micro-batches in flight (GPipe: M; 1F1B: S - s; with recomputation,
@@ -161,6 +164,8 @@ class Machine:
     measured: Mapping[str, tuple[float, float]] = field(default_factory=dict, compare=False)
     """Measured (forward, backward) seconds of layers at exact shapes (:func:`layer_key`); used
     before the fitted costs when present (see :func:`measure_layers`)."""
+    drift: float = 1.0
+    """Compute slowdown of this moment against the calibration (a shared host's speed varies)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (infinite rates as the string ``"inf"``, which strict JSON lacks)."""
@@ -1105,7 +1110,7 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     e = machine.compute.dtype_bytes
     c = machine.compute
     node_ranks = min(world, machine.ranks_per_node)
-    slow = machine.contention if node_ranks >= 2 else 1.0
+    slow = machine.drift * (machine.contention if node_ranks >= 2 else 1.0)
     if machine.cores is not None and node_ranks > machine.cores:
         # time-shared cores: a rank computes on its share of a core while the others that are busy
         # (all but the pipeline's idle share) compute too, and a message waits for its receiver's turn

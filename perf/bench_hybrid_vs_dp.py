@@ -15,7 +15,7 @@ Layouts (all 2 ranks x 1 thread, gloo, except the reference), same global batch 
 * ``1 rank``: plain torch.nn in one process, whole batch (the reference for speedups);
 * ``data=2``: 2 replicas of B/2 samples, gradients all-reduced (bucketed, overlapped);
 * ``spatial (2,1,1)``: B samples, the volume split in depth; the dense head runs replicated;
-* ``pipe=2, M``: 2 stages (``stages: auto``, balanced by forward FLOPs), GPipe, M micro-batches.
+* ``pipe=2, M``: 2 stages (``stages: auto``, balanced by training FLOPs), GPipe, M micro-batches.
 
 Reported per layout: step time (median, slowest rank), samples/s, speedup over 1 rank, and the peak of
 activations autograd holds per rank (``SavedActivations``, one extra untimed step).

@@ -220,11 +220,12 @@ def _run_config(rank: int, cfg: Config, warmup: int, steps: int, timeline: str |
     return {"steps_s": slowest.tolist(), "ranks": everyone}
 
 
-def state_probe(rank: int, world: int, probe: tuple, window: float = 1.0) -> dict[str, Any]:
-    """The machine's state at the start of a group, from ranks 0 and 1 (the others sleep, and a
-    sleeping rank costs nothing): the slowdown of the plain model's training step on the per-rank
-    problem when two ranks run it at once (contention), and the cost of a halo-like exchange right
-    after computing (the link the model uses)."""
+def state_probe(rank: int, world: int, probe: tuple, window: float = 0.5) -> dict[str, Any]:
+    """The machine's state right before a configuration, from ranks 0 and 1 (the others sleep, and a
+    sleeping rank costs nothing): the plain model's training step on the per-rank problem on rank 0
+    alone (``alone_s``: the host's speed now, against the calibration's, is the drift), its slowdown
+    when two ranks run it at once (contention), and the cost of a halo-like exchange right after
+    computing (the link the model uses). A world of one measures the first only."""
     import torch.distributed as dist  # noqa: PLC0415
 
     name, shape = probe
@@ -235,8 +236,12 @@ def state_probe(rank: int, world: int, probe: tuple, window: float = 1.0) -> dic
         model.zero_grad(set_to_none=True)
         model(x).sum().backward()
 
-    pair = dist.new_group([0, 1])
-    ratios = []
+    if world == 1:
+        both()
+        return {"alone_s": statistics.median(pm.time_loop(both, window) for _ in range(2)),
+                "contention": None, "contention_samples": [], "exchange": None}
+    pair = _pair_group()
+    ratios, alones = [], []
     for _ in range(2):
         alone = pm.time_loop(both, window) if rank == 0 else time.sleep(window + 0.3)
         dist.barrier()
@@ -244,25 +249,44 @@ def state_probe(rank: int, world: int, probe: tuple, window: float = 1.0) -> dic
         dist.barrier()
         if rank == 0:
             ratios.append(together / alone)
+            alones.append(alone)
     exchange = pm.exchange_after_compute(1 - rank, repeats=16, group=pair) if rank <= 1 else None
     everyone = [None] * world
-    dist.all_gather_object(everyone, exchange)
-    mean = [(n, (a + b) / 2) for (n, a), (_, b) in zip(everyone[0], everyone[1])]
+    dist.all_gather_object(everyone, (exchange, ratios, alones))
+    (ex0, ratios, alones), (ex1, _, _) = everyone[0], everyone[1]
+    mean = [(n, (a + b) / 2) for (n, a), (_, b) in zip(ex0, ex1)]
     dist.barrier()
-    return {"contention": statistics.median(ratios) if ratios else None, "contention_samples": ratios,
-            "exchange": mean}
+    return {"alone_s": statistics.median(alones), "contention": statistics.median(ratios),
+            "contention_samples": ratios, "exchange": mean}
+
+
+_PAIR: list = []
+
+
+def _pair_group():
+    """Ranks 0 and 1 (created once per process: every rank must take part in creating it)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not _PAIR:
+        _PAIR.append(dist.new_group([0, 1]))
+    return _PAIR[0]
 
 
 def group_job(rank: int, world: int, cfgs: list[Config], warmup: int, steps: int,
-              timeline: str | None = None, probe: tuple | None = None) -> list[dict[str, Any]]:
-    """All configs of one world size, one after another, in one spawned group (after a state probe)."""
-    state = state_probe(rank, world, probe) if probe is not None and world >= 2 else None
-    if rank == 0 and state is not None:
-        link = pm.link_from_samples(state["exchange"])
-        print(f"  state: contention x{state['contention']:.2f}, exchange alpha {1e6 * link.latency:.0f} us, "
-              f"{link.bandwidth / 1e9:.2f} GB/s", flush=True)
+              timeline: str | None = None, probe: tuple | None = None,
+              reference_s: float | None = None) -> list[dict[str, Any]]:
+    """All configs of one world size, one after another, in one spawned group, each after a state
+    probe (the drift is the probe's time alone against ``reference_s``, the calibration's)."""
     out = []
     for cfg in cfgs:
+        state = state_probe(rank, world, probe) if probe is not None else None
+        if state is not None:
+            state["drift"] = state["alone_s"] / reference_s if reference_s else 1.0
+            if rank == 0:
+                link = "" if state["exchange"] is None else \
+                    f", exchange alpha {1e6 * pm.link_from_samples(state['exchange']).latency:.0f} us"
+                contention = "" if state["contention"] is None else f", contention x{state['contention']:.2f}"
+                print(f"  state: drift x{state['drift']:.2f}{contention}{link}", flush=True)
         t0 = time.time()
         res = _run_config(rank, cfg, warmup, steps, timeline)
         res["wall_s"] = time.time() - t0
@@ -273,6 +297,11 @@ def group_job(rank: int, world: int, cfgs: list[Config], warmup: int, steps: int
             print(f"  {cfg.key:<34} median {1e3 * statistics.median(res['steps_s']):8.1f} ms  "
                   f"(load {res['load_after'][0]:.2f})", flush=True)
     return out
+
+
+def reference_job(rank: int, world: int, probe: tuple) -> float:
+    """The probe problem's step on one rank: the reference its later timings are compared with."""
+    return state_probe(rank, 1, probe, window=1.0)["alone_s"]
 
 
 def calibrate_job(rank: int, world: int, entries: list, repeats: int, fit: bool) -> dict[str, Any]:
@@ -349,6 +378,23 @@ def calibrate(cfgs: list[Config], workloads: dict, path: Path, refresh: bool, re
     return machine
 
 
+def calibration_reference(path: Path, probe: tuple) -> float:
+    """The probe problem's one-rank step time stored with the calibration (measured now and stored
+    when missing, i.e. right after a fresh calibration): what the drift of later runs is against."""
+    data = json.loads(path.read_text())
+    ref = data.get("probe_reference")
+    key = [probe[0], list(probe[1])]
+    if ref is None or ref.get("problem") != key:
+        alone = common.launch(reference_job, 1, probe)
+        ref = {"problem": key, "alone_s": alone, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "load": common.loadavg()}
+        data["probe_reference"] = ref
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"reference: the probe problem {key} takes {1e3 * ref['alone_s']:.1f} ms a step on one rank",
+          flush=True)
+    return ref["alone_s"]
+
+
 def probe_problem(cfgs: list[Config]) -> tuple[str, tuple[int, ...]]:
     """What the state probe runs: the smallest one-rank problem of the sweep (the weak per-rank one)."""
     ones = [c for c in cfgs if c.world == 1] or cfgs
@@ -386,9 +432,11 @@ def analyse(cfgs: list[Config], raw: dict[str, dict], workloads: dict, machine: 
             eff = t0 / (t * n) if cfg.sweep == "strong" else t0 / t
         here = machine
         state = r.get("state")
-        if state:  # the machine as the probe found it when this group started
-            link = pm.link_from_samples(state["exchange"])
-            here = replace(machine, contention=max(state["contention"], 1.0), intra=link, inter=link)
+        if state:  # the machine as the probe found it right before this configuration
+            here = replace(machine, drift=state.get("drift", 1.0))
+            if state.get("exchange"):
+                link = pm.link_from_samples(state["exchange"])
+                here = replace(here, contention=max(state["contention"], 1.0), intra=link, inter=link)
         pred = pm.predict(w, _spec(cfg), here, n)
         fit_only = pm.predict(w, _spec(cfg), replace(here, measured={}), n)
         q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [t, t, t]
@@ -402,7 +450,7 @@ def analyse(cfgs: list[Config], raw: dict[str, dict], workloads: dict, machine: 
             "breakdown_slowest_rank_s": max(ranks, key=lambda x: sum(x["step_s"]))["breakdown"],
             "rss_mib_max": max(x["rss_mib"] for x in ranks), "wall_s": r["wall_s"],
             "load_after": r["load_after"],
-            "machine_state": None if not state else {"contention": here.contention,
+            "machine_state": None if not state else {"contention": here.contention, "drift": here.drift,
                                                      "link_latency_s": here.intra.latency,
                                                      "link_bandwidth": here.intra.bandwidth},
             "predicted": {"step_s": pred.step_time, "breakdown_s": pred.breakdown,
@@ -713,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         cfgs.append(cfg)
     if args.malloc == "keep":  # reuse freed memory, as PyTorch's caching allocator does on GPUs
         os.environ.update(MALLOC_ENV)
+    else:  # glibc's defaults: nor may hybridpar.cpu_alloc change them in the ranks
+        os.environ["HYBRIDPAR_MALLOC_TUNING"] = "0"
     cores = len(os.sched_getaffinity(0))
     quiet = {"skipped": True} if args.no_wait else common.wait_for_quiet(args.max_load, args.max_wait)
     t_start = time.time()
@@ -727,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, dict] = {}
     loads = {}
     probe = probe_problem(cfgs)
+    reference = calibration_reference(calib, probe)
     for world in sorted({c.world for c in cfgs}):
         group = [c for c in cfgs if c.world == world]
         note = f" (oversubscribed: {world} ranks on {cores} cores)" if world > cores else ""
@@ -738,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{waited:.0f} s", flush=True)
         loads[world] = {"before": common.loadavg(), "waited_s": waited}
         results = common.launch(group_job, world, group, args.warmup, args.steps,
-                                None if args.timeline is None else str(args.timeline), probe, timeout=1800)
+                                None if args.timeline is None else str(args.timeline), probe, reference,
+                                timeout=1800)
         loads[world]["after"] = common.loadavg()
         for cfg, res in zip(group, results):
             raw[cfg.key] = res

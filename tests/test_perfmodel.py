@@ -218,6 +218,21 @@ def test_measured_layer_times_replace_the_fit():
     assert pred.layers[0].forward == 0.25 and pred.layers[0].backward == 0.5
 
 
+def test_drift_scales_compute_only():
+    """``Machine.drift`` (the host slower now than when calibrated) multiplies compute, not the
+    network, on one rank and on several."""
+    from dataclasses import replace
+
+    w, spec = pm.Workload(conv_stack(2), (2, 4, 8, 8, 8)), ParallelSpec()
+    m = replace(compute_only(), intra=pm.Link(1e-3, 1e9), inter=pm.Link(1e-3, 1e9))
+    base, slow = pm.predict(w, spec, m, 1), pm.predict(w, spec, replace(m, drift=1.5), 1)
+    assert slow.breakdown["compute"] == pytest.approx(1.5 * base.breakdown["compute"])
+    data = ParallelSpec.from_dict({"grid": {"data": 2}})
+    base, slow = pm.predict(w, data, m, 2), pm.predict(w, data, replace(m, drift=1.5), 2)
+    assert slow.breakdown["compute"] == pytest.approx(1.5 * base.breakdown["compute"])
+    assert slow.breakdown["grad_reduce"] == pytest.approx(base.breakdown["grad_reduce"])
+
+
 def test_presets_split_work_and_memory():
     from cosmoflow.model import build_model
 

@@ -250,7 +250,8 @@ def state_probe(rank: int, world: int, probe: tuple, window: float = 0.5) -> dic
         if rank == 0:
             ratios.append(together / alone)
             alones.append(alone)
-    exchange = pm.exchange_after_compute(1 - rank, repeats=16, group=pair) if rank <= 1 else None
+    # after the probe's real training step: the exchange also pays the wait for the slower rank
+    exchange = pm.exchange_after_compute(1 - rank, repeats=8, group=pair, work=both) if rank <= 1 else None
     everyone = [None] * world
     dist.all_gather_object(everyone, (exchange, ratios, alones))
     (ex0, ratios, alones), (ex1, _, _) = everyone[0], everyone[1]

@@ -516,8 +516,8 @@ def exchange_after_compute(peer: int, sizes: Sequence[int] = (8, 1 << 12, 1 << 1
                     torch.mm(a, a)
             t0 = time.perf_counter()
             ops = [dist.P2POp(dist.irecv, recv, peer, group), dist.P2POp(dist.isend, send, peer, group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         out.append((send.numel() * 4, statistics.median(times)))

@@ -250,8 +250,7 @@ def state_probe(rank: int, world: int, probe: tuple, window: float = 0.5) -> dic
         if rank == 0:
             ratios.append(together / alone)
             alones.append(alone)
-    # after the probe's real training step: the exchange also pays the wait for the slower rank
-    exchange = pm.exchange_after_compute(1 - rank, repeats=8, group=pair, work=both) if rank <= 1 else None
+    exchange = pm.exchange_after_compute(1 - rank, repeats=16, group=pair) if rank <= 1 else None
     everyone = [None] * world
     dist.all_gather_object(everyone, (exchange, ratios, alones))
     (ex0, ratios, alones), (ex1, _, _) = everyone[0], everyone[1]
@@ -435,9 +434,11 @@ def analyse(cfgs: list[Config], raw: dict[str, dict], workloads: dict, machine: 
         state = r.get("state")
         if state:  # the machine as the probe found it right before this configuration
             here = replace(machine, drift=state.get("drift", 1.0))
+            if state.get("contention") is not None:
+                here = replace(here, contention=max(state["contention"], 1.0))
             if state.get("exchange"):
                 link = pm.link_from_samples(state["exchange"])
-                here = replace(here, contention=max(state["contention"], 1.0), intra=link, inter=link)
+                here = replace(here, intra=link, inter=link)
         pred = pm.predict(w, _spec(cfg), here, n)
         fit_only = pm.predict(w, _spec(cfg), replace(here, measured={}), n)
         q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [t, t, t]

@@ -1117,10 +1117,12 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     c = machine.compute
     node_ranks = min(world, machine.ranks_per_node)
     slow = machine.drift * (machine.contention if node_ranks >= 2 else 1.0)
+    share = 1.0  # how much longer a rank's compute takes on a time-shared core
     if machine.cores is not None and node_ranks > machine.cores:
         # time-shared cores: a rank computes on its share of a core while the others that are busy
         # (all but the pipeline's idle share) compute too, and a message waits for its receiver's turn
-        slow *= max(1.0, node_ranks * (1 - bubble_fraction(S, M)) / machine.cores)
+        share = max(1.0, node_ranks * (1 - bubble_fraction(S, M)) / machine.cores)
+        slow *= share
         wait = node_ranks / machine.cores
         machine = dataclasses.replace(
             machine, intra=Link(machine.intra.latency * wait, machine.intra.bandwidth),
@@ -1245,12 +1247,14 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     oversubscribed = False
     if machine.cores is not None and node_ranks > machine.cores:
         # every rank is busy for its own compute and communication; the node's cores share them
-        # (latencies are waits, not work: they do not occupy a core)
+        # (latencies are waits, not work: they do not occupy a core; and a rank's compute is work
+        # of its own length, not of the length it takes on its share of a core)
         busy = 0.0
         for s, st in enumerate(stages):
             ranks = g.data * stage_size
             ar_xfer = st.grad_reduce - st.grad_reduce_latency
-            busy += ranks * (M * (st.time - st.latency) + ar_xfer + own + (data_wait if s == 0 else 0.0))
+            work = st.time - st.latency - st.compute * (1 - 1 / share)
+            busy += ranks * (M * work + ar_xfer + own + (data_wait if s == 0 else 0.0))
         floor = busy * min(node_ranks, world) / world / machine.cores
         if floor > step:
             oversubscribed = True

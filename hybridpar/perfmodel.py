@@ -34,8 +34,11 @@ The model, per training step of a spec on a machine
   node's NIC shared by the groups that span it), overlapped with the last backward by
   ``Machine.grad_overlap``; the global loss, one tiny all-reduce.
 * **Pipeline.** With per-micro-batch stage times ``t_s`` (compute + halo + sends) and ``M``
-  micro-batches: ``T = sum_s t_s + (M - 1) max_s t_s``; for equal stages that is the GPipe
-  ``(M + S - 1) t`` whose idle share is the bubble ``(S - 1) / (M + S - 1)``.
+  micro-batches: ``T = sum_s t_s + (M - 1) max_s t'_s``; for equal stages that is the GPipe
+  ``(M + S - 1) t`` whose idle share is the bubble ``(S - 1) / (M + S - 1)``. ``t'_s`` leaves out
+  the sends' latencies: the engine posts receives ahead, so once the pipeline is full a message
+  travels while its receiver computes the micro-batch before (the bytes still take time: on a CPU
+  the copies run on the cores).
 * **Shared cores (CPU only).** Ranks computing at the same time slow each other (memory bandwidth,
   caches, a virtual machine's vCPUs sharing a host core): ``Machine.contention`` multiplies compute
   when two or more ranks share a node. Ranks beyond ``Machine.cores`` time-share the cores: the step
@@ -1025,6 +1028,7 @@ class StageCost:
     memory: dict[str, float]
     latency: float = 0.0  # message latencies inside halo and send
     grad_reduce_latency: float = 0.0
+    send_latency: float = 0.0  # the latencies inside send: hidden once the pipeline is full
 
     @property
     def time(self) -> float:
@@ -1208,21 +1212,26 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
         if pl.recompute:  # the backward runs the stage's forward again, halo exchanges included
             comp += sum(lc.forward for lc in mine)
             halo += sum(lc.halo_forward + lc.redistribute_forward for lc in mine) + hf
-        send = 0.0
+        send = send_lat = 0.0
         nxt = next((r for r in plan if r.stage == s + 1), None)
         if nxt is not None:
             nbytes = math.prod(nxt.local_input_shape) * e
             send += 2 * p2p_link.time(nbytes / p2p_share)  # the activation forward, its gradient back
-            latency += 2 * p2p_link.latency
+            send_lat = 2 * p2p_link.latency
+            latency += send_lat
         params = sum(r.params for r in plan if r.stage == s)
         group = [(d * S + s) * stage_size + i for d in range(g.data) for i in range(stage_size)]
         ar_lat, ar_xfer = _allreduce_parts(params * e, group, machine, world)
         mem = _stage_memory(layers, plan, s, spec, e, optimizer_states)
-        stages.append(StageCost(s, comp, halo, send, ar_lat + ar_xfer, params, mem, latency, ar_lat))
+        stages.append(StageCost(s, comp, halo, send, ar_lat + ar_xfer, params, mem, latency, ar_lat,
+                                send_lat))
 
+    # receives are posted ahead: once the pipeline is full a transfer's latency passes while the
+    # receiving stage computes the micro-batch before; only the fill and the drain wait for it
     times = [st.time for st in stages]
-    pipe_time = sum(times) + (M - 1) * max(times)
-    crit = max(range(S), key=lambda s: times[s])
+    steady = [st.time - st.send_latency for st in stages]
+    pipe_time = sum(times) + (M - 1) * max(steady)
+    crit = max(range(S), key=lambda s: steady[s])
     # exposed gradient reduction: a stage's all-reduce starts after its last backward and hides under
     # ``grad_overlap`` of that backward plus the drain of the stages before it (stage 0 finishes last)
     exposed = 0.0

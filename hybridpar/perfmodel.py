@@ -492,15 +492,12 @@ def pingpong(peer: int, sizes: Sequence[int] = (8, 1 << 10, 1 << 14, 1 << 17, 1 
 
 def exchange_after_compute(peer: int, sizes: Sequence[int] = (8, 1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21),
                            busy: float = 3e-3, repeats: int = 12,
-                           group: Any = None, work: Callable[[], Any] | None = None
-                           ) -> list[tuple[int, float]]:
+                           group: Any = None) -> list[tuple[int, float]]:
     """Seconds of a halo-like exchange (``batch_isend_irecv``, one message each way) right after
-    ``busy`` seconds of computation (or a call of ``work``), per message size; median over ``repeats``.
+    ``busy`` seconds of computation, per message size; median over ``repeats``.
 
     This is what a halo exchange costs between layers, which ping-pong does not show: a rank that
     finishes first blocks, and on a virtual machine waking its idle core again can take milliseconds.
-    With ``work`` (real layers, whose time varies from call to call and from rank to rank) the cost
-    also holds the wait for the slower rank, which every synchronising exchange of a step pays.
     Call on both ranks of an initialised process group.
     """
     import torch.distributed as dist  # noqa: PLC0415
@@ -511,12 +508,9 @@ def exchange_after_compute(peer: int, sizes: Sequence[int] = (8, 1 << 12, 1 << 1
         send, recv = torch.zeros(max(n // 4, 1)), torch.zeros(max(n // 4, 1))
         times = []
         for i in range(repeats + 2):
-            if work is not None:
-                work()
-            else:
-                end = time.perf_counter() + busy
-                while time.perf_counter() < end:
-                    torch.mm(a, a)
+            end = time.perf_counter() + busy
+            while time.perf_counter() < end:
+                torch.mm(a, a)
             t0 = time.perf_counter()
             ops = [dist.P2POp(dist.irecv, recv, peer, group), dist.P2POp(dist.isend, send, peer, group)]
             for req in dist.batch_isend_irecv(ops):

@@ -9,6 +9,8 @@ collectives line up. Failures are collected, not raised one by one, so one run r
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import random
 
 import torch
@@ -290,14 +292,41 @@ def run_stack(fails: Failures, grid) -> int:
     ours.load_state_dict(ref.state_dict())
     ours.double()
     x = _same_on_all((2, 2, 16, 16, 16), 9)
-    y = ours(hp.scatter(x, grid))
     yr = ref(x)
-    y.square().sum().backward()
     yr.square().sum().backward()
-    fails.check("stack output", y.detach(), yr.detach())
-    for (name, p), (_, pr) in zip(ours.named_parameters(), ref.named_parameters()):
-        fails.check(f"stack {name}.grad", p.grad, pr.grad)
-    return 1
+    # first with the global shapes inferred on every call, then told once (set_global_shapes): the
+    # second pass must not infer any (each layer's shape all-gather is replaced by an error)
+    for told in (False, True):
+        if told:
+            ours.zero_grad()
+            hp.nn.set_global_shapes(ours, x.shape)
+        with _no_shape_inference(told):
+            y = ours(hp.scatter(x, grid))
+            y.square().sum().backward()
+        what = "stack, shapes set" if told else "stack"
+        fails.check(f"{what} output", y.detach(), yr.detach())
+        for (name, p), (_, pr) in zip(ours.named_parameters(), ref.named_parameters()):
+            fails.check(f"{what} {name}.grad", p.grad, pr.grad)
+    return 2
+
+
+@contextlib.contextmanager
+def _no_shape_inference(active: bool):
+    """Make hybridpar's per-call global-shape all-gather an error while ``active``."""
+    # (``hybridpar.comm.redistribute`` the attribute is the function: take the modules themselves)
+    spatial_mod = importlib.import_module("hybridpar.nn.spatial")
+    redistribute_mod = importlib.import_module("hybridpar.comm.redistribute")
+
+    def boom(*_args, **_kwargs):
+        raise AssertionError("the global shape was inferred although set_global_shapes had set it")
+
+    saved = spatial_mod.infer_global_shape, redistribute_mod.infer_global_shape
+    if active:
+        spatial_mod.infer_global_shape = redistribute_mod.infer_global_shape = boom
+    try:
+        yield
+    finally:
+        spatial_mod.infer_global_shape, redistribute_mod.infer_global_shape = saved
 
 
 def run_all(rank: int, grids: list[tuple[int, int, int]], n_random: int = 12, seed: int = 0) -> None:

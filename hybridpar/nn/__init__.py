@@ -4,8 +4,9 @@ from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.norm import DistBatchNorm3d
 from hybridpar.nn.pool import DistAvgPool3d, DistGlobalAvgPool3d, DistMaxPool3d
+from hybridpar.nn.shapes import set_global_shapes
 
 __all__ = [
     "DistConv3d", "DistConvTranspose3d", "DistMaxPool3d", "DistAvgPool3d", "DistGlobalAvgPool3d",
-    "DistBatchNorm3d", "Scatter", "Gather", "Redistribute",
+    "DistBatchNorm3d", "Scatter", "Gather", "Redistribute", "set_global_shapes",
 ]

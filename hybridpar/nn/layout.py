@@ -21,14 +21,17 @@ class Scatter(nn.Module):
 
 
 class Gather(nn.Module):
-    """This rank's shard -> the global tensor, replicated on the spatial group (e.g. before a dense head)."""
+    """This rank's shard -> the global tensor, replicated on the spatial group (e.g. before a dense head).
 
-    def __init__(self, grid: ProcessGrid) -> None:
+    ``shape``: the global (D, H, W), if known (else inferred on every call with a small all-gather).
+    """
+
+    def __init__(self, grid: ProcessGrid, shape: tuple[int, int, int] | None = None) -> None:
         super().__init__()
-        self.grid = grid
+        self.grid, self.shape = grid, shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather(x, self.grid)
+        return gather(x, self.grid, self.shape)
 
 
 class Redistribute(nn.Module):

@@ -5,26 +5,28 @@ Why: a spatially split layer does the work of the plain layer on its shard plus 
 (Conv3d 4->32 k3 p1, LeakyReLU(0.3), MaxPool3d(2), Conv3d 32->64 k3 p1, LeakyReLU(0.3), MaxPool3d(2);
 batch 1; forward + backward; float32):
 
-* ``local``: 1 process x 1 thread, plain ``torch.nn`` on one S^3 shard, no communication (the
-  baseline of issue 2);
+* ``local``: 1 rank x 1 thread, plain ``torch.nn`` on one S^3 shard, no communication (the
+  baseline of issue 2), run on rank 0 while the other rank waits;
 * ``local pre-padded``: the same, but each conv zero-pads explicitly and runs with ``padding=0``,
   the torch kernel the overlapped DistConv3d runs on its halo-extended shard (the non-overlapped one
   pads only the split dim explicitly and lets the kernel pad the others). torch's CPU conv speed
   depends on the padding argument (either way, by ~10 % on these shapes), so this second baseline
   separates the cost of communication from the choice of kernel;
 * ``dist``: 2 ranks x 1 thread, split (2, 1, 1) of a (2S) x S x S volume, so every rank holds the
-  same S^3 shard, with ``overlap=False`` and ``overlap=True``.
+  same S^3 shard, with ``overlap=False`` and ``overlap=True``; the global shapes set once with
+  ``hp.nn.set_global_shapes``, as the README tells users to.
 
 overhead = T_dist / T_local - 1 on step-time medians (goal of issue 2: <= 10 % without overlap,
 <= 5 % with it); "fastest steps" is the same ratio of the minima, which interference from other work
-on a shared machine (it only ever adds time) distorts least. The
-baselines run in their own process while the 2-rank job is not running, so each gets its cores. The
-jobs alternate for ``--rounds`` rounds, and the configurations inside a job swap order every round.
-``--diagnose`` adds a variant of the distributed stack with the global shapes set ahead (no per-layer
-shape all-gather), and two baseline processes running at once with no communication (what two
-ranks pay for sharing the machine's memory bandwidth and caches, apart from any halo).
+on a shared machine (it only ever adds time) distorts least. Every configuration runs inside the
+same 2 processes, alternated ``--reps`` times (order reversed every rep), in ``--rounds`` fresh
+pairs of processes: this VM's speed drifts by up to 1.5x within minutes, so a ratio is only
+meaningful between neighbours in time. ``--diagnose`` adds the distributed stack with its global
+shapes inferred by an all-gather in every layer call, and both ranks running the baseline on their
+shards at once with no communication: what two ranks pay for sharing the machine's cores, memory
+bandwidth and caches, apart from any halo ("vs concurrent" divides by it).
 
-    .venv/bin/python perf/bench_halo.py --diagnose            # S=64, 3 rounds x 6 steps
+    .venv/bin/python perf/bench_halo.py --diagnose            # S=64, 3 rounds x 2 reps x 6 steps
     .venv/bin/python perf/bench_halo.py --size 32 --rounds 2 --steps 3 --no-wait --out-dir /tmp
 """
 
@@ -42,7 +44,7 @@ RANKS = 2
 LOCAL = ["local", "local pre-padded"]
 DIST = ["dist overlap=False", "dist overlap=True"]
 GOALS = {"dist overlap=False": 10.0, "dist overlap=True": 5.0}
-VARIANTS = ["diag: overlap=False, global shapes preset"]
+VARIANTS = ["diag: overlap=False, global shapes inferred per call"]
 CONCURRENT = "diag: 2 local processes at once, no comm"
 
 
@@ -50,36 +52,16 @@ def _swap(names: list[str], r: int) -> list[str]:
     return names if r % 2 == 0 else names[::-1]
 
 
-def local_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
-    """Baselines: plain torch.nn on one S^3 shard, no process group."""
-    s = cfg["size"]
-    torch.manual_seed(1)
-    x = torch.randn(1, 4, s, s, s)
-    out = {}
-    for name in order:
-        step = common.train_step(common.cosmo_stack(None, prepad=name.endswith("pre-padded")), x)
-        out[name] = common.time_steps(step, cfg["warmup"], cfg["steps"])
-    return out
+def halo_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
+    """Every configuration in the same ``world`` processes, alternated ``reps`` times (this VM's speed
+    drifts by up to 1.5x within minutes; a ratio is measured between neighbours in time):
 
-
-def concurrent_job(rank: int, world: int, cfg: dict) -> list[float]:
-    """``world`` baseline processes at once, no group: what sharing the machine costs without comm."""
-    return local_job(rank, world, cfg, ["local"])["local"]
-
-
-def _variants(grid, shape: tuple[int, int, int]) -> dict:
-    """Diagnostic variants of the distributed stack that each remove one suspected cost."""
-    preset = common.cosmo_stack(grid, overlap=False)
-    for m in preset:  # skip the per-layer all-gather that infers the global input shape
-        if hasattr(m, "global_input_shape"):
-            m.global_input_shape = shape
-        if isinstance(m, torch.nn.MaxPool3d):
-            shape = tuple(e // 2 for e in shape)
-    return {VARIANTS[0]: preset}
-
-
-def dist_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
-    """hybridpar on a (world*S) x S x S volume split (world, 1, 1), both overlap settings."""
+    * the baselines on rank 0 alone (the other ranks wait in a barrier, which costs no CPU);
+    * the concurrent diagnostic: every rank runs the baseline on its own shard at once, no messages;
+    * hybridpar on a (world*S) x S x S volume split (world, 1, 1), global shapes set once with
+      ``hp.nn.set_global_shapes`` (the documented use), overlap off and on; with ``--diagnose`` also
+      the shapes inferred by an all-gather in every layer call.
+    """
     import hybridpar as hp
 
     s = cfg["size"]
@@ -87,9 +69,18 @@ def dist_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     torch.manual_seed(1)
     x = torch.randn(1, 4, world * s, s, s)
     x_local = hp.scatter(x, grid).detach()
+    shard = x_local.clone()  # the baselines compute on the same S^3 data
+    steps: dict = {}
+    for name in LOCAL:
+        steps[name] = common.train_step(common.cosmo_stack(None, prepad=name.endswith("pre-padded")), shard)
+    steps[CONCURRENT] = steps["local"]
     models = {n: common.cosmo_stack(grid, overlap=n.endswith("True")) for n in DIST}
     if cfg["diagnose"]:
-        models.update(_variants(grid, (world * s, s, s)))
+        models[VARIANTS[0]] = common.cosmo_stack(grid, overlap=False)  # shapes left to inference
+    for name, m in models.items():
+        if name in DIST:
+            hp.nn.set_global_shapes(m, x.shape)
+        steps[name] = common.train_step(m, x_local)
     errors = {}
     if cfg["check"]:  # the split stack gives what torch.nn gives on the whole volume
         with torch.no_grad():
@@ -99,22 +90,29 @@ def dist_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
                 if errors[name] > 1e-4 * ref.abs().max().item():
                     raise AssertionError(f"{name}: output differs from torch.nn by {errors[name]:g}")
     out: dict = {"max_abs_err_vs_torch": errors}
-    for name in order:
-        times = common.time_steps(common.train_step(models[name], x_local), cfg["warmup"], cfg["steps"],
-                                  before=common.barrier)
-        out[name] = common.slowest_rank(times)
+    for rep in range(cfg["reps"]):
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            if name in LOCAL:  # rank 0 alone
+                times = common.time_steps(steps[name], cfg["warmup"], cfg["steps"]) if rank == 0 else []
+                common.barrier()
+            else:  # every rank at once, a step lasting until the slowest is done
+                times = common.slowest_rank(common.time_steps(steps[name], cfg["warmup"], cfg["steps"],
+                                                              before=common.barrier))
+            out.setdefault(name, []).extend(times)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=64, help="edge S of each rank's cubic shard (default 64)")
-    ap.add_argument("--rounds", type=int, default=3, help="baseline/dist alternations (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
+    ap.add_argument("--reps", type=int, default=2,
+                    help="alternations of all configurations inside each pair (default 2)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--pin", action="store_true", help="bind rank r (and the baseline) to core r")
     ap.add_argument("--diagnose", action="store_true",
-                    help="also time variants that each remove one suspected cost (see _variants)")
+                    help="also time the per-call shape inference and the concurrent baseline")
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the check of the split stack against torch.nn")
     ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load below this")
@@ -124,15 +122,9 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
     args = ap.parse_args()
     cfg = {"size": args.size, "warmup": args.warmup, "steps": args.steps, "check": args.check,
-           "diagnose": args.diagnose}
-    dist_names = DIST + (VARIANTS if args.diagnose else [])
-    names = LOCAL + dist_names + ([CONCURRENT] if args.diagnose else [])
-    jobs = [
-        lambda r: common.launch(local_job, 1, cfg, _swap(LOCAL, r), threads=1, group=False, pin=args.pin),
-        lambda r: common.launch(dist_job, RANKS, cfg, _swap(dist_names, r), threads=1, pin=args.pin)]
-    if args.diagnose:  # per step, the slower of the two processes (they start together, unsynchronised)
-        jobs.append(lambda r: {CONCURRENT: [max(t) for t in zip(*common.launch(
-            concurrent_job, RANKS, cfg, threads=1, group=False, pin=args.pin, every_rank=True))]})
+           "diagnose": args.diagnose, "reps": args.reps}
+    names = LOCAL + DIST + ((VARIANTS + [CONCURRENT]) if args.diagnose else [])
+    jobs = [lambda r: common.launch(halo_job, RANKS, cfg, _swap(names, r), threads=1, pin=args.pin)]
 
     load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
     print(f"load average at start: {load['load_at_start']}", flush=True)
@@ -150,17 +142,19 @@ def main() -> None:
     med = {n: stats[n]["median_ms"] for n in names}
     iqr = lambda n: f"{stats[n]['q1_ms']:.1f}-{stats[n]['q3_ms']:.1f}"  # noqa: E731
     rows = [["local: 1 rank x 1 thread, torch.nn (padding=1), no comm", med["local"], iqr("local"), 1.0,
-             "", "", "", "", ""],
+             "", "", "", "", "", ""],
             ["local pre-padded: same, F.pad + conv padding=0 (overlapped kernel)", med[LOCAL[1]],
-             iqr(LOCAL[1]), med[LOCAL[1]] / med["local"], "", "", "", "", ""]]
+             iqr(LOCAL[1]), med[LOCAL[1]] / med["local"], "", "", "", "", "", ""]]
     result = {}
     for n in names[2:]:
         ratio, same = med[n] / med["local"], med[n] / med[LOCAL[1]]
+        conc = med[n] / med[CONCURRENT] if CONCURRENT in med else None
         per_round = [rd["overhead_pct"][n] for rd in rounds]
         best = stats[n]["min_ms"] / stats["local"]["min_ms"]
         result[n] = {"ratio": ratio, "overhead_pct": 100 * (ratio - 1), "overhead_pct_per_round": per_round,
                      "overhead_of_fastest_steps_pct": 100 * (best - 1),
                      "overhead_same_kernels_pct": 100 * (same - 1),
+                     "overhead_vs_concurrent_pct": None if conc is None else 100 * (conc - 1),
                      "overhead_same_kernels_pct_per_round": [rd["overhead_same_kernels_pct"][n]
                                                              for rd in rounds]}
         if n in GOALS:
@@ -169,11 +163,12 @@ def main() -> None:
         rows.append([label, med[n], iqr(n), ratio,
                      f"{100 * (ratio - 1):+.1f} %", f"{min(per_round):+.1f} .. {max(per_round):+.1f} %",
                      f"{100 * (best - 1):+.1f} %", f"{100 * (same - 1):+.1f} %",
+                     "" if conc is None or n == CONCURRENT else f"{100 * (conc - 1):+.1f} %",
                      f"<= {GOALS[n]:.0f} %" if n in GOALS else "(diagnostic)"])
     s = args.size
     table = common.print_table(
         ["config", "median ms", "IQR ms", "T/T_local", "overhead", "per-round overhead",
-         "fastest steps", "vs pre-padded", "goal"], rows,
+         "fastest steps", "vs pre-padded", "vs concurrent", "goal"], rows,
         title=f"Halo overhead: CosmoFlow-like stack, {s}^3 x 4 per rank, batch 1, fwd+bwd, float32 "
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f}, the benchmark's own 2 processes included)"

@@ -149,12 +149,19 @@ class ProcessGrid:
         return self.spatial_size == 1
 
     # ------------------------------------------------------------------ groups
-    def _my_group(self, key_of) -> dist.ProcessGroup:
-        """The group of ranks sharing ``key_of(rank)``, created on every rank in the same order."""
+    def _my_group(self, key_of, world_ok: bool = False) -> dist.ProcessGroup:
+        """The group of ranks sharing ``key_of(rank)``, created on every rank in the same order.
+
+        ``world_ok``: when that group is every rank, use the default group instead of a new one (a
+        communicator costs each rank threads and buffers, ~0.75 MiB with gloo). Only for groups whose
+        operations the main thread issues one at a time, so they cannot interleave with others'.
+        """
         blocks: dict[tuple, list[int]] = {}
         for r in range(self.world_size):
             blocks.setdefault(key_of(r), []).append(r)
         partition = sorted(blocks.values())
+        if world_ok and len(partition) == 1:
+            return dist.group.WORLD
         groups = _partition_groups(partition)
         return groups[next(i for i, b in enumerate(partition) if self.rank in b)]
 
@@ -187,8 +194,9 @@ class ProcessGrid:
 
     @cached_property
     def pipe_group(self) -> dist.ProcessGroup:
-        """Ranks at the same spatial position of one replica, one per stage: a pipeline."""
-        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[0]))
+        """Ranks at the same spatial position of one replica, one per stage: a pipeline (its
+        broadcasts and gathers run on the main thread, between steps)."""
+        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[0]), world_ok=True)
 
     @cached_property
     def mesh(self):

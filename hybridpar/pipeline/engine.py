@@ -100,7 +100,8 @@ class Engine:
             layout = self._layout(split)
             layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
         self.grid.stage_group, self.grid.data_group, self.grid.pipe_group  # noqa: B018
-        self.cross_group = self.grid._my_group(lambda r: ("cross", r % self.grid.stage_size))
+        # the global loss's all-reduce, issued by the main thread once per step
+        self.cross_group = self.grid._my_group(lambda r: ("cross", r % self.grid.stage_size), world_ok=True)
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape

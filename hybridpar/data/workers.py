@@ -10,6 +10,11 @@ Tasks carry a *generation*: when an iteration stops early (``break``, an excepti
 begins, unread tasks are withdrawn and late results of the old generation are dropped, so the pool
 can be reused without restarting processes. Workers exit on a sentinel, and also on their own when
 the parent process disappears, so a crashed trainer leaves no orphans.
+
+A receiver thread in the trainer takes results off the queue as they arrive. Rebuilding a batch
+from shared memory (receiving its file descriptors, mapping the storage) is work of the trainer's
+process, a few milliseconds a batch on a busy 2-core machine; done when asked for, it counted as
+data wait. The thread does it while the main thread computes or waits for the network.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Hashable, Sequence
@@ -85,13 +91,39 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._generation = 0
         self._ready: dict[Hashable, tuple[str, object]] = {}  # key -> ("ok", batch) | ("error", tb)
-        self._closed = False
+        self._failure: str | None = None  # a fatal worker error, or a result that could not be rebuilt
+        self._cond = threading.Condition()
+        self._closed = self._stopping = False
         self._procs = [
             ctx.Process(target=_worker_main, name=f"hybridpar-loader-{i}", daemon=True,
                         args=(payload, region, self._tasks, self._results, os.getpid()))
             for i in range(workers)]
         for p in self._procs:
             p.start()
+        self._receiver = threading.Thread(target=self._receive, name="hybridpar-loader-receiver", daemon=True)
+        self._receiver.start()
+
+    def _receive(self) -> None:
+        """Move results from the queue into ``_ready`` until the pool stops (see the module doc)."""
+        while not self._stopping:
+            try:
+                kind, gen, j, body = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            except (OSError, EOFError, ValueError):  # the queue was closed under us
+                return
+            except Exception:
+                with self._cond:
+                    if not self._stopping:
+                        self._failure = f"a batch could not be received:\n{traceback.format_exc()}"
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                if kind == "fatal":
+                    self._failure = f"a loader worker could not unpickle the dataset:\n{body}"
+                elif gen == self._generation:  # else a late result of an abandoned iteration
+                    self._ready[j] = (kind, body)
+                self._cond.notify_all()
 
     @property
     def pids(self) -> list[int]:
@@ -110,8 +142,9 @@ class WorkerPool:
 
     def begin(self) -> int:
         """Start a new generation: withdraw queued tasks of the previous one, forget its results."""
-        self._generation += 1
-        self._ready.clear()
+        with self._cond:
+            self._generation += 1
+            self._ready.clear()
         while True:
             try:
                 self._tasks.get_nowait()
@@ -128,22 +161,23 @@ class WorkerPool:
         if generation != self._generation or self._closed:
             raise RuntimeError(f"batch {k} of an abandoned loader iteration (or a closed pool) "
                                f"will never arrive")
-        while k not in self._ready:
-            try:
-                kind, gen, j, body = self._results.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._check_alive()
-                continue
-            if kind == "fatal":
+        while True:
+            with self._cond:
+                if k in self._ready:
+                    kind, body = self._ready.pop(k)
+                    break
+                if self._failure is None:
+                    self._cond.wait(timeout=_POLL_S)
+                failure, arrived = self._failure, k in self._ready
+            if failure is not None:
                 self.close()
-                raise WorkerError(f"a loader worker could not unpickle the dataset:\n{body}")
-            if gen == generation:  # else a late result of an abandoned iteration
-                self._ready[j] = (kind, body)
-        kind, body = self._ready.pop(k)
+                raise WorkerError(failure)
+            if not arrived:
+                self._check_alive()
         if kind == "error":  # raised when the failed batch is due, not when a look-ahead hits it
             self.close()
             raise WorkerError(f"a loader worker failed reading batch {k}:\n{body}")
-        return body
+        return body  # type: ignore[return-value]
 
     def _check_alive(self) -> None:
         for p in self._procs:
@@ -167,19 +201,22 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         for p in self._procs:
             while p.is_alive() and time.monotonic() < deadline:
-                self._drain()  # a worker cannot exit while its results sit unread in the pipe
-                p.join(0.05)
+                p.join(0.05)  # the receiver keeps the pipe empty: a worker cannot exit while it is full
             if p.is_alive():
                 p.terminate()
                 p.join(1.0)
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._stopping = True
+        if self._receiver is not threading.current_thread():
+            self._receiver.join(2 * _POLL_S + 1.0)
         self._drain()
         for q in (self._tasks, self._results):
             q.cancel_join_thread()
             q.close()
-        self._ready.clear()
+        with self._cond:
+            self._ready.clear()
 
     def _drain(self) -> None:
         """Discard whatever results are waiting (bounded: a broken queue must not spin forever)."""

@@ -341,6 +341,34 @@ def test_prefetch_hides_read_time():
     assert waits[2] < 0.3 * waits[0]
 
 
+def test_results_are_received_before_they_are_asked_for():
+    """The pool's receiver thread rebuilds a finished batch from shared memory while the trainer is
+    busy elsewhere, so asking for it later costs no wait; a late result of an abandoned generation
+    is dropped, not handed out."""
+    from hybridpar.data.workers import WorkerPool
+
+    pool = WorkerPool(MemoryVolumes(8), None, workers=1)
+    try:
+        gen = pool.begin()
+        pool.submit(gen, "a", [0, 1])
+        deadline = time.monotonic() + 20
+        while "a" not in pool._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "a" in pool._ready  # arrived without get()
+        t0 = time.perf_counter()
+        x, y, _ = pool.get(gen, "a")
+        assert time.perf_counter() - t0 < 0.05
+        torch.testing.assert_close(y, torch.tensor([[0.0, -0.0], [1.0, -1.0]]))
+        pool.submit(gen, "b", [2])
+        gen2 = pool.begin()  # abandon "b"
+        pool.submit(gen2, "c", [3])
+        _, y, _ = pool.get(gen2, "c")
+        assert y.tolist() == [[3.0, -3.0]] and "b" not in pool._ready
+    finally:
+        pool.close()
+    assert not pool._receiver.is_alive()
+
+
 def test_workers_leave_no_processes_behind():
     """No reader process survives close(), garbage collection of a loader left mid-epoch, or a
     worker's read error (which surfaces as WorkerError naming the failing batch)."""

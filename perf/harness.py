@@ -18,7 +18,11 @@ Every world size runs in one freshly spawned gloo group (all its layouts and swe
 another); a step is timed from a barrier to its end on every rank and counts as long as its slowest
 rank. Before the sweep, the machine is calibrated once (cached in ``calibration.json``): fitted
 compute costs, the layer kernels at the exact local shapes of the sweep (one thread), the slowdown
-of two ranks computing at once, and gloo ping-pong latency/bandwidth over loopback.
+of two ranks computing at once, gloo ping-pong latency/bandwidth over loopback, and the one-rank
+step of a probe problem. Right before every configuration a state probe (~3 s) times that probe
+step again (the host's drift against the calibration), two ranks running it at once (contention)
+and a halo-like exchange after computing (the link); the prediction for that configuration uses
+the machine in that state.
 
 On a machine with fewer cores than ranks the ranks time-share the cores: the results say so
 (``oversubscribed``) and the model accounts for it; this is a demonstration and a validation of the

@@ -63,7 +63,8 @@ class Engine:
         self.spec = spec.resolve_grid(self.world)
         g = self.spec.grid
         self.grid = ProcessGrid(data=g.data, pipe=g.pipe, spatial=g.spatial)
-        self.model, self.loss_fn = model, loss_fn
+        self.model: nn.Module | None = model  # released once built (see _build)
+        self.loss_fn = loss_fn
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
@@ -131,6 +132,10 @@ class Engine:
         self.first_layer, self.last_layer = mine[0], mine[-1]
         self.input_grid = self._layout(mine[0].split)
         self.train(self._training)
+        # Keep only what the original model is still needed for (its state-dict keys, in order):
+        # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
+        self._state_keys = list(self.model.state_dict())
+        self.model = None
         if dist.get_world_size(self.grid.stage_group) > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
 
@@ -340,7 +345,7 @@ class Engine:
             parts = [None] * self.grid.pipe
             dist.all_gather_object(parts, local, group=self.grid.pipe_group)
         merged = {k: v for p in parts for k, v in p.items()}
-        return {k: merged[k] for k in self.model.state_dict() if k in merged}
+        return {k: merged[k] for k in self._state_keys if k in merged}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load the original model's state dict into this rank's layers (any layout saved it)."""

@@ -39,7 +39,7 @@ from hybridpar.pipeline.schedule import schedule
 from hybridpar.profiling import range as prange
 from hybridpar.spec import ParallelSpec, load_spec, sequential_layers
 
-_FWD, _BWD = 1 << 12, 1 << 13
+_FWD, _BWD, _LOSS = 1 << 12, 1 << 13, 1 << 14
 REPLICATED = (1, 1, 1)
 
 
@@ -101,8 +101,14 @@ class Engine:
             layout = self._layout(split)
             layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
         self.grid.stage_group, self.grid.data_group, self.grid.pipe_group  # noqa: B018
-        # the global loss's all-reduce, issued by the main thread once per step
-        self.cross_group = self.grid._my_group(lambda r: ("cross", r % self.grid.stage_size), world_ok=True)
+        # The replica loss travels from the last stage to the others on a communicator of its own
+        # under NCCL, which matches point-to-point messages in issue order per communicator (the
+        # loss would otherwise be matched against a gradient); gloo matches by tag, so the pipe
+        # group's (or the default) communicator serves and no new one is created.
+        nccl = "nccl" in str(dist.get_backend()).lower()
+        self.loss_group = self.grid._my_group(
+            lambda r: ("loss", r % self.grid.stage_size, r // (self.grid.stage_size * self.grid.pipe)),
+            world_ok=not nccl)
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape
@@ -247,6 +253,8 @@ class Engine:
         # Receives are posted one op ahead, so that an activation or gradient moves while this stage
         # computes (a point-to-point transfer starts only once its receive is posted).
         posted: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
+        last_forward = max(i for i, (op, _) in enumerate(ops) if op == "F")
+        loss_x = _LossExchange(self, device)
 
         def post(j: int) -> None:
             if j >= len(ops) or ops[j] in posted:
@@ -280,6 +288,8 @@ class Engine:
                     else:
                         sends.append(self._send(out, stage + 1, _FWD + m))
                     held[m] = (None if self.first_stage else inp, out)
+                    if i == last_forward and self.last_stage:
+                        loss_x.start(loss_sum)  # known now: off the step's critical path from here
                 else:
                     if i == last_backward and self.reducer is not None:
                         self.reducer.arm()
@@ -296,14 +306,7 @@ class Engine:
             w.wait()
         if self.reducer is not None:
             self.reducer.finish()
-        return self._global_loss(loss_sum)
-
-    def _global_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The last stage's replica loss, averaged over replicas, on every rank (one small collective)."""
-        t = loss_sum if self.last_stage else torch.zeros_like(loss_sum)
-        if dist.get_world_size(self.cross_group) > 1:
-            dist.all_reduce(t, group=self.cross_group)
-        return t / self.grid.data
+        return loss_x.finish()
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor, batch: int | None = None) -> torch.Tensor:
@@ -356,6 +359,49 @@ class Engine:
             prefix = f"{name}."
             sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             m.load_state_dict(sub)
+
+
+class _LossExchange:
+    """The global-batch mean loss of one step, on every rank, without a collective at the step's end.
+
+    Why: the last stage knows its replica's loss after its last forward, long before the step ends.
+    It sends it to the replica's other stages then (their receives are posted when the step starts)
+    and launches the average over data-parallel replicas, so that at the end of the step no rank
+    waits on a rank that may have gone to sleep (on a GPU, an all-reduce over every stage would
+    also tie the last stage's end to the first stage's last backward).
+    """
+
+    def __init__(self, engine: Engine, device: torch.device) -> None:
+        self.engine, self.grid = engine, engine.grid
+        self.sends: list[Any] = []
+        self.reduce: Any = None
+        self.value = torch.zeros(1, dtype=torch.float64, device=device)
+        self.recv: Any = None
+        if not engine.last_stage:
+            self.recv = dist.irecv(self.value, engine._peer(self.grid.pipe - 1), group=engine.loss_group,
+                                   tag=_LOSS)
+
+    def start(self, loss_sum: torch.Tensor) -> None:
+        """On the last stage, once its replica loss is complete: send it on, start the average."""
+        self.value.copy_(loss_sum.reshape(1))
+        if self.grid.pipe > 1:
+            out = self.value.clone()  # the all-reduce below works in place while these are in flight
+            self.sends = [dist.isend(out, self.engine._peer(k), group=self.engine.loss_group, tag=_LOSS)
+                          for k in range(self.grid.pipe - 1)]
+        if self.grid.data > 1:
+            self.reduce = dist.all_reduce(self.value, group=self.grid.data_group, async_op=True)
+
+    def finish(self) -> torch.Tensor:
+        with prange("loss_wait", "pipeline"):
+            if self.recv is not None:
+                self.recv.wait()
+                if self.grid.data > 1:
+                    dist.all_reduce(self.value, group=self.grid.data_group)
+            elif self.reduce is not None:
+                self.reduce.wait()
+            for w in self.sends:
+                w.wait()
+        return self.value[0] / self.grid.data
 
 
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,

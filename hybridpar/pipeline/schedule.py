@@ -21,6 +21,8 @@ Bubble fraction, both: (S - 1) / (M + S - 1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 Op = tuple[str, int]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -54,3 +56,46 @@ def schedule(name: str, stages: int, microbatches: int, stage: int) -> list[Op]:
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """Idle share of a synchronous pipeline step: (S - 1) / (M + S - 1)."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def makespan(name: str, stages: int, microbatches: int, forward: Sequence[float],
+             backward: Sequence[float], transfer: float = 0.0) -> float:
+    """Length of one step of schedule ``name`` when stage k's forward of a micro-batch takes
+    ``forward[k]``, its backward ``backward[k]``, and a hand-over between stages ``transfer``.
+
+    Why: (M + S - 1) t is the step of balanced stages only. With stages whose forward and backward
+    are unbalanced in different directions GPipe's bubble is larger (its forward phase runs at the
+    pace of the slowest forward, its backward phase at that of the slowest backward), and 1F1B's
+    differs again; an efficiency measured against (M + S - 1) max t would charge the partition's
+    imbalance to the schedule. This simulates the op lists of :func:`schedule`: a stage runs its ops
+    in order, a forward once the previous stage's forward of that micro-batch has arrived, a backward
+    once the next stage's backward of it has.
+    """
+    if len(forward) != stages or len(backward) != stages:
+        raise ValueError(f"makespan: need {stages} forward and backward times, got "
+                         f"{len(forward)} and {len(backward)}")
+    ops = [schedule(name, stages, microbatches, k) for k in range(stages)]
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * stages
+    nxt = [0] * stages
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for k in range(stages):
+            while nxt[k] < len(ops[k]):
+                op, m = ops[k][nxt[k]]
+                dep = (k - 1, "F", m) if op == "F" else (k + 1, "B", m)
+                if 0 <= dep[0] < stages:
+                    if dep not in done:
+                        break
+                    ready = done[dep] + transfer
+                else:
+                    ready = 0.0
+                start = max(free[k], ready)
+                free[k] = done[(k, op, m)] = start + (forward[k] if op == "F" else backward[k])
+                nxt[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover (the schedules above never deadlock)
+            raise RuntimeError(f"makespan: schedule {name!r} deadlocks at S={stages}, M={microbatches}")
+    return max(free)

@@ -32,7 +32,8 @@ The model, per training step of a spec on a machine
   and micro-batch each way. Gradients: a ring all-reduce of the stage's parameters over its data x
   spatial ranks, hierarchical across nodes (``2 (n-1)/n`` of the bytes over the slowest link, the
   node's NIC shared by the groups that span it), overlapped with the last backward by
-  ``Machine.grad_overlap``; the global loss, one tiny all-reduce.
+  ``Machine.grad_overlap``; the global loss, one tiny all-reduce over the replicas at the step's
+  end on the stages before the last (the last stage sends it on after its last forward).
 * **Pipeline.** With per-micro-batch stage times ``t_s`` (compute + halo + sends) and ``M``
   micro-batches: ``T = sum_s t_s + (M - 1) max_s t'_s``; for equal stages that is the GPipe
   ``(M + S - 1) t`` whose idle share is the bubble ``(S - 1) / (M + S - 1)``. ``t'_s`` leaves out
@@ -1237,9 +1238,10 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     # optimizer step (memory-bound, 4 passes over params) and slicing the rank's input shard
     crit_params = max(st.params for st in stages)
     own = c.pointwise.time(0.0, 4 * e * crit_params) + machine.step_overhead
-    # the global loss: one tiny all-reduce over the ranks at one stage position (data x pipe)
-    cross = [(d * S + s) * stage_size for d in range(g.data) for s in range(S)]
-    other = own + allreduce_time(8, cross, machine, world)
+    # the global loss leaves the last stage after its last forward (its replica average overlaps the
+    # backward); the other stages average what they received over the replicas at the step's end
+    replicas = [d * S * stage_size for d in range(g.data)]
+    other = own + (allreduce_time(8, replicas, machine, world) if S > 1 and g.data > 1 else 0.0)
     first_in = math.prod(plan[0].local_input_shape) * M * e
     data_wait = c.pointwise.time(0.0, 2 * first_in)
     compute = M * stages[crit].compute

@@ -1,0 +1,95 @@
+"""Where a 2-stage pipeline step goes beyond its schedule's bound: per rank, compute inside the
+pipeline against the same stage's work with no communication, and the time spent waiting.
+
+Why: ``bench_pipeline`` says how far the pipeline is from the bubble-only bound; this says whether
+the rest is the stages computing slower while transfers run (their copies take the same cores) or
+waiting for a transfer. Same model and split as ``bench_pipeline``.
+
+    .venv/bin/python perf/pipeline_breakdown.py --microbatches 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import bench_pipeline as bp
+import common
+import torch.nn.functional as F
+
+CATS = ("compute", "pipeline", "other")
+
+
+def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int) -> dict:
+    import torch.distributed as dist
+
+    import hybridpar as hp
+    from hybridpar.profiling import StepTimer
+
+    out = {}
+    for m in ms:
+        batch = bp.batch_of(cfg, m)
+        x, y = bp.stack_data(cfg, batch)
+        engine = hp.parallelize(bp.make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
+                                bp.pipe_spec(cfg, m), loss_fn=F.mse_loss)
+        x_local, y_local = engine.shard_batch(x, y)
+        model, chunks, _, _ = bp._steps(cfg, m)
+        stage_step, _ = bp._stage_work(cfg, model, chunks, batch, rank)
+        timer = StepTimer(clock="cpu")
+        pipe, alone = [], []
+        for _rep in range(3):  # alternated, as in bench_pipeline; the first step of each untimed
+            for i in range(steps + 1):
+                common.barrier()
+                t0 = time.perf_counter()
+                with timer.step() if i else contextlib.nullcontext():
+                    engine.train_step(x_local, y_local)
+                if i:
+                    pipe.append(time.perf_counter() - t0)
+            for i in range(steps + 1):
+                common.barrier()
+                t0 = time.perf_counter()
+                stage_step()
+                if i:
+                    alone.append(time.perf_counter() - t0)
+        s = timer.summary()
+        mine = {"pipe_ms": 1e3 * statistics.median(pipe), "stage_no_comm_ms": 1e3 * statistics.median(alone),
+                **{f"{c}_ms": 1e3 * s.get(c, 0.0) for c in CATS}}
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)
+        out[m] = every
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--microbatches", default="1,8")
+    ap.add_argument("--size", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--no-wait", action="store_true")
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    cfg = {"size": args.size, "channels": 16, "depth": 4, "split": 2, "micro": 2, "batch": 0}
+    ms = [int(v) for v in args.microbatches.split(",")]
+    load = common.wait_for_quiet(0.6, 0 if args.no_wait else 1200)
+    res = common.launch(job, 2, cfg, ms, args.steps, threads=1)
+    rows = []
+    for m in ms:
+        for k, r in enumerate(res[m]):
+            rows.append([m, k, r["pipe_ms"], r["stage_no_comm_ms"], r["compute_ms"],
+                         f"{100 * (r['compute_ms'] / r['stage_no_comm_ms'] - 1):+.1f} %", r["pipeline_ms"],
+                         r["other_ms"]])
+    table = common.print_table(
+        ["M", "stage", "pipe step ms", "stage alone, no comm ms", "compute in pipe ms", "compute vs no comm",
+         "waiting (pipeline) ms", "other ms"], rows,
+        title=f"GPipe S=2 at {args.size}^3, micro-batch 2: where the step goes, per stage "
+              "(steps: medians; compute and waiting: means)")
+    common.write_json("pipeline_breakdown", {"config": {**cfg, "microbatches": ms, "steps": args.steps},
+                                             "load": load, "result": res, "table": table},
+                      None if args.out_dir is None else Path(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1197,6 +1197,10 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
             (r_f, r_b), lat = _redistribution(rec.input_shape, rec.local_input_shape, prev.split, rec.split,
                                               stage_size, e, halo_link, halo_share)
             latency += lat
+        if hb and layers and layers[-1].stage == rec.stage:
+            # a layer that exchanges halos saves its extended copy of the input, counted above; the
+            # plain input (the layer before's output, counted there) is then kept by nobody
+            layers[-1].saved_bytes = max(layers[-1].saved_bytes - e * in_n, 0)
         layers.append(LayerCost(rec.name, leaf.op, rec.stage, rec.split, fwd, bwd, h_f, h_b, r_f, r_b,
                                 f_fwd + f_i + f_w, hb, saved, latency))
     # hand-over at the end of each stage (to the next stage's split, or replicated for the loss)

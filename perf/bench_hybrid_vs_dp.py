@@ -34,7 +34,8 @@ from pathlib import Path
 import common
 import torch
 import torch.nn.functional as F
-from bench_vs_torch_pipelining import SavedActivations
+
+from hybridpar.memory import SavedActivations
 
 RANKS = 2
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -56,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from bench_pipeline import make_stack, split_layer, stack_data
 from torch import nn
+
+from hybridpar.memory import SavedActivations
 
 RANKS = 2
 IMPLS = ["hybridpar", "torch"]
@@ -85,62 +86,6 @@ def reset_peak_rss() -> None:
 def peak_rss_mib() -> float:
     """Highest resident set since the last :func:`reset_peak_rss`."""
     return _status_kib("VmHWM") / 1024
-
-
-class _Held:
-    """What autograd stores in place of a saved tensor; freed when autograd lets it go."""
-
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
-class SavedActivations:
-    """Peak bytes of the distinct storages autograd holds for backward, weights excluded.
-
-    Use as a context manager around forward *and* backward of a step::
-
-        with SavedActivations(model.parameters()) as saved:
-            loss = model(x).sum(); loss.backward()
-        saved.peak_bytes
-    """
-
-    def __init__(self, params) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.refs: dict[int, int] = {}
-        self.live = self.peak_bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip or t.device.type == "meta":
-            return t
-        if self.refs.get(key, 0) == 0:
-            self.live += storage.nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.live)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        held = _Held(t)
-        weakref.finalize(held, self._release, key, storage.nbytes())
-        return held
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self.refs[key] -= 1
-        if self.refs[key] == 0:
-            del self.refs[key]
-            self.live -= nbytes
-
-    @staticmethod
-    def _unpack(held):
-        return held.t if isinstance(held, _Held) else held
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------- the two pipelines

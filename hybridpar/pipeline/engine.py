@@ -48,6 +48,13 @@ def _split_sizes(batch: int, parts: int) -> list[int]:
     return [len(c) for c in torch.arange(batch).tensor_split(parts)]
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage of its own: a piece that stays a view would keep the whole global batch alive
+    (and count as such in memory) after the caller lets it go."""
+    t = t.contiguous()
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class Engine:
     """A model parallelized per a spec (see module doc). Build with :func:`parallelize`."""
 
@@ -183,7 +190,7 @@ class Engine:
         if x.dim() == 5 and self.first_layer.split != REPLICATED:
             box = local_box(tuple(x.shape[2:]), self.input_grid)
             x_rep = x_rep[(Ellipsis, *(slice(a, b) for a, b in box))]
-        return x_rep.contiguous(), (None if y is None else y[rows].contiguous())
+        return _own(x_rep), (None if y is None else _own(y[rows]))
 
     # ------------------------------------------------------------------ stage execution
     def _run(self, x: torch.Tensor) -> torch.Tensor:

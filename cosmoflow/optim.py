@@ -72,8 +72,14 @@ class LARS(torch.optim.Optimizer):
 
 def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], global_batch: int
                    ) -> torch.optim.Optimizer:
-    """The configured optimizer, starting at the schedule's epoch-0 learning rate."""
+    """The configured optimizer, starting at the schedule's epoch-0 learning rate.
+
+    A pipeline stage of pooling and activations alone has no parameters; torch refuses an empty
+    parameter list, so such a rank gets an optimizer over one empty group (its steps do nothing, and
+    its schedule and state dict work like everyone else's).
+    """
     lr = lr_at(cfg, global_batch, 0.0)
+    params = list(params) or [{"params": []}]
     if cfg.name == "lars":
         return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":  # for small synthetic sets; the MLPerf recipe is SGD

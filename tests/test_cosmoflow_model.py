@@ -94,3 +94,17 @@ def test_invalid_combinations() -> None:
         build_lbann_model(96)
     with pytest.raises(ValueError, match="init must be"):
         build_model(64, init="zeros")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "adamw"])
+def test_optimizer_for_a_stage_without_parameters(name: str) -> None:
+    """A pipeline stage of pooling and activations only still gets a working optimizer."""
+    from cosmoflow.config import OptimizerConfig
+    from cosmoflow.optim import make_optimizer, set_lr
+
+    opt = make_optimizer(OptimizerConfig(name=name), [], global_batch=8)
+    set_lr(opt, 0.5)
+    opt.step()
+    opt.zero_grad()
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
+    assert opt.state_dict()["param_groups"][0]["params"] == []

@@ -154,7 +154,11 @@ class Engine:
 
     # ------------------------------------------------------------------ user API
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (its stage's layers)."""
+        """This rank's parameters (its stage's layers).
+
+        Empty on a pipeline stage of pooling and activations alone; torch's optimizers refuse an
+        empty list, so build one as ``SGD(engine.parameters() or [{"params": []}], ...)``.
+        """
         self._require_built("parameters")
         return [p for _, m in self.layers for p in m.parameters()]
 

@@ -24,9 +24,10 @@ minutes and a ratio is only meaningful between neighbours in time. Every process
 * ``accum``: the same, the M micro-batches one after another with gradient accumulation;
 * ``pipe``: both ranks, ``hp.parallelize(model, {grid: {pipe: 2}, pipeline: {microbatches: M}})``,
   ``engine.train_step``; a step lasts until its slower rank is done;
-* ``stages``: both ranks at once, no communication: rank k runs stage k's share of a GPipe step (its
-  M forwards, then its M backwards) in plain ``torch.nn``: the pipeline's work as this machine runs
-  it side by side, with no bubble and no communication;
+* ``stages``: both ranks at once, no communication: rank k runs stage k's share of a step of the
+  same schedule (its M forwards and M backwards in the schedule's order: GPipe all forwards first,
+  1F1B interleaved, so the activations held at once match) in plain ``torch.nn``: the pipeline's
+  work as this machine runs it side by side, with no bubble and no communication;
 * ``alone stage k``: rank 0 alone, stage k's forward + backward of one micro-batch (balance).
 
     bound          = sum_k t_k + (M - 1) max_k t_k, t_k = T_stage k / M: every stage once while the
@@ -66,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.pipeline.schedule import makespan
+from hybridpar.pipeline.schedule import schedule as schedule_ops
 
 STAGES = 2
 GOAL = 0.90
@@ -130,42 +132,54 @@ def _steps(cfg: dict, m: int):
     return model, chunks, whole, accum
 
 
-def _stage_work(cfg: dict, model: nn.Sequential, chunks, batch: int, stage: int):
-    """Pipeline stage ``stage``'s share of one GPipe step (its M forwards, then its M backwards) in
-    plain torch.nn, no communication; stage 1's input needs a gradient, as in the pipeline, and
-    stage 0 backpropagates a fixed random gradient. Also the fwd+bwd of one micro-batch (balance)."""
+def _stage_work(cfg: dict, model: nn.Sequential, chunks, batch: int, stage: int, name: str = "gpipe"):
+    """Pipeline stage ``stage``'s share of one step of schedule ``name`` (its forwards and backwards
+    in that schedule's order: GPipe all M forwards then all M backwards, 1F1B interleaved, so the
+    activations held at once match the pipeline's) in plain torch.nn, no communication; stage 1's
+    input needs a gradient, as in the pipeline, and stage 0 backpropagates a fixed random gradient.
+    Also the fwd+bwd of one micro-batch (balance)."""
     k = split_layer(cfg)
     first, second = model[:k], model[k:]
     with torch.no_grad():
         mids = [first(xc) for xc, _ in chunks]
+    ops = schedule_ops(name, STAGES, len(chunks), stage)
     if stage == 0:
         params, grads = list(first.parameters()), [torch.randn_like(t) for t in mids]
 
-        def step():
-            _zero(params)
-            t0 = time.perf_counter()
-            outs = [first(xc) for xc, _ in chunks]
-            step.forward.append(time.perf_counter() - t0)
-            for o, g in zip(reversed(outs), reversed(grads)):
-                o.backward(g)
+        def fwd(m):
+            return first(chunks[m][0])
+
+        def bwd(m, out):
+            out.backward(grads[m])
 
         def one():
             first(chunks[0][0]).backward(grads[0])
     else:
         params = list(second.parameters())
 
-        def step():
-            _zero(params)
-            t0 = time.perf_counter()
-            ins = [t.detach().requires_grad_() for t in mids]
-            losses = [F.mse_loss(second(i), yc) * (len(yc) / batch) for i, (_, yc) in zip(ins, chunks)]
-            step.forward.append(time.perf_counter() - t0)
-            for loss in reversed(losses):
-                loss.backward()
+        def fwd(m):
+            return F.mse_loss(second(mids[m].detach().requires_grad_()), chunks[m][1]) * \
+                (len(chunks[m][1]) / batch)
+
+        def bwd(m, out):
+            out.backward()
 
         def one():
             F.mse_loss(second(mids[0].detach().requires_grad_()), chunks[0][1]).backward()
-    step.forward = []  # seconds of the forward phase of each call (the rest is the backward phase)
+
+    def step():
+        _zero(params)
+        held, spent = {}, 0.0
+        for op, m in ops:
+            if op == "F":
+                t0 = time.perf_counter()
+                held[m] = fwd(m)
+                spent += time.perf_counter() - t0
+            else:
+                bwd(m, held.pop(m))
+        step.forward.append(spent)
+
+    step.forward = []  # seconds of the forwards of each call (the rest is the backwards)
     return step, one
 
 
@@ -199,7 +213,7 @@ def pipeline_job(rank: int, world: int, cfg: dict, runs: list[tuple[str, int]]) 
         name, batch = f"{schedule} M={m}", batch_of(cfg, m)
         model, chunks, whole, accum = _steps(cfg, m)
         out["single_loss"][name] = whole().item()
-        stage_step, _ = _stage_work(cfg, model, chunks, batch, rank)
+        stage_step, _ = _stage_work(cfg, model, chunks, batch, rank, schedule)
         one = [_stage_work(cfg, model, chunks, batch, k)[1] for k in range(STAGES)]
         x, y = stack_data(cfg, batch)
         engine = hp.parallelize(make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
@@ -214,7 +228,7 @@ def pipeline_job(rank: int, world: int, cfg: dict, runs: list[tuple[str, int]]) 
         out["pipe_loss"][name] = pipe().item()
         jobs = {f"whole M={m}": (alone, whole), f"accum M={m}": (alone, accum),
                 **{f"alone stage {k} M={m}": (alone, one[k]) for k in range(STAGES)},
-                f"stages M={m}": (both, stage_step), name: (both, pipe)}
+                f"stages {name}": (both, stage_step), name: (both, pipe)}
         for rep in range(cfg["reps"]):
             for key in (list(jobs) if rep % 2 == 0 else list(jobs)[::-1]):
                 runner, fn = jobs[key]
@@ -233,9 +247,9 @@ def pipeline_job(rank: int, world: int, cfg: dict, runs: list[tuple[str, int]]) 
 
 
 # ---------------------------------------------------------------------------- report
-def phases(samples: dict, m: int, k: int) -> tuple[float, float]:
+def phases(samples: dict, name: str, m: int, k: int) -> tuple[float, float]:
     """Stage k's forward and backward of one micro-batch, ms, side by side (medians of the steps)."""
-    step, fwd = samples[f"stages M={m} rank {k}"], samples[f"stages M={m} rank {k} forward"]
+    step, fwd = samples[f"stages {name} rank {k}"], samples[f"stages {name} rank {k} forward"]
     f = statistics.median(fwd)
     return 1e3 * f / m, 1e3 * (statistics.median(step) - f) / m
 
@@ -291,21 +305,21 @@ def main() -> None:
             vs_accum = med[f"accum M={m}"] / med[name]
             # the same stages, both at once, no pipeline: the best a pipeline of them can do here is
             # to run every stage once while filling and draining, and the slowest M - 1 more times
-            per_stage = [med[f"stages M={m} rank {k}"] / m for k in range(STAGES)]
+            per_stage = [med[f"stages {name} rank {k}"] / m for k in range(STAGES)]
             bound = sum(per_stage) + (m - 1) * max(per_stage)
             pipe_eff = bound / med[name]
             # the same, but the schedule's own step with each stage's forward and backward apart
-            fb = [phases(samples, m, k) for k in range(STAGES)]
+            fb = [phases(samples, name, m, k) for k in range(STAGES)]
             sched = makespan(s, STAGES, m, [f for f, _ in fb], [b for _, b in fb])
             sched_eff = sched / med[name]
             stage = [med[f"alone stage {k} M={m}"] for k in range(STAGES)]
             balance = sum(stage) / (STAGES * max(stage))
-            conc = med[f"stages M={m}"] / (m * max(stage))
+            conc = med[f"stages {name}"] / (m * max(stage))
             per_round, sched_round = [], []
             for rd in rounds:
-                t = [statistics.median(rd[f"stages M={m} rank {k}"]) / m for k in range(STAGES)]
+                t = [statistics.median(rd[f"stages {name} rank {k}"]) / m for k in range(STAGES)]
                 per_round.append((sum(t) + (m - 1) * max(t)) / statistics.median(rd[name]))
-                fb_r = [phases(rd, m, k) for k in range(STAGES)]
+                fb_r = [phases(rd, name, m, k) for k in range(STAGES)]
                 sched_round.append(makespan(s, STAGES, m, [f for f, _ in fb_r], [b for _, b in fb_r])
                                    / (1e3 * statistics.median(rd[name])))
             losses = [rd["pipe_loss"][name] for rd in rounds]
@@ -321,7 +335,7 @@ def main() -> None:
                 "efficiency_vs_one_process": speedup / ideal, "efficiency_vs_accum": vs_accum / ideal,
                 "throughput_samples_s": 1e3 * b / med[name],
                 "whole_throughput_samples_s": 1e3 * b / med[f"whole M={m}"],
-                "bound_ms": bound, "stages_concurrent_ms": med[f"stages M={m}"],
+                "bound_ms": bound, "stages_concurrent_ms": med[f"stages {name}"],
                 "stage_concurrent_ms_per_micro_batch": per_stage,
                 "stage_fwd_bwd_ms": stage, "stage_balance": balance, "concurrency_slowdown_c": conc,
                 "loss_rel_err_vs_single": max(abs(a - r) / abs(r) for a, r in zip(losses, ref)),
@@ -364,7 +378,8 @@ def main() -> None:
                                               "T_stage_k over M, no transfers: the same schedule's bubble "
                                               "for these (possibly unbalanced) stages",
                        "t_k": "T_stage_k / M; T_stage_k: process k of S running its stage's M forwards "
-                              "and M backwards, all S at once, plain torch.nn, no communication",
+                              "and M backwards in the schedule's order, all S at once, plain torch.nn, "
+                              "no communication",
                        "speedup": "T_whole / T_pipe", "ideal": "S*M/(M+S-1)",
                        "efficiency_vs_one_process": "speedup / ideal = pipe throughput / (whole "
                                                     "throughput * ideal)",

@@ -26,15 +26,18 @@ import torch.distributed as dist
 from hybridpar.launch import init_distributed
 
 AXES = ("d", "h", "w")
-_GROUP_CACHE: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
+_GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
 
 
-def _partition_groups(partition: list[list[int]]) -> list[dist.ProcessGroup]:
+def _partition_groups(partition: list[list[int]], purpose: str = "") -> list[dist.ProcessGroup]:
     """Create (once) one process group per block of a partition of the world; every rank must call.
 
-    Groups are created in the same order on every rank, as ``new_group`` requires.
+    Groups are created in the same order on every rank, as ``new_group`` requires. Groups of the
+    same partition are shared unless their ``purpose`` differs: a communicator of its own is what
+    keeps traffic issued from another thread or stream (halos) from interleaving with the main
+    thread's on the same ranks.
     """
-    key = tuple(tuple(b) for b in partition)
+    key = (purpose, tuple(tuple(b) for b in partition))
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = [dist.new_group(list(b)) for b in partition]
     return _GROUP_CACHE[key]
@@ -149,12 +152,14 @@ class ProcessGrid:
         return self.spatial_size == 1
 
     # ------------------------------------------------------------------ groups
-    def _my_group(self, key_of, world_ok: bool = False) -> dist.ProcessGroup:
+    def _my_group(self, key_of, world_ok: bool = False, purpose: str = "") -> dist.ProcessGroup:
         """The group of ranks sharing ``key_of(rank)``, created on every rank in the same order.
 
         ``world_ok``: when that group is every rank, use the default group instead of a new one (a
         communicator costs each rank threads and buffers, ~0.75 MiB with gloo). Only for groups whose
         operations the main thread issues one at a time, so they cannot interleave with others'.
+        ``purpose``: a communicator distinct from other groups of the same ranks (see
+        :func:`_partition_groups`).
         """
         blocks: dict[tuple, list[int]] = {}
         for r in range(self.world_size):
@@ -162,7 +167,7 @@ class ProcessGrid:
         partition = sorted(blocks.values())
         if world_ok and len(partition) == 1:
             return dist.group.WORLD
-        groups = _partition_groups(partition)
+        groups = _partition_groups(partition, purpose)
         return groups[next(i for i, b in enumerate(partition) if self.rank in b)]
 
     def _pos(self, r: int) -> tuple[int, int, int, int]:
@@ -180,7 +185,7 @@ class ProcessGrid:
     def halo_group(self) -> dist.ProcessGroup:
         """A second communicator over the spatial group, so halo traffic on a helper thread or stream
         never interleaves with collectives issued by the main thread."""
-        return self._my_group(lambda r: (*self._pos(r)[:3], "halo"))
+        return self._my_group(lambda r: self._pos(r)[:3], purpose="halo")
 
     @cached_property
     def stage_group(self) -> dist.ProcessGroup:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 CATS = ("compute", "pipeline", "other")
 
 
-def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int) -> dict:
+def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int, name: str) -> dict:
     import torch.distributed as dist
 
     import hybridpar as hp
@@ -34,10 +34,10 @@ def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int) -> dict:
         batch = bp.batch_of(cfg, m)
         x, y = bp.stack_data(cfg, batch)
         engine = hp.parallelize(bp.make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
-                                bp.pipe_spec(cfg, m), loss_fn=F.mse_loss)
+                                bp.pipe_spec(cfg, m, name), loss_fn=F.mse_loss)
         x_local, y_local = engine.shard_batch(x, y)
         model, chunks, _, _ = bp._steps(cfg, m)
-        stage_step, _ = bp._stage_work(cfg, model, chunks, batch, rank)
+        stage_step, _ = bp._stage_work(cfg, model, chunks, batch, rank, name)
         timer = StepTimer(clock="cpu")
         pipe, alone = [], []
         for _rep in range(3):  # alternated, as in bench_pipeline; the first step of each untimed
@@ -66,6 +66,7 @@ def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--microbatches", default="1,8")
+    ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
     ap.add_argument("--size", type=int, default=24)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--no-wait", action="store_true")
@@ -74,7 +75,7 @@ def main() -> None:
     cfg = {"size": args.size, "channels": 16, "depth": 4, "split": 2, "micro": 2, "batch": 0}
     ms = [int(v) for v in args.microbatches.split(",")]
     load = common.wait_for_quiet(0.6, 0 if args.no_wait else 1200)
-    res = common.launch(job, 2, cfg, ms, args.steps, threads=1)
+    res = common.launch(job, 2, cfg, ms, args.steps, args.schedule, threads=1)
     rows = []
     for m in ms:
         for k, r in enumerate(res[m]):
@@ -84,10 +85,11 @@ def main() -> None:
     table = common.print_table(
         ["M", "stage", "pipe step ms", "stage alone, no comm ms", "compute in pipe ms", "compute vs no comm",
          "waiting (pipeline) ms", "other ms"], rows,
-        title=f"GPipe S=2 at {args.size}^3, micro-batch 2: where the step goes, per stage "
+        title=f"{args.schedule} S=2 at {args.size}^3, micro-batch 2: where the step goes, per stage "
               "(steps: medians; compute and waiting: means)")
-    common.write_json("pipeline_breakdown", {"config": {**cfg, "microbatches": ms, "steps": args.steps},
-                                             "load": load, "result": res, "table": table},
+    out = "pipeline_breakdown" + ("" if args.schedule == "gpipe" else f"_{args.schedule}")
+    config = {**cfg, "microbatches": ms, "steps": args.steps, "schedule": args.schedule}
+    common.write_json(out, {"config": config, "load": load, "result": res, "table": table},
                       None if args.out_dir is None else Path(args.out_dir))
 
 

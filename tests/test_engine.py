@@ -6,6 +6,7 @@ and without activation recomputation."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from unittest import mock
 
 import pytest
 import torch
@@ -54,11 +55,20 @@ def _body(rank: int, world: int, layouts: list[dict]) -> None:
     ref_losses, ref_state = reference()
     failures = []
     for layout in layouts:
+        layout = dict(layout)
+        # NCCL's layout of communicators (one per kind of pipeline traffic), exercised over gloo
+        as_nccl = layout.pop("as_nccl", False)
         spec = hp.ParallelSpec.from_dict(layout)
         engine = hp.parallelize(make_model(), spec, loss_fn=F.mse_loss)
         opt = None
         for step, (x, y) in enumerate(batches()):
-            x_local, y_local = engine.shard_batch(x, y)
+            if step == 0:
+                with mock.patch("torch.distributed.get_backend", return_value="nccl" if as_nccl else "gloo"):
+                    x_local, y_local = engine.shard_batch(x, y)  # builds the engine and its groups
+                if as_nccl and engine.grid.pipe > 1 and engine.p2p_groups["F"] is None:
+                    failures.append(f"{layout}: no communicators of their own under NCCL")
+            else:
+                x_local, y_local = engine.shard_batch(x, y)
             # a stage may hold no parameters at all (pooling and activations only)
             if opt is None and engine.parameters():
                 opt = torch.optim.SGD(engine.parameters(), lr=0.05, momentum=0.9)
@@ -94,13 +104,15 @@ def _layout(data=1, pipe=1, spatial=(1, 1, 1), schedule="gpipe", micro=2, recomp
 
 @pytest.mark.parametrize("world,layouts", [
     (2, [_layout(pipe=2), _layout(pipe=2, schedule="1f1b", micro=4), _layout(pipe=2, recompute=True),
-         _layout(pipe=2, schedule="1f1b", recompute=True)]),
+         _layout(pipe=2, schedule="1f1b", recompute=True),
+         {**_layout(pipe=2, schedule="1f1b", micro=4), "as_nccl": True}]),
     (4, [_layout(pipe=2, spatial=(2, 1, 1)),
          _layout(pipe=2, spatial=(2, 1, 1), schedule="1f1b", recompute=True),
          _layout(data=2, pipe=2), _layout(data=2, pipe=2, schedule="1f1b"),
          _layout(data=2, spatial=(2, 1, 1), micro=1), _layout(data=2, spatial=(1, 2, 1), recompute=True),
          _layout(pipe=4, micro=4),
-         _layout(pipe=4, schedule="1f1b", stages=["features.0", "features.3", "head.1", "head.3"])]),
+         _layout(pipe=4, schedule="1f1b", stages=["features.0", "features.3", "head.1", "head.3"]),
+         {**_layout(data=2, pipe=2, micro=4), "as_nccl": True}]),
     (8, [_layout(data=2, pipe=2, spatial=(2, 1, 1)),
          _layout(data=2, pipe=2, spatial=(1, 1, 2), schedule="1f1b", recompute=True)]),
 ])

@@ -108,14 +108,19 @@ class Engine:
             layout = self._layout(split)
             layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
         self.grid.stage_group, self.grid.data_group, self.grid.pipe_group  # noqa: B018
-        # The replica loss travels from the last stage to the others on a communicator of its own
-        # under NCCL, which matches point-to-point messages in issue order per communicator (the
-        # loss would otherwise be matched against a gradient); gloo matches by tag, so the pipe
-        # group's (or the default) communicator serves and no new one is created.
+        # Point-to-point traffic between stages: gloo matches messages by tag, so the default group
+        # carries activations and gradients and the pipe group (or the default) the loss. NCCL runs
+        # a pair's sends and receives in issue order on one stream, and this engine posts receives
+        # ahead of its sends: a receive of a gradient queued before the send of the next activation
+        # would wait for a peer that waits for that send. Under NCCL each kind of traffic therefore
+        # gets a communicator of its own, in which both sides issue it in the same order
+        # (activations forward, gradients backward, the loss).
         nccl = "nccl" in str(dist.get_backend()).lower()
-        self.loss_group = self.grid._my_group(
-            lambda r: ("loss", r % self.grid.stage_size, r // (self.grid.stage_size * self.grid.pipe)),
-            world_ok=not nccl)
+        pipeline = lambda r: (r % self.grid.stage_size, r // (self.grid.stage_size * self.grid.pipe))  # noqa: E731
+        self.loss_group = self.grid._my_group(pipeline, world_ok=not nccl, purpose="loss" if nccl else "")
+        self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
+        if nccl and self.grid.pipe > 1:
+            self.p2p_groups = {d: self.grid._my_group(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape
@@ -220,20 +225,26 @@ class Engine:
     def _peer(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.data_index, stage, self.grid.spatial_index)
 
+    def _p2p_group(self, other_stage: int, sending: bool) -> dist.ProcessGroup | None:
+        """The communicator of an activation (forward) or gradient (backward) transfer."""
+        forward = (other_stage > self.grid.pipe_index) == sending
+        return self.p2p_groups["F" if forward else "B"]
+
     def _recv(self, shape, dtype, device, src_stage: int, tag: int) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=device)
         with prange("pipeline_recv", "pipeline"):
-            dist.recv(t, self._peer(src_stage), tag=tag)
+            dist.recv(t, self._peer(src_stage), group=self._p2p_group(src_stage, False), tag=tag)
         return t
 
     def _irecv(self, shape, dtype, device, src_stage: int, tag: int) -> tuple[torch.Tensor, Any]:
         t = torch.empty(shape, dtype=dtype, device=device)
         with prange("pipeline_post_recv", "pipeline"):
-            return t, dist.irecv(t, self._peer(src_stage), tag=tag)
+            return t, dist.irecv(t, self._peer(src_stage), group=self._p2p_group(src_stage, False), tag=tag)
 
     def _send(self, t: torch.Tensor, dst_stage: int, tag: int):
         with prange("pipeline_send", "pipeline"):
-            return dist.isend(t.detach().contiguous(), self._peer(dst_stage), tag=tag)
+            return dist.isend(t.detach().contiguous(), self._peer(dst_stage),
+                              group=self._p2p_group(dst_stage, True), tag=tag)
 
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
         p = next(iter(self.parameters()), None)

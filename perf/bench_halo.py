@@ -44,7 +44,9 @@ RANKS = 2
 LOCAL = ["local", "local pre-padded"]
 DIST = ["dist overlap=False", "dist overlap=True"]
 GOALS = {"dist overlap=False": 10.0, "dist overlap=True": 5.0}
-VARIANTS = ["diag: overlap=False, global shapes inferred per call"]
+VARIANTS = ["diag: overlap=False, global shapes inferred per call",
+            "diag: overlap=False, halos on the spatial group's communicator",
+            "diag: overlap=True, halos on the spatial group's communicator"]
 CONCURRENT = "diag: 2 local processes at once, no comm"
 
 
@@ -77,8 +79,14 @@ def halo_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     models = {n: common.cosmo_stack(grid, overlap=n.endswith("True")) for n in DIST}
     if cfg["diagnose"]:
         models[VARIANTS[0]] = common.cosmo_stack(grid, overlap=False)  # shapes left to inference
+        # halos sharing the communicator of the main thread's collectives, as before groups were
+        # told apart by purpose: what a communicator of their own costs or saves
+        shared = hp.ProcessGrid(spatial=(world, 1, 1))
+        shared.__dict__["halo_group"] = shared.spatial_group  # the cached_property's slot
+        for name in VARIANTS[1:]:
+            models[name] = common.cosmo_stack(shared, overlap=name.startswith("diag: overlap=True"))
     for name, m in models.items():
-        if name in DIST:
+        if name in DIST or name in VARIANTS[1:]:
             hp.nn.set_global_shapes(m, x.shape)
         steps[name] = common.train_step(m, x_local)
     errors = {}

@@ -54,8 +54,11 @@ def _body(rank: int, world: int, layouts: list[dict]) -> None:
 
     ref_losses, ref_state = reference()
     failures = []
-    for layout in layouts:
+    from torch.distributed import distributed_c10d
+
+    for i, layout in enumerate(layouts):
         layout = dict(layout)
+        groups_before = len(distributed_c10d._world.pg_map)
         # NCCL's layout of communicators (one per kind of pipeline traffic), exercised over gloo
         as_nccl = layout.pop("as_nccl", False)
         spec = hp.ParallelSpec.from_dict(layout)
@@ -67,6 +70,11 @@ def _body(rank: int, world: int, layouts: list[dict]) -> None:
                     x_local, y_local = engine.shard_batch(x, y)  # builds the engine and its groups
                 if as_nccl and engine.grid.pipe > 1 and engine.p2p_groups["F"] is None:
                     failures.append(f"{layout}: no communicators of their own under NCCL")
+                # a pipeline over every rank (gloo) needs no communicator beyond the default one:
+                # groups of one rank (spatial, halo, stage, data here) cost threads and move nothing
+                made = len(distributed_c10d._world.pg_map) - groups_before
+                if i == 0 and engine.grid.pipe == world and not as_nccl and made:
+                    failures.append(f"{layout}: {made} communicators created besides the default")
             else:
                 x_local, y_local = engine.shard_batch(x, y)
             # a stage may hold no parameters at all (pooling and activations only)

@@ -69,6 +69,17 @@ def _grid_body(rank: int, world: int) -> None:
     assert g.mesh.mesh_dim_names == ("data", "pipe", "d", "h", "w")
     r = g.with_spatial((1, 1, 1))
     assert r.replica == rank % 2 and r.spatial_ranks == [rank]
+    # A group of one rank is created by that rank alone, on first use, and shared by every purpose;
+    # collective group creation on all ranks afterwards must still line up.
+    if rank % 2 == 0:
+        assert r.spatial_group is r.halo_group and dist.get_world_size(r.spatial_group) == 1
+        t = torch.ones(1)
+        dist.all_reduce(t, group=r.spatial_group)
+        assert t.item() == 1
+    later = hp.ProcessGrid(data=4, pipe=1, spatial=(2, 1, 1))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=later.halo_group)
+    assert t.item() == 2
 
 
 def test_grid_groups_and_neighbours():

@@ -65,7 +65,9 @@ class SpatialLayer(nn.Module):
                 plans = plans_of(shape[axis], self.grid.spatial_shape[axis], DIM_NAMES[axis])
                 lo, hi = self.grid.neighbours(axis)
                 dims.append(DimExchange(2 + axis, plans[self.grid.spatial_coord[axis]], lo, hi))
-            ex = HaloExchanger(dims, get_transport(self.transport_name, self.grid.halo_group), fill)
+            # one rank has no neighbour to talk to: no communicator for it (see grid._self_group)
+            group = self.grid.halo_group if self.grid.spatial_size > 1 else None
+            ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill)
             ex.all_dims = dims  # type: ignore[attr-defined]
             self._exchangers[k] = ex
         return self._exchangers[k]

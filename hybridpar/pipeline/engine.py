@@ -104,10 +104,16 @@ class Engine:
 
     def _make_groups(self) -> None:
         """Every group any rank may use, created on every rank in one order (new_group requires it)."""
+        # Groups of one rank are not created here: they are local and lazy (grid._self_group).
         for split in sorted({lp.split for lp in self.plan} | {self.grid.stage_spatial}):
             layout = self._layout(split)
-            layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
-        self.grid.stage_group, self.grid.data_group, self.grid.pipe_group  # noqa: B018
+            if layout.spatial_size > 1:
+                layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
+        g = self.grid
+        for size, name in ((g.data * g.stage_size, "stage_group"), (g.data, "data_group"),
+                           (g.pipe, "pipe_group")):
+            if size > 1:
+                getattr(g, name)
         # Point-to-point traffic between stages: gloo matches messages by tag, so the default group
         # carries activations and gradients and the pipe group (or the default) the loss. NCCL runs
         # a pair's sends and receives in issue order on one stream, and this engine posts receives
@@ -154,7 +160,7 @@ class Engine:
         # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
         self._state_keys = list(self.model.state_dict())
         self.model = None
-        if dist.get_world_size(self.grid.stage_group) > 1:
+        if self.grid.data * self.grid.stage_size > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
 
     # ------------------------------------------------------------------ user API

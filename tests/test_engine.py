@@ -126,3 +126,37 @@ def _layout(data=1, pipe=1, spatial=(1, 1, 1), schedule="gpipe", micro=2, recomp
 ])
 def test_engine_matches_single_process(world, layouts):
     distributed.run(_body, world, layouts, timeout=600)
+
+
+def _order_body(rank: int, world: int) -> None:
+    """On the second stage, when does the last input gradient leave, against the weight gradients?"""
+    import hybridpar as hp
+    from hybridpar.pipeline import engine as engine_mod
+
+    x, y = batches()[0]
+    for schedule, split in (("gpipe", True), ("1f1b", False)):
+        engine = hp.parallelize(make_model(), _layout(pipe=2, schedule=schedule, micro=2), loss_fn=F.mse_loss)
+        x_local, y_local = engine.shard_batch(x, y)
+        events: list[str] = []
+        for p in engine.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, events=events: events.append("grad"))
+        send = engine._send
+
+        def logged(t, dst, tag, send=send, events=events):
+            events.append(f"send {tag - engine_mod._BWD}" if tag >= engine_mod._BWD else "send F")
+            return send(t, dst, tag)
+
+        engine._send = logged
+        engine.train_step(x_local, y_local)
+        if rank == 1:
+            last = max(i for i, e in enumerate(events) if e.startswith("send"))
+            after = events[last + 1:].count("grad")
+            # split: every deferred weight of the last backward accumulates after the send
+            want = len(engine.parameters()) if split else 0
+            assert after == want, f"{schedule}: {after} weight gradients after the last send, want {want}"
+
+
+def test_input_gradient_leaves_before_deferred_weight_gradients():
+    """GPipe holds 2 micro-batches on stage 1, so its last backward sends the input gradient before
+    computing weight gradients; 1F1B's last stage holds 1, so it does not split (memory)."""
+    distributed.run(_order_body, 2, timeout=300)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hybridpar.pipeline.schedule import SCHEDULES, bubble_fraction, makespan, schedule
+from hybridpar.pipeline.schedule import SCHEDULES, bubble_fraction, in_flight, makespan, schedule
 
 GRID = list(itertools.product(SCHEDULES, range(1, 5), range(1, 9)))
 
@@ -66,3 +66,11 @@ def test_makespan_checks_its_inputs():
         makespan("gpipe", 3, 2, [1.0, 1.0], [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         makespan("zb", 2, 2, [1.0, 1.0], [1.0, 1.0])
+
+
+def test_in_flight_is_the_micro_batches_a_stage_holds():
+    for s in range(1, 5):
+        for m in range(1, 7):
+            for k in range(s):
+                assert in_flight(schedule("gpipe", s, m, k)) == m
+                assert in_flight(schedule("1f1b", s, m, k)) == min(m, s - k)

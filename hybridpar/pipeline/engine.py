@@ -33,9 +33,10 @@ from hybridpar.launch import init_distributed
 from hybridpar.nn.layout import Redistribute
 from hybridpar.nn.norm import recomputing
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.reducer import GradReducer
-from hybridpar.pipeline.schedule import schedule
+from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.profiling import range as prange
 from hybridpar.spec import ParallelSpec, load_spec, sequential_layers
 
@@ -153,6 +154,7 @@ class Engine:
             layers.append((None, Redistribute(self._layout(out_split), self._layout(target),
                                               tuple(mine[-1].output_shape[2:]))))
         self.layers = layers
+        self._defer = deferred.deferrable([m for _, m in layers])
         self.first_layer, self.last_layer = mine[0], mine[-1]
         self.input_grid = self._layout(mine[0].split)
         self.train(self._training)
@@ -220,6 +222,18 @@ class Engine:
                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
             return self._run(x)
 
+    def _split_backward(self, ops: list[tuple[str, int]]) -> int | None:
+        """The micro-batch whose backward runs in two passes (:mod:`deferred`), or None.
+
+        A stage's last backward, when a previous stage waits for its input gradient, the stage has
+        deferrable layers, activations are not recomputed, and the schedule holds two or more
+        micro-batches here at once (so the gradients kept between the passes fit in memory freed by
+        then)."""
+        if (self.first_stage or self.spec.pipeline.recompute or not any(self._defer)
+                or not torch.is_grad_enabled() or in_flight(ops) < 2):
+            return None
+        return ops[max(i for i, (op, _) in enumerate(ops) if op == "B")][1]
+
     def _in_shape(self, b: int) -> tuple[int, ...]:
         lp = self.first_layer
         shape = lp.input_shape
@@ -252,6 +266,11 @@ class Engine:
             return dist.isend(t.detach().contiguous(), self._peer(dst_stage),
                               group=self._p2p_group(dst_stage, True), tag=tag)
 
+    def _undeferred_params(self) -> list[nn.Parameter]:
+        """Trainable parameters of the layers whose weight gradients are not deferred."""
+        return [p for (_, m), d in zip(self.layers, self._defer) if not d
+                for p in m.parameters() if p.requires_grad]
+
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
         p = next(iter(self.parameters()), None)
         ref = x if x is not None and x.is_floating_point() else p
@@ -283,6 +302,7 @@ class Engine:
         posted: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
         last_forward = max(i for i, (op, _) in enumerate(ops) if op == "F")
         loss_x = _LossExchange(self, device)
+        split_m, kept = self._split_backward(ops), []
 
         def post(j: int) -> None:
             if j >= len(ops) or ops[j] in posted:
@@ -309,7 +329,11 @@ class Engine:
                         inp = xs[m]
                     else:
                         inp = take(ops[i]).requires_grad_()
-                    out = self._forward(inp)
+                    if m == split_m:
+                        with prange("stage_forward", "compute"):
+                            out, kept = deferred.run_keeping([lm for _, lm in self.layers], self._defer, inp)
+                    else:
+                        out = self._forward(inp)
                     if self.last_stage:
                         out = self.loss_fn(out, ys[m].to(device)) * (sizes[m] / batch)
                         loss_sum += out.detach().double()
@@ -323,12 +347,20 @@ class Engine:
                         self.reducer.arm()
                     grad = None if self.last_stage else take(ops[i])
                     inp, out = held.pop(m)
-                    if out.requires_grad:
+                    split = m == split_m and out.requires_grad
+                    if split:  # input gradient first, sent below, then the weights'
+                        with prange("stage_backward_input", "compute"):
+                            deferred.input_pass(out, grad, inp, kept, self._undeferred_params())
+                    elif out.requires_grad:
                         with prange("stage_backward", "compute"):
                             out.backward(grad)
                     if inp is not None:
                         g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                         sends.append(self._send(g, stage - 1, _BWD + m))
+                    if split:
+                        with prange("stage_backward_weight", "compute"):
+                            deferred.weight_pass(kept)
+                        kept = []
                 post(i + 1)
         for w in sends:
             w.wait()

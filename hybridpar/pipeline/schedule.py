@@ -53,6 +53,16 @@ def schedule(name: str, stages: int, microbatches: int, stage: int) -> list[Op]:
     raise ValueError(f"unknown pipeline schedule {name!r}; use one of {SCHEDULES}")
 
 
+def in_flight(ops: Sequence[Op]) -> int:
+    """Most micro-batches whose forward has run and backward has not, at once, in an op list: how
+    many micro-batches' activations the stage holds at its peak (GPipe: M; 1F1B: min(M, S - k))."""
+    live = most = 0
+    for op, _ in ops:
+        live += 1 if op == "F" else -1
+        most = max(most, live)
+    return most
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """Idle share of a synchronous pipeline step: (S - 1) / (M + S - 1)."""
     return (stages - 1) / (microbatches + stages - 1)

@@ -20,13 +20,21 @@ Timing: both implementations are built in the same 2 processes and alternated ``
 (this VM's speed drifts by up to 1.5x within minutes), in ``--rounds`` fresh pairs of processes;
 every process applies ``hybridpar.cpu_alloc`` (perf/common.py), torch's included.
 
-Memory per stage, two ways, each rank in a fresh process per (implementation, M), after 2 warm-up
+Memory per stage, three ways, each rank in a fresh process per (implementation, M), after 2 warm-up
 steps, glibc told to return every block >= 64 KiB to the OS (``MALLOC_MMAP_THRESHOLD_=65536``) so the
 resident set follows live tensors:
 
+* *peak heap*: the highest count of bytes malloc has handed out during one step, minus the count
+  before the model was built (``heapcount``: ``heap_peak.c`` preloaded into the ranks): weights,
+  gradients, activations, communication buffers and the library's own state, exactly, whatever the
+  page layout. The CPU's ``torch.cuda.max_memory_allocated``, and the figure the goal is read on.
+  Twice: as is, and with both implementations tracing the model once on the meta device before the
+  base line: what torch caches on the first meta trace of a process (~0.1 MiB, measured) is paid
+  once by whatever traces first (hybridpar's planner, torch.compile, DTensor), not by a stage;
 * *peak RSS*: the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
-  during one step, minus the resident set before the model was built: weights, gradients,
-  activations, communication buffers and the library's own state;
+  during one step, minus the resident set before the model was built; and its anonymous part
+  (file-backed pages, the libraries' code that each implementation happens to run, set aside):
+  what the OS charges, which also moves with page-touch patterns and thread stacks;
 * *saved activations*: the peak of the bytes of tensors autograd holds for backward (distinct
   storages, weights excluded), counted with ``torch.autograd.graph.saved_tensors_hooks``:
   independent of the allocator.
@@ -51,6 +59,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import common
+import heapcount
 import torch
 import torch.nn.functional as F
 from bench_pipeline import make_stack, split_layer, stack_data
@@ -86,6 +95,12 @@ def reset_peak_rss() -> None:
 def peak_rss_mib() -> float:
     """Highest resident set since the last :func:`reset_peak_rss`."""
     return _status_kib("VmHWM") / 1024
+
+
+def rss_parts_mib() -> dict[str, float]:
+    """The resident set now by kind: anonymous (heap, stacks), file-backed (code of the libraries,
+    shared with every process that maps them), shared memory."""
+    return {k: _status_kib(k) / 1024 for k in ("RssAnon", "RssFile", "RssShmem")}
 
 
 # ---------------------------------------------------------------------------- the two pipelines
@@ -167,7 +182,7 @@ def memory_job(rank: int, world: int, cfg: dict, impl: str, m: int, warm_meta: b
             model = make_stack(cfg["size"], cfg["channels"], cfg["depth"])
             F.mse_loss(model(torch.empty(cfg["micro"], cfg["channels"], *[cfg["size"]] * 3)),
                        torch.empty(cfg["micro"], 4))
-    base = rss_mib()
+    base, base_parts, heap_base = rss_mib(), rss_parts_mib(), heapcount.current()
     x, y = stack_data(cfg, cfg["micro"] * m)
     step, named = build(impl, rank, cfg, m, x, y)
     for _ in range(2):
@@ -175,14 +190,21 @@ def memory_job(rank: int, world: int, cfg: dict, impl: str, m: int, warm_meta: b
     common.barrier()
     before = rss_mib()
     reset_peak_rss()
+    heapcount.reset()
     step()
-    peak = peak_rss_mib()
+    peak, heap_peak, parts = peak_rss_mib(), heapcount.peak(), rss_parts_mib()
     common.barrier()
     with SavedActivations(named.values()) as saved:
         step()
+    # The anonymous part of the peak, assuming the file-backed pages (touched during the warm-up
+    # steps) stayed resident through the step, as they do with memory to spare.
+    anon = peak - parts["RssFile"] - parts["RssShmem"] - base_parts["RssAnon"]
     mine = {"rank": rank, "stage": rank, "rss_base_mib": base, "rss_before_step_mib": before,
             "peak_rss_step_mib": peak, "peak_over_base_mib": peak - base,
-            "peak_over_prestep_mib": peak - before,
+            "peak_over_prestep_mib": peak - before, "rss_parts_base_mib": base_parts,
+            "rss_parts_after_step_mib": parts, "peak_anon_over_base_mib": anon,
+            "heap_counted": heapcount.active(),
+            "peak_heap_over_base_mib": (heap_peak - heap_base) / 2 ** 20 if heapcount.active() else None,
             "saved_activations_peak_mib": saved.peak_bytes / 2 ** 20,
             "params_mib": sum(p.numel() * p.element_size() for p in named.values()) / 2 ** 20}
     everyone: list = [None] * world
@@ -233,6 +255,22 @@ def check_job(rank: int, world: int, cfg: dict, m: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- report
+def _per_stage(records: list[dict] | None, key: str) -> list[float] | None:
+    """One figure per stage from a memory job's records (None where it was not measured)."""
+    return [r[key] for r in records] if records and records[0][key] is not None else None
+
+
+def _fmt_stages(values: list[float] | None, digits: int = 1) -> str:
+    return " / ".join(f"{v:.{digits}f}" for v in values) if values else ""
+
+
+def _no_worse(ours: dict, theirs: dict, key: str, rel: float, slack: float) -> list[bool] | None:
+    """Per stage: ours <= theirs * (1 + rel) + slack."""
+    if not ours[key]:
+        return None
+    return [a <= t * (1 + rel) + slack for a, t in zip(ours[key], theirs[key])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
@@ -247,6 +285,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
+    ap.add_argument("--no-warm-meta", dest="warm_meta", action="store_false",
+                    help="skip the memory runs that trace the model on the meta device in both first")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 check")
     ap.add_argument("--pin", action="store_true", help="bind rank r to core r")
     ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-min load below this")
@@ -270,15 +310,17 @@ def main() -> None:
     memory: dict = {}
     memory_warm: dict = {}
     if args.memory:
-        os.environ.update(MALLOC_ENV)  # read by glibc at start-up of the spawned ranks
+        env = {**MALLOC_ENV, **heapcount.preload_env()}
+        os.environ.update(env)  # read by glibc and the loader at start-up of the spawned ranks
         try:
             for m in ms:
                 for impl in IMPLS:
                     memory[f"{impl} M={m}"] = common.launch(memory_job, RANKS, cfg, impl, m, threads=1)
-                    memory_warm[f"{impl} M={m}"] = common.launch(memory_job, RANKS, cfg, impl, m, True,
-                                                                 threads=1)
+                    if args.warm_meta:
+                        memory_warm[f"{impl} M={m}"] = common.launch(memory_job, RANKS, cfg, impl, m, True,
+                                                                     threads=1)
         finally:
-            for k in MALLOC_ENV:
+            for k in env:
                 os.environ.pop(k, None)
     load_end = common.loadavg()
 
@@ -295,27 +337,32 @@ def main() -> None:
         for impl in IMPLS:
             name = f"{impl} M={m}"
             mem, warm = memory.get(name), memory_warm.get(name)
-            peak = [r["peak_over_base_mib"] for r in mem] if mem else None
-            peak_warm = [r["peak_over_base_mib"] for r in warm] if warm else None
-            saved = [r["saved_activations_peak_mib"] for r in mem] if mem else None
+            heap = _per_stage(mem, "peak_heap_over_base_mib")
+            peak, anon = _per_stage(mem, "peak_over_base_mib"), _per_stage(mem, "peak_anon_over_base_mib")
+            saved = _per_stage(mem, "saved_activations_peak_mib")
+            heap_warm = _per_stage(warm, "peak_heap_over_base_mib")
             result[m][impl] = {"step_ms": med[name], "samples_s": 1e3 * b / med[name],
-                               "peak_rss_over_base_mib": peak, "saved_activations_peak_mib": saved,
-                               "peak_rss_over_base_meta_warmed_mib": peak_warm}
+                               "peak_heap_over_base_mib": heap, "peak_rss_over_base_mib": peak,
+                               "peak_rss_anon_over_base_mib": anon, "saved_activations_peak_mib": saved,
+                               "peak_heap_over_base_meta_warmed_mib": heap_warm}
             rows.append([m, b, impl, med[name], f"{stats[name]['q1_ms']:.1f}-{stats[name]['q3_ms']:.1f}",
                          1e3 * b / med[name], f"{ratio:.3f}" if impl == "hybridpar" else "",
-                         " / ".join(f"{v:.1f}" for v in peak) if peak else "",
-                         " / ".join(f"{v:.1f}" for v in peak_warm) if peak_warm else "",
-                         " / ".join(f"{v:.2f}" for v in saved) if saved else ""])
+                         _fmt_stages(heap, 3), _fmt_stages(heap_warm, 3), _fmt_stages(peak),
+                         _fmt_stages(anon), _fmt_stages(saved, 2)])
         if memory:
-            ours, theirs = (result[m][i]["peak_rss_over_base_mib"] for i in IMPLS)
-            s_ours, s_theirs = (result[m][i]["saved_activations_peak_mib"] for i in IMPLS)
+            ours, theirs = result[m]["hybridpar"], result[m]["torch"]
+            # heap: exact counts, 0.1 % for allocation timing between threads; RSS: page-level
             result[m]["memory_no_worse"] = {
-                "peak_rss": [a <= 1.02 * t + 1.0 for a, t in zip(ours, theirs)],
-                "saved_activations": [a <= t * (1 + 1e-9) for a, t in zip(s_ours, s_theirs)]}
+                "peak_heap": _no_worse(ours, theirs, "peak_heap_over_base_mib", 1e-3, 0.0),
+                "peak_heap_meta_warmed": _no_worse(ours, theirs, "peak_heap_over_base_meta_warmed_mib",
+                                                   1e-3, 0.0) if memory_warm else None,
+                "peak_rss": _no_worse(ours, theirs, "peak_rss_over_base_mib", 0.02, 1.0),
+                "saved_activations": _no_worse(ours, theirs, "saved_activations_peak_mib", 1e-9, 0.0)}
     table = common.print_table(
         ["M", "batch", "impl", "median ms", "IQR ms", "samples/s", "ratio (torch ms / ours)",
-         "peak RSS over base MiB (stage 0 / 1)", "same, meta trace warmed first (0 / 1)",
-         "saved activations MiB (0 / 1)"], rows,
+         "peak heap over base MiB (stage 0 / 1)", "same, meta trace warmed first (0 / 1)",
+         "peak RSS over base MiB (0 / 1)", "of which anonymous (0 / 1)", "saved activations MiB (0 / 1)"],
+        rows,
         title=f"hybridpar GPipe vs torch.distributed.pipelining.ScheduleGPipe: 2 ranks x 1 thread, gloo, "
               f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {args.size}^3, micro-batch "
               f"{args.micro}, float32 ({args.rounds} rounds x {args.steps} steps; 1-min load "
@@ -341,13 +388,19 @@ def main() -> None:
                    "dtype": "float32", "threads_per_process": 1, "pin": args.pin, "backend": "gloo",
                    "torch_schedule": "ScheduleGPipe(PipelineStage(half, rank, 2, cpu), M, loss_fn=mse_loss), "
                                      "scale_grads default (True), step(..., return_outputs=False)",
-                   "memory_method": "fresh processes per (impl, M), MALLOC_MMAP_THRESHOLD_=65536; peak RSS "
+                   "memory_method": "fresh processes per (impl, M), MALLOC_MMAP_THRESHOLD_=65536; peak "
+                                    "heap = highest bytes handed out by malloc over one step (perf/"
+                                    "heap_peak.c, LD_PRELOAD) minus those before the model was built; "
+                                    "peak RSS "
                                     "= VmHWM over one step (reset via /proc/self/clear_refs) minus VmRSS "
-                                    "before the model was built; saved activations = peak distinct "
+                                    "before the model was built, and its anonymous part (VmHWM - "
+                                    "RssFile - RssShmem after the step - RssAnon at base); saved "
+                                    "activations = peak distinct "
                                     "storage bytes held by autograd (saved_tensors_hooks), weights "
-                                    "excluded; third step after 2 warm-ups; 'meta warmed': the same "
+                                    "excluded; third step after 2 warm-ups; 'meta warmed': peak heap "
                                     "after both implementations traced the model once on the meta "
-                                    "device before the base line (a one-time cost of the process)"},
+                                    "device before the base line (what torch caches on its first meta "
+                                    "trace is a one-time cost of the process, ~0.1 MiB)"},
         "load": {**load, "load_at_end": load_end},
         "stats": stats, "result": result, "memory": memory, "memory_meta_warmed": memory_warm,
         "check": check, "rounds": rounds,

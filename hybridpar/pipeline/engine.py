@@ -61,7 +61,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
-                 bucket_bytes: int = 25 << 20) -> None:
+                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True) -> None:
         sequential_layers(model)  # a non-sequential model fails here, before anything starts
         if not dist.is_initialized():
             init_distributed()
@@ -74,6 +74,7 @@ class Engine:
         self.model: nn.Module | None = model  # released once built (see _build)
         self.loss_fn = loss_fn
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
+        self.defer_weight_grads = defer_weight_grads
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
         self.reducer: GradReducer | None = None
@@ -229,7 +230,8 @@ class Engine:
         deferrable layers, activations are not recomputed, and the schedule holds two or more
         micro-batches here at once (so the gradients kept between the passes fit in memory freed by
         then)."""
-        if (self.first_stage or self.spec.pipeline.recompute or not any(self._defer)
+        if (not self.defer_weight_grads or self.first_stage or self.spec.pipeline.recompute
+                or not any(self._defer)
                 or not torch.is_grad_enabled() or in_flight(ops) < 2):
             return None
         return ops[max(i for i, (op, _) in enumerate(ops) if op == "B")][1]
@@ -358,9 +360,12 @@ class Engine:
                         g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                         sends.append(self._send(g, stage - 1, _BWD + m))
                     if split:
+                        if inp is not None:  # free the sent gradient before the weight pass
+                            sends.pop().wait()  # gloo holds it until then (NCCL: stream order)
+                            g = inp.grad = None
                         with prange("stage_backward_weight", "compute"):
                             deferred.weight_pass(kept)
-                        kept = []
+                        kept, inp, out = [], None, None  # what pass 1 retained of the graph goes too
                 post(i + 1)
         for w in sends:
             w.wait()
@@ -466,14 +471,17 @@ class _LossExchange:
 
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
-                bucket_bytes: int = 25 << 20) -> Engine:
+                bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True) -> Engine:
     """Make ``model`` (an ``nn.Sequential``, possibly nested) hybrid-parallel per ``spec``.
 
     ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
     engine is built from ``input_shape`` (global N, C, D, H, W) or from the first batch it sees.
+    ``defer_weight_grads``: a stage's last backward sends its input gradient before computing its
+    weight gradients, where that costs no peak memory (:mod:`hybridpar.pipeline.deferred`); False
+    runs every backward in one pass.
     """
     if isinstance(spec, (str, Path)):
         spec = load_spec(spec)
     elif isinstance(spec, dict):
         spec = ParallelSpec.from_dict(spec)
-    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes)
+    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads)

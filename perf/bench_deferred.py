@@ -1,0 +1,163 @@
+"""The B/W split of a stage's last backward (``parallelize(..., defer_weight_grads=...)``), on and off.
+
+Why: the split is meant to shorten the pipeline's drain by the weight gradients of the last stage's
+last backward (the previous stage starts its last backward that much earlier) without raising any
+stage's peak memory. Both are measured here against the same engine with the split off:
+
+* time: two engines (on, off) built in the same 2 processes, stepped **alternately, one step each**
+  (this VM's speed drifts within seconds), every step's time the slowest rank's; the figure is the
+  median of the per-pair ratios off / on over ``--rounds`` fresh pairs of processes. M = 1 runs no
+  split (one micro-batch in flight: no memory freed by the last backward) and so measures how far
+  two identical engines differ here: the noise floor;
+* memory: peak heap over one step (``heapcount``: malloc's own count), fresh processes per
+  (variant, M), as in ``bench_vs_torch_pipelining``.
+
+Same model, split and data as ``bench_pipeline`` (S = 2, GPipe, micro-batches of 2 samples).
+
+    .venv/bin/python perf/bench_deferred.py                       # M = 1, 2, 4, 8; 3 rounds
+    .venv/bin/python perf/bench_deferred.py --size 12 --rounds 1 --pairs 4 --no-wait --out-dir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import bench_pipeline as bp
+import common
+import heapcount
+import torch.nn.functional as F
+
+VARIANTS = ("on", "off")
+
+
+def _engine(cfg: dict, m: int, variant: str):
+    import hybridpar as hp
+
+    engine = hp.parallelize(bp.make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
+                            bp.pipe_spec(cfg, m, cfg["schedule"]), loss_fn=F.mse_loss,
+                            defer_weight_grads=variant == "on")
+    x, y = bp.stack_data(cfg, bp.batch_of(cfg, m))
+    x_local, y_local = engine.shard_batch(x, y)
+    params = engine.parameters()
+
+    def step():
+        for p in params:
+            p.grad = None
+        return engine.train_step(x_local, y_local)
+
+    return step
+
+
+def time_job(rank: int, world: int, cfg: dict, ms: list[int], pairs: int) -> dict:
+    out: dict = {}
+    for m in ms:
+        steps = {v: _engine(cfg, m, v) for v in VARIANTS}
+        for v in VARIANTS:
+            common.time_steps(steps[v], 2, 0, before=common.barrier)  # warm-up
+        for i in range(pairs):
+            for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+                common.barrier()
+                t0 = time.perf_counter()
+                steps[v]()
+                out.setdefault(f"{v} M={m}", []).append(time.perf_counter() - t0)
+    return {k: common.slowest_rank(v) for k, v in out.items()}
+
+
+def memory_job(rank: int, world: int, cfg: dict, m: int, variant: str) -> list[dict]:
+    import torch.distributed as dist
+
+    import hybridpar  # noqa: F401 (imported before the base line)
+
+    base = heapcount.current()
+    step = _engine(cfg, m, variant)
+    for _ in range(2):
+        step()
+    common.barrier()
+    heapcount.reset()
+    step()
+    mine = {"stage": rank, "peak_heap_over_base_mib": (heapcount.peak() - base) / 2 ** 20}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
+    ap.add_argument("--microbatches", default="1,2,4,8")
+    ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
+    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
+    ap.add_argument("--pairs", type=int, default=16, help="on/off step pairs per M and round (default 16)")
+    ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--max-load", type=float, default=0.6)
+    ap.add_argument("--max-wait", type=float, default=1200)
+    ap.add_argument("--no-wait", action="store_true")
+    ap.add_argument("--out", default="deferred")
+    ap.add_argument("--out-dir", type=Path, default=common.RESULTS)
+    args = ap.parse_args()
+    ms = [int(v) for v in args.microbatches.split(",")]
+    cfg = {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
+           "micro": args.micro, "batch": 0, "schedule": args.schedule}
+
+    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    print(f"load average at start: {load['load_at_start']}", flush=True)
+    samples: dict = {}
+    for r in range(args.rounds):
+        order = ms if r % 2 == 0 else ms[::-1]
+        for k, v in common.launch(time_job, 2, cfg, order, args.pairs, threads=1).items():
+            samples.setdefault(k, []).append(v)
+        print(f"round {r + 1}/{args.rounds} done (load {common.loadavg()[0]:.2f})", flush=True)
+    memory: dict = {}
+    if args.memory:
+        env = {"MALLOC_MMAP_THRESHOLD_": "65536", "HYBRIDPAR_MALLOC_TUNING": "0", **heapcount.preload_env()}
+        os.environ.update(env)
+        try:
+            for m in ms:
+                for v in VARIANTS:
+                    memory[f"{v} M={m}"] = common.launch(memory_job, 2, cfg, m, v, threads=1)
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+    load_end = common.loadavg()
+
+    rows, result = [], {}
+    for m in ms:
+        on = [t for rd in samples[f"on M={m}"] for t in rd]
+        off = [t for rd in samples[f"off M={m}"] for t in rd]
+        ratios = sorted(b / a for a, b in zip(on, off))
+        per_round = [statistics.median(b / a for a, b in zip(ra, rb))
+                     for ra, rb in zip(samples[f"on M={m}"], samples[f"off M={m}"])]
+        q1, q3 = (ratios[int(q * (len(ratios) - 1))] for q in (0.25, 0.75))
+        heap = {v: [r["peak_heap_over_base_mib"] for r in memory[f"{v} M={m}"]] for v in VARIANTS} \
+            if memory and heapcount.library() else None
+        result[m] = {"on_ms": 1e3 * statistics.median(on), "off_ms": 1e3 * statistics.median(off),
+                     "speedup_median_of_pairs": statistics.median(ratios), "speedup_iqr": [q1, q3],
+                     "speedup_per_round": per_round, "peak_heap_over_base_mib": heap,
+                     "split_runs": m >= 2 and cfg["schedule"] == "gpipe"}
+        fmt = (lambda v: " / ".join(f"{x:.3f}" for x in v)) if heap else (lambda v: "")  # noqa: E731
+        rows.append([m, bp.batch_of(cfg, m), "yes" if result[m]["split_runs"] else "no (1 in flight)",
+                     result[m]["off_ms"], result[m]["on_ms"], f"{statistics.median(ratios):.3f}",
+                     f"{q1:.3f}-{q3:.3f}", " ".join(f"{x:.3f}" for x in per_round),
+                     fmt(heap["off"]) if heap else "", fmt(heap["on"]) if heap else ""])
+    table = common.print_table(
+        ["M", "batch", "split runs", "off ms", "on ms", "speedup off/on (median of pairs)", "IQR",
+         "per round", "peak heap off MiB (stage 0 / 1)", "peak heap on MiB (0 / 1)"], rows,
+        title=f"B/W split of the last backward, on vs off: {args.schedule}, S = 2, 2 ranks x 1 thread, gloo, "
+              f"{args.depth} x Conv3d {args.channels} k3 at {args.size}^3, micro-batch {args.micro} "
+              f"({args.rounds} rounds x {args.pairs} alternated pairs; 1-min load "
+              f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")
+    config = {**cfg, "microbatches": ms, "rounds": args.rounds, "pairs": args.pairs, "threads_per_process": 1,
+              "backend": "gloo", "dtype": "float32"}
+    common.write_json(args.out, {"config": config, "load": {**load, "load_at_end": load_end}, "result": result,
+                                 "samples_s": samples, "memory": memory, "table": table}, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

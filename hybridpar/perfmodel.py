@@ -39,7 +39,10 @@ The model, per training step of a spec on a machine
   ``(M + S - 1) t`` whose idle share is the bubble ``(S - 1) / (M + S - 1)``. ``t'_s`` leaves out
   the sends' latencies: the engine posts receives ahead, so once the pipeline is full a message
   travels while its receiver computes the micro-batch before (the bytes still take time: on a CPU
-  the copies run on the cores).
+  the copies run on the cores). The engine's last backward of a stage after the first sends its
+  input gradient before computing its weight gradients where the schedule holds two or more
+  micro-batches there (:mod:`hybridpar.pipeline.deferred`): the drain then runs the stages' input
+  gradients back to back and each stage's weight gradients beside it (:func:`drain_saving`).
 * **Shared cores (CPU only).** Ranks computing at the same time slow each other (memory bandwidth,
   caches, a virtual machine's vCPUs sharing a host core): ``Machine.contention`` multiplies compute
   when two or more ranks share a node. Ranks beyond ``Machine.cores`` time-share the cores: the step
@@ -84,6 +87,7 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar import geometry
+from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.spec import plan as _plan
 from hybridpar.spec.config import ParallelSpec, SpecError, Split
 from hybridpar.spec.plan import LayerPlan
@@ -1011,6 +1015,7 @@ class LayerCost:
     halo_bytes: int
     saved_bytes: int
     latency: float = 0.0  # the message latencies inside the halo and redistribute times
+    weight_backward: float = 0.0  # the weight-gradient part of ``backward`` (conv, linear)
 
 
 @dataclass
@@ -1201,8 +1206,9 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
             # a layer that exchanges halos saves its extended copy of the input, counted above; the
             # plain input (the layer before's output, counted there) is then kept by nobody
             layers[-1].saved_bytes = max(layers[-1].saved_bytes - e * in_n, 0)
+        w_bwd = bwd * f_w / (f_i + f_w) if leaf.op in ("conv", "linear") and f_i + f_w > 0 else 0.0
         layers.append(LayerCost(rec.name, leaf.op, rec.stage, rec.split, fwd, bwd, h_f, h_b, r_f, r_b,
-                                f_fwd + f_i + f_w, hb, saved, latency))
+                                f_fwd + f_i + f_w, hb, saved, latency, w_bwd))
     # hand-over at the end of each stage (to the next stage's split, or replicated for the loss)
     handover: dict[int, tuple[tuple[float, float], float]] = {}
     for s in range(S):
@@ -1246,6 +1252,13 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
     times = [st.time for st in stages]
     steady = [st.time - st.send_latency for st in stages]
     pipe_time = sum(times) + (M - 1) * max(steady)
+    if S > 1 and not pl.recompute:
+        splits = [s > 0 and in_flight(schedule(pl.schedule, S, M, s)) >= 2 for s in range(S)]
+        backward = [sum(lc.backward + lc.halo_backward + lc.redistribute_backward for lc in layers
+                        if lc.stage == s) for s in range(S)]
+        weights = [sum(lc.weight_backward for lc in layers if lc.stage == s) if splits[s] else 0.0
+                   for s in range(S)]
+        pipe_time -= drain_saving(backward, weights, [stages[s - 1].send / 2 for s in range(1, S)])
     crit = max(range(S), key=lambda s: steady[s])
     # exposed gradient reduction: a stage's all-reduce starts after its last backward and hides under
     # ``grad_overlap`` of that backward plus the drain of the stages before it (stage 0 finishes last)
@@ -1288,6 +1301,23 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
     memory = max((st.memory for st in stages), key=lambda m: m["total"])
     return Prediction(spec, machine.name, world, workload.batch, step, breakdown, memory,
                       workload.total_flops, stages, layers, bubble_fraction(S, M), oversubscribed)
+
+
+def drain_saving(backward: Sequence[float], weights: Sequence[float], transfers: Sequence[float]) -> float:
+    """Time the drain saves when stages send their input gradient before their weight gradients.
+
+    ``backward[s]``: stage s's backward of one micro-batch; ``weights[s]``: the part of it that
+    waits (0 where the stage does not split); ``transfers[s - 1]``: the gradient's trip from stage s
+    to s - 1. Without the split the drain is every backward and transfer in a chain; with it the
+    chain runs the input parts only and each stage's weight part beside the rest of the chain, so
+    it ends when the slower of (the chain down to stage 0) and (the chain down to stage s, then
+    s's weights) does.
+    """
+    S = len(backward)
+    whole = sum(backward) + sum(transfers)
+    chain = [b - w for b, w in zip(backward, weights)]
+    ends = [sum(chain[s:]) + sum(transfers[s:]) + weights[s] for s in range(S)]
+    return max(whole - max(ends), 0.0)
 
 
 def _redistribution(shape: Sequence[int], local_shape: Sequence[int], src: Split, dst: Split, stage: int,

@@ -53,11 +53,43 @@ def test_pipeline_step_is_m_plus_s_minus_1_stage_times(stages, micro):
     pred = pm.predict(model, spec, compute_only(), stages, input_shape=shape)
     t = max(st.time for st in pred.stages)
     busy = pred.breakdown["compute"] + pred.breakdown["pipeline"]
-    expected = sum(st.time for st in pred.stages) + (micro - 1) * t
+    # the drain: stages after the first send their last input gradient before their weight gradients
+    backward = [sum(lc.backward for lc in pred.layers if lc.stage == s) for s in range(stages)]
+    weights = [0.0] + [sum(lc.weight_backward for lc in pred.layers if lc.stage == s)
+                       for s in range(1, stages)]
+    assert all(0 < w < b for w, b in zip(weights[1:], backward[1:]))
+    saving = pm.drain_saving(backward, weights, [0.0] * (stages - 1))
+    assert saving > 0
+    expected = sum(st.time for st in pred.stages) + (micro - 1) * t - saving
     assert busy == pytest.approx(expected)
     if len({round(st.time, 12) for st in pred.stages[1:]}) == 1:  # stages 1.. are identical
         assert pred.bubble == pytest.approx(pm.bubble_fraction(stages, micro))
     assert pred.breakdown["halo"] == 0 and pred.breakdown["grad_reduce"] == 0
+
+
+def test_drain_saving_runs_weight_gradients_beside_the_chain():
+    # S = 2: the weights (5) of stage 1 hide under the transfer and stage 0's backward (1 + 10)
+    assert pm.drain_saving([10, 11], [0, 5], [1]) == pytest.approx(5)
+    # ... or only as far as those last: 1 + 2 = 3 of the 5
+    assert pm.drain_saving([2, 11], [0, 5], [1]) == pytest.approx(3)
+    # S = 3: the chain 3 + 1 + 3 + 1 + 5 = 13 ends last, against 17 without the split
+    assert pm.drain_saving([5, 5, 5], [0, 2, 2], [1, 1]) == pytest.approx(4)
+    assert pm.drain_saving([5, 5], [0, 0], [1]) == 0
+
+
+def test_drain_saving_only_where_the_engine_splits():
+    """GPipe splits stage 1's last backward; 1F1B's last stage holds one micro-batch (no split);
+    recomputation never splits."""
+    model, shape = conv_stack(4), (8, 4, 8, 8, 8)
+    runs = {}
+    for name, pipeline in (("gpipe", {"microbatches": 4}), ("1f1b", {"microbatches": 4, "schedule": "1f1b"}),
+                           ("gpipe-recompute", {"microbatches": 4, "recompute": True})):
+        spec = ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": pipeline})
+        pred = pm.predict(model, spec, compute_only(), 2, input_shape=shape)
+        stage_sum = sum(st.time for st in pred.stages) + 3 * max(st.time for st in pred.stages)
+        runs[name] = stage_sum - (pred.breakdown["compute"] + pred.breakdown["pipeline"])
+    assert runs["gpipe"] > 0
+    assert runs["1f1b"] == pytest.approx(0) and runs["gpipe-recompute"] == pytest.approx(0)
 
 
 def test_recompute_adds_a_forward():

@@ -155,8 +155,9 @@ def main() -> None:
               f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")
     config = {**cfg, "microbatches": ms, "rounds": args.rounds, "pairs": args.pairs, "threads_per_process": 1,
               "backend": "gloo", "dtype": "float32"}
-    common.write_json(args.out, {"config": config, "load": {**load, "load_at_end": load_end}, "result": result,
-                                 "samples_s": samples, "memory": memory, "table": table}, args.out_dir)
+    common.write_json(args.out, {"config": config, "load": {**load, "load_at_end": load_end},
+                                 "result": result, "samples_s": samples, "memory": memory, "table": table},
+                      args.out_dir)
 
 
 if __name__ == "__main__":

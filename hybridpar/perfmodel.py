@@ -40,9 +40,10 @@ The model, per training step of a spec on a machine
   the sends' latencies: the engine posts receives ahead, so once the pipeline is full a message
   travels while its receiver computes the micro-batch before (the bytes still take time: on a CPU
   the copies run on the cores). The engine's last backward of a stage after the first sends its
-  input gradient before computing its weight gradients where the schedule holds two or more
-  micro-batches there (:mod:`hybridpar.pipeline.deferred`): the drain then runs the stages' input
-  gradients back to back and each stage's weight gradients beside it (:func:`drain_saving`).
+  input gradient before computing its weight gradients (all of them where the schedule holds two
+  or more micro-batches there, those of its first conv or linear layer where it holds one;
+  :mod:`hybridpar.pipeline.deferred`): the drain then runs the stages' input gradients back to back
+  and each stage's deferred weight gradients beside it (:func:`drain_saving`).
 * **Shared cores (CPU only).** Ranks computing at the same time slow each other (memory bandwidth,
   caches, a virtual machine's vCPUs sharing a host core): ``Machine.contention`` multiplies compute
   when two or more ranks share a node. Ranks beyond ``Machine.cores`` time-share the cores: the step
@@ -1253,11 +1254,15 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
     steady = [st.time - st.send_latency for st in stages]
     pipe_time = sum(times) + (M - 1) * max(steady)
     if S > 1 and not pl.recompute:
-        splits = [s > 0 and in_flight(schedule(pl.schedule, S, M, s)) >= 2 for s in range(S)]
+        # stages after the first defer their weight gradients: all of them where >= 2 micro-batches
+        # are in flight, those of the first conv or linear layer where one is (the engine's prefix)
         backward = [sum(lc.backward + lc.halo_backward + lc.redistribute_backward for lc in layers
                         if lc.stage == s) for s in range(S)]
-        weights = [sum(lc.weight_backward for lc in layers if lc.stage == s) if splits[s] else 0.0
-                   for s in range(S)]
+        weights = [0.0] * S
+        for s in range(1, S):
+            w = [lc.weight_backward for lc in layers if lc.stage == s and lc.weight_backward > 0]
+            whole = in_flight(schedule(pl.schedule, S, M, s)) >= 2
+            weights[s] = sum(w) if whole else (w[0] if w else 0.0)
         pipe_time -= drain_saving(backward, weights, [stages[s - 1].send / 2 for s in range(1, S)])
     crit = max(range(S), key=lambda s: steady[s])
     # exposed gradient reduction: a stage's all-reduce starts after its last backward and hides under

@@ -6,9 +6,9 @@ stage's peak memory. Both are measured here against the same engine with the spl
 
 * time: two engines (on, off) built in the same 2 processes, stepped **alternately, one step each**
   (this VM's speed drifts within seconds), every step's time the slowest rank's; the figure is the
-  median of the per-pair ratios off / on over ``--rounds`` fresh pairs of processes. M = 1 runs no
-  split (one micro-batch in flight: no memory freed by the last backward) and so measures how far
-  two identical engines differ here: the noise floor;
+  median of the per-pair ratios off / on over ``--rounds`` fresh pairs of processes. Where the
+  stage holds two or more micro-batches (GPipe, M >= 2) the whole stage's last backward is split;
+  where it holds one (GPipe M = 1, 1F1B's last stage), a prefix up to its first convolution;
 * memory: peak heap over one step (``heapcount``: malloc's own count), fresh processes per
   (variant, M), as in ``bench_vs_torch_pipelining``.
 
@@ -140,14 +140,14 @@ def main() -> None:
         result[m] = {"on_ms": 1e3 * statistics.median(on), "off_ms": 1e3 * statistics.median(off),
                      "speedup_median_of_pairs": statistics.median(ratios), "speedup_iqr": [q1, q3],
                      "speedup_per_round": per_round, "peak_heap_over_base_mib": heap,
-                     "split_runs": m >= 2 and cfg["schedule"] == "gpipe"}
+                     "split": "whole stage" if m >= 2 and cfg["schedule"] == "gpipe" else "prefix"}
         fmt = (lambda v: " / ".join(f"{x:.3f}" for x in v)) if heap else (lambda v: "")  # noqa: E731
-        rows.append([m, bp.batch_of(cfg, m), "yes" if result[m]["split_runs"] else "no (1 in flight)",
+        rows.append([m, bp.batch_of(cfg, m), result[m]["split"],
                      result[m]["off_ms"], result[m]["on_ms"], f"{statistics.median(ratios):.3f}",
                      f"{q1:.3f}-{q3:.3f}", " ".join(f"{x:.3f}" for x in per_round),
                      fmt(heap["off"]) if heap else "", fmt(heap["on"]) if heap else ""])
     table = common.print_table(
-        ["M", "batch", "split runs", "off ms", "on ms", "speedup off/on (median of pairs)", "IQR",
+        ["M", "batch", "split (stage 1)", "off ms", "on ms", "speedup off/on (median of pairs)", "IQR",
          "per round", "peak heap off MiB (stage 0 / 1)", "peak heap on MiB (0 / 1)"], rows,
         title=f"B/W split of the last backward, on vs off: {args.schedule}, S = 2, 2 ranks x 1 thread, gloo, "
               f"{args.depth} x Conv3d {args.channels} k3 at {args.size}^3, micro-batch {args.micro} "

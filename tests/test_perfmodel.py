@@ -77,9 +77,9 @@ def test_drain_saving_runs_weight_gradients_beside_the_chain():
     assert pm.drain_saving([5, 5], [0, 0], [1]) == 0
 
 
-def test_drain_saving_only_where_the_engine_splits():
-    """GPipe splits stage 1's last backward; 1F1B's last stage holds one micro-batch (no split);
-    recomputation never splits."""
+def test_drain_saving_follows_the_engine_split():
+    """GPipe splits stage 1's whole last backward; 1F1B's last stage holds one micro-batch, so only
+    its first conv's weights wait (a smaller saving); recomputation never splits."""
     model, shape = conv_stack(4), (8, 4, 8, 8, 8)
     runs = {}
     for name, pipeline in (("gpipe", {"microbatches": 4}), ("1f1b", {"microbatches": 4, "schedule": "1f1b"}),
@@ -88,8 +88,8 @@ def test_drain_saving_only_where_the_engine_splits():
         pred = pm.predict(model, spec, compute_only(), 2, input_shape=shape)
         stage_sum = sum(st.time for st in pred.stages) + 3 * max(st.time for st in pred.stages)
         runs[name] = stage_sum - (pred.breakdown["compute"] + pred.breakdown["pipeline"])
-    assert runs["gpipe"] > 0
-    assert runs["1f1b"] == pytest.approx(0) and runs["gpipe-recompute"] == pytest.approx(0)
+    assert runs["gpipe"] > runs["1f1b"] > 0
+    assert runs["gpipe-recompute"] == pytest.approx(0)
 
 
 def test_recompute_adds_a_forward():

@@ -21,10 +21,15 @@ How, in eager PyTorch and without computing anything twice:
   layer's nodes alone and accumulates into ``.grad`` (post-accumulate hooks fire, so the bucketed
   gradient reduction starts as before).
 
-Cost: the gradients of the kept outputs live from pass 1 to pass 2 (at most about one
-micro-batch's activations of the stage). The engine splits only a stage's *last* backward, and only
-where the schedule holds two or more micro-batches at once on that stage, so by then at least one
-micro-batch's activations have been freed: the stage's peak memory does not rise.
+Cost: pass 1 retains the graph until pass 2, and the gradients of the kept outputs live between
+the passes. The engine splits only a stage's *last* backward. Where the schedule holds two or more
+micro-batches at once on that stage, by then at least one micro-batch's activations have been
+freed, and the whole stage is split. Where it holds one (GPipe with M = 1, 1F1B's last stage), a
+whole-stage split would raise the stage's peak (by 5.3-5.7 MiB on the benchmark's stage of 3
+convolutions, measured), so only a *prefix* is split (:func:`prefix_end`: up to the first deferrable
+layer): the rest of the stage runs its ordinary backward first (pass 0, down to the prefix's output,
+its graph freed as it goes), and the prefix then holds what an ordinary backward would hold at that
+point, its own graph and its output's gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from torch import nn
 
 Kept = list[tuple[torch.Tensor, list[nn.Parameter]]]
+Prefix = tuple[torch.Tensor, torch.Tensor]  # the split prefix's output, and the leaf the rest ran on
 
 # Layers whose weight gradient is an autograd node of its own (asked only for what a call needs).
 _DEFERRABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -60,15 +66,54 @@ def deferrable(modules: Sequence[nn.Module]) -> list[bool]:
     return out
 
 
-def run_keeping(modules: Sequence[nn.Module], defer: Sequence[bool], x: torch.Tensor
-                ) -> tuple[torch.Tensor, Kept]:
-    """Run the modules in turn; keep each deferred module's output with its parameters."""
+def prefix_end(modules: Sequence[nn.Module], defer: Sequence[bool]) -> int | None:
+    """End of the shortest prefix that holds a deferrable layer, or None.
+
+    The prefix also takes the in-place modules right after that layer: they rewrite its output,
+    which must stay the tensor pass 0 stops at. None when the module after the prefix is a
+    container (an in-place child could not be seen).
+    """
+    first = next((i for i, d in enumerate(defer) if d), None)
+    if first is None:
+        return None
+    end = first + 1
+    while end < len(modules) and getattr(modules[end], "inplace", False):
+        end += 1
+    if end < len(modules) and next(modules[end].children(), None) is not None:
+        return None
+    return end
+
+
+def run_keeping(modules: Sequence[nn.Module], defer: Sequence[bool], x: torch.Tensor,
+                upto: int | None = None) -> tuple[torch.Tensor, Kept, Prefix | None]:
+    """Run the modules in turn; keep each deferred module's output in the split prefix (the first
+    ``upto`` modules; all when None) with its parameters.
+
+    With a proper prefix, the modules after it run on a detached copy of its output (a leaf of the
+    same storage), so that pass 0 stops there and leaves the prefix's graph whole: returns
+    (prefix output, that leaf) as the third item, else None.
+    """
+    upto = len(modules) if upto is None else upto
     kept: Kept = []
-    for m, d in zip(modules, defer):
+    prefix: Prefix | None = None
+    for i, (m, d) in enumerate(zip(modules, defer)):
         x = m(x)
-        if d and x.requires_grad:
+        if i < upto and d and x.requires_grad:
             kept.append((x, [p for p in m.parameters() if p.requires_grad]))
-    return x, kept
+        if i == upto - 1 and upto < len(modules) and x.requires_grad:
+            prefix = (x, x.detach().requires_grad_())
+            x = prefix[1]
+    return x, kept, prefix
+
+
+def rest_pass(out: torch.Tensor, grad: torch.Tensor | None, prefix: Prefix,
+              params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 0 (prefix split only): the ordinary backward of the modules after the prefix, their
+    weights included, its graph freed as it goes. Returns (prefix output, its gradient): the root
+    of pass 1."""
+    y, leaf = prefix
+    torch.autograd.backward(out, grad, inputs=[leaf, *params])
+    return y, leaf.grad if leaf.grad is not None else torch.zeros_like(y)
 
 
 def input_pass(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor, kept: Kept,

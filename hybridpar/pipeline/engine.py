@@ -223,18 +223,22 @@ class Engine:
                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
             return self._run(x)
 
-    def _split_backward(self, ops: list[tuple[str, int]]) -> int | None:
-        """The micro-batch whose backward runs in two passes (:mod:`deferred`), or None.
+    def _split_backward(self, ops: list[tuple[str, int]]) -> tuple[int, int] | None:
+        """(micro-batch, end of the split prefix) of the backward that runs in two passes
+        (:mod:`deferred`), or None.
 
         A stage's last backward, when a previous stage waits for its input gradient, the stage has
-        deferrable layers, activations are not recomputed, and the schedule holds two or more
-        micro-batches here at once (so the gradients kept between the passes fit in memory freed by
-        then)."""
+        deferrable layers and activations are not recomputed. The whole stage is split where the
+        schedule holds two or more micro-batches here at once (the gradients kept between the passes
+        fit in memory freed by then), a prefix up to the first deferrable layer where it holds one."""
         if (not self.defer_weight_grads or self.first_stage or self.spec.pipeline.recompute
-                or not any(self._defer)
-                or not torch.is_grad_enabled() or in_flight(ops) < 2):
+                or not any(self._defer) or not torch.is_grad_enabled()):
             return None
-        return ops[max(i for i, (op, _) in enumerate(ops) if op == "B")][1]
+        modules = [m for _, m in self.layers]
+        upto = len(modules) if in_flight(ops) >= 2 else deferred.prefix_end(modules, self._defer)
+        if upto is None:
+            return None
+        return ops[max(i for i, (op, _) in enumerate(ops) if op == "B")][1], upto
 
     def _in_shape(self, b: int) -> tuple[int, ...]:
         lp = self.first_layer
@@ -268,9 +272,9 @@ class Engine:
             return dist.isend(t.detach().contiguous(), self._peer(dst_stage),
                               group=self._p2p_group(dst_stage, True), tag=tag)
 
-    def _undeferred_params(self) -> list[nn.Parameter]:
-        """Trainable parameters of the layers whose weight gradients are not deferred."""
-        return [p for (_, m), d in zip(self.layers, self._defer) if not d
+    def _params(self, lo: int, hi: int | None, undeferred: bool = False) -> list[nn.Parameter]:
+        """Trainable parameters of layers ``lo:hi`` (``undeferred``: of those not deferred only)."""
+        return [p for (_, m), d in list(zip(self.layers, self._defer))[lo:hi] if not (undeferred and d)
                 for p in m.parameters() if p.requires_grad]
 
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
@@ -304,7 +308,9 @@ class Engine:
         posted: dict[tuple[str, int], tuple[torch.Tensor, Any]] = {}
         last_forward = max(i for i, (op, _) in enumerate(ops) if op == "F")
         loss_x = _LossExchange(self, device)
-        split_m, kept = self._split_backward(ops), []
+        split_m, upto = self._split_backward(ops) or (None, 0)
+        kept: deferred.Kept = []
+        prefix: deferred.Prefix | None = None
 
         def post(j: int) -> None:
             if j >= len(ops) or ops[j] in posted:
@@ -333,7 +339,8 @@ class Engine:
                         inp = take(ops[i]).requires_grad_()
                     if m == split_m:
                         with prange("stage_forward", "compute"):
-                            out, kept = deferred.run_keeping([lm for _, lm in self.layers], self._defer, inp)
+                            out, kept, prefix = deferred.run_keeping([lm for _, lm in self.layers],
+                                                                     self._defer, inp, upto)
                     else:
                         out = self._forward(inp)
                     if self.last_stage:
@@ -352,7 +359,10 @@ class Engine:
                     split = m == split_m and out.requires_grad
                     if split:  # input gradient first, sent below, then the weights'
                         with prange("stage_backward_input", "compute"):
-                            deferred.input_pass(out, grad, inp, kept, self._undeferred_params())
+                            root = out
+                            if prefix is not None:  # the layers after the split prefix first
+                                root, grad = deferred.rest_pass(out, grad, prefix, self._params(upto, None))
+                            deferred.input_pass(root, grad, inp, kept, self._params(0, upto, True))
                     elif out.requires_grad:
                         with prange("stage_backward", "compute"):
                             out.backward(grad)
@@ -365,7 +375,7 @@ class Engine:
                             g = inp.grad = None
                         with prange("stage_backward_weight", "compute"):
                             deferred.weight_pass(kept)
-                        kept, inp, out = [], None, None  # what pass 1 retained of the graph goes too
+                        kept, inp, out, prefix, root = [], None, None, None, None  # what pass 1 kept
                 post(i + 1)
         for w in sends:
             w.wait()

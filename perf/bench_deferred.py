@@ -13,6 +13,7 @@ stage's peak memory. Both are measured here against the same engine with the spl
   (variant, M), as in ``bench_vs_torch_pipelining``.
 
 Same model, split and data as ``bench_pipeline`` (S = 2, GPipe, micro-batches of 2 samples).
+``--option`` compares another boolean option of ``parallelize`` the same way (``bench_local_p2p``).
 
     .venv/bin/python perf/bench_deferred.py                       # M = 1, 2, 4, 8; 3 rounds
     .venv/bin/python perf/bench_deferred.py --size 12 --rounds 1 --pairs 4 --no-wait --out-dir /tmp
@@ -39,7 +40,7 @@ def _engine(cfg: dict, m: int, variant: str):
 
     engine = hp.parallelize(bp.make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
                             bp.pipe_spec(cfg, m, cfg["schedule"]), loss_fn=F.mse_loss,
-                            defer_weight_grads=variant == "on")
+                            **{cfg["option"]: variant == "on"})
     x, y = bp.stack_data(cfg, bp.batch_of(cfg, m))
     x_local, y_local = engine.shard_batch(x, y)
     params = engine.parameters()
@@ -85,8 +86,9 @@ def memory_job(rank: int, world: int, cfg: dict, m: int, variant: str) -> list[d
     return everyone
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(option: str = "defer_weight_grads", out: str = "deferred", what: str = "B/W split of the last "
+         "backward", doc: str | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(doc or __doc__).split("\n\n")[0])
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4)
@@ -99,12 +101,12 @@ def main() -> None:
     ap.add_argument("--max-load", type=float, default=0.6)
     ap.add_argument("--max-wait", type=float, default=1200)
     ap.add_argument("--no-wait", action="store_true")
-    ap.add_argument("--out", default="deferred")
+    ap.add_argument("--out", default=out)
     ap.add_argument("--out-dir", type=Path, default=common.RESULTS)
     args = ap.parse_args()
     ms = [int(v) for v in args.microbatches.split(",")]
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
-           "micro": args.micro, "batch": 0, "schedule": args.schedule}
+           "micro": args.micro, "batch": 0, "schedule": args.schedule, "option": option}
 
     load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
     print(f"load average at start: {load['load_at_start']}", flush=True)
@@ -149,7 +151,7 @@ def main() -> None:
     table = common.print_table(
         ["M", "batch", "split (stage 1)", "off ms", "on ms", "speedup off/on (median of pairs)", "IQR",
          "per round", "peak heap off MiB (stage 0 / 1)", "peak heap on MiB (0 / 1)"], rows,
-        title=f"B/W split of the last backward, on vs off: {args.schedule}, S = 2, 2 ranks x 1 thread, gloo, "
+        title=f"{what}, on vs off: {args.schedule}, S = 2, 2 ranks x 1 thread, gloo, "
               f"{args.depth} x Conv3d {args.channels} k3 at {args.size}^3, micro-batch {args.micro} "
               f"({args.rounds} rounds x {args.pairs} alternated pairs; 1-min load "
               f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar import cpu_alloc
+from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.grid import ProcessGrid
@@ -61,7 +62,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
-                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True) -> None:
+                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
+                 local_p2p: bool | None = None) -> None:
         sequential_layers(model)  # a non-sequential model fails here, before anything starts
         if not dist.is_initialized():
             init_distributed()
@@ -75,6 +77,8 @@ class Engine:
         self.loss_fn = loss_fn
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.defer_weight_grads = defer_weight_grads
+        self.local_p2p = local_p2p
+        self.local: LocalP2P | None = None  # stage-to-stage transfers between CPU ranks of one host
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
         self.reducer: GradReducer | None = None
@@ -129,6 +133,12 @@ class Engine:
         self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
         if nccl and self.grid.pipe > 1:
             self.p2p_groups = {d: self.grid._my_group(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
+        if self.grid.pipe > 1 and not nccl:
+            # Every rank takes part (a collective); pairs that cannot use it keep torch.distributed.
+            on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
+            want = on_cpu if self.local_p2p is None else self.local_p2p
+            self.local = LocalP2P.create({self._peer(k) for k in range(self.grid.pipe)} - {dist.get_rank()},
+                                         enabled=want)
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape
@@ -256,21 +266,34 @@ class Engine:
         forward = (other_stage > self.grid.pipe_index) == sending
         return self.p2p_groups["F" if forward else "B"]
 
+    def post_recv(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+        """Receive into ``t`` from global rank ``peer``: same-host CPU ranks copy directly
+        (:mod:`hybridpar.comm.local_p2p`), the rest through torch.distributed on ``group``."""
+        if self.local is not None and self.local.handles(t, peer):
+            return self.local.irecv(t, peer, tag)
+        return dist.irecv(t, peer, group=group, tag=tag)
+
+    def post_send(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+        """Send the contiguous ``t`` to global rank ``peer`` (the counterpart of :meth:`post_recv`)."""
+        if self.local is not None and self.local.handles(t, peer):
+            return self.local.isend(t, peer, tag)
+        return dist.isend(t, peer, group=group, tag=tag)
+
     def _recv(self, shape, dtype, device, src_stage: int, tag: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t, work = self._irecv(shape, dtype, device, src_stage, tag)
         with prange("pipeline_recv", "pipeline"):
-            dist.recv(t, self._peer(src_stage), group=self._p2p_group(src_stage, False), tag=tag)
+            work.wait()
         return t
 
     def _irecv(self, shape, dtype, device, src_stage: int, tag: int) -> tuple[torch.Tensor, Any]:
         t = torch.empty(shape, dtype=dtype, device=device)
         with prange("pipeline_post_recv", "pipeline"):
-            return t, dist.irecv(t, self._peer(src_stage), group=self._p2p_group(src_stage, False), tag=tag)
+            return t, self.post_recv(t, self._peer(src_stage), self._p2p_group(src_stage, False), tag)
 
     def _send(self, t: torch.Tensor, dst_stage: int, tag: int):
         with prange("pipeline_send", "pipeline"):
-            return dist.isend(t.detach().contiguous(), self._peer(dst_stage),
-                              group=self._p2p_group(dst_stage, True), tag=tag)
+            return self.post_send(t.detach().contiguous(), self._peer(dst_stage),
+                                  self._p2p_group(dst_stage, True), tag)
 
     def _params(self, lo: int, hi: int | None, undeferred: bool = False) -> list[nn.Parameter]:
         """Trainable parameters of layers ``lo:hi`` (``undeferred``: of those not deferred only)."""
@@ -453,15 +476,15 @@ class _LossExchange:
         self.value = torch.zeros(1, dtype=torch.float64, device=device)
         self.recv: Any = None
         if not engine.last_stage:
-            self.recv = dist.irecv(self.value, engine._peer(self.grid.pipe - 1), group=engine.loss_group,
-                                   tag=_LOSS)
+            self.recv = engine.post_recv(self.value, engine._peer(self.grid.pipe - 1), engine.loss_group,
+                                         _LOSS)
 
     def start(self, loss_sum: torch.Tensor) -> None:
         """On the last stage, once its replica loss is complete: send it on, start the average."""
         self.value.copy_(loss_sum.reshape(1))
         if self.grid.pipe > 1:
             out = self.value.clone()  # the all-reduce below works in place while these are in flight
-            self.sends = [dist.isend(out, self.engine._peer(k), group=self.engine.loss_group, tag=_LOSS)
+            self.sends = [self.engine.post_send(out, self.engine._peer(k), self.engine.loss_group, _LOSS)
                           for k in range(self.grid.pipe - 1)]
         if self.grid.data > 1:
             self.reduce = dist.all_reduce(self.value, group=self.grid.data_group, async_op=True)
@@ -481,7 +504,8 @@ class _LossExchange:
 
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
-                bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True) -> Engine:
+                bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
+                local_p2p: bool | None = None) -> Engine:
     """Make ``model`` (an ``nn.Sequential``, possibly nested) hybrid-parallel per ``spec``.
 
     ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
@@ -489,9 +513,12 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     ``defer_weight_grads``: a stage's last backward sends its input gradient before computing its
     weight gradients, where that costs no peak memory (:mod:`hybridpar.pipeline.deferred`); False
     runs every backward in one pass.
+    ``local_p2p``: stage-to-stage transfers between CPU ranks of one host copy the sender's tensor
+    directly (:mod:`hybridpar.comm.local_p2p`) instead of through gloo's TCP loopback; None (the
+    default) does so for a CPU model, False never (``HYBRIDPAR_LOCAL_P2P=0`` too).
     """
     if isinstance(spec, (str, Path)):
         spec = load_spec(spec)
     elif isinstance(spec, dict):
         spec = ParallelSpec.from_dict(spec)
-    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads)
+    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, local_p2p)

@@ -6,6 +6,7 @@ deadlock must fail the test with the ranks' state rather than hang the suite.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -37,6 +38,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dic
         traceback.print_exc()
         raise
     finally:
+        # Garbage (an engine's reference cycles, say) holding gloo work goes while the interpreter
+        # and the groups are alive: freed at interpreter exit, a tensor's release may take the GIL
+        # from a gloo thread during finalization and abort the process (pytorch/pytorch#179291).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -4,8 +4,9 @@ Checked: every message arrives bit-exact (dtypes, odd and empty sizes, many at o
 oldest first whatever order receives are posted in, including more outstanding sends than the
 ring holds with receives posted in reverse (the stash path); a size mismatch is an error naming
 both ranks; a send completes only once the receiver has copied; the pairs the transport covers
-are the ones both ranks asked for; a rank that dies is reported by its waiting peer; one engine
-step gives gloo's numbers bit for bit; the segment names are gone once set up.
+are the ones both ranks asked for and could read (a failed probe drops the pair); a rank that
+dies is reported by its waiting peer; one engine step gives gloo's numbers bit for bit; the
+segment names are gone once set up.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def _cases(rank: int, world: int) -> None:
     assert 1 not in t3.peers and (rank != 1 or not t3.peers)
     assert not t3.handles(torch.zeros(1, device="meta"), next(iter(t3.peers), 0))
 
+    # 6. a probe read that fails (ptrace denied, say) drops the pair on both sides, nothing else
+    if rank == 2:
+        def denied(*args):
+            raise OSError(1, "Operation not permitted")
+        local_p2p.read_remote, real = denied, local_p2p.read_remote
+    t4 = local_p2p.LocalP2P.create([r for r in range(world) if r != rank])
+    if rank == 2:
+        local_p2p.read_remote = real
+    assert t4.peers == ({1 - rank} if rank < 2 else set())
+
 
 def test_local_p2p_cases():
     run(_cases, 3, timeout=180)
@@ -105,6 +116,7 @@ def test_local_p2p_cases():
 
 def _dies(rank: int, world: int) -> None:
     t = local_p2p.LocalP2P.create([1 - rank])
+    dist.barrier()  # rank 0 hosts the rendezvous store: both are done with it
     if rank == 0:
         os._exit(0)  # no goodbye: its peer must notice, not hang
     with pytest.raises(RuntimeError, match=r"rank 0 \(pid \d+\) exited while this rank waited for its "

@@ -34,8 +34,11 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import functools
+import itertools
 import mmap
 import os
+import pickle
 import socket
 import threading
 import time
@@ -142,10 +145,32 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X", "x")
 
 
+@functools.cache
+def _can_read_memory() -> bool:
+    """Whether ``process_vm_readv`` works at all here (a seccomp filter may forbid it): read ourselves."""
+    if _libc is None:
+        return False
+    src, dst = torch.arange(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    try:
+        read_remote(os.getpid(), src.data_ptr(), dst)
+    except OSError:
+        return False
+    return torch.equal(src, dst)
+
+
 def available() -> bool:
     """Whether this process could use the transport at all (Linux, the calls, /dev/shm)."""
-    return (_libc is not None and os.environ.get("HYBRIDPAR_LOCAL_P2P", "1") != "0"
-            and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))
+    return (os.environ.get("HYBRIDPAR_LOCAL_P2P", "1") != "0" and os.path.isdir("/dev/shm")
+            and os.access("/dev/shm", os.W_OK) and _can_read_memory())
+
+
+def _popleft(queues: dict, tag: int):
+    """The oldest item queued under ``tag``; an emptied queue goes (no per-tag state is kept)."""
+    q = queues[tag]
+    item = q.popleft()
+    if not q:
+        del queues[tag]
+    return item
 
 
 class _Work:
@@ -179,8 +204,8 @@ class _Channel:
     next_seq: int = 0
     queued: collections.deque = field(default_factory=collections.deque)  # sends behind a full ring
     inflight: dict = field(default_factory=dict)  # seq -> send _Work whose tensor the peer may read
-    recvs: dict = field(default_factory=lambda: collections.defaultdict(collections.deque))  # tag ->
-    stash: dict = field(default_factory=lambda: collections.defaultdict(collections.deque))  # tag ->
+    recvs: dict = field(default_factory=dict)  # tag -> deque of posted receive _Works, oldest first
+    stash: dict = field(default_factory=dict)  # tag -> deque of messages copied aside (uint8)
 
     def __post_init__(self) -> None:
         self.fields = np.frombuffer(self.mm, dtype=np.int64, count=8, offset=_HEADER)
@@ -229,6 +254,27 @@ class _Channel:
         self.post(_LOCK)
 
 
+class _Board:
+    """Values each rank posts for its peers, through the default group's rendezvous store.
+
+    Every rank creates boards in the same order, so the n-th board of every rank shares one prefix.
+    """
+
+    _count = itertools.count()
+
+    def __init__(self) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"hybridpar/local_p2p/{next(self._count)}/"
+        self.rank = dist.get_rank()
+
+    def publish(self, phase: str, value) -> None:
+        self.store.set(f"{self.prefix}{phase}/{self.rank}", pickle.dumps(value))
+
+    def fetch(self, phase: str, ranks: list[int]) -> dict:
+        """Each listed rank's value of ``phase``, waiting for it (the store's timeout applies)."""
+        return {r: pickle.loads(self.store.get(f"{self.prefix}{phase}/{r}")) for r in ranks}
+
+
 class LocalP2P:
     """Sends and receives of CPU tensors between ranks of one host (see module doc).
 
@@ -255,22 +301,24 @@ class LocalP2P:
     @classmethod
     def create(cls, peers: set[int] | list[int], enabled: bool = True,
                timeout: float = 1800.0) -> LocalP2P:
-        """Collective over the default group: every rank calls it, with the ranks it talks to.
+        """Every rank of the default group calls it, in the same order, with the ranks it talks to.
 
         A channel pair exists between ranks a and b where each names the other, both are enabled and
         :func:`available`, share a host key, and each read the other's probe. Every other pair has no
-        channel, and :meth:`handles` says False for it on both sides.
+        channel, and :meth:`handles` says False for it on both sides. Ranks agree through the
+        rendezvous store, each waiting on its own peers only: a gloo collective here would leave
+        ~0.05 MiB of buffers in every rank's heap for the run.
         """
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        board = _Board()
         ok = enabled and available()
         if ok:
             _allow_peers_to_read()
         probe = torch.tensor([rank, 0x5EED], dtype=torch.int64)
-        token = uuid.uuid4().hex[:16]
         me = (sorted(int(p) for p in peers if p != rank) if ok else [], _host_key(), os.getpid(),
-              probe.data_ptr(), token)
-        info: list = [None] * world
-        dist.all_gather_object(info, me)
+              probe.data_ptr(), uuid.uuid4().hex[:16])
+        board.publish("info", me)
+        info = board.fetch("info", me[0])
         candidates = [p for p in me[0] if rank in info[p][0] and info[p][1] == me[1]]
         readable = []
         for p in candidates:
@@ -281,13 +329,15 @@ class LocalP2P:
                 continue
             if got.tolist() == [p, 0x5EED]:
                 readable.append(p)
-        seen: list = [None] * world
-        dist.all_gather_object(seen, readable)
-        del probe  # kept alive until every rank has read it
+        board.publish("readable", readable)
+        seen = board.fetch("readable", candidates)
+        del probe  # kept alive until every candidate has read it
         pairs = [p for p in readable if rank in seen[p]]
         self = cls(rank, timeout)
-        token = info[0][4]
-        path = lambda src, dst: f"/dev/shm/hybridpar-{token}-{src}-{dst}"  # noqa: E731
+
+        def path(src: int, dst: int) -> str:  # named by the sender's token
+            return f"/dev/shm/hybridpar-{(me if src == rank else info[src])[4]}-{src}-{dst}"
+
         created = []
         try:
             for p in pairs:  # this rank creates the segments it sends on
@@ -303,7 +353,8 @@ class LocalP2P:
                 ch.fields[_MAGIC], ch.fields[_SENDER_PID], ch.fields[_RECEIVER_PID] = \
                     _MAGIC_VALUE, os.getpid(), info[p][2]
                 self.send_channels[p] = ch
-            dist.barrier()
+            board.publish("created", True)
+            board.fetch("created", pairs)
             for p in pairs:
                 fd = os.open(path(p, rank), os.O_RDWR)
                 try:
@@ -313,7 +364,8 @@ class LocalP2P:
                 self.recv_channels[p] = ch = _Channel(p, info[p][2], False, mm)
                 if ch.fields[_MAGIC] != _MAGIC_VALUE or ch.fields[_RECEIVER_PID] != os.getpid():
                     raise RuntimeError(f"hybridpar local p2p: segment {path(p, rank)} is not rank {p}'s")
-            dist.barrier()  # both sides mapped: the names can go (a crash from here leaves nothing)
+            board.publish("opened", True)
+            board.fetch("opened", pairs)  # both sides mapped: the names can go (a crash leaves nothing)
         finally:
             for name in created:
                 os.unlink(name)
@@ -338,10 +390,10 @@ class LocalP2P:
         ch = self.recv_channels[peer]
         work = _Work(self, ch, t, tag)
         with self._mutex:
-            if ch.stash[tag]:
-                self._fill(work, ch.stash[tag].popleft())
+            if tag in ch.stash:
+                self._fill(work, _popleft(ch.stash, tag))
             else:
-                ch.recvs[tag].append(work)
+                ch.recvs.setdefault(tag, collections.deque()).append(work)
                 self._progress_recv(ch, stash=False)
         return work
 
@@ -411,8 +463,8 @@ class LocalP2P:
             matched = []
             for i in idx:
                 tag = int(ch.entries[i, _TAG])
-                if ch.recvs.get(tag):
-                    matched.append((i, ch.recvs[tag].popleft()))
+                if tag in ch.recvs:
+                    matched.append((i, _popleft(ch.recvs, tag)))
             if not matched and stash and len(idx) and ch.fields[_BACKLOG] > 0:
                 matched = [(idx[0], None)]  # the sender waits for room; this rank for another tag
             descriptors = [(i, w, int(ch.entries[i, _TAG]), int(ch.entries[i, _ADDR]),
@@ -424,7 +476,7 @@ class LocalP2P:
             if work is None:
                 buf = torch.empty(nbytes, dtype=torch.uint8)
                 read_remote(ch.peer_pid, addr, buf)
-                ch.stash[tag].append(buf)
+                ch.stash.setdefault(tag, collections.deque()).append(buf)
             elif (mismatch := self._size_error(work, nbytes)) is not None:
                 error = error or mismatch  # that receive fails; its message stays for a right one
                 continue
@@ -453,7 +505,7 @@ class LocalP2P:
     def _fill(self, work: _Work, buf: torch.Tensor) -> None:
         """Complete a receive from a message stashed earlier (see ``_progress_recv``)."""
         if (error := self._size_error(work, buf.numel())) is not None:
-            work.channel.stash[work.tag].appendleft(buf)
+            work.channel.stash.setdefault(work.tag, collections.deque()).appendleft(buf)
             raise error
         if buf.numel():
             work.tensor.view(-1).view(torch.uint8).copy_(buf)

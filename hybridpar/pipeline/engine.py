@@ -16,6 +16,7 @@ averaged, and the loss a head computes on replicated ranks counts once.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -133,12 +134,12 @@ class Engine:
         self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
         if nccl and self.grid.pipe > 1:
             self.p2p_groups = {d: self.grid._my_group(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
-        if self.grid.pipe > 1 and not nccl:
-            # Every rank takes part (a collective); pairs that cannot use it keep torch.distributed.
-            on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
-            want = on_cpu if self.local_p2p is None else self.local_p2p
-            self.local = LocalP2P.create({self._peer(k) for k in range(self.grid.pipe)} - {dist.get_rank()},
-                                         enabled=want)
+        on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
+        if (self.grid.pipe > 1 and not nccl and (on_cpu if self.local_p2p is None else self.local_p2p)
+                and os.environ.get("HYBRIDPAR_LOCAL_P2P", "1") != "0"):
+            # Every rank takes part (the option and the variable are the same everywhere); pairs that
+            # cannot use it keep torch.distributed.
+            self.local = LocalP2P.create({self._peer(k) for k in range(self.grid.pipe)} - {dist.get_rank()})
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape

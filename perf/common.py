@@ -20,6 +20,7 @@ moment the load drops.
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import pickle
@@ -252,6 +253,7 @@ def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: boo
         raise
     finally:
         if group and dist.is_initialized():
+            gc.collect()  # gloo work in garbage, freed at finalization, can abort (tests/distributed.py)
             dist.destroy_process_group()
 
 

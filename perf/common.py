@@ -253,7 +253,9 @@ def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: boo
         raise
     finally:
         if group and dist.is_initialized():
-            gc.collect()  # gloo work in garbage, freed at finalization, can abort (tests/distributed.py)
+            # gloo work left in garbage and freed at finalization can abort a rank (tests/distributed.py);
+            # not the only cause: ranks still abort at exit now and then, and launch() keeps their results
+            gc.collect()
             dist.destroy_process_group()
 
 

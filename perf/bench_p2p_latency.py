@@ -1,0 +1,75 @@
+"""One-way time of a point-to-point message between 2 ranks of one host: gloo against local p2p.
+
+Why: the pipeline hands each activation and gradient to the next stage; this isolates what one
+hand-over costs (a ping-pong, half the round trip), without the compute around it, for gloo's TCP
+loopback and for ``hybridpar.comm.local_p2p``'s cross-memory attach, alternated in the same pair
+of processes.
+
+    .venv/bin/python perf/bench_p2p_latency.py     # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import common
+
+
+def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.comm.local_p2p import LocalP2P
+
+    local = LocalP2P.create([1 - rank])
+    ways = {"gloo": (lambda t, p: dist.isend(t, p, tag=1), lambda t, p: dist.irecv(t, p, tag=1)),
+            "local p2p": (lambda t, p: local.isend(t, p, 1), lambda t, p: local.irecv(t, p, 1))}
+    out: dict = {}
+    for n in sizes:
+        t = torch.zeros(max(n // 4, 1))
+        for r in range(rounds):
+            for name in (ways if r % 2 == 0 else list(ways)[::-1]):
+                send, recv = ways[name]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    if rank == 0:
+                        send(t, 1).wait()
+                        recv(t, 1).wait()
+                    else:
+                        recv(t, 0).wait()
+                        send(t, 0).wait()
+                out.setdefault(f"{name} {n}", []).append((time.perf_counter() - t0) / (2 * reps))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="8,1769472", help="message bytes (comma list)")
+    ap.add_argument("--reps", type=int, default=200, help="round trips per sample")
+    ap.add_argument("--rounds", type=int, default=6, help="samples per way and size, alternated")
+    ap.add_argument("--max-load", type=float, default=1.0)
+    ap.add_argument("--no-wait", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=common.RESULTS)
+    args = ap.parse_args()
+    sizes = [int(v) for v in args.sizes.split(",")]
+    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else 1200)
+    samples = common.launch(job, 2, sizes, args.reps, args.rounds, threads=1)
+    rows, result = [], {}
+    for n in sizes:
+        gloo, local = (statistics.median(samples[f"{w} {n}"]) * 1e6 for w in ("gloo", "local p2p"))
+        result[n] = {"gloo_us": gloo, "local_p2p_us": local, "ratio": gloo / local}
+        rows.append([n, f"{gloo:.1f}", f"{local:.1f}", f"{gloo / local:.2f}"])
+    table = common.print_table(["bytes", "gloo us", "local p2p us", "gloo / local"], rows,
+                               title=f"One-way message time, 2 ranks of one host, ping-pong ({args.rounds} "
+                                     f"alternated samples x {args.reps} round trips, medians)")
+    common.write_json("p2p_latency", {"config": vars(args) | {"out_dir": str(args.out_dir)},
+                                      "load": load, "result": result, "samples_s": samples,
+                                      "table": table}, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

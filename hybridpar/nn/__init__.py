@@ -1,12 +1,19 @@
-"""Spatially distributed layers: drop-in counterparts of ``torch.nn`` layers taking ``grid=``."""
+"""Spatially distributed layers: drop-in counterparts of ``torch.nn`` layers taking ``grid=``.
 
+Each layer file registers its torch counterpart in :mod:`hybridpar.nn.registry`, the one place the
+converter, the planner, the FLOP counter and the performance model learn about a layer from.
+"""
+
+from hybridpar.nn import registry
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.norm import DistBatchNorm3d
 from hybridpar.nn.pool import DistAvgPool3d, DistGlobalAvgPool3d, DistMaxPool3d
+from hybridpar.nn.registry import LayerEntry, lookup, register, register_function
 from hybridpar.nn.shapes import set_global_shapes
 
 __all__ = [
     "DistConv3d", "DistConvTranspose3d", "DistMaxPool3d", "DistAvgPool3d", "DistGlobalAvgPool3d",
-    "DistBatchNorm3d", "Scatter", "Gather", "Redistribute", "set_global_shapes",
+    "DistBatchNorm3d", "Scatter", "Gather", "Redistribute", "set_global_shapes", "registry", "register",
+    "register_function", "lookup", "LayerEntry",
 ]

@@ -17,6 +17,7 @@ from hybridpar.comm.reduce import sync_grads
 from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.overlap import OverlappedConv3d
+from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer, _triple
 
 
@@ -138,3 +139,21 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         if bias is not None:
             y = y + bias.view(1, -1, 1, 1, 1)
         return y
+
+
+def _conv3d(m: nn.Conv3d, grid: ProcessGrid, overlap: bool = False) -> DistConv3d:
+    return DistConv3d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
+                      m.groups, m.bias is not None, m.padding_mode, grid=grid, overlap=overlap)
+
+
+def _conv_transpose3d(m: nn.ConvTranspose3d, grid: ProcessGrid, overlap: bool = False) -> DistConvTranspose3d:
+    return DistConvTranspose3d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
+                               m.output_padding, m.groups, m.bias is not None, m.dilation, m.padding_mode,
+                               grid=grid)
+
+
+registry.register(nn.Conv3d, role="window", op="conv", flops=registry.conv_flops, to_dist=_conv3d,
+                  window_args=registry.conv_window_args, saved=registry.saved_window)
+registry.register(nn.ConvTranspose3d, role="transposed", op="conv", flops=registry.conv_flops,
+                  to_dist=_conv_transpose3d, window_args=registry.transposed_window_args,
+                  saved=registry.saved_window)

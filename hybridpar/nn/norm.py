@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.switch import Switch
 
@@ -116,3 +117,10 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
 def _error(layer: str):
     raise NotImplementedError(f"{layer}: stats='stage' needs the layer's split to use every rank of the "
                               f"stage (no layout replicas)")
+
+
+def _batch_norm3d(m: nn.BatchNorm3d, grid: ProcessGrid, overlap: bool = False) -> DistBatchNorm3d:
+    return DistBatchNorm3d(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, grid=grid)
+
+
+registry.register(nn.BatchNorm3d, role="pointwise", op="norm", flops=registry.norm_flops, to_dist=_batch_norm3d)

@@ -15,6 +15,7 @@ from hybridpar.comm.halo import HaloExchanger, halo_exchange
 from hybridpar.comm.reduce import sum_to_replicated
 from hybridpar.geometry import window_plans
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer, _triple
 
 
@@ -115,3 +116,27 @@ class DistGlobalAvgPool3d(SpatialLayer):
         d, h, w = self.global_shape(x)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True), group) / (d * h * w)
+
+
+def _max_pool3d(m: nn.MaxPool3d, grid: ProcessGrid, overlap: bool = False) -> DistMaxPool3d:
+    return DistMaxPool3d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode,
+                         grid=grid)
+
+
+def _avg_pool3d(m: nn.AvgPool3d, grid: ProcessGrid, overlap: bool = False) -> DistAvgPool3d:
+    return DistAvgPool3d(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
+                         m.divisor_override, grid=grid)
+
+
+def _adaptive_avg_pool3d(m: nn.AdaptiveAvgPool3d, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
+    if registry.triple(m.output_size) != (1, 1, 1):
+        raise NotImplementedError(f"AdaptiveAvgPool3d({m.output_size}): only output size 1 runs split")
+    return DistGlobalAvgPool3d(grid=grid)
+
+
+registry.register(nn.MaxPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_max_pool3d,
+                  window_args=registry.pool_window_args, saved=registry.saved_window)
+registry.register(nn.AvgPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_avg_pool3d,
+                  window_args=registry.pool_window_args, saved=registry.saved_window)
+registry.register(nn.AdaptiveAvgPool3d, role="reduce", op="pool", flops=registry.per_input_flops,
+                  to_dist=_adaptive_avg_pool3d)

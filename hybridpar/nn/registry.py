@@ -1,0 +1,387 @@
+"""One entry per torch layer type: everything the rest of the library asks of a layer.
+
+Why: the converter (``parallelize``), the spec planner, ``explain``, the FLOP counter, the performance
+model and the memory estimate all need facts about a layer: how it is split (its *role*), its window
+arguments as :mod:`hybridpar.geometry` sees them, its distributed counterpart, its FLOPs, what it
+keeps for backward. Kept here once per layer type, a new layer is one file plus one
+:func:`register` call, and a layer nobody registered is found out (a clear error in a split region)
+instead of being counted as zero FLOPs or silently gathered.
+
+Roles (how a layer meets a spatially split input):
+
+* ``"window"``: conv and pooling windows; halos from :func:`window_args` and ``geometry.window_plans``.
+* ``"transposed"``: transposed convolution; halos from ``geometry.transposed_plans``.
+* ``"pointwise"``: works voxel by voxel (activations, dropout, BatchNorm with its statistics reduced
+  over the split): keeps the split of its input, no halo.
+* ``"resample"``: its output is split like its input but needs its own halo plan (upsampling).
+* ``"reduce"``: reduces the whole volume (global and adaptive pooling): split input, replicated output.
+* ``"dense"``: needs the whole tensor (Linear, Flatten): runs replicated, after a planned gather.
+
+Lookup walks the type's MRO, so a subclass (a distributed layer, a user's Conv3d subclass) finds its
+base's entry unless it registers its own.
+
+Register a layer of your own::
+
+    hp.nn.register(MyConv3d, role="window", to_dist=lambda m, grid, overlap: DistMyConv3d(..., grid=grid),
+                   window_args=lambda m: [dict(kernel=3, stride=1, pad_lo=1, pad_hi=1, dilation=1,
+                                               ceil_mode=False)] * 3,
+                   flops=lambda m, x, y: ({"forward": 2 * y.numel() * 27 * m.in_channels}, None))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpar import geometry
+
+ROLES = ("window", "transposed", "pointwise", "resample", "reduce", "dense")
+OPS = ("conv", "linear", "pool", "norm", "pointwise", "free")
+NORM_FLOPS = 4  # nominal per element and direction: statistics, normalise, scale, shift
+AXES = ("d", "h", "w")
+
+Work = dict[str, int]
+Halos = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Window hyperparameters per spatial dim, kept so that work and halos can be split per rank."""
+
+    kind: str  # "conv", "conv_transposed", "window" (pooling), "pointwise", "adaptive"
+    kernel: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    pad_lo: tuple[int, ...] = ()
+    pad_hi: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    output_padding: tuple[int, ...] = ()
+    ceil_mode: bool = False
+
+
+FlopFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Work, LayerGeometry | None]]
+DistFn = Callable[..., nn.Module]
+HaloFn = Callable[[nn.Module, str, tuple[int, ...], tuple[int, ...], tuple[int, int, int]], Halos]
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """What the library knows about one torch layer type (see the module doc for ``role``).
+
+    ``to_dist(module, grid, overlap)`` builds the distributed counterpart with the module's own
+    hyperparameters (None: a copy of the module runs on a shard as it is); ``window_args(module)``
+    gives, per dim (d, h, w), the keyword arguments of ``geometry.window_plans`` (or
+    ``transposed_plans``); ``halos(module, name, in_shape, out_shape, split)`` the widest (low, high)
+    halo per dim under ``split`` (default: from the role) and raises ``geometry.HaloError`` when the
+    split is too fine; ``flops(module, x, y)`` the work of one call in the conventions of
+    :mod:`hybridpar.flops`; ``op`` the performance model's kernel class; ``saved(module, elem_bytes,
+    out_elems, extended_elems)`` the bytes one rank keeps for backward (``extended_elems`` is 0 when
+    no halo is assembled); ``replicates(module)`` whether this instance's output is replicated
+    (default: the ``"reduce"`` role).
+    """
+
+    torch_type: type
+    role: str
+    op: str
+    flops: FlopFn
+    to_dist: DistFn | None = None
+    window_args: Callable[[nn.Module], list[dict]] | None = None
+    halos: HaloFn | None = None
+    saved: Callable[[nn.Module, int, int, int], int] | None = None
+    replicates: Callable[[nn.Module], bool] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def splittable(self) -> bool:
+        """Whether the layer can run on a spatially split input."""
+        return self.role != "dense"
+
+    def replicated_output(self, m: nn.Module) -> bool:
+        """Whether ``m`` on a split input gives a replicated output (a whole-volume reduction): the
+        ``"reduce"`` role, or what ``replicates(m)`` says for a type whose instances differ (an
+        adaptive pool to one voxel reduces, one to many voxels resamples)."""
+        if self.replicates is not None:
+            return self.replicates(m)
+        return self.role == "reduce"
+
+    def halo_widths(self, m: nn.Module, name: str, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+                    split: tuple[int, int, int]) -> Halos:
+        """Widest (low, high) halo per dim of ``m`` under ``split`` (raises ``HaloError``)."""
+        if self.halos is not None:
+            return self.halos(m, name, in_shape, out_shape, split)
+        return _role_halos(self, m, name, in_shape, split)
+
+    def saved_bytes(self, m: nn.Module, elem: int, out_n: int, ext_n: int) -> int:
+        if self.saved is not None:
+            return self.saved(m, elem, out_n, ext_n)
+        return elem * out_n if self.op != "free" else 0
+
+
+_REGISTRY: dict[type, LayerEntry] = {}
+_FUNCTIONS: dict[Any, str] = {}
+
+
+def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to_dist: DistFn | None = None,
+             window_args: Callable[[nn.Module], list[dict]] | None = None, halos: HaloFn | None = None,
+             saved: Callable[[nn.Module, int, int, int], int] | None = None,
+             replicates: Callable[[nn.Module], bool] | None = None, **extra: Any) -> LayerEntry:
+    """Register (or replace) the entry of ``torch_type``; returns it. See :class:`LayerEntry`."""
+    if role not in ROLES:
+        raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): role must be one of {ROLES}, "
+                         f"got {role!r}")
+    if op not in OPS:
+        raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): op must be one of {OPS}, got {op!r}")
+    if role in ("window", "transposed") and window_args is None and halos is None:
+        raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs "
+                         f"window_args= (or halos=)")
+    entry = LayerEntry(torch_type, role, op, flops, to_dist, window_args, halos, saved, replicates, dict(extra))
+    _REGISTRY[torch_type] = entry
+    return entry
+
+
+def lookup(m: nn.Module | type) -> LayerEntry | None:
+    """The entry of ``m``'s type or of its nearest registered base class, or None."""
+    cls = m if isinstance(m, type) else type(m)
+    for base in cls.__mro__:
+        entry = _REGISTRY.get(base)
+        if entry is not None:
+            return entry
+    return None
+
+
+def registered_types() -> list[type]:
+    """Every registered torch type (for tests and documentation)."""
+    return list(_REGISTRY)
+
+
+def register_function(fn: Any, role: str) -> None:
+    """Say how a function called in a model's forward (``torch.add``, ``operator.mul``) meets split
+    inputs: ``"pointwise"`` (elementwise: runs on shards whose layouts agree) or ``"dense"``."""
+    if role not in ("pointwise", "dense", "concat"):
+        raise ValueError(f"hybridpar.nn.register_function: role must be pointwise, dense or concat, "
+                         f"got {role!r}")
+    _FUNCTIONS[fn] = role
+
+
+def function_role(fn: Any) -> str | None:
+    """The role of a function or method name (``"add"``) met in a traced forward, or None."""
+    return _FUNCTIONS.get(fn)
+
+
+# ---------------------------------------------------------------------- helpers for entries
+def triple(v: Any) -> tuple[int, int, int]:
+    """An int or 3 ints as 3 ints."""
+    return tuple(v) if isinstance(v, tuple | list) else (v, v, v)  # type: ignore[return-value]
+
+
+def ntuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+def conv_window_args(m: nn.Module) -> list[dict]:
+    """Per dim keyword arguments of ``geometry.window_plans`` for a Conv3d-like module."""
+    k, s, d = triple(m.kernel_size), triple(m.stride), triple(m.dilation)
+    if m.padding == "same":
+        lohi = [geometry.same_padding(k[i], d[i]) for i in range(3)]
+    elif m.padding == "valid":
+        lohi = [(0, 0)] * 3
+    else:
+        lohi = [(p, p) for p in triple(m.padding)]
+    periodic = getattr(m, "padding_mode", "zeros") == "circular"
+    return [dict(kernel=k[i], stride=s[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=d[i],
+                 ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(3)]
+
+
+def pool_window_args(m: nn.Module) -> list[dict]:
+    """Per dim keyword arguments of ``geometry.window_plans`` for a MaxPool3d / AvgPool3d."""
+    k = triple(m.kernel_size)
+    s = triple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
+    d, p = triple(getattr(m, "dilation", 1)), triple(m.padding)
+    return [dict(kernel=k[i], stride=s[i], pad_lo=p[i], pad_hi=p[i], dilation=d[i],
+                 ceil_mode=bool(m.ceil_mode)) for i in range(3)]
+
+
+def transposed_window_args(m: nn.Module) -> list[dict]:
+    """Per dim keyword arguments of ``geometry.transposed_plans`` for a ConvTranspose3d."""
+    k, s, p, d, op = (triple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
+    return [dict(kernel=k[i], stride=s[i], padding=p[i], dilation=d[i], output_padding=op[i])
+            for i in range(3)]
+
+
+def _check_extent(name: str, extent: int, parts: int, axis: int) -> None:
+    if extent < parts:
+        raise geometry.HaloError(f"{name}: dim {AXES[axis]} has extent {extent}, too small to split over "
+                                 f"{parts} ranks; use a split of at most {extent}")
+
+
+def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int, ...],
+                split: tuple[int, int, int]) -> Halos:
+    halo = []
+    args = entry.window_args(m) if entry.window_args is not None else None
+    for i, parts in enumerate(split):
+        if parts == 1:
+            halo.append((0, 0))
+            continue
+        extent = in_shape[2 + i]
+        if entry.role == "transposed":
+            plans, _ = geometry.transposed_plans(extent, parts, layer=name, dim=AXES[i], **args[i])
+        elif entry.role == "window":
+            plans = geometry.window_plans(extent, parts, layer=name, dim=AXES[i], **args[i])
+        else:
+            _check_extent(name, extent, parts, i)
+            halo.append((0, 0))
+            continue
+        halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
+    return tuple(halo)
+
+
+# ---------------------------------------------------------------------- FLOP formulas (see hybridpar.flops)
+def conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
+    n = len(m.kernel_size)
+    batch = math.prod(x.shape[:-(n + 1)])
+    spatial = x.shape[-n:] if m.transposed else y.shape[-n:]
+    fwd = 2 * batch * math.prod(spatial) * math.prod(m.weight.shape)
+    if isinstance(m.padding, str):
+        pads = [geometry.same_padding(k, d) if m.padding == "same" else (0, 0)
+                for k, d in zip(m.kernel_size, m.dilation, strict=True)]
+    else:
+        pads = [(p, p) for p in m.padding]
+    geom = LayerGeometry("conv_transposed" if m.transposed else "conv", tuple(m.kernel_size),
+                         tuple(m.stride), tuple(p[0] for p in pads), tuple(p[1] for p in pads),
+                         tuple(m.dilation), tuple(m.output_padding) if m.transposed else ())
+    bias = m.bias is not None
+    work = {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
+            "weight_grad": fwd if m.weight.requires_grad else 0,
+            "forward_other": y.numel() if bias else 0,
+            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}
+    return work, geom
+
+
+def linear_flops(m: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, None]:
+    fwd = 2 * (x.numel() // m.in_features) * m.in_features * m.out_features
+    bias = m.bias is not None
+    return {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
+            "weight_grad": fwd if m.weight.requires_grad else 0,
+            "forward_other": y.numel() if bias else 0,
+            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}, None
+
+
+_POOL_DIMS = {"1d": 1, "2d": 2, "3d": 3}  # by class name suffix: unbatched inputs lack the N dim
+
+
+def pool_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
+    n = _POOL_DIMS.get(type(m).__name__[-2:], x.dim() - 2)
+    kernel = ntuple(m.kernel_size, n)
+    stride = ntuple(m.stride if m.stride else m.kernel_size, n)
+    pad = ntuple(m.padding, n)
+    dilation = ntuple(getattr(m, "dilation", 1), n)
+    taps = math.prod(kernel)
+    geom = LayerGeometry("window", kernel, stride, pad, pad, dilation, (), bool(m.ceil_mode))
+    is_max = isinstance(m, nn.modules.pooling._MaxPoolNd)
+    back = (x.numel() if is_max else y.numel() * taps) if x.requires_grad else 0
+    return {"forward_other": y.numel() * taps, "backward_other": back}, geom
+
+
+def _spatial(kind: str, x: torch.Tensor) -> LayerGeometry | None:
+    return LayerGeometry(kind) if x.dim() > 2 else None  # (N, C) tensors have no spatial dims to split
+
+
+def per_input_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    """One nominal FLOP per input element each way (adaptive pooling)."""
+    return {"forward_other": x.numel(), "backward_other": x.numel() if x.requires_grad else 0}, \
+        _spatial("adaptive", x)
+
+
+def norm_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    trainable = any(p.requires_grad for p in m.parameters())
+    back = NORM_FLOPS * x.numel() if (x.requires_grad or trainable) else 0
+    return {"forward_other": NORM_FLOPS * x.numel(), "backward_other": back}, _spatial("pointwise", x)
+
+
+def elementwise_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    """One nominal FLOP per output element each way (activations; dropout while training)."""
+    if isinstance(m, nn.modules.dropout._DropoutNd) and not m.training:
+        return {}, _spatial("pointwise", x)
+    trainable = any(p.requires_grad for p in m.parameters())
+    back = y.numel() if (x.requires_grad or trainable) else 0
+    return {"forward_other": y.numel(), "backward_other": back}, _spatial("pointwise", x)
+
+
+def no_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    return {}, None
+
+
+def no_flops_pointwise(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    return {}, _spatial("pointwise", x)
+
+
+def resample_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+    """Interpolation: nominal FLOPs per output element, ``2**dims`` taps for (tri)linear, 1 for nearest."""
+    taps = 1 if getattr(m, "mode", "nearest").startswith("nearest") else 2 ** max(x.dim() - 2, 1)
+    back = y.numel() * taps if x.requires_grad else 0
+    return {"forward_other": y.numel() * taps, "backward_other": back}, _spatial("adaptive", x)
+
+
+# ---------------------------------------------------------------------- saved-for-backward estimates
+def saved_window(m: nn.Module, elem: int, out_n: int, ext_n: int) -> int:
+    """A conv keeps its (extended) input and passes its output on; pooling its output, and max
+    pooling its indices (int64)."""
+    indices = 8 * out_n if isinstance(m, nn.modules.pooling._MaxPoolNd) else 0
+    return elem * ext_n + elem * out_n + indices
+
+
+# ---------------------------------------------------------------------- torch types without a Dist class
+def _register_builtins() -> None:
+    """Entries of torch types that have no Dist class: 1D/2D layers and dense layers run replicated,
+    activations and dropout as copies on shards. The 3D layers with Dist classes register in the
+    files of those classes (:mod:`hybridpar.nn.conv`, ``pool``, ``norm``, ...)."""
+    conv_nd, max_nd, avg_nd = nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd
+    register(conv_nd, role="dense", op="conv", flops=conv_flops)  # 1d/2d: not split (3D volumes only)
+    register(max_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)
+    register(avg_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)
+    for t in (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):
+        register(t, role="dense", op="pool", flops=per_input_flops)
+    register(nn.Linear, role="dense", op="linear", flops=linear_flops)
+    for t in (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+              nn.LayerNorm):
+        register(t, role="dense", op="norm", flops=norm_flops)
+    for t in (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
+              nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
+              nn.Softsign, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Hardshrink, nn.Softshrink):
+        register(t, role="pointwise", op="pointwise", flops=elementwise_flops)
+    for t in (nn.Softmax, nn.LogSoftmax, nn.GLU):  # along a dim that may be spatial: not split
+        register(t, role="dense", op="pointwise", flops=elementwise_flops)
+    register(nn.modules.dropout._DropoutNd, role="pointwise", op="pointwise", flops=elementwise_flops)
+    register(nn.Identity, role="pointwise", op="free", flops=no_flops_pointwise)
+    for t in (nn.Flatten, nn.Unflatten):
+        register(t, role="dense", op="free", flops=no_flops)
+
+
+
+def _register_functions() -> None:
+    """Functions and tensor methods a traced forward may call on split activations. Elementwise ones
+    run on shards whose layouts agree; ``torch.cat`` along channels too (its role ``"concat"``: the
+    planner checks the dim); the rest needs the whole tensor."""
+    import operator  # noqa: PLC0415
+
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    pointwise = [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.iadd,
+                 operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu,
+                 torch.sigmoid, torch.tanh, torch.exp, torch.log1p, torch.abs, torch.clamp, torch.square,
+                 F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.sigmoid, F.tanh, F.dropout, F.mish,
+                 F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
+                 "add", "sub", "mul", "div", "neg", "relu", "sigmoid", "tanh", "exp", "abs", "clamp",
+                 "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as"]
+    for fn in pointwise:
+        register_function(fn, "pointwise")
+    register_function(torch.cat, "concat")
+    register_function(torch.concat, "concat")
+
+
+_register_builtins()
+_register_functions()

@@ -138,7 +138,8 @@ def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to
     if role in ("window", "transposed") and window_args is None and halos is None:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs "
                          f"window_args= (or halos=)")
-    entry = LayerEntry(torch_type, role, op, flops, to_dist, window_args, halos, saved, replicates, dict(extra))
+    entry = LayerEntry(torch_type, role, op, flops, to_dist, window_args, halos, saved, replicates,
+                       dict(extra))
     _REGISTRY[torch_type] = entry
     return entry
 
@@ -339,7 +340,8 @@ def _register_builtins() -> None:
     """Entries of torch types that have no Dist class: 1D/2D layers and dense layers run replicated,
     activations and dropout as copies on shards. The 3D layers with Dist classes register in the
     files of those classes (:mod:`hybridpar.nn.conv`, ``pool``, ``norm``, ...)."""
-    conv_nd, max_nd, avg_nd = nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd
+    pooling = nn.modules.pooling
+    conv_nd, max_nd, avg_nd = nn.modules.conv._ConvNd, pooling._MaxPoolNd, pooling._AvgPoolNd
     register(conv_nd, role="dense", op="conv", flops=conv_flops)  # 1d/2d: not split (3D volumes only)
     register(max_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)
     register(avg_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)

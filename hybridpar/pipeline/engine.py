@@ -16,7 +16,9 @@ averaged, and the loss a head computes on replicated ranks counts once.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybridpar import cpu_alloc
 from hybridpar.comm.local_p2p import LocalP2P
-from hybridpar.comm.redistribute import local_box
+from hybridpar.comm.redistribute import gather, local_box
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.grid import ProcessGrid
 from hybridpar.launch import init_distributed
@@ -39,8 +41,11 @@ from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.schedule import in_flight, schedule
+from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.profiling import range as prange
-from hybridpar.spec import ParallelSpec, load_spec, sequential_layers
+from hybridpar.spec import ParallelSpec, load_spec
+from hybridpar.spec.graph import INPUT
+from hybridpar.spec.graph import trace as trace_graph
 
 _FWD, _BWD, _LOSS = 1 << 12, 1 << 13, 1 << 14
 REPLICATED = (1, 1, 1)
@@ -65,7 +70,8 @@ class Engine:
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                  local_p2p: bool | None = None) -> None:
-        sequential_layers(model)  # a non-sequential model fails here, before anything starts
+        self.graph = trace_graph(model)  # an untraceable model fails here, before anything starts
+        self._chain = self.graph.chain and all(n.op == "module" for n in self.graph.nodes)
         if not dist.is_initialized():
             init_distributed()
         if all(p.device.type == "cpu" for p in model.parameters()):
@@ -146,36 +152,67 @@ class Engine:
         self.plan = self.spec.validate_for(self.model, input_shape, self.world)
         self._make_groups()
         stage = self.grid.pipe_index
-        mine = [lp for lp in self.plan if lp.stage == stage]
-        layers: list[tuple[str | None, nn.Module]] = []
-        for i, lp in enumerate(mine):
-            layout = self._layout(lp.split)
-            if i > 0 and mine[i - 1].split != lp.split:
-                layers.append((None, Redistribute(self._layout(mine[i - 1].split), layout,
-                                                  tuple(lp.input_shape[2:]))))
-            src = self.model.get_submodule(lp.name)
-            m = to_distributed(src, layout, self.overlap)
-            if isinstance(m, SpatialLayer):
-                m.global_input_shape = tuple(lp.input_shape[2:])
-                m.layer_name = f"{type(m).__name__}({lp.name})"
-            layers.append((lp.name, m))
-        following = [lp for lp in self.plan if lp.stage == stage + 1]
-        out_split = mine[-1].split
-        target = following[0].split if following else REPLICATED
-        if target != out_split:  # hand over in the next stage's split (or replicated for the loss)
-            layers.append((None, Redistribute(self._layout(out_split), self._layout(target),
-                                              tuple(mine[-1].output_shape[2:]))))
-        self.layers = layers
-        self._defer = deferred.deferrable([m for _, m in layers])
+        rows = [i for i, lp in enumerate(self.plan) if lp.stage == stage]
+        lo, hi = rows[0], rows[-1] + 1
+        mine = self.plan[lo:hi]
+        reader = next(lp for lp in self.plan if INPUT in lp.inputs)
+        self.input_split = reader.split if len(reader.input_shape) == 5 else REPLICATED
+        out = next(lp for lp in self.plan if lp.name == self.graph.output)
+        self.output_record = out
+        self.output_split = out.output_split if len(out.output_shape) == 5 else REPLICATED
+        self.stage_graph: StageGraph | None = None
+        if self._chain:
+            self.layers = self._chain_layers(mine, stage)
+        else:  # a graph: this stage's nodes run by one module, every live value carried across cuts
+            self.stage_graph = StageGraph(self.graph, self.plan, lo, hi, input_shape, self.input_split,
+                                          self._layout, self._convert)
+            self.layers = [("", self.stage_graph)]
+        self._defer = deferred.deferrable([m for _, m in self.layers])
         self.first_layer, self.last_layer = mine[0], mine[-1]
-        self.input_grid = self._layout(mine[0].split)
+        self.input_grid = self._layout(self.input_split)
+        self._warn_gathers()
         self.train(self._training)
         # Keep only what the original model is still needed for (its state-dict keys, in order):
         # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
         self._state_keys = list(self.model.state_dict())
-        self.model = None
+        self.model = self.graph = None  # the traced graph holds the model's modules too
         if self.grid.data * self.grid.stage_size > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
+
+    def _convert(self, name: str, lp: Any) -> nn.Module:
+        """The layer ``name`` of the model as this rank runs it under ``lp``'s split."""
+        m = to_distributed(self.model.get_submodule(name), self._layout(lp.split), self.overlap)
+        if isinstance(m, SpatialLayer):
+            m.global_input_shape = tuple(lp.input_shape[2:])
+            m.layer_name = f"{type(m).__name__}({name})"
+        return m
+
+    def _chain_layers(self, mine: list[Any], stage: int) -> list[tuple[str | None, nn.Module]]:
+        """A sequence's stage: its layers in order, Redistributes where the split changes, and one at
+        the end into the next stage's split (the last stage keeps the output's)."""
+        layers: list[tuple[str | None, nn.Module]] = []
+        for i, lp in enumerate(mine):
+            if i > 0 and mine[i - 1].output_split != lp.split:
+                layers.append((None, Redistribute(self._layout(mine[i - 1].output_split),
+                                                  self._layout(lp.split), tuple(lp.input_shape[2:]))))
+            layers.append((lp.name, self._convert(lp.name, lp)))
+        following = [lp for lp in self.plan if lp.stage == stage + 1]
+        out_split = mine[-1].output_split
+        target = following[0].split if following else self.output_split
+        if target != out_split:  # hand over in the next stage's split (or the output's for the loss)
+            layers.append((None, Redistribute(self._layout(out_split), self._layout(target),
+                                              tuple(mine[-1].output_shape[2:]))))
+        return layers
+
+    def _warn_gathers(self) -> None:
+        """Never replicate silently: a gather inside a split region is said once per job (rank 0)."""
+        gathers = [lp for lp in self.plan if lp.gather]
+        if gathers and dist.get_rank() == 0:
+            names = ", ".join(f"{lp.name} ({lp.kind})" for lp in gathers[:6])
+            warnings.warn(f"hybridpar.parallelize: {len(gathers)} layer(s) gather a split activation onto "
+                          f"every rank inside a split region: {names}; each holds the whole volume. Register "
+                          f"the layer type (hybridpar.nn.register) to run it split, or say spatial: "
+                          f"replicate for it in the spec to silence this", stacklevel=3)
 
     # ------------------------------------------------------------------ user API
     def parameters(self) -> list[nn.Parameter]:
@@ -193,7 +230,7 @@ class Engine:
         for name, m in self.layers:
             if name is not None:
                 for k, p in m.named_parameters():
-                    yield f"{name}.{k}", p
+                    yield (f"{name}.{k}" if name else k), p
 
     def train(self, mode: bool = True) -> Engine:
         self._training = mode
@@ -206,7 +243,8 @@ class Engine:
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
         """Global batch (the same on every rank) -> this rank's piece: its replica's samples, and of the
-        input only its first layer's shard. Targets are this replica's, whole."""
+        input only the shard its first reader computes on. Targets are this replica's: whole, or, for a
+        volume target (N, C', D, H, W) of a model whose output stays split, split like the output."""
         if not self.built:
             self._build(tuple(x.shape))
         n = x.shape[0]
@@ -216,10 +254,30 @@ class Engine:
         per = n // self.grid.data
         rows = slice(self.grid.data_index * per, (self.grid.data_index + 1) * per)
         x_rep = x[rows]
-        if x.dim() == 5 and self.first_layer.split != REPLICATED:
+        if x.dim() == 5 and self.input_split != REPLICATED:
             box = local_box(tuple(x.shape[2:]), self.input_grid)
             x_rep = x_rep[(Ellipsis, *(slice(a, b) for a, b in box))]
-        return _own(x_rep), (None if y is None else _own(y[rows]))
+        if y is None:
+            return _own(x_rep), None
+        y_rep = y[rows]
+        if self.output_split != REPLICATED:
+            if y.dim() != 5 or tuple(y.shape[2:]) != tuple(self.output_record.output_shape[2:]):
+                raise ValueError(f"Engine.shard_batch: the model's output is a split volume of "
+                                 f"{'x'.join(map(str, self.output_record.output_shape[2:]))} voxels; the "
+                                 f"target must be N, C, D, H, W of that size, got {tuple(y.shape)}")
+            box = local_box(tuple(y.shape[2:]), self._layout(self.output_split))
+            y_rep = y_rep[(Ellipsis, *(slice(a, b) for a, b in box))]
+        return _own(x_rep), _own(y_rep)
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` on this rank's output; on a split output, its share of the whole volume's mean
+        (``loss_fn`` must average over elements, as torch's losses do by default): summed over the
+        output's ranks, the shares are the loss of the whole volume."""
+        loss = self.loss_fn(out, y)
+        if self.output_split == REPLICATED:
+            return loss
+        whole = math.prod(self.output_record.output_shape[1:]) * out.shape[0]
+        return loss * (out.numel() / whole)
 
     # ------------------------------------------------------------------ stage execution
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,6 +310,8 @@ class Engine:
         return ops[max(i for i, (op, _) in enumerate(ops) if op == "B")][1], upto
 
     def _in_shape(self, b: int) -> tuple[int, ...]:
+        if self.stage_graph is not None and not self.first_stage:
+            return (self.stage_graph.recv_numel(b),)
         lp = self.first_layer
         shape = lp.input_shape
         if len(shape) == 5:
@@ -368,12 +428,15 @@ class Engine:
                     else:
                         out = self._forward(inp)
                     if self.last_stage:
-                        out = self.loss_fn(out, ys[m].to(device)) * (sizes[m] / batch)
+                        out = self._loss(out, ys[m].to(device)) * (sizes[m] / batch)
                         loss_sum += out.detach().double()
                     else:
                         sends.append(self._send(out, stage + 1, _FWD + m))
                     held[m] = (None if self.first_stage else inp, out)
                     if i == last_forward and self.last_stage:
+                        if self.output_split != REPLICATED:  # the shares of the split output's ranks
+                            group = self._layout(self.output_split).spatial_group
+                            dist.all_reduce(loss_sum, group=group)
                         loss_x.start(loss_sum)  # known now: off the step's critical path from here
                 else:
                     if i == last_backward and self.reducer is not None:
@@ -421,12 +484,15 @@ class Engine:
                                                            _FWD + m)
             out = self._run(inp)
             if self.last_stage:
+                if self.output_split != REPLICATED:  # predictions are whole volumes
+                    out = gather(out, self._layout(self.output_split),
+                                 tuple(self.output_record.output_shape[2:]))
                 outs.append(out)
             else:
                 sends.append(self._send(out, stage + 1, _FWD + m))
         for w in sends:
             w.wait()
-        final = (batch, *self.plan[-1].output_shape[1:])
+        final = (batch, *self.output_record.output_shape[1:])
         y = torch.cat(outs) if self.last_stage else torch.empty(final, dtype=dtype, device=device)
         if self.grid.pipe > 1:
             dist.broadcast(y, self._peer(self.grid.pipe - 1), group=self.grid.pipe_group)
@@ -436,7 +502,7 @@ class Engine:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the original model's state dict."""
         self._require_built("local_state_dict")
-        return {f"{name}.{k}": v for name, m in self.layers if name is not None
+        return {f"{name}.{k}" if name else k: v for name, m in self.layers if name is not None
                 for k, v in m.state_dict().items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -455,8 +521,10 @@ class Engine:
         for name, m in self.layers:
             if name is None:
                 continue
-            prefix = f"{name}."
+            prefix = f"{name}." if name else ""
             sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            if not name:  # a graph stage holds only its own stage's layers
+                sub = {k: v for k, v in sub.items() if k in m.state_dict()}
             m.load_state_dict(sub)
 
 

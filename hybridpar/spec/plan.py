@@ -1,15 +1,21 @@
-"""Resolve a spec against a model and a global input shape: one record per layer, in forward order.
+"""Resolve a spec against a model and a global input shape: one record per graph node, in forward order.
 
 Why: ``parallelize`` and ``explain`` must agree on every decision (which split each layer runs
 under, where the stages begin, where activations are redistributed), and every check that needs
-the model (globs, halos, batch arithmetic) must run before any process starts. Shapes come from
-one forward pass on the meta device (no memory, no FLOPs spent); halos from
-:mod:`hybridpar.geometry`, the same arithmetic the distributed layers run.
+the model (globs, halos, batch arithmetic) must run before any process starts. The model is traced
+into a graph (:mod:`hybridpar.spec.graph`); shapes come from one forward pass on the meta device (no
+memory, no FLOPs spent); what each layer is comes from the layer registry
+(:mod:`hybridpar.nn.registry`), halos from :mod:`hybridpar.geometry`, the same arithmetic the
+distributed layers run.
 
-Split rules, in order: a layer rule (first matching glob) wins; window layers (conv, pool) take the
-grid's spatial split; pointwise layers (BatchNorm3d, activations, dropout) keep the split of the
-activation they receive, so they never add a redistribute; everything else (Flatten, Linear, custom
-modules) runs replicated, after an automatic gather.
+Split rules, in order: a layer rule (first matching glob) wins; window and resampling layers (conv,
+pool, upsample) take the grid's spatial split; pointwise layers and elementwise functions (norms,
+activations, ``+``, ``torch.cat`` along channels) keep the split of the activation they receive, so
+they never add a redistribute; whole-volume reductions (global pooling) run on their input's split
+and return a replicated output; everything else (Flatten, Linear) runs replicated, after a gather.
+A gather inside a split region (a replicated node whose output is split again later) is what a
+layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
+the engine and marked by ``explain``. An unregistered module on a split input is an error.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,20 +31,24 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar import geometry
+from hybridpar.nn import registry
 from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
+from hybridpar.spec.graph import INPUT, ModelGraph, Node, trace, trace_values
 
-WINDOW = (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.AvgPool3d)
-POINTWISE = (nn.BatchNorm3d, nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU,
-             nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish,
-             nn.Hardsigmoid, nn.Softplus, nn.Dropout, nn.Dropout3d, nn.AlphaDropout)
 AXES = ("d", "h", "w")
 BYTES_PER_ELEMENT = 4  # activations are planned in float32
+REPLICATED: Split = (1, 1, 1)
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What one leaf layer runs as. Local shapes are those of the most loaded rank (shard 0) for one
-    micro-batch; ``halo`` is, per dim (d, h, w), the widest (low, high) halo any rank receives."""
+    """What one node (a layer, or a function such as ``+`` or ``torch.cat``) runs as. Local shapes are
+    those of the most loaded rank (shard 0) for one micro-batch; ``halo`` is, per dim (d, h, w), the
+    widest (low, high) halo any rank receives. ``split`` is the layout the node computes in (its inputs
+    are redistributed to it where they differ: ``redistribute``), ``out_split`` that of its output
+    (replicated after a whole-volume reduction). ``inputs`` names the nodes it reads (``"(input)"``:
+    the model input); ``gather`` marks a replicated node that gathers a split input inside a split
+    region."""
 
     name: str
     kind: str
@@ -55,6 +65,9 @@ class LayerPlan:
     activation_bytes: int
     redistribute: bool
     train_flops: int = 0  # forward + input gradient + weight gradient, whole global batch
+    inputs: tuple[str, ...] = ()
+    out_split: Split | None = None
+    gather: bool = False
 
     @property
     def local_train_flops(self) -> float:
@@ -63,138 +76,69 @@ class LayerPlan:
 
     @property
     def replicated(self) -> bool:
-        return self.split == (1, 1, 1)
+        return self.split == REPLICATED
+
+    @property
+    def output_split(self) -> Split:
+        return self.split if self.out_split is None else self.out_split
 
 
 # ---------------------------------------------------------------------- the model's layers
-def _require_sequential(module: nn.Module, name: str) -> None:
-    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
-        what = f"{name} ({type(module).__name__})"
-        raise SpecError(
-            f"{what}: only sequential models are supported (an nn.Sequential, or nested ones, whose "
-            f"forward feeds each child's output to the next child); a custom forward may do anything. "
-            f"Wrap the model: nn.Sequential(OrderedDict(features=model.features, head=model.head)) if "
-            f"its forward applies those children in order, or nn.Sequential(model) to run it whole as "
-            f"one replicated layer")
+def sequential_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module | None]], dict[str, int]]:
+    """Nodes ``(name, module)`` in forward order (module None for a function), and each container's
+    first node index. Any model torch.fx can trace (see :mod:`hybridpar.spec.graph`)."""
+    graph = trace(model)
+    return [(n.name, n.module) for n in graph.nodes], graph.containers
 
 
-def sequential_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], dict[str, int]]:
-    """Leaf layers ``(name, module)`` in forward order, and each container's first leaf index."""
-    _require_sequential(model, "model")
-    leaves: list[tuple[str, nn.Module]] = []
-    containers: dict[str, int] = {}
-
-    def walk(prefix: str, seq: nn.Sequential) -> None:
-        for child_name, child in seq.named_children():
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            if isinstance(child, nn.Sequential):
-                _require_sequential(child, name)
-                containers[name] = len(leaves)
-                walk(name, child)
-            else:
-                leaves.append((name, child))
-
-    walk("", model)
-    if not leaves:
-        raise SpecError("model: the sequential model has no layers")
-    return leaves, {k: v for k, v in containers.items() if v < len(leaves)}
-
-
-def trace_shapes(model: nn.Module, leaves: list[tuple[str, nn.Module]],
+def trace_shapes(model: nn.Module, leaves: list[tuple[str, nn.Module | None]],
                  input_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(input, output) shape of every leaf from one forward on the meta device.
+    """(first tensor input, output) shape of every node from one forward on the meta device."""
+    graph = trace(model)
+    return _node_shapes(graph, trace_values(graph, tuple(input_shape)))
 
-    ``functional_call`` swaps in meta parameters, so the user's model is neither copied nor moved.
-    """
-    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    current = ["(model input)"]
 
-    def pre(name: str):
-        return lambda _m, _args: current.__setitem__(0, name)
-
-    def post(_m, args, out):
+def _node_shapes(graph: ModelGraph, values: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    shapes = []
+    for n in graph.nodes:
+        out = values[n.name]
         if not isinstance(out, torch.Tensor):
-            raise SpecError(f"{current[0]}: returns {type(out).__name__}; a sequential layer must "
-                            f"return one tensor")
-        shapes.append((tuple(args[0].shape), tuple(out.shape)))
-
-    handles = []
-    for name, module in leaves:
-        handles.append(module.register_forward_pre_hook(pre(name)))
-        handles.append(module.register_forward_hook(post))
-    state = {k: torch.empty_like(v, device="meta")
-             for k, v in [*model.named_parameters(), *model.named_buffers()]}
-    try:
-        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
-        torch.func.functional_call(model, state, (torch.empty(input_shape, device="meta", dtype=dtype),))
-    except SpecError:
-        raise
-    except Exception as err:  # the user's model failed on this shape: say where
-        raise SpecError(f"the model does not run on input shape {list(input_shape)}: at layer "
-                        f"{current[0]}: {type(err).__name__}: {err}") from err
-    finally:
-        for h in handles:
-            h.remove()
+            raise SpecError(f"{n.name} ({n.kind}): returns {type(out).__name__}, not a tensor: values "
+                            f"computed from shapes are not supported in a parallelized forward (the "
+                            f"shapes of split tensors are local); write sizes as constants or scale "
+                            f"factors")
+        first = next((values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)), None)
+        shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
     return shapes
 
 
 # ---------------------------------------------------------------------- per-layer arithmetic
-def _triple(v) -> tuple[int, int, int]:
-    return tuple(v) if isinstance(v, tuple | list) else (v, v, v)  # type: ignore[return-value]
-
-
-def _window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments for :func:`geometry.window_plans` / ``transposed_plans``."""
-    k = _triple(m.kernel_size)
-    if isinstance(m, nn.ConvTranspose3d):
-        return [dict(kernel=k[i], stride=_triple(m.stride)[i], padding=_triple(m.padding)[i],
-                     dilation=_triple(m.dilation)[i], output_padding=_triple(m.output_padding)[i])
-                for i in range(3)]
-    stride = _triple(m.stride if m.stride is not None else m.kernel_size)  # pools: None = kernel
-    dil = _triple(getattr(m, "dilation", 1))
-    pad = m.padding
-    if pad == "same":
-        lohi = [geometry.same_padding(k[i], dil[i]) for i in range(3)]
-    elif pad == "valid":
-        lohi = [(0, 0)] * 3
-    else:
-        lohi = [(p, p) for p in _triple(pad)]
-    return [dict(kernel=k[i], stride=stride[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=dil[i],
-                 ceil_mode=bool(getattr(m, "ceil_mode", False))) for i in range(3)]
-
-
-def _halos(name: str, m: nn.Module, in_shape: tuple[int, ...], split: Split) -> tuple[tuple[int, int], ...]:
+def _halos(name: str, m: nn.Module, entry: registry.LayerEntry | None, in_shape: tuple[int, ...],
+           out_shape: tuple[int, ...], split: Split) -> tuple[tuple[int, int], ...]:
     """Widest (low, high) halo per dim; a split too fine for the layer raises what would fit."""
-    halo = []
-    for i, parts in enumerate(split):
-        if parts == 1:
-            halo.append((0, 0))
-            continue
-        extent = in_shape[2 + i]
-        try:
-            if isinstance(m, WINDOW):
-                args = _window_args(m)[i]
-                if isinstance(m, nn.ConvTranspose3d):
-                    plans, _ = geometry.transposed_plans(extent, parts, layer=name, dim=AXES[i], **args)
-                else:
-                    plans = geometry.window_plans(extent, parts, layer=name, dim=AXES[i], **args)
-                halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
-            else:  # pointwise: only needs every shard non-empty
-                if extent < parts:
-                    raise geometry.HaloError(f"{name}: dim {AXES[i]} has extent {extent}, too small to "
-                                             f"split over {parts} ranks; use a split of at most {extent}")
-                halo.append((0, 0))
-        except geometry.HaloError as err:
-            size = "x".join(map(str, in_shape[2:]))
-            raise SpecError(f"layers: {name} ({type(m).__name__}) cannot run split {list(split)} on its "
-                            f"input of {size} voxels: {err}") from None
-    return tuple(halo)
+    if split == REPLICATED:
+        return ((0, 0),) * 3
+    try:
+        if entry is not None and m is not None:
+            return entry.halo_widths(m, name, in_shape, out_shape, split)
+        for i, parts in enumerate(split):  # an elementwise function: every shard must be non-empty
+            if in_shape[2 + i] < parts:
+                raise geometry.HaloError(f"{name}: dim {AXES[i]} has extent {in_shape[2 + i]}, too small "
+                                         f"to split over {parts} ranks; use a split of at most "
+                                         f"{in_shape[2 + i]}")
+        return ((0, 0),) * 3
+    except geometry.HaloError as err:
+        size = "x".join(map(str, in_shape[2:]))
+        kind = type(m).__name__ if m is not None else "function"
+        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
+                        f"voxels: {err}") from None
 
 
-def forward_flops(m: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:
+def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:
     """Forward FLOPs, 2 per multiply-accumulate; conv and linear only (as FlopCounterMode counts)."""
     if isinstance(m, nn.ConvTranspose3d):
-        return 2 * math.prod(in_shape) * (m.out_channels // m.groups) * math.prod(_triple(m.kernel_size))
+        taps = math.prod(registry.triple(m.kernel_size))
+        return 2 * math.prod(in_shape) * (m.out_channels // m.groups) * taps
     if isinstance(m, nn.Conv3d | nn.Conv2d | nn.Conv1d):
         per_out = (m.in_channels // m.groups) * math.prod(m.kernel_size)
         return 2 * math.prod(out_shape) * per_out
@@ -309,12 +253,13 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
 
 
 def auto_stages(train_flops: Sequence[int], splits: Sequence[Split], activation_bytes: Sequence[int],
-                stages: int) -> list[int]:
+                stages: int, sends: Sequence[int] | None = None) -> list[int]:
     """``pipeline.stages: auto``: balance the training FLOPs each rank of a stage runs per
     micro-batch (a layer's FLOPs divided over its spatial shards), then the bytes sent between
     stages, then the activation memory each rank keeps (:func:`balance_stages`)."""
     per_rank = [-(-f // math.prod(s)) for f, s in zip(train_flops, splits, strict=True)]
-    return balance_stages(per_rank, stages, sends=activation_bytes, memory=activation_bytes)
+    return balance_stages(per_rank, stages, sends=activation_bytes if sends is None else sends,
+                          memory=activation_bytes)
 
 
 def _named_stages(names: Sequence[str], leaves: list[tuple[str, nn.Module]],
@@ -368,21 +313,74 @@ def _batch(grid: GridSpec, microbatches: int, batch: int) -> int:
     return per // microbatches
 
 
-def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
-               world_size: int | None = None) -> list[LayerPlan]:
-    """Resolve ``spec`` for ``model`` on a global input of ``input_shape`` (N, C, D, H, W)."""
+@dataclass
+class Analysis:
+    """A model on a global input, analysed once: its graph, every node's shapes and FLOPs. Resolving
+    a spec against it (:func:`resolve`) costs no tracing, so a planner can try thousands of specs."""
+
+    model: nn.Module
+    input_shape: tuple[int, ...]
+    graph: ModelGraph
+    leaves: list[tuple[str, nn.Module | None]]
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    flops: list[int]
+    train_flops: list[int]
+    count: flop_count.FlopCount | None
+
+    @property
+    def containers(self) -> dict[str, int]:
+        return self.graph.containers
+
+
+def analyse(model: nn.Module, input_shape: Sequence[int]) -> Analysis:
+    """Trace ``model``, its shapes on a global input of ``input_shape`` (N, C, D, H, W) and its FLOPs."""
     shape = tuple(input_shape)
     if len(shape) != 5 or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise SpecError(f"input shape must be 5 positive integers N, C, D, H, W (the global batch), got "
                         f"{list(shape)}")
+    graph = trace(model)
+    shapes = _node_shapes(graph, trace_values(graph, shape))
+    leaves = [(n.name, n.module) for n in graph.nodes]
+    try:
+        counted: flop_count.FlopCount | None = flop_count.count(model, shape)
+    except TypeError:
+        counted = None
+    if counted is None:
+        fwd = [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]
+        train = [f * (2 if i == 0 else 3) for i, f in enumerate(fwd)]
+    else:
+        sums = leaf_flop_sums(counted, leaves)
+        fwd, train = [s[0] for s in sums], [s[0] + s[1] + s[2] for s in sums]
+    return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted)
+
+
+def _concat_dim(node: Node, ndim: int) -> int | None:
+    dim = node.fx_node.kwargs.get("dim", node.fx_node.args[1] if len(node.fx_node.args) > 1 else 0)
+    return dim % ndim if isinstance(dim, int) else None
+
+
+def _role(node: Node, in_shape: tuple[int, ...]) -> tuple[str, registry.LayerEntry | None]:
+    """How ``node`` meets a split input: a registry role, or ``"unregistered"``."""
+    if node.module is not None:
+        entry = registry.lookup(node.module)
+        return (entry.role, entry) if entry is not None else ("unregistered", None)
+    role = registry.function_role(node.target)
+    if role == "concat":
+        role = "pointwise" if _concat_dim(node, len(in_shape)) == 1 else "dense"
+    return role or "dense", None
+
+
+def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
+            halos: Callable[..., tuple[tuple[int, int], ...]] = _halos) -> list[LayerPlan]:
+    """The plan of ``spec`` on an analysed model (see the module doc for the rules). ``halos`` computes
+    one node's halos (the performance model passes a memoised, terser one)."""
     if world_size is not None:
         spec = spec.resolve_grid(world_size)
     elif not spec.grid.is_resolved:
         raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
     grid, pipe = spec.grid, spec.pipeline
-    micro = _batch(grid, pipe.microbatches, shape[0])
-    leaves, containers = sequential_layers(model)
-
+    micro = _batch(grid, pipe.microbatches, a.input_shape[0])
+    nodes, leaves, shapes = a.graph.nodes, a.leaves, a.shapes
     rule_of: dict[str, LayerRule] = {}
     for rule in spec.layers:
         hits = [n for n, _ in leaves if fnmatch.fnmatchcase(n, rule.pattern)]
@@ -394,43 +392,113 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
         for n in hits:
             rule_of.setdefault(n, rule)  # first match wins
 
-    shapes = trace_shapes(model, leaves, shape)
+    out_split: dict[str, Split] = {}
+    input_split: Split | None = None  # the layout the model input is sharded in: its first reader's
     splits: list[Split] = []
-    halos = []
-    for (name, m), (in_shape, _) in zip(leaves, shapes, strict=True):
+    halo_list = []
+    gathers: list[bool] = []
+    for i, node in enumerate(nodes):
+        in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
-        splittable = spatial_in and isinstance(m, WINDOW + POINTWISE)
-        if name in rule_of:
-            split = rule_of[name].split
-            if split != (1, 1, 1) and not splittable:
-                why = "its input is not N, C, D, H, W" if not spatial_in else "it is not a conv, pool, " \
-                      "BatchNorm3d or elementwise layer"
-                raise SpecError(f"layers[{rule_of[name].pattern!r}]: {name} ({type(m).__name__}) cannot "
+        role, entry = _role(node, in_shape)
+        producer = next((out_split.get(n) for n in node.inputs if n != INPUT), None)
+        if producer is None:
+            producer = (input_split or grid.spatial) if INPUT in node.inputs else REPLICATED
+        if node.name in rule_of:
+            split = rule_of[node.name].split
+            if split != REPLICATED and not (spatial_in and role not in ("dense", "unregistered")):
+                why = "its input is not N, C, D, H, W" if not spatial_in else \
+                    "it is not a conv, pool, norm, resampling or elementwise layer"
+                raise SpecError(f"layers[{rule_of[node.name].pattern!r}]: {node.name} ({node.kind}) cannot "
                                 f"be split spatially ({why}); use spatial: replicate for it")
-        elif isinstance(m, WINDOW) and spatial_in:
+        elif not spatial_in:
+            split = REPLICATED
+        elif role in ("window", "transposed", "resample"):
             split = grid.spatial
-        elif isinstance(m, POINTWISE) and spatial_in:
-            split = splits[-1] if splits else grid.spatial
+        elif role in ("pointwise", "reduce"):
+            split = producer
+        elif role == "unregistered" and producer != REPLICATED:
+            raise SpecError(f"{node.name} ({node.kind}): this layer type is not registered and its input is "
+                            f"split {list(producer)}: register it (hybridpar.nn.register, see the README) "
+                            f"so it can run split, or add a rule {{{node.name!r}: {{spatial: replicate}}}} "
+                            f"to run it whole after a gather")
         else:
-            split = (1, 1, 1)
+            split = REPLICATED
+        if INPUT in node.inputs and input_split is None:
+            input_split = split if spatial_in else REPLICATED
+        replicated_out = entry is not None and entry.replicated_output(node.module)
+        out_split[node.name] = REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)
-        halos.append(_halos(name, m, in_shape, split))
+        halo_list.append(halos(node.name, node.module, entry, in_shape, out_shape, split))
+        gathers.append(split == REPLICATED and spatial_in and producer != REPLICATED)
+    # a gather is flagged where the activation is split again after it (inside a split region)
+    split_later = [False] * len(nodes)
+    later = False
+    for i in range(len(nodes) - 1, -1, -1):
+        split_later[i] = later
+        later = later or splits[i] != REPLICATED
+    gathers = [g and s for g, s in zip(gathers, split_later, strict=True)]
 
-    flops, train_flops = layer_flop_costs(model, leaves, shape, shapes)
-    local_out = [_local(o, micro, s) for (_, o), s in zip(shapes, splits, strict=True)]
+    input_split = input_split or REPLICATED
+    local_out = [_local(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
     act = [BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
     if pipe.stages == "auto":
-        starts = auto_stages(train_flops, splits, act, grid.pipe)
+        sends = _cut_bytes(a.graph, act, micro, a.input_shape, input_split)
+        starts = auto_stages(a.train_flops, splits, act, grid.pipe, sends)
     else:
-        starts = _named_stages(pipe.stages, leaves, containers)  # count checked by ParallelSpec
-    stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(leaves))]
+        starts = _named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
+    stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
+
+    def redistributes(i: int) -> bool:
+        node = nodes[i]
+        if len(shapes[i][0]) != 5:
+            return False
+        srcs = [input_split if n == INPUT else out_split[n] for n in node.inputs]
+        return any(s != splits[i] for s in srcs)
 
     return [LayerPlan(
-        name=name, kind=type(m).__name__, stage=stage_of[i], split=splits[i],
-        rule=rule_of[name].pattern if name in rule_of else None,
+        name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],
+        rule=rule_of[node.name].pattern if node.name in rule_of else None,
         input_shape=shapes[i][0], output_shape=shapes[i][1],
         local_input_shape=_local(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
-        halo=halos[i], params=sum(p.numel() for p in m.parameters()), flops=flops[i],
-        activation_bytes=act[i], redistribute=i > 0 and splits[i] != splits[i - 1],
-        train_flops=train_flops[i])
-        for i, (name, m) in enumerate(leaves)]
+        halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
+        flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
+        train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i])
+        for i, node in enumerate(nodes)]
+
+
+def live_across(graph: ModelGraph) -> list[list[str]]:
+    """Per cut after node ``i``: the values a later stage still reads (the model input included), in
+    forward order. What a pipeline carries from one stage to the next."""
+    index = graph.index()
+    index[INPUT] = -1
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(graph.nodes):
+        for src in n.inputs:
+            last_use[src] = i
+    last_use[graph.output] = len(graph.nodes)
+    order = [INPUT, *(n.name for n in graph.nodes)]
+    return [[v for v in order if index[v] <= i < last_use.get(v, -2)] for i in range(len(graph.nodes))]
+
+
+def _cut_bytes(graph: ModelGraph, act: list[int], micro: int, input_shape: tuple[int, ...],
+               input_split: Split) -> list[int]:
+    """Bytes per micro-batch a stage ending after node ``i`` sends on (every live value, skips too)."""
+    index = graph.index()
+    in_bytes = BYTES_PER_ELEMENT * math.prod(_local(input_shape, micro, input_split))
+    return [sum(in_bytes if v == INPUT else act[index[v]] for v in live) for live in live_across(graph)]
+
+
+def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
+               world_size: int | None = None) -> list[LayerPlan]:
+    """Resolve ``spec`` for ``model`` on a global input of ``input_shape`` (N, C, D, H, W)."""
+    shape = tuple(input_shape)
+    if len(shape) != 5 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        raise SpecError(f"input shape must be 5 positive integers N, C, D, H, W (the global batch), got "
+                        f"{list(shape)}")
+    if world_size is not None:
+        spec = spec.resolve_grid(world_size)
+    elif not spec.grid.is_resolved:
+        raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
+    _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
+    return resolve(spec, analyse(model, shape))

@@ -1,0 +1,160 @@
+"""One pipeline stage of a model graph: its nodes run in forward order on this rank's shards.
+
+Why: a model with skip connections (a residual block, a U-Net's encoder features concatenated into
+its decoder) is not a chain of layers, and a pipeline cut through it is crossed by several tensors:
+the activation *and* every skip still to be read later (torchgpipe stashes and pops them;
+``torch.distributed.pipelining`` splits traced graphs). This module runs the nodes of one stage with
+their distributed counterparts, redistributes an input where its layout differs from the one its
+reader computes in (elementwise ops and channel concatenation need agreeing shards), frees each value
+after its last reader, and packs every value live across the stage's end into one flat tensor, so
+that the engine moves one message per micro-batch and direction whatever the graph (its gradient is
+one flat tensor too, and autograd follows the views).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from hybridpar.comm.redistribute import local_box
+from hybridpar.grid import ProcessGrid
+from hybridpar.nn.layout import Redistribute
+from hybridpar.spec.graph import INPUT, ModelGraph
+from hybridpar.spec.plan import LayerPlan, live_across
+
+Split = tuple[int, int, int]
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Place ``module`` at dotted ``path`` under ``root`` (creating empty parents), so that the stage's
+    state dict keys are the original model's."""
+    *parents, leaf = path.split(".")
+    node = root
+    for p in parents:
+        if not hasattr(node, p):
+            node.add_module(p, nn.Module())
+        node = getattr(node, p)
+    node.add_module(leaf, module)
+
+
+class _Ref:
+    """A node's value in an argument template."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _fill(template: Any, value: Callable[[_Ref], Any]) -> Any:
+    """``template`` with every :class:`_Ref` replaced by ``value(ref)`` (tuples, lists, dicts nested)."""
+    if isinstance(template, _Ref):
+        return value(template)
+    if isinstance(template, tuple | list):
+        return type(template)(_fill(t, value) for t in template)
+    if isinstance(template, dict):
+        return {k: _fill(v, value) for k, v in template.items()}
+    return template
+
+
+class StageGraph(nn.Module):
+    """The nodes ``plan[lo:hi]`` of ``graph`` as this rank runs them (see the module doc).
+
+    ``forward`` takes the model input (first stage) or the flat tensor the previous stage sent, and
+    returns the flat tensor of the values live after ``hi`` or, on the last stage, the model output.
+    """
+
+    def __init__(self, graph: ModelGraph, plan: Sequence[LayerPlan], lo: int, hi: int,
+                 input_shape: tuple[int, ...], input_split: Split, layout: Callable[[Split], ProcessGrid],
+                 to_dist: Callable[[str, LayerPlan], nn.Module]) -> None:
+        super().__init__()
+        self.graph, self.lo, self.hi = graph, lo, hi
+        self.n_nodes = len(graph.nodes)
+        self.nodes = graph.nodes[lo:hi]
+        self.records = list(plan[lo:hi])
+        self.layout = layout
+        live = live_across(graph)
+        self.recv = [INPUT] if lo == 0 else live[lo - 1]
+        self.send = [graph.output] if hi == len(graph.nodes) else live[hi - 1]
+        self.last = hi == self.n_nodes
+        self.value_split: dict[str, Split] = {INPUT: input_split}
+        self.value_shape: dict[str, tuple[int, ...]] = {INPUT: tuple(input_shape)}
+        for r in plan:
+            self.value_split[r.name] = r.output_split
+            self.value_shape[r.name] = tuple(r.output_shape)
+        # Calls with their arguments' nodes replaced by names: no reference to the traced graph (and
+        # through it to every stage's weights) is kept.
+        name_of = {n.fx_node: n.name for n in graph.nodes}
+        name_of.update({n: INPUT for n in graph.gm.graph.nodes if n.op == "placeholder"})
+        ref = lambda a: _Ref(name_of[a])  # noqa: E731
+        self.calls = [(n.name, n.op, n.target, n.inputs, fx.node.map_arg(n.fx_node.args, ref),
+                       fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
+        for node, rec in zip(self.nodes, self.records, strict=True):
+            if node.module is not None:
+                _set_submodule(self, node.name, to_dist(node.name, rec))
+        del self.nodes, self.graph
+        self._redistributes: dict[tuple, Redistribute] = {}
+        # the last reader of every value within this stage (values sent on are never freed here)
+        self.last_use: dict[str, int] = {}
+        for i, call in enumerate(self.calls):
+            for src in call[3]:
+                self.last_use[src] = i
+
+    # ------------------------------------------------------------------ packing
+    def local_shape(self, name: str, batch: int) -> tuple[int, ...]:
+        """This rank's shape of value ``name`` for a micro-batch of ``batch`` samples."""
+        shape = self.value_shape[name]
+        if len(shape) != 5 or self.value_split[name] == (1, 1, 1):
+            return (batch, *shape[1:])
+        box = local_box(tuple(shape[2:]), self.layout(self.value_split[name]))  # type: ignore[arg-type]
+        return (batch, shape[1], *(b - a for a, b in box))
+
+    def recv_numel(self, batch: int) -> int:
+        """Elements of the flat tensor this stage receives for a micro-batch of ``batch`` samples."""
+        return sum(math.prod(self.local_shape(n, batch)) for n in self.recv)
+
+    def _unpack(self, flat: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
+        shapes = [self.local_shape(n, batch) for n in self.recv]
+        pieces = flat.split([math.prod(s) for s in shapes])
+        return {n: p.view(s) for n, p, s in zip(self.recv, pieces, shapes, strict=True)}
+
+    # ------------------------------------------------------------------ running
+    def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...]) -> Any:
+        """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
+        if not isinstance(value, torch.Tensor) or value.dim() != 5 or src == dst:
+            return value
+        key = (src, dst, shape)
+        if key not in self._redistributes:
+            self._redistributes[key] = Redistribute(self.layout(src), self.layout(dst), shape[2:])
+        return self._redistributes[key](value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lo == 0:
+            env: dict[str, Any] = {INPUT: x}
+        else:
+            env = self._unpack(x.reshape(-1), x.numel() // self.recv_numel(1))
+        for i, ((name, op, target, inputs, args_t, kwargs_t), rec) in enumerate(
+                zip(self.calls, self.records, strict=True)):
+            def arg(ref: _Ref, rec: LayerPlan = rec) -> Any:
+                return self._convert(env[ref.name], self.value_split[ref.name], rec.split,
+                                     self.value_shape[ref.name])
+
+            args, kwargs = _fill(args_t, arg), _fill(kwargs_t, arg)
+            if op == "module":
+                out = self.get_submodule(name)(*args, **kwargs)
+            elif op == "method":
+                out = getattr(args[0], target)(*args[1:], **kwargs)
+            else:
+                out = target(*args, **kwargs)
+            env[name] = out
+            for src in set(inputs):
+                if self.last_use.get(src) == i and src not in self.send:
+                    env.pop(src, None)
+        if self.last:
+            return env[self.send[0]]
+        return torch.cat([env[n].reshape(-1) for n in self.send])

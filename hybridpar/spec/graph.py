@@ -1,0 +1,204 @@
+"""A model as a graph of layers: traced once by ``torch.fx``, in forward order, with each node's inputs.
+
+Why: the planner and the engine must see skip connections (``x + f(x)``, ``torch.cat([skip, up], 1)``)
+to split encoder-decoder networks and residual blocks, not only chains of children. ``torch.fx`` gives
+the data flow of any forward without data-dependent control flow; a ``nn.Sequential`` traces to the
+chain of its leaves, so sequences are the simplest graphs and need nothing else.
+
+Which modules are nodes (run as one layer) and which are traced into:
+
+* a module with an entry in :mod:`hybridpar.nn.registry` (every torch layer the library knows, and the
+  user's registered layers) is a node;
+* a module without children, or one that holds parameters or buffers of its own, is a node (it runs
+  whole, replicated, unless registered);
+* containers (``nn.Sequential``, and custom modules made of children: residual blocks, U-Net levels)
+  are traced into; one whose forward cannot be traced runs whole as one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from hybridpar.nn import registry
+from hybridpar.spec.config import SpecError
+
+INPUT = "(input)"
+SUPPORTED = ("supported: a forward that torch.fx can trace (no branches or loops on tensor values), one "
+             "tensor in and one tensor out; modules whose forward cannot be traced run whole as one layer")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One call in forward order: a module (``op == "module"``, ``name`` its qualified name) or a
+    function or tensor method (``name`` the fx node's name). ``inputs`` names the producers of its tensor
+    arguments in argument order (:data:`INPUT` for the model input)."""
+
+    name: str
+    op: str
+    target: Any
+    module: nn.Module | None
+    inputs: tuple[str, ...]
+    fx_node: fx.Node
+
+    @property
+    def kind(self) -> str:
+        """Type name for tables: the module's class, or the function's name."""
+        if self.module is not None:
+            return type(self.module).__name__
+        if isinstance(self.target, str):
+            return self.target
+        return getattr(self.target, "__name__", str(self.target))
+
+
+@dataclass
+class ModelGraph:
+    """The traced model: ``nodes`` in forward order, the fx graph module they come from (sharing the
+    model's submodules), the node whose value the model returns, and the first node of each container."""
+
+    gm: fx.GraphModule
+    nodes: list[Node]
+    output: str
+    containers: dict[str, int]
+
+    @property
+    def chain(self) -> bool:
+        """Whether every node consumes exactly the previous node's output (a sequence)."""
+        prev = INPUT
+        for n in self.nodes:
+            if n.inputs != (prev,):
+                return False
+            prev = n.name
+        return self.output == prev
+
+    def index(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer with the node rule of the module doc; remembers where tracing was when it failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self._traceable: dict[int, bool] = {}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict):
+            return False
+        if registry.lookup(m) is not None or not any(True for _ in m.children()):
+            return True
+        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+            return True
+        if type(m).__module__.startswith("torch.nn"):
+            return super().is_leaf_module(m, qualname)
+        if id(m) not in self._traceable:
+            try:
+                _Tracer().trace(m)
+                self._traceable[id(m)] = True
+            except Exception:  # a forward fx cannot trace: the module runs whole
+                self._traceable[id(m)] = False
+        return not self._traceable[id(m)]
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self.stack.pop()
+
+
+def trace(model: nn.Module) -> ModelGraph:
+    """Trace ``model`` into a :class:`ModelGraph`; raises :class:`SpecError` naming where it failed."""
+    tracer = _Tracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as err:
+        where = tracer.stack[-1] if tracer.stack else "the model's own forward"
+        raise SpecError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
+                        f"{type(err).__name__}: {err}; {SUPPORTED}") from None
+    gm = fx.GraphModule(model, graph)
+    nodes: list[Node] = []
+    produced: dict[fx.Node, str] = {}
+    seen_modules: set[str] = set()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise SpecError(f"model ({type(model).__name__}): forward takes {len(placeholders)} inputs; "
+                        f"{SUPPORTED}")
+    produced[placeholders[0]] = INPUT
+    output = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "get_attr":
+            raise SpecError(f"model: node {n.name} reads {n.target} directly in a forward that is traced; "
+                            f"keep parameters inside the modules that use them; {SUPPORTED}")
+        if n.op == "output":
+            out = n.args[0]
+            if not isinstance(out, fx.Node):
+                raise SpecError(f"model ({type(model).__name__}): forward returns {type(out).__name__}; "
+                                f"{SUPPORTED}")
+            output = produced[out]
+            continue
+        inputs = tuple(produced[a] for a in n.all_input_nodes if a in produced)
+        if n.op == "call_module":
+            name, module = str(n.target), gm.get_submodule(str(n.target))
+            if name in seen_modules:
+                raise SpecError(f"model: module {name} is called more than once in forward; a layer "
+                                f"called twice shares its weights, which a split or a pipeline cut "
+                                f"cannot follow: use two modules")
+            seen_modules.add(name)
+            nodes.append(Node(name, "module", name, module, inputs, n))
+        else:
+            op = "method" if n.op == "call_method" else "function"
+            nodes.append(Node(n.name, op, n.target, None, inputs, n))
+        produced[n] = nodes[-1].name
+    if not nodes:
+        raise SpecError("model: the model has no layers")
+    containers: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if node.op != "module":
+            continue
+        parts = node.name.split(".")
+        for k in range(1, len(parts)):
+            containers.setdefault(".".join(parts[:k]), i)
+    return ModelGraph(gm, nodes, output or nodes[-1].name, containers)
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, names: dict[fx.Node, str]) -> None:
+        super().__init__(gm)
+        self.names, self.values, self.current = names, {}, INPUT
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = self.names.get(n, n.name)
+        out = super().run_node(n)
+        self.values[self.current] = out
+        return out
+
+
+def trace_values(graph: ModelGraph, input_shape: tuple[int, ...]) -> dict[str, Any]:
+    """Every node's output on the meta device for a global input of ``input_shape``: tensors (meta,
+    shapes only) and the non-tensor values computed from them. Nothing is allocated or copied."""
+    gm = graph.gm
+    state = {k: torch.empty_like(v, device="meta") for k, v in [*gm.named_parameters(), *gm.named_buffers()]}
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    names = {n.fx_node: n.name for n in graph.nodes}
+    names.update({n: INPUT for n in gm.graph.nodes if n.op == "placeholder"})
+    rec = _Recorder(gm, names)
+    x = torch.empty(input_shape, device="meta", dtype=dtype)
+    gm.forward = rec.run  # type: ignore[method-assign] (functional_call swaps the meta state in)
+    try:
+        torch.func.functional_call(gm, state, (x,))
+    except SpecError:
+        raise
+    except Exception as err:  # the user's model failed on this shape: say where
+        raise SpecError(f"the model does not run on input shape {list(input_shape)}: at layer "
+                        f"{rec.current}: {type(err).__name__}: {err}") from err
+    finally:
+        del gm.forward
+    return rec.values

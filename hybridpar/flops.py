@@ -49,38 +49,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridpar.geometry import HaloPlan, same_padding, shard_range, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, shard_range, transposed_plans, window_plans
+from hybridpar.nn import registry
 
 __all__ = ["FlopCount", "LayerFlops", "RankFlops", "ShardedFlops", "ShardedLayer", "count", "count_sharded"]
 
-_ACTIVATIONS = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus, nn.Softsign,
-    nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Softmax, nn.LogSoftmax, nn.Hardshrink, nn.Softshrink,
-    nn.GLU,
-)
-_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm)
-_SHAPE_ONLY = (nn.Flatten, nn.Unflatten, nn.Identity)
-_WINDOW_POOLS = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
-_ADAPTIVE_POOLS = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
-_SUPPORTED = (nn.modules.conv._ConvNd, nn.Linear, *_WINDOW_POOLS, *_ADAPTIVE_POOLS, *_NORMS, *_ACTIVATIONS,
-              *_SHAPE_ONLY, nn.modules.dropout._DropoutNd)
-_POOL_DIMS = {"1d": 1, "2d": 2, "3d": 3}  # by class name suffix: unbatched inputs lack the N dim
-_NORM_FLOPS = 4  # nominal per element and direction: statistics, normalise, scale, shift
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Window hyperparameters per spatial dim, kept so that work and halos can be split per rank."""
-
-    kind: str  # "conv", "conv_transposed", "window" (pooling), "pointwise", "adaptive"
-    kernel: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    pad_lo: tuple[int, ...] = ()
-    pad_hi: tuple[int, ...] = ()
-    dilation: tuple[int, ...] = ()
-    output_padding: tuple[int, ...] = ()
-    ceil_mode: bool = False
+_Geometry = registry.LayerGeometry  # window hyperparameters per spatial dim (kept per record)
 
 
 @dataclass
@@ -191,11 +165,12 @@ class FlopCount:
 
 
 def _counterpart(module: nn.Module) -> nn.Module | None:
-    """The torch module whose hyperparameters define ``module``'s work, or None if unsupported."""
-    if isinstance(module, _SUPPORTED):
+    """The module whose hyperparameters define ``module``'s work (it, or its ``local_module``), or None
+    if no registry entry knows either."""
+    if registry.lookup(module) is not None:
         return module
     local = getattr(module, "local_module", None)
-    return local if isinstance(local, _SUPPORTED) else None
+    return local if local is not None and registry.lookup(local) is not None else None
 
 
 def _select(model: nn.Module) -> tuple[dict[nn.Module, str], list[str]]:
@@ -249,81 +224,14 @@ def _first_tensor(value: object) -> torch.Tensor | None:
     return None
 
 
-def _ntuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-
-
-def _conv(m: nn.modules.conv._ConvNd, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, _Geometry]:
-    n = len(m.kernel_size)
-    batch = math.prod(x.shape[:-(n + 1)])
-    spatial = x.shape[-n:] if m.transposed else y.shape[-n:]
-    fwd = 2 * batch * math.prod(spatial) * math.prod(m.weight.shape)
-    if isinstance(m.padding, str):
-        pads = [same_padding(k, d) if m.padding == "same" else (0, 0)
-                for k, d in zip(m.kernel_size, m.dilation, strict=True)]
-    else:
-        pads = [(p, p) for p in m.padding]
-    geom = _Geometry("conv_transposed" if m.transposed else "conv", tuple(m.kernel_size), tuple(m.stride),
-                     tuple(p[0] for p in pads), tuple(p[1] for p in pads), tuple(m.dilation),
-                     tuple(m.output_padding) if m.transposed else ())
-    bias = m.bias is not None
-    work = {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
-            "weight_grad": fwd if m.weight.requires_grad else 0,
-            "forward_other": y.numel() if bias else 0,
-            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}
-    return work, geom
-
-
-def _linear(m: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> dict:
-    fwd = 2 * (x.numel() // m.in_features) * m.in_features * m.out_features
-    bias = m.bias is not None
-    return {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
-            "weight_grad": fwd if m.weight.requires_grad else 0,
-            "forward_other": y.numel() if bias else 0,
-            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}
-
-
-def _pool(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, _Geometry]:
-    n = _POOL_DIMS.get(type(m).__name__[-2:], x.dim() - 2)
-    kernel = _ntuple(m.kernel_size, n)
-    stride = _ntuple(m.stride if m.stride else m.kernel_size, n)
-    pad = _ntuple(m.padding, n)
-    dilation = _ntuple(getattr(m, "dilation", 1), n)
-    taps = math.prod(kernel)
-    geom = _Geometry("window", kernel, stride, pad, pad, dilation, (), bool(m.ceil_mode))
-    is_max = isinstance(m, nn.modules.pooling._MaxPoolNd)
-    back = (x.numel() if is_max else y.numel() * taps) if x.requires_grad else 0
-    return {"forward_other": y.numel() * taps, "backward_other": back}, geom
-
-
 def _layer(name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LayerFlops:
     """The record of one call, dispatching on the torch counterpart of ``module``."""
     m = _counterpart(module)
     work: dict[str, int] = {}
     geom: _Geometry | None = None
+    if m is not None:
+        work, geom = registry.lookup(m).flops(m, x, y)
     needs_grad = x.requires_grad
-    has_trainable = any(p.requires_grad for p in module.parameters())
-    if isinstance(m, nn.modules.conv._ConvNd):
-        work, geom = _conv(m, x, y)
-    elif isinstance(m, nn.Linear):
-        work = _linear(m, x, y)
-    elif isinstance(m, _WINDOW_POOLS):
-        work, geom = _pool(m, x, y)
-    elif isinstance(m, _ADAPTIVE_POOLS):
-        work = {"forward_other": x.numel(), "backward_other": x.numel() if needs_grad else 0}
-        geom = _Geometry("adaptive")
-    elif isinstance(m, _NORMS):
-        back = _NORM_FLOPS * x.numel() if (needs_grad or has_trainable) else 0
-        work = {"forward_other": _NORM_FLOPS * x.numel(), "backward_other": back}
-        geom = _Geometry("pointwise")
-    elif isinstance(m, _ACTIVATIONS) or (isinstance(m, nn.modules.dropout._DropoutNd) and m.training):
-        back = y.numel() if (needs_grad or has_trainable) else 0
-        work = {"forward_other": y.numel(), "backward_other": back}
-        geom = _Geometry("pointwise")
-    elif isinstance(m, nn.modules.dropout._DropoutNd):
-        geom = _Geometry("pointwise")
-    if geom is not None and geom.kind in ("pointwise", "adaptive") and x.dim() <= 2:
-        geom = None  # (N, C) tensors have no spatial dims to split
     return LayerFlops(
         name=name, type=type(module).__name__, input_shape=tuple(x.shape), output_shape=tuple(y.shape),
         forward=work.get("forward", 0), input_grad=work.get("input_grad", 0),

@@ -68,7 +68,6 @@ launch latency beyond a constant per op), I/O, and overlap of halo exchange with
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import itertools
 import json
@@ -88,6 +87,7 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar import geometry
+from hybridpar.nn import registry
 from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.spec import plan as _plan
 from hybridpar.spec.config import ParallelSpec, SpecError, Split
@@ -548,20 +548,11 @@ def local_machine(compute: Compute, link: Link, contention: float = 1.0, step_ov
 # The workload: a model and a global input, analysed once
 
 
-_CONV = (nn.modules.conv._ConvNd,)
-_POOL = (*flop_count._WINDOW_POOLS, *flop_count._ADAPTIVE_POOLS)
-_POINTWISE = (*flop_count._ACTIVATIONS, nn.modules.dropout._DropoutNd, *flop_count._NORMS)
-
-
-def _op_class(m: nn.Module, fwd_flops: int) -> str:
-    if isinstance(m, _CONV):
-        return "conv"
-    if isinstance(m, nn.Linear):
-        return "linear"
-    if isinstance(m, _POOL):
-        return "pool"
-    if isinstance(m, _POINTWISE):
-        return "norm" if isinstance(m, flop_count._NORMS) else "pointwise"
+def _op_class(m: nn.Module | None, fwd_flops: int) -> str:
+    """The kernel class a layer is timed as (its registry entry's ``op``)."""
+    entry = registry.lookup(m) if m is not None else None
+    if entry is not None:
+        return entry.op
     return "conv" if fwd_flops else "free"
 
 
@@ -578,34 +569,18 @@ class _Leaf:
     window: bool       # a conv/pool whose halos the plan computes
 
 
-def _quick_halos(name: str, m: nn.Module, in_shape: tuple[int, ...],
-                 split: Split) -> tuple[tuple[int, int], ...]:
-    """:func:`hybridpar.spec.plan._halos` without its search for what would fit (which costs
-    O(extent^2) per call, ~1 s a layer at 512^3): a planner only needs to know that a split fails,
-    so the message is shorter; :meth:`ParallelSpec.plan` gives the full one."""
-    halo = []
-    for i, parts in enumerate(split):
-        if parts == 1:
-            halo.append((0, 0))
-            continue
-        extent = in_shape[2 + i]
-        try:
-            if isinstance(m, _plan.WINDOW):
-                args = _plan._window_args(m)[i]
-                if isinstance(m, nn.ConvTranspose3d):
-                    plans, _ = geometry.transposed_plans(extent, parts, layer="", dim="", **args)
-                else:
-                    plans = geometry.window_plans(extent, parts, layer="", dim="", **args)
-                halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
-            elif extent < parts:
-                raise geometry.HaloError("")
-            else:
-                halo.append((0, 0))
-        except geometry.HaloError:
-            size = "x".join(map(str, in_shape[2:]))
-            raise SpecError(f"layers: {name} ({type(m).__name__}) cannot run split {list(split)} on its "
-                            f"input of {size} voxels (spec.plan says what would fit)") from None
-    return tuple(halo)
+def _quick_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None, in_shape: tuple[int, ...],
+                 out_shape: tuple[int, ...], split: Split) -> tuple[tuple[int, int], ...]:
+    """The plan's halos without geometry's search for what would fit (which costs O(extent^2) per
+    call, ~1 s a layer at 512^3): a planner only needs to know that a split fails, so the message is
+    shorter; :meth:`ParallelSpec.plan` gives the full one."""
+    try:
+        return _plan._halos("", m, entry, in_shape, out_shape, split)
+    except SpecError:
+        size = "x".join(map(str, in_shape[2:]))
+        kind = type(m).__name__ if m is not None else "function"
+        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
+                        f"voxels (spec.plan says what would fit)") from None
 
 
 class Workload:
@@ -621,17 +596,23 @@ class Workload:
         if len(shape) != 5:
             raise SpecError(f"input shape must be N, C, D, H, W, got {list(shape)}")
         self.model, self.input_shape = model, shape
-        self.leaves, self.containers = _plan.sequential_layers(model)
-        self.shapes = _plan.trace_shapes(model, self.leaves, shape)
-        self.count = flop_count.count(model, shape)
+        self.analysis = _plan.analyse(model, shape)
+        self.leaves, self.containers = self.analysis.leaves, self.analysis.containers
+        self.shapes = self.analysis.shapes
+        self.count = self.analysis.count or flop_count.count(model, shape)
         sums = _plan.leaf_flop_sums(self.count, self.leaves)
-        self.layers = [
-            _Leaf(name, m, _op_class(m, s[0]), s[0], s[1], s[2], s[3], sum(p.numel() for p in m.parameters()),
-                  isinstance(m, _plan.WINDOW))
-            for (name, m), s in zip(self.leaves, sums)]
+        self.layers = []
+        for node, s in zip(self.analysis.graph.nodes, sums, strict=True):
+            m = node.module
+            entry = registry.lookup(m) if m is not None else None
+            op = _op_class(m, s[0]) if m is not None else \
+                ("pointwise" if registry.function_role(node.target) in ("pointwise", "concat") else "free")
+            self.layers.append(_Leaf(node.name, m, op, s[0], s[1], s[2], s[3],
+                                     sum(p.numel() for p in m.parameters()) if m is not None else 0,
+                                     entry is not None and entry.role in ("window", "transposed")))
         self.fwd_flops = [lf.forward for lf in self.layers]
         self.train_flops = [s[0] + s[1] + s[2] for s in sums]
-        self._halo_cache: dict[tuple[int, Split], Any] = {}
+        self._halo_cache: dict[tuple[str, Split], Any] = {}
 
     @property
     def batch(self) -> int:
@@ -646,13 +627,14 @@ class Workload:
     def params(self) -> int:
         return sum(lf.params for lf in self.layers)
 
-    def halos(self, i: int, split: Split) -> tuple[tuple[int, int], ...]:
-        """The plan's halo widths of layer ``i`` under ``split`` (memoised, errors included)."""
-        key = (i, split)
+    def _halos(self, name: str, m: nn.Module | None, entry: registry.LayerEntry | None,
+               in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+               split: Split) -> tuple[tuple[int, int], ...]:
+        """The plan's halo widths of node ``name`` under ``split`` (memoised, errors included)."""
+        key = (name, split)
         if key not in self._halo_cache:
-            name, m = self.leaves[i]
             try:
-                self._halo_cache[key] = _quick_halos(name, m, self.shapes[i][0], split)
+                self._halo_cache[key] = _quick_halos(name, m, entry, in_shape, out_shape, split)
             except SpecError as err:
                 self._halo_cache[key] = err
         found = self._halo_cache[key]
@@ -661,52 +643,9 @@ class Workload:
         return found
 
     def plan(self, spec: ParallelSpec, world_size: int | None = None) -> list[LayerPlan]:
-        """:func:`hybridpar.spec.plan.build_plan` on the cached shapes (same records, same errors)."""
-        if world_size is not None:
-            spec = spec.resolve_grid(world_size)
-        elif not spec.grid.is_resolved:
-            raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
-        grid, pipe = spec.grid, spec.pipeline
-        micro = _plan._batch(grid, pipe.microbatches, self.batch)
-        rule_of: dict[str, Any] = {}
-        for rule in spec.layers:
-            hits = [n for n, _ in self.leaves if fnmatch.fnmatchcase(n, rule.pattern)]
-            if not hits:
-                raise SpecError(f"layers[{rule.pattern!r}]: the glob matches no layer")
-            for n in hits:
-                rule_of.setdefault(n, rule)
-        splits: list[Split] = []
-        halos = []
-        for i, ((name, m), (in_shape, _)) in enumerate(zip(self.leaves, self.shapes)):
-            spatial_in = len(in_shape) == 5
-            if name in rule_of:
-                split = rule_of[name].split
-                if split != REPLICATED and not (spatial_in and isinstance(m, _plan.WINDOW + _plan.POINTWISE)):
-                    raise SpecError(f"layers[{rule_of[name].pattern!r}]: {name} cannot be split spatially")
-            elif isinstance(m, _plan.WINDOW) and spatial_in:
-                split = grid.spatial
-            elif isinstance(m, _plan.POINTWISE) and spatial_in:
-                split = splits[-1] if splits else grid.spatial
-            else:
-                split = REPLICATED
-            splits.append(split)
-            halos.append(self.halos(i, split))
-        local_out = [_plan._local(o, micro, s) for (_, o), s in zip(self.shapes, splits)]
-        act = [_plan.BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
-        if pipe.stages == "auto":
-            starts = _plan.auto_stages(self.train_flops, splits, act, grid.pipe)
-        else:
-            starts = _plan._named_stages(pipe.stages, self.leaves, self.containers)
-        stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(self.leaves))]
-        return [LayerPlan(
-            name=name, kind=type(m).__name__, stage=stage_of[i], split=splits[i],
-            rule=rule_of[name].pattern if name in rule_of else None,
-            input_shape=self.shapes[i][0], output_shape=self.shapes[i][1],
-            local_input_shape=_plan._local(self.shapes[i][0], micro, splits[i]),
-            local_output_shape=local_out[i],
-            halo=halos[i], params=self.layers[i].params, flops=self.fwd_flops[i], activation_bytes=act[i],
-            redistribute=i > 0 and splits[i] != splits[i - 1], train_flops=self.train_flops[i])
-            for i, (name, m) in enumerate(self.leaves)]
+        """:func:`hybridpar.spec.plan.build_plan` on the cached analysis (same records; halo errors
+        are terser)."""
+        return _plan.resolve(spec, self.analysis, world_size, halos=self._halos)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -718,7 +657,7 @@ def _signature(m: nn.Module) -> str:
     if isinstance(m, nn.modules.conv._ConvNd):
         return (f"{type(m).__name__}({m.in_channels},{m.out_channels},k{m.kernel_size},s{m.stride},"
                 f"d{m.dilation},g{m.groups},b{int(m.bias is not None)})")
-    if isinstance(m, flop_count._WINDOW_POOLS):
+    if isinstance(m, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
         return f"{type(m).__name__}(k{m.kernel_size},s{m.stride},d{getattr(m, 'dilation', 1)})"
     if isinstance(m, nn.Linear):
         return f"Linear({m.in_features},{m.out_features},b{int(m.bias is not None)})"
@@ -731,8 +670,9 @@ def kernel_shape(m: nn.Module, rec: LayerPlan) -> tuple[int, ...]:
     Window layers run unpadded on their halo- and padding-extended shard (as the distributed layers
     do): per dim ``(out - 1) * stride + dilation * (kernel - 1) + 1``; other layers on their shard.
     """
-    if isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)) and len(rec.local_output_shape) == 5:
-        args = _plan._window_args(m)
+    entry = registry.lookup(m) if m is not None else None
+    if entry is not None and entry.role == "window" and len(rec.local_output_shape) == 5:
+        args = entry.window_args(m)
         out = rec.local_output_shape[2:]
         ext = tuple((o - 1) * a["stride"] + a["dilation"] * (a["kernel"] - 1) + 1 for o, a in zip(out, args))
         return (rec.local_input_shape[0], rec.local_input_shape[1], *ext)
@@ -757,8 +697,9 @@ def _runnable(m: nn.Module, shape: Sequence[int],
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    if isinstance(m, _plan.WINDOW) and len(shape) == 5:
-        pads = [(a["pad_lo"], a["pad_hi"]) if "pad_lo" in a else (0, 0) for a in _plan._window_args(m)]
+    entry = registry.lookup(m)
+    if entry is not None and entry.role in ("window", "transposed") and len(shape) == 5:
+        pads = [(a["pad_lo"], a["pad_hi"]) if "pad_lo" in a else (0, 0) for a in entry.window_args(m)]
         if wrap is None:
             wrap = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
         if wrap and isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)):
@@ -1174,22 +1115,23 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
             nbytes = e * (ext_n + out_n + w)
             fwd = cost_f.time(f_fwd, nbytes)
             bwd = cost_b.time(f_i + f_w, nbytes * (2 if f_i else 1))
-            saved = e * (ext_n if hb else 0) + e * out_n
         elif leaf.op == "pool":
             fwd = c.pool.time(leaf.other * frac, e * (ext_n + out_n))
             bwd = c.pool.time(0.0, e * (ext_n + 2 * out_n)) if needs_igrad else 0.0
-            saved = e * out_n + (8 * out_n if isinstance(leaf.module, nn.MaxPool3d) else 0) + \
-                (e * ext_n if hb else 0)
         elif leaf.op in ("pointwise", "norm"):
             k = 4 if leaf.op == "norm" else 1
             fwd = c.pointwise.time(0.0, k * 2 * e * in_n)
             bwd = c.pointwise.time(0.0, k * 3 * e * in_n) if needs_igrad else 0.0
+        entry = registry.lookup(leaf.module) if leaf.module is not None else None
+        if entry is not None:
+            saved = entry.saved_bytes(leaf.module, e, out_n, ext_n if hb else 0)
+        elif leaf.op != "free":
             saved = e * out_n
         key = layer_key(leaf.module, kernel_shape(leaf.module, rec), needs_igrad) \
-            if machine.measured and leaf.op != "free" else None
+            if machine.measured and leaf.op != "free" and leaf.module is not None else None
         if key in machine.measured:
             fwd, bwd = machine.measured[key]  # includes assembling the extended input
-        elif leaf.window and (hb or any(a.get("pad_lo", 0) for a in _plan._window_args(leaf.module))):
+        elif leaf.window and (hb or any(a.get("pad_lo", 0) for a in entry.window_args(leaf.module))):
             fwd += c.pointwise.time(0.0, 2 * e * ext_n)   # assembling the extended input
             bwd += c.pointwise.time(0.0, 2 * e * ext_n) if needs_igrad else 0.0
         fwd *= slow

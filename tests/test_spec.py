@@ -271,17 +271,45 @@ class SeqWithForward(nn.Sequential):
         return super().forward(x) * 2
 
 
-def test_only_sequential_models_with_how_to_wrap():
-    """A custom forward may do anything: refuse it and say how to wrap, at the top or nested."""
+class Branchy(nn.Module):
+    """A forward with a branch on tensor values: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.a(x) if x.dim() == 5 else x
+
+
+def test_graphs_are_traced_and_untraceable_forwards_named():
+    """Any traceable forward is a graph of nodes with their inputs; a custom module made of children
+    is traced into; an untraceable forward at the top is an error naming it and saying what is
+    supported, nested it runs whole as one (replicated) layer."""
     spec = ParallelSpec()
+    plan = spec.plan(Custom(), (1, 1, 8, 8, 8))
+    assert [(r.name, r.kind, r.inputs) for r in plan] == [
+        ("a", "Conv3d", ("(input)",)), ("b", "ReLU", ("a",)), ("add", "add", ("b",))]
     nested = nn.Sequential(OrderedDict(body=SeqWithForward(nn.ReLU())))
-    for model, name in ((Custom(), "model (Custom)"), (SeqWithForward(nn.ReLU()), "model (SeqWithForward)"),
-                        (nested, "body (SeqWithForward)")):
-        raises([name, "only sequential models are supported", "nn.Sequential(OrderedDict(",
-                "nn.Sequential(model)"], spec.plan, model, (1, 1, 8, 8, 8))
-    # wrapped whole, a custom module is one replicated layer
-    plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Custom()), (1, 1, 8, 8, 8))
-    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Custom", (1, 1, 1))]
+    assert [(r.name, r.kind) for r in spec.plan(nested, (1, 1, 8, 8, 8))] == [("body.0", "ReLU"), ("mul", "mul")]
+    raises(["model (Branchy)", "torch.fx cannot trace", "supported:"], spec.plan, Branchy(), (1, 1, 8, 8, 8))
+    plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
+    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
+
+
+def test_unregistered_layer_in_a_split_region_is_an_error():
+    """A module nobody registered, reading a split activation, is never gathered silently."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Branchy2(), nn.Conv3d(2, 2, 3, padding=1))
+    raises(["1 (Branchy2)", "not registered", "hybridpar.nn.register", "spatial: replicate"],
+           spec_of({"spatial": [2, 1, 1]}).plan, model, (1, 1, 8, 8, 8))
+    plan = spec_of({"spatial": [2, 1, 1]}, layers={"1": {"spatial": "replicate"}}).plan(model, (1, 1, 8, 8, 8))
+    assert [r.gather for r in plan] == [False, True, False]
+
+
+class Branchy2(Branchy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv3d(2, 2, 3, padding=1)
 
 
 def test_rule_cannot_split_unsplittable_layer():

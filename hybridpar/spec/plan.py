@@ -370,6 +370,12 @@ def _role(node: Node, in_shape: tuple[int, ...]) -> tuple[str, registry.LayerEnt
     return role or "dense", None
 
 
+def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:
+    """Whether some input of ``node`` is already split (the model input counts once a layer split it)."""
+    return any((input_split or REPLICATED) != REPLICATED if n == INPUT else out_split[n] != REPLICATED
+               for n in node.inputs)
+
+
 def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
             halos: Callable[..., tuple[tuple[int, int], ...]] = _halos) -> list[LayerPlan]:
     """The plan of ``spec`` on an analysed model (see the module doc for the rules). ``halos`` computes
@@ -417,7 +423,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
             split = grid.spatial
         elif role in ("pointwise", "reduce"):
             split = producer
-        elif role == "unregistered" and producer != REPLICATED:
+        elif role == "unregistered" and _split_input(node, out_split, input_split):
             raise SpecError(f"{node.name} ({node.kind}): this layer type is not registered and its input is "
                             f"split {list(producer)}: register it (hybridpar.nn.register, see the README) "
                             f"so it can run split, or add a rule {{{node.name!r}: {{spatial: replicate}}}} "

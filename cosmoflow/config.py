@@ -41,6 +41,7 @@ class ModelConfig:
     batchnorm: bool = False
     global_pool: bool = False            # global average pooling before the dense head
     head_norm: bool = False              # BatchNorm1d on the pooled features
+    padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
 
 
 @dataclass
@@ -200,6 +201,9 @@ def validate(cfg: Config) -> None:
                         ("data.sample_size", cfg.data.sample_size)):
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")
+    if cfg.model.padding_mode not in ("zeros", "circular"):
+        raise ConfigError(f"model.padding_mode: {cfg.model.padding_mode!r} is not one of zeros, circular "
+                          f"(circular: periodic boxes, as the generator's universes are)")
     n = cfg.model.n_conv
     if cfg.data.sample_size % (2 ** n):
         fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]

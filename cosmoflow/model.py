@@ -78,16 +78,19 @@ def _init(model: nn.Module, how: Init, slope: float) -> None:
 def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: int, pool: str,
            dense: Sequence[int], n_outputs: int, dropout: float, batchnorm: bool, leaky_slope: float,
            output_scale: float, bn_momentum: float, global_pool: bool = False,
-           head_norm: bool = False) -> nn.Sequential:
+           head_norm: bool = False, padding_mode: str = "zeros") -> nn.Sequential:
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be odd so that padding k//2 is 'same', got {kernel_size}; "
                          "kernels that fit: 1, 3, 5, ...")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if padding_mode not in ("zeros", "circular"):
+        raise ValueError(f"padding_mode must be 'zeros' or 'circular' (a periodic box), got {padding_mode!r}")
     layers: list[nn.Module] = []
     c_in, extent = in_channels, input_size
     for c_out in channels:
-        layers.append(nn.Conv3d(c_in, c_out, kernel_size, padding=kernel_size // 2, bias=not batchnorm))
+        layers.append(nn.Conv3d(c_in, c_out, kernel_size, padding=kernel_size // 2, bias=not batchnorm,
+                                padding_mode=padding_mode))
         if batchnorm:
             layers.append(nn.BatchNorm3d(c_out, momentum=bn_momentum))
         layers.append(nn.LeakyReLU(leaky_slope))
@@ -118,12 +121,14 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 dense: Sequence[int] = (128, 64), n_outputs: int = 4, dropout: float = 0.5,
                 batchnorm: bool = False, leaky_slope: float = 0.3, output_scale: float = 1.2,
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
-                head_norm: bool = False) -> nn.Sequential:
+                head_norm: bool = False, padding_mode: str = "zeros") -> nn.Sequential:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
     channel, which generalises from far fewer samples) and ``head_norm`` standardises those summaries
-    across the batch; both are off in the reference model.
+    across the batch; both are off in the reference model. ``padding_mode="circular"`` pads each conv
+    periodically: the simulated universes are periodic boxes, so a voxel at a face has real neighbours
+    on the opposite face (split over ranks, the halos wrap around); the reference pads with zeros.
 
     ``input_size`` must be divisible by 2^n_conv (each max-pool halves it); a 64³ demo model is e.g.
     ``build_model(64, n_conv=4)`` or ``build_model(64, base_filters=8)``. With ``batchnorm`` the convs
@@ -140,7 +145,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                          f"max-pools halve it); input sizes that fit: {sizes}; n_conv that fit: {convs}")
     model = _build(input_size, in_channels, conv_channels(n_conv, base_filters, max_filters), kernel_size,
                    pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum,
-                   global_pool, head_norm)
+                   global_pool, head_norm, padding_mode)
     _init(model, init, leaky_slope)
     return model
 

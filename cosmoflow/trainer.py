@@ -145,7 +145,7 @@ def run(cfg: Config) -> dict[str, Any]:
     model = build_model(S, train_ds.sample_shape[0], cfg.model.n_conv, cfg.model.base_filters,
                         cfg.model.max_filters, dense=cfg.model.dense, dropout=cfg.model.dropout,
                         batchnorm=cfg.model.batchnorm, global_pool=cfg.model.global_pool,
-                        head_norm=cfg.model.head_norm)
+                        head_norm=cfg.model.head_norm, padding_mode=cfg.model.padding_mode)
     batch = cfg.train.batch_size
     spec = hp.ParallelSpec.from_dict(cfg.parallel)
     channels = train_ds.sample_shape[0]

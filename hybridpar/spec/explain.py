@@ -61,9 +61,17 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         "",
     ]
     rows = [COLUMNS]
+    by_name = {r.name: r for r in records}
     for i, r in enumerate(records):
+        previous = records[i - 1].name if i else "(input)"
+        if r.inputs and r.inputs != (previous,):  # a graph: say where the node's inputs come from
+            rows.append((f"  <- {', '.join(r.inputs)}",))
         if r.redistribute:
-            rows.append((f"  ~ redistribute {_split(records[i - 1].split)} -> {_split(r.split)}",))
+            srcs = sorted({_split(by_name[n].output_split) if n in by_name else "input" for n in r.inputs})
+            rows.append((f"  ~ redistribute {', '.join(srcs)} -> {_split(r.split)}",))
+        if r.gather:
+            rows.append(("  ! gathers a split activation inside a split region: every rank holds the whole "
+                         "volume here (register the layer to split it)",))
         rows.append((r.name, r.kind, str(r.stage), _split(r.split), "x".join(map(str, r.local_input_shape)),
                      _halo(r), _si(r.params), _si(r.flops), _bytes(r.activation_bytes)))
     widths = [max(len(row[c]) for row in rows if len(row) > 1) for c in range(len(COLUMNS))]

@@ -407,9 +407,9 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
         role, entry = _role(node, in_shape)
-        producer = next((out_split.get(n) for n in node.inputs if n != INPUT), None)
-        if producer is None:
-            producer = (input_split or grid.spatial) if INPUT in node.inputs else REPLICATED
+        # the layout an elementwise node keeps: its first split input's (shards must agree)
+        layouts = [(input_split or grid.spatial) if n == INPUT else out_split[n] for n in node.inputs]
+        producer = next((s for s in layouts if s != REPLICATED), REPLICATED)
         if node.name in rule_of:
             split = rule_of[node.name].split
             if split != REPLICATED and not (spatial_in and role not in ("dense", "unregistered")):
@@ -436,7 +436,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         out_split[node.name] = REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)
         halo_list.append(halos(node.name, node.module, entry, in_shape, out_shape, split))
-        gathers.append(split == REPLICATED and spatial_in and producer != REPLICATED)
+        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split))
     # a gather is flagged where the activation is split again after it (inside a split region)
     split_later = [False] * len(nodes)
     later = False

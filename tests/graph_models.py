@@ -1,0 +1,77 @@
+"""Small models with skip connections, shared by the graph tests and the U-Net benchmark.
+
+``UNet3d``: a 3-level encoder-decoder with skip concatenations, GroupNorm, trilinear upsampling and
+periodic (circular) padding, as a cosmological field reconstruction would use; ``ResNet3d``: residual
+blocks (``x + f(x)``) with BatchNorm and a strided conv, ending in a dense head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _conv_block(c_in: int, c_out: int, groups: int, padding_mode: str) -> nn.Sequential:
+    return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1, padding_mode=padding_mode),
+                         nn.GroupNorm(groups, c_out), nn.LeakyReLU(0.1))
+
+
+class UNet3d(nn.Module):
+    """Levels of ``width * 2**level`` channels; the input extent must divide by ``2**(levels - 1)``."""
+
+    def __init__(self, c_in: int = 1, c_out: int = 1, width: int = 4, levels: int = 3,
+                 padding_mode: str = "circular", groups: int = 2) -> None:
+        super().__init__()
+        chans = [width * 2**i for i in range(levels)]
+        self.enc = nn.ModuleList()
+        prev = c_in
+        for c in chans:
+            self.enc.append(_conv_block(prev, c, groups, padding_mode))
+            prev = c
+        self.pool = nn.ModuleList(nn.AvgPool3d(2) for _ in chans[1:])
+        self.up = nn.ModuleList(nn.Upsample(scale_factor=2, mode="trilinear", align_corners=False)
+                                for _ in chans[1:])
+        self.dec = nn.ModuleList(_conv_block(chans[i] + chans[i + 1], chans[i], groups, padding_mode)
+                                 for i in reversed(range(levels - 1)))
+        self.head = nn.Conv3d(chans[0], c_out, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for i, block in enumerate(self.enc):
+            if i:
+                x = self.pool[i - 1](x)
+            x = block(x)
+            skips.append(x)
+        skips.pop()
+        for up, block in zip(self.up, self.dec):
+            x = block(torch.cat([skips.pop(), up(x)], dim=1))
+        return self.head(x)
+
+
+class Residual(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv3d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm3d(c)
+        self.act = nn.ReLU()
+        self.conv2 = nn.Conv3d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x + self.conv2(self.act(self.bn(self.conv1(x)))))
+
+
+class ResNet3d(nn.Module):
+    """stem -> residual -> strided conv -> residual -> global pool -> linear."""
+
+    def __init__(self, c_in: int = 1, width: int = 4, outputs: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(c_in, width, 3, padding=1)
+        self.block1 = Residual(width)
+        self.down = nn.Conv3d(width, 2 * width, 3, stride=2, padding=1)
+        self.block2 = Residual(2 * width)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.head = nn.Linear(2 * width, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block2(self.down(self.block1(self.stem(x))))
+        return self.head(torch.flatten(self.pool(x), 1))

@@ -123,6 +123,7 @@ class LayerEntry:
 
 _REGISTRY: dict[type, LayerEntry] = {}
 _FUNCTIONS: dict[Any, str] = {}
+_AS_MODULE: dict[Any, Callable[..., nn.Module]] = {}
 
 
 def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to_dist: DistFn | None = None,
@@ -159,13 +160,28 @@ def registered_types() -> list[type]:
     return list(_REGISTRY)
 
 
-def register_function(fn: Any, role: str) -> None:
-    """Say how a function called in a model's forward (``torch.add``, ``operator.mul``) meets split
-    inputs: ``"pointwise"`` (elementwise: runs on shards whose layouts agree) or ``"dense"``."""
+def register_function(fn: Any, role: str = "module", *, as_module: Callable[..., nn.Module] | None = None
+                      ) -> None:
+    """Say how a function called in a model's forward meets split inputs: ``"pointwise"``
+    (elementwise, ``torch.add``, ``operator.mul``: runs on shards whose layouts agree), ``"concat"``
+    (``torch.cat``: pointwise along channels, dense along a spatial dim) or ``"dense"``; or give
+    ``as_module(*args, **kwargs)``, the module the call stands for (``F.interpolate`` is an
+    ``nn.Upsample``), which then runs as that module's registered layer, on the call's first argument.
+    """
+    if as_module is not None:
+        _AS_MODULE[fn] = as_module
+        return
     if role not in ("pointwise", "dense", "concat"):
         raise ValueError(f"hybridpar.nn.register_function: role must be pointwise, dense or concat, "
                          f"got {role!r}")
     _FUNCTIONS[fn] = role
+
+
+def function_module(fn: Any, args: tuple, kwargs: dict) -> nn.Module | None:
+    """The module a call of ``fn(*args, **kwargs)`` stands for, if registered (see
+    :func:`register_function`)."""
+    make = _AS_MODULE.get(fn)
+    return make(*args, **kwargs) if make is not None else None
 
 
 def function_role(fn: Any) -> str | None:
@@ -383,6 +399,22 @@ def _register_functions() -> None:
         register_function(fn, "pointwise")
     register_function(torch.cat, "concat")
     register_function(torch.concat, "concat")
+
+    def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                    recompute_scale_factor=None, antialias=False) -> nn.Module:
+        if recompute_scale_factor or antialias:
+            raise NotImplementedError("F.interpolate: recompute_scale_factor and antialias are not "
+                                      "supported on a split volume")
+        return nn.Upsample(size, scale_factor, mode, align_corners)
+
+    register_function(F.interpolate, as_module=interpolate)
+    register_function(F.upsample, as_module=interpolate)
+    register_function(F.adaptive_avg_pool3d,
+                      as_module=lambda x, output_size: nn.AdaptiveAvgPool3d(output_size))
+    register_function(F.adaptive_max_pool3d, as_module=lambda x, output_size, return_indices=False:
+                      nn.AdaptiveMaxPool3d(output_size, return_indices))
+    register_function(F.max_pool3d, as_module=lambda x, *a, **k: nn.MaxPool3d(*a, **k))
+    register_function(F.avg_pool3d, as_module=lambda x, *a, **k: nn.AvgPool3d(*a, **k))
 
 
 _register_builtins()

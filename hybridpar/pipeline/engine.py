@@ -179,9 +179,9 @@ class Engine:
         if self.grid.data * self.grid.stage_size > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
 
-    def _convert(self, name: str, lp: Any) -> nn.Module:
-        """The layer ``name`` of the model as this rank runs it under ``lp``'s split."""
-        m = to_distributed(self.model.get_submodule(name), self._layout(lp.split), self.overlap)
+    def _convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
+        """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split."""
+        m = to_distributed(module, self._layout(lp.split), self.overlap)
         if isinstance(m, SpatialLayer):
             m.global_input_shape = tuple(lp.input_shape[2:])
             m.layer_name = f"{type(m).__name__}({name})"
@@ -195,7 +195,7 @@ class Engine:
             if i > 0 and mine[i - 1].output_split != lp.split:
                 layers.append((None, Redistribute(self._layout(mine[i - 1].output_split),
                                                   self._layout(lp.split), tuple(lp.input_shape[2:]))))
-            layers.append((lp.name, self._convert(lp.name, lp)))
+            layers.append((lp.name, self._convert(lp.name, self.model.get_submodule(lp.name), lp)))
         following = [lp for lp in self.plan if lp.stage == stage + 1]
         out_split = mine[-1].output_split
         target = following[0].split if following else self.output_split

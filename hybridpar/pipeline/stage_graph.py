@@ -71,7 +71,7 @@ class StageGraph(nn.Module):
 
     def __init__(self, graph: ModelGraph, plan: Sequence[LayerPlan], lo: int, hi: int,
                  input_shape: tuple[int, ...], input_split: Split, layout: Callable[[Split], ProcessGrid],
-                 to_dist: Callable[[str, LayerPlan], nn.Module]) -> None:
+                 to_dist: Callable[[str, nn.Module, LayerPlan], nn.Module]) -> None:
         super().__init__()
         self.graph, self.lo, self.hi = graph, lo, hi
         self.n_nodes = len(graph.nodes)
@@ -94,9 +94,12 @@ class StageGraph(nn.Module):
         ref = lambda a: _Ref(name_of[a])  # noqa: E731
         self.calls = [(n.name, n.op, n.target, n.inputs, fx.node.map_arg(n.fx_node.args, ref),
                        fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
+        self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
-            if node.module is not None:
-                _set_submodule(self, node.name, to_dist(node.name, rec))
+            if node.op == "module":
+                _set_submodule(self, node.name, to_dist(node.name, node.module, rec))
+            elif node.module is not None:
+                self.stand_ins[node.name] = to_dist(node.name, node.module, rec)
         del self.nodes, self.graph
         self._redistributes: dict[tuple, Redistribute] = {}
         # the last reader of every value within this stage (values sent on are never freed here)
@@ -147,6 +150,8 @@ class StageGraph(nn.Module):
             args, kwargs = _fill(args_t, arg), _fill(kwargs_t, arg)
             if op == "module":
                 out = self.get_submodule(name)(*args, **kwargs)
+            elif name in self.stand_ins:
+                out = self.stand_ins[name](args[0])
             elif op == "method":
                 out = getattr(args[0], target)(*args[1:], **kwargs)
             else:

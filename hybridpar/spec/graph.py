@@ -48,7 +48,7 @@ class Node:
     @property
     def kind(self) -> str:
         """Type name for tables: the module's class, or the function's name."""
-        if self.module is not None:
+        if self.module is not None and self.op == "module":
             return type(self.module).__name__
         if isinstance(self.target, str):
             return self.target
@@ -155,7 +155,7 @@ def trace(model: nn.Module) -> ModelGraph:
             nodes.append(Node(name, "module", name, module, inputs, n))
         else:
             op = "method" if n.op == "call_method" else "function"
-            nodes.append(Node(n.name, op, n.target, None, inputs, n))
+            nodes.append(Node(n.name, op, n.target, _stand_in(n) if op == "function" else None, inputs, n))
         produced[n] = nodes[-1].name
     if not nodes:
         raise SpecError("model: the model has no layers")
@@ -167,6 +167,18 @@ def trace(model: nn.Module) -> ModelGraph:
         for k in range(1, len(parts)):
             containers.setdefault(".".join(parts[:k]), i)
     return ModelGraph(gm, nodes, output or nodes[-1].name, containers)
+
+
+def _stand_in(n: fx.Node) -> nn.Module | None:
+    """The module a function call stands for (``F.interpolate`` -> ``nn.Upsample``), or None."""
+    if n.all_input_nodes and any(isinstance(a, fx.Node) for a in n.args[1:]) or \
+            any(isinstance(v, fx.Node) for v in n.kwargs.values()):
+        return None  # arguments computed in the forward (a size from a shape): not a fixed layer
+    try:
+        return registry.function_module(n.target, tuple(n.args), dict(n.kwargs))
+    except (TypeError, ValueError) as err:
+        raise SpecError(f"{n.name}: {getattr(n.target, '__name__', n.target)}{tuple(n.args[1:])}: {err}") \
+            from None
 
 
 class _Recorder(fx.Interpreter):

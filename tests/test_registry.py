@@ -1,0 +1,123 @@
+"""The layer registry: every layer type the library converts has a complete entry (role, FLOPs,
+window arguments the geometry accepts, a Dist class with the torch layer's state-dict keys), every
+exported Dist class is reachable from an entry, and a layer a user registers works end to end:
+``explain`` shows it split with its halos, the FLOP counter counts it, and ``parallelize`` runs it on
+two ranks with the single-process numbers (float64)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distributed
+from layer_cases import Failures
+
+
+class Blur3d(nn.Module):
+    """A user's layer: a 3x3x3 box filter (no parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool3d(x, 3, 1, 1)
+
+
+def _register_blur() -> None:
+    import hybridpar as hp
+    from hybridpar.nn import registry
+
+    hp.nn.register(Blur3d, role="window", op="pool",
+                   to_dist=lambda m, grid, overlap=False: hp.nn.DistAvgPool3d(3, 1, 1, grid=grid),
+                   window_args=lambda m: [dict(kernel=3, stride=1, pad_lo=1, pad_hi=1, dilation=1,
+                                               ceil_mode=False)] * 3,
+                   flops=lambda m, x, y: ({"forward_other": 27 * y.numel()},
+                                          registry.LayerGeometry("window")))
+
+
+def _samples() -> list[nn.Module]:
+    """One instance of every torch 3D layer type hybridpar splits."""
+    return [nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular"),
+            nn.ConvTranspose3d(2, 2, 2, 2), nn.MaxPool3d(2), nn.AvgPool3d(3, 2, 1), nn.BatchNorm3d(2),
+            nn.AdaptiveAvgPool3d(1), nn.AdaptiveAvgPool3d(2), nn.AdaptiveMaxPool3d(2),
+            nn.Upsample(scale_factor=2, mode="trilinear"), nn.GroupNorm(1, 2),
+            nn.InstanceNorm3d(2, affine=True),
+            nn.ConstantPad3d(1, 0.5), nn.ReplicationPad3d(1), nn.CircularPad3d(1)]
+
+
+def _complete_entries(rank: int, world: int) -> None:
+    import hybridpar as hp
+    from hybridpar import geometry
+    from hybridpar.nn import registry
+    from hybridpar.pipeline.convert import to_distributed
+
+    fails = Failures()
+    grid = hp.ProcessGrid(spatial=(1, 1, 1))
+    built: set[type] = set()
+    for m in _samples():
+        entry = registry.lookup(m)
+        what = repr(m)
+        if entry is None or entry.to_dist is None:
+            fails.append(f"{what}: no entry with a Dist class")
+            continue
+        if entry.role not in registry.ROLES or entry.op not in registry.OPS:
+            fails.append(f"{what}: role {entry.role} / op {entry.op}")
+        x = torch.empty(2, 2, 8, 8, 8, device="meta")
+        y = m.to("meta")(x)
+        work, _ = entry.flops(m, x, y)
+        if not isinstance(work, dict):
+            fails.append(f"{what}: flops gives {type(work).__name__}")
+        if entry.role in ("window", "transposed"):
+            args = entry.window_args(m)
+            plans = geometry.transposed_plans if entry.role == "transposed" else geometry.window_plans
+            try:
+                plans(8, 2, **args[0])
+            except Exception as err:
+                fails.append(f"{what}: window_args {args[0]} refused by geometry: {err}")
+        entry.halo_widths(m, "x", (2, 2, 8, 8, 8), tuple(y.shape), (2, 1, 1))
+        d = to_distributed(m, grid)
+        built.add(type(d))
+        if list(d.state_dict()) != list(m.state_dict()):
+            fails.append(f"{what}: state dict keys {list(d.state_dict())} != {list(m.state_dict())}")
+    exported = {getattr(hp.nn, n) for n in hp.nn.__all__ if n.startswith("Dist")}
+    missing = {c.__name__ for c in exported} - {c.__name__ for c in built}
+    if missing:
+        fails.append(f"exported Dist classes no entry builds: {sorted(missing)}")
+    if registry.lookup(Blur3d) is not None:
+        fails.append("Blur3d registered before the user did")
+    fails.raise_if_any(rank)
+
+
+def test_every_converted_layer_has_a_complete_entry():
+    distributed.run(_complete_entries, 1, timeout=120)
+
+
+def _user_layer(rank: int, world: int) -> None:
+    import hybridpar as hp
+    from hybridpar.spec import explain
+
+    _register_blur()
+    fails = Failures()
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Blur3d(), nn.ReLU(), nn.Conv3d(2, 1, 3, padding=1))
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    table = explain(spec, model, (2, 1, 9, 8, 8))
+    row = next(line for line in table.splitlines() if line.startswith("1 "))
+    if "Blur3d" not in row or "2x1x1" not in row or "1/1" not in row:
+        fails.append(f"explain row of the user's layer: {row!r}")
+    counted = hp.flops.count(model, (2, 1, 9, 8, 8)).by_name()
+    if counted["1"].forward_other != 27 * 2 * 2 * 9 * 8 * 8:
+        fails.append(f"FLOPs of the user's layer: {counted['1'].forward_other}")
+    torch.manual_seed(1)
+    ref = model.double()
+    engine = hp.parallelize(nn.Sequential(*[m for m in ref]), spec, loss_fn=F.mse_loss)
+    x = torch.randn(2, 1, 9, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(2, 1, 9, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    loss = engine.train_step(*engine.shard_batch(x, y))
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    fails.check("user layer loss", loss.reshape(()), ref_loss.detach())
+    for name, p in engine.named_parameters():
+        fails.check(f"user layer model grad {name}", p.grad, ref.get_parameter(name).grad)
+    fails.raise_if_any(rank)
+
+
+def test_user_registered_layer_end_to_end():
+    distributed.run(_user_layer, 2, timeout=120)

@@ -49,26 +49,33 @@ class UNet3d(nn.Module):
 
 
 class Residual(nn.Module):
-    def __init__(self, c: int) -> None:
+    """``x + f(x)``; with ``gate``, ``f(x)`` is scaled per channel by a squeeze-and-excitation gate (a
+    whole-volume average, a 1x1x1 conv and a sigmoid: a replicated value multiplied into split ones)."""
+
+    def __init__(self, c: int, gate: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv3d(c, c, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm3d(c)
         self.act = nn.ReLU()
         self.conv2 = nn.Conv3d(c, c, 3, padding=1)
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(c, c, 1), nn.Sigmoid()) if gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(x + self.conv2(self.act(self.bn(self.conv1(x)))))
+        h = self.conv2(self.act(self.bn(self.conv1(x))))
+        if self.gate is not None:
+            h = h * self.gate(h)
+        return self.act(x + h)
 
 
 class ResNet3d(nn.Module):
-    """stem -> residual -> strided conv -> residual -> global pool -> linear."""
+    """stem -> residual -> strided conv -> gated residual -> global pool -> linear."""
 
     def __init__(self, c_in: int = 1, width: int = 4, outputs: int = 3) -> None:
         super().__init__()
         self.stem = nn.Conv3d(c_in, width, 3, padding=1)
         self.block1 = Residual(width)
         self.down = nn.Conv3d(width, 2 * width, 3, stride=2, padding=1)
-        self.block2 = Residual(2 * width)
+        self.block2 = Residual(2 * width, gate=True)
         self.pool = nn.AdaptiveAvgPool3d(1)
         self.head = nn.Linear(2 * width, outputs)
 

@@ -154,3 +154,30 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGr
         for p in bucket:
             p.grad.copy_(flat[off:off + p.grad.numel()].view_as(p.grad))
             off += p.grad.numel()
+
+
+class ReplicatedIntoShards(torch.autograd.Function):
+    """Identity on a replicated activation that every shard of a split computation reads (a pooled
+    gate multiplied into split features); backward sums the shards' partial gradients over ``group``.
+
+    Why always, unlike :class:`SyncGrads`: these are activation gradients, needed whole by the layers
+    before it within the same backward; only weight gradients may wait for the engine's reduction.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        _all_reduce([g], ctx.group)
+        return g, None
+
+
+def replicated_into_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` (replicated over ``group``) for use by split computations (see :class:`ReplicatedIntoShards`)."""
+    if group is None or dist.get_world_size(group) == 1 or not x.requires_grad:
+        return x
+    return ReplicatedIntoShards.apply(x, group)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from hybridpar.comm.redistribute import local_box
+from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
 from hybridpar.spec.graph import INPUT, ModelGraph
@@ -131,6 +132,11 @@ class StageGraph(nn.Module):
         """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
         if not isinstance(value, torch.Tensor) or value.dim() != 5 or src == dst:
             return value
+        if all(n == 1 for n in shape[2:]) and src == (1, 1, 1):
+            # one voxel, replicated (a pooled gate): it broadcasts against any shard as it is, and its
+            # gradient is the sum of the shards' parts
+            layout = self.layout(dst)
+            return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
         key = (src, dst, shape)
         if key not in self._redistributes:
             self._redistributes[key] = Redistribute(self.layout(src), self.layout(dst), shape[2:])

@@ -420,7 +420,10 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         elif not spatial_in:
             split = REPLICATED
         elif role in ("window", "transposed", "resample"):
-            split = grid.spatial
+            # split by the grid; a layer on an already replicated input too small to split (after a
+            # global pooling) stays replicated
+            small = any(in_shape[2 + k] < p for k, p in enumerate(grid.spatial))
+            split = REPLICATED if small and not _split_input(node, out_split, input_split) else grid.spatial
         elif role in ("pointwise", "reduce"):
             split = producer
         elif role == "unregistered" and _split_input(node, out_split, input_split):
@@ -455,12 +458,17 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         starts = _named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
     stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
 
+    index = a.graph.index()
+
     def redistributes(i: int) -> bool:
         node = nodes[i]
         if len(shapes[i][0]) != 5:
             return False
-        srcs = [input_split if n == INPUT else out_split[n] for n in node.inputs]
-        return any(s != splits[i] for s in srcs)
+        srcs = [(input_split, a.input_shape) if n == INPUT else (out_split[n], shapes[index[n]][1])
+                for n in node.inputs]
+        # a replicated one-voxel operand (a pooled gate) broadcasts against any shard as it is
+        return any(s != splits[i] and not (s == REPLICATED and all(e == 1 for e in shape[2:]))
+                   for s, shape in srcs)
 
     return [LayerPlan(
         name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],

@@ -7,13 +7,22 @@ converter, the planner, the FLOP counter and the performance model learn about a
 from hybridpar.nn import registry
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
-from hybridpar.nn.norm import DistBatchNorm3d
-from hybridpar.nn.pool import DistAvgPool3d, DistGlobalAvgPool3d, DistMaxPool3d
+from hybridpar.nn.norm import DistBatchNorm3d, DistGroupNorm, DistInstanceNorm3d
+from hybridpar.nn.pool import (
+    DistAdaptiveAvgPool3d,
+    DistAdaptiveMaxPool3d,
+    DistAvgPool3d,
+    DistGlobalAvgPool3d,
+    DistMaxPool3d,
+)
 from hybridpar.nn.registry import LayerEntry, lookup, register, register_function
 from hybridpar.nn.shapes import set_global_shapes
+from hybridpar.nn.upsample import DistUpsample, dist_interpolate
 
 __all__ = [
     "DistConv3d", "DistConvTranspose3d", "DistMaxPool3d", "DistAvgPool3d", "DistGlobalAvgPool3d",
     "DistBatchNorm3d", "Scatter", "Gather", "Redistribute", "set_global_shapes", "registry", "register",
     "register_function", "lookup", "LayerEntry",
+    "DistUpsample", "dist_interpolate", "DistGroupNorm", "DistInstanceNorm3d", "DistAdaptiveAvgPool3d",
+    "DistAdaptiveMaxPool3d",
 ]

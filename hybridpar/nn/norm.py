@@ -1,13 +1,16 @@
-"""Batch normalisation with statistics exact over the whole (split) volume.
+"""Batch, group and instance normalisation with statistics exact over the whole (split) volume.
 
 Why: per-shard statistics (what LBANN and MPI4DL do) change the model as the split changes. Here the
 mean and variance are reduced over the spatial group (optionally the data-parallel replicas too), in
 two passes for float32 accuracy, the running statistics are identical on every rank, and the backward
-pass reduces its two per-channel sums in one collective.
+pass reduces its two per-channel sums in one collective. GroupNorm and InstanceNorm3d keep statistics
+per sample (and group or channel), so only the spatial group takes part, never the data replicas.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from contextlib import AbstractContextManager
 
 import torch
@@ -44,25 +47,43 @@ class _SyncBatchNorm(torch.autograd.Function):
         var = _allreduce(centred.square().sum(dim=dims), group) / count
         invstd = torch.rsqrt(var + eps)
         xhat = centred * invstd.view(1, -1, 1, 1, 1)
-        y = xhat if weight is None else xhat * weight.view(1, -1, 1, 1, 1) + bias.view(1, -1, 1, 1, 1)
+        y = _affine(xhat, weight, bias)
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.meta = (group, count, data_replicas)
+        ctx.meta = (group, count, data_replicas, bias is not None)
+        ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx, gy, _gmean, _gvar):
         xhat, invstd, weight = ctx.saved_tensors
-        group, count, replicas = ctx.meta
+        group, count, replicas, has_bias = ctx.meta
         dims = (0, 2, 3, 4)
         sums = _allreduce(torch.stack([gy.sum(dim=dims), (gy * xhat).sum(dim=dims)]), group)
         g_bias, g_weight = sums[0], sums[1]
         scale = invstd if weight is None else invstd * weight
         gx = (gy - (g_bias / count).view(1, -1, 1, 1, 1) - xhat * (g_weight / count).view(1, -1, 1, 1, 1)) \
             * scale.view(1, -1, 1, 1, 1)
-        if weight is None:
-            return gx, None, None, None, None, None, None
         # Reduced over data replicas too: divide so the engine's average over replicas keeps the sum.
-        return gx, g_weight / replicas, g_bias / replicas, None, None, None, None
+        gw = g_weight / replicas if weight is not None else None
+        gb = g_bias / replicas if has_bias else None
+        return gx, gw, gb, None, None, None, None
+
+
+def _affine(xhat: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per-channel scale and shift of a normalised (N, C, ...) tensor (either may be absent)."""
+    shape = (1, -1) + (1,) * (xhat.dim() - 2)
+    y = xhat if weight is None else xhat * weight.view(shape)
+    return y if bias is None else y + bias.view(shape)
+
+
+def _bias_kwarg(torch_type: type, bias: bool, layer: str) -> dict:
+    """``bias=`` for a torch norm layer's constructor where this torch has it (torch >= 2.9)."""
+    if "bias" in inspect.signature(torch_type.__init__).parameters:
+        return {"bias": bias}
+    if not bias:
+        raise TypeError(f"{layer}: bias=False needs a torch whose {torch_type.__name__} accepts bias= "
+                        f"(2.9 or newer)")
+    return {}
 
 
 class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
@@ -70,14 +91,16 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
 
     ``stats="spatial"`` reduces over the ranks that split the volume (what one replica's BatchNorm3d
     computes on the whole volume); ``stats="stage"`` also over the data-parallel replicas (global-batch
-    statistics, like ``SyncBatchNorm``).
+    statistics, like ``SyncBatchNorm``). ``bias=False`` (torch >= 2.9) as in torch; an empty batch
+    gives an empty output and counts a batch without touching the running statistics, as torch does
+    (with ``stats="stage"`` every replica's batch must then be empty).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None, *,
-                 grid: ProcessGrid | None = None, stats: str = "spatial") -> None:
+                 bias: bool = True, grid: ProcessGrid | None = None, stats: str = "spatial") -> None:
         nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device,
-                                dtype)
+                                dtype, **_bias_kwarg(nn.BatchNorm3d, bias, "DistBatchNorm3d"))
         self._init_spatial(grid, None)
         if stats not in ("spatial", "stage"):
             raise ValueError(f"DistBatchNorm3d: stats must be 'spatial' or 'stage', got {stats!r}")
@@ -97,20 +120,151 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
             group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
             weight, bias = sync_grads(group, self.weight, self.bias)
             return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
+        if x.shape[0] == 0:  # torch: an empty output, running statistics kept, one more batch counted
+            self._count_batch()
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         group = self._group()
         replicas = self.grid.data if self.stats == "stage" else 1
         count = x.shape[0] * shape[0] * shape[1] * shape[2] * replicas
-        if count <= 1:
+        if count == 1:
             raise ValueError(f"{self.layer_name}: expected more than 1 value per channel when training, "
                              f"got input of global size {(x.shape[0], x.shape[1], *shape)}")
         y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, group, count, replicas)
-        if self.training and self.track_running_stats and not _RECOMPUTING.on:
+        factor = self._count_batch()
+        if factor is not None:
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                factor = self.momentum if self.momentum is not None \
-                    else 1.0 / float(self.num_batches_tracked)
                 self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
                 self.running_var.mul_(1 - factor).add_(var * count / (count - 1), alpha=factor)
+        return y
+
+    def _count_batch(self) -> float | None:
+        """Count a training batch as torch does; the running statistics' update factor (None: no
+        update: eval, untracked statistics, or a recomputation of a batch already counted)."""
+        if not (self.training and self.track_running_stats) or _RECOMPUTING.on:
+            return None
+        self.num_batches_tracked.add_(1)
+        return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+
+
+# ---------------------------------------------------------------------- per-sample statistics
+class _SyncGroupNorm(torch.autograd.Function):
+    """Group normalisation of a split (N, C, D, H, W) shard with statistics over the whole volume.
+
+    Statistics are per sample and group of ``C / groups`` channels, summed over the spatial group in
+    two passes (mean, then centred squares) for float32 accuracy. The backward needs, per sample and
+    channel, the sums of ``gy`` and ``gy * xhat`` over the whole volume: one all-reduce of (2, N, C)
+    gives them, and with them the per-group terms of the input gradient and the (already reduced)
+    weight and bias gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, group, count):
+        n = x.shape[0]
+        xg = x.reshape(n, groups, -1)
+        mean = _allreduce(xg.sum(-1), group) / count
+        centred = xg - mean.unsqueeze(-1)
+        var = _allreduce(centred.square().sum(-1), group) / count
+        invstd = torch.rsqrt(var + eps)
+        xhat = (centred * invstd.unsqueeze(-1)).view(x.shape)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.meta = (groups, group, count, bias is not None)
+        ctx.mark_non_differentiable(mean, var)
+        return _affine(xhat, weight, bias), mean, var
+
+    @staticmethod
+    def backward(ctx, gy, _gmean, _gvar):
+        xhat, invstd, weight = ctx.saved_tensors
+        groups, group, count, has_bias = ctx.meta
+        n, c = gy.shape[:2]
+        dims = tuple(range(2, gy.dim()))
+        sums = _allreduce(torch.stack([gy.sum(dim=dims), (gy * xhat).sum(dim=dims)]), group)  # (2, N, C)
+        g_shift, g_scale = sums[0], sums[1]
+        gyw = gy if weight is None else gy * weight.view((1, -1) + (1,) * len(dims))
+        wsums = sums if weight is None else sums * weight.view(1, 1, -1)
+        per_group = wsums.view(2, n, groups, c // groups).sum(-1) / count  # (2, N, G)
+        gx = (gyw.reshape(n, groups, -1) - per_group[0].unsqueeze(-1)
+              - xhat.reshape(n, groups, -1) * per_group[1].unsqueeze(-1)) * invstd.unsqueeze(-1)
+        gw = g_scale.sum(0) if weight is not None else None
+        gb = g_shift.sum(0) if has_bias else None
+        return gx.view(gy.shape), gw, gb, None, None, None, None
+
+
+class _PerSampleNorm(SpatialLayer):
+    """What DistGroupNorm and DistInstanceNorm3d share: the spatial group and the Function call."""
+
+    def _spatial_group(self):
+        return self.grid.spatial_group if self.grid.spatial_size > 1 else None
+
+    def _normalise(self, x: torch.Tensor, shape: tuple[int, int, int], groups: int):
+        """(y, mean, var) with per-(sample, group) statistics over the whole volume."""
+        c = x.shape[1]
+        if c % groups:
+            raise ValueError(f"{self.layer_name}: {c} channels do not split into {groups} groups")
+        count = (c // groups) * shape[0] * shape[1] * shape[2]
+        return _SyncGroupNorm.apply(x, self.weight, self.bias, groups, self.eps, self._spatial_group(), count)
+
+
+class DistGroupNorm(_PerSampleNorm, nn.GroupNorm):
+    """``torch.nn.GroupNorm`` on a split (N, C, D, H, W) shard: each sample's group statistics over
+    the whole volume (all-reduced over the spatial group), exact input and parameter gradients (the
+    parameters' leave the layer already summed over the shards). Inputs that are not 5-D (a GroupNorm
+    of a head) run torch's GroupNorm, on an unsplit grid only.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 device=None, dtype=None, *, bias: bool = True, grid: ProcessGrid | None = None) -> None:
+        nn.GroupNorm.__init__(self, num_groups, num_channels, eps, affine, device, dtype,
+                              **_bias_kwarg(nn.GroupNorm, bias, "DistGroupNorm"))
+        self._init_spatial(grid, None)
+        self._mark_params(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5 and self.grid.spatial_size == 1:
+            return nn.GroupNorm.forward(self, x)
+        shape = self.global_shape(x)
+        if x.shape[1] != self.num_channels and self.affine:
+            raise ValueError(f"{self.layer_name}: expected {self.num_channels} channels, got {x.shape[1]}")
+        if x.shape[0] * (x.shape[1] // self.num_groups) * math.prod(shape) == 1:
+            raise ValueError(f"{self.layer_name}: expected more than 1 value per channel, got input of "
+                             f"global size {(x.shape[0], x.shape[1], *shape)}")
+        return self._normalise(x, shape, self.num_groups)[0]
+
+
+class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
+    """``torch.nn.InstanceNorm3d`` on a split shard: each sample's and channel's statistics over the
+    whole volume, in training and whenever running statistics are not tracked; with tracked running
+    statistics in eval, a per-voxel affine map. Running statistics as torch keeps them: ``momentum``
+    (None: no update), the batch average of the per-instance means and unbiased variances, and
+    ``num_batches_tracked`` left alone.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = False, track_running_stats: bool = False, device=None, dtype=None, *,
+                 bias: bool = True, grid: ProcessGrid | None = None) -> None:
+        nn.InstanceNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device,
+                                   dtype, **_bias_kwarg(nn.InstanceNorm3d, bias, "DistInstanceNorm3d"))
+        self._init_spatial(grid, None)
+        self._mark_params(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5 and self.grid.spatial_size == 1:
+            return nn.InstanceNorm3d.forward(self, x)
+        shape = self.global_shape(x)
+        if x.shape[1] != self.num_features and self.affine:
+            raise ValueError(f"{self.layer_name}: expected {self.num_features} channels, got {x.shape[1]}")
+        if not (self.training or not self.track_running_stats):
+            weight, bias = sync_grads(self._spatial_group(), self.weight, self.bias)
+            return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
+        volume = math.prod(shape)
+        if volume == 1:
+            raise ValueError(f"{self.layer_name}: expected more than 1 spatial element when training, got "
+                             f"input of global size {(x.shape[0], x.shape[1], *shape)}")
+        y, mean, var = self._normalise(x, shape, x.shape[1])
+        if self.training and self.track_running_stats and not _RECOMPUTING.on and x.shape[0] > 0:
+            factor = self.momentum if self.momentum is not None else 0.0
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.mean(0), alpha=factor)
+                self.running_var.mul_(1 - factor).add_((var * volume / (volume - 1)).mean(0), alpha=factor)
         return y
 
 
@@ -119,8 +273,27 @@ def _error(layer: str):
                               f"stage (no layout replicas)")
 
 
+def _has_bias(m: nn.Module) -> bool:
+    """The ``bias=`` a torch norm layer was built with (only ``affine`` layers can lack one)."""
+    return not (m.affine and m.bias is None)
+
+
 def _batch_norm3d(m: nn.BatchNorm3d, grid: ProcessGrid, overlap: bool = False) -> DistBatchNorm3d:
-    return DistBatchNorm3d(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, grid=grid)
+    return DistBatchNorm3d(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
+                           bias=_has_bias(m), grid=grid)
 
 
-registry.register(nn.BatchNorm3d, role="pointwise", op="norm", flops=registry.norm_flops, to_dist=_batch_norm3d)
+def _group_norm(m: nn.GroupNorm, grid: ProcessGrid, overlap: bool = False) -> DistGroupNorm:
+    return DistGroupNorm(m.num_groups, m.num_channels, m.eps, m.affine, bias=_has_bias(m), grid=grid)
+
+
+def _instance_norm3d(m: nn.InstanceNorm3d, grid: ProcessGrid, overlap: bool = False) -> DistInstanceNorm3d:
+    return DistInstanceNorm3d(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
+                              bias=_has_bias(m), grid=grid)
+
+
+registry.register(nn.BatchNorm3d, role="pointwise", op="norm", flops=registry.norm_flops,
+                  to_dist=_batch_norm3d)
+registry.register(nn.GroupNorm, role="pointwise", op="norm", flops=registry.norm_flops, to_dist=_group_norm)
+registry.register(nn.InstanceNorm3d, role="pointwise", op="norm", flops=registry.norm_flops,
+                  to_dist=_instance_norm3d)

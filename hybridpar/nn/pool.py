@@ -1,19 +1,26 @@
-"""Spatially distributed pooling: max, average (kernel != stride, padding, ceil mode) and global.
+"""Spatially distributed pooling: max, average (kernel != stride, padding, ceil mode), global and
+adaptive.
 
 Why: pooling windows cross shard faces exactly like convolution windows do, so the same halo plans
 apply; only the boundary fill differs (-inf for max, zero for average) and average pooling's divisor,
-which depends on where a window sits in the *global* volume, is computed from the geometry.
+which depends on where a window sits in the *global* volume, is computed from the geometry. Adaptive
+pools reduce each of torch's bins over the parts of it every rank holds and combine them with an
+all-reduce into a replicated output (see :class:`DistAdaptiveAvgPool3d` for why).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.comm.halo import HaloExchanger, halo_exchange
+from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import sum_to_replicated
-from hybridpar.geometry import window_plans
+from hybridpar.geometry import Range, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer, _triple
@@ -118,6 +125,179 @@ class DistGlobalAvgPool3d(SpatialLayer):
         return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True), group) / (d * h * w)
 
 
+# ---------------------------------------------------------------------- adaptive pooling
+def adaptive_bins(n: int, k: int) -> list[Range]:
+    """Torch's bins of an adaptive pool of ``n`` voxels to ``k``: ``[floor(o*n/k), ceil((o+1)*n/k))``."""
+    return [((o * n) // k, -(-((o + 1) * n) // k)) for o in range(k)]
+
+
+def _local_bins(n: int, k: int, own: Range) -> list[Range]:
+    """Each bin's part inside this rank's ``own`` range, in local coordinates (``(0, 0)``: none)."""
+    out = []
+    for s, e in adaptive_bins(n, k):
+        lo, hi = max(s, own[0]), min(e, own[1])
+        out.append((lo - own[0], hi - own[0]) if hi > lo else (0, 0))
+    return out
+
+
+class _AdaptivePool(SpatialLayer):
+    """What both adaptive pools share: output extents, this rank's box and its parts of the bins."""
+
+    output_size: object
+
+    def out_extents(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The output (D, H, W) for a global input ``shape`` (None in ``output_size``: kept)."""
+        ks = registry.triple(self.output_size)
+        return tuple(shape[i] if ks[i] is None else int(ks[i]) for i in range(3))  # type: ignore[return-value]
+
+    def _geometry(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], list, list]:
+        key = ("geometry", tuple(shape))
+        if key not in self._memo:
+            ks, box = self.out_extents(shape), local_box(shape, self.grid)
+            self._memo[key] = (ks, box, [_local_bins(shape[i], ks[i], box[i]) for i in range(3)])
+        return self._memo[key]
+
+    def _spatial_group(self):
+        return self.grid.spatial_group if self.grid.spatial_size > 1 else None
+
+
+class DistAdaptiveAvgPool3d(_AdaptivePool, nn.AdaptiveAvgPool3d):
+    """``torch.nn.AdaptiveAvgPool3d`` (any output size) of a split input; the output is *replicated*.
+
+    Each rank sums the part of every bin it holds (per dim a 0/1 bin-membership matrix, so the three
+    contractions are matrix products), an all-reduce adds the parts and the global bin sizes divide.
+    Why replicated rather than a split output fed by halos: adaptive pools serve as heads that reduce
+    a volume to a few voxels, fewer than the ranks along a dim, and then a bin spans several shards
+    (a split output would leave ranks empty and need halos wider than a neighbour); the output is
+    small, so the all-reduce costs no more than gathering it, and the dense layers after it want it
+    whole. An output nearly as large as the input (``None`` extents) is correct but costs an
+    all-reduce of that size: use pooling or interpolation layers there. Output size 1 is a plain sum.
+    """
+
+    def __init__(self, output_size, *, grid: ProcessGrid | None = None) -> None:
+        nn.AdaptiveAvgPool3d.__init__(self, output_size)
+        self._init_spatial(grid, None)
+        self._memo: dict[tuple, object] = {}
+
+    def _weights(self, shape: tuple[int, int, int], like: torch.Tensor):
+        """Bin-membership matrices per dim (None: identity) and the global bin sizes."""
+        key = ("weights", tuple(shape), like.dtype, like.device)
+        if key not in self._memo:
+            ks, box, bins = self._geometry(shape)
+            mats = []
+            for i in range(3):
+                width = box[i][1] - box[i][0]
+                if ks[i] == shape[i] == width:  # unsplit and kept: nothing to pool along this dim
+                    mats.append(None)
+                    continue
+                m = torch.zeros(ks[i], width, dtype=like.dtype)
+                for o, (lo, hi) in enumerate(bins[i]):
+                    m[o, lo:hi] = 1
+                mats.append(m.to(like.device))
+            sizes = [torch.tensor([e - s for s, e in adaptive_bins(shape[i], ks[i])], dtype=like.dtype)
+                     for i in range(3)]
+            counts = sizes[0].view(-1, 1, 1) * sizes[1].view(1, -1, 1) * sizes[2].view(1, 1, -1)
+            self._memo[key] = (mats, counts.to(like.device))
+        return self._memo[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.global_shape(x)
+        ks = self.out_extents(shape)
+        if ks == (1, 1, 1):
+            return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True), self._spatial_group()) \
+                / math.prod(shape)
+        mats, counts = self._weights(shape, x)
+        s = x
+        for d, m in ((4, mats[2]), (3, mats[1]), (2, mats[0])):
+            if m is not None:
+                s = torch.movedim(torch.movedim(s, d, -1) @ m.t(), -1, d)
+        return sum_to_replicated(s, self._spatial_group()) / counts
+
+
+def _bin_argmax(x: torch.Tensor, bins: list[list[Range]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bin, the local maximum and the local flat index of its first occurrence in (d, h, w)
+    order (-1 where this rank holds none of the bin).
+
+    Separable: W, then H, then D, each ``max`` taking the first maximal entry along its dim; the last
+    dim reduced decides ties first, so the result is the lexicographically first maximal voxel.
+    """
+    lidx = torch.arange(math.prod(x.shape[2:]), device=x.device).view(1, 1, *x.shape[2:]).expand_as(x)
+    v = x
+    for i in (2, 1, 0):
+        d, rows, size = 2 + i, bins[i], v.shape[2 + i]
+        if rows == [(0, size)]:
+            v, arg = v.max(dim=d, keepdim=True)
+            lidx = lidx.gather(d, arg)
+            continue
+        width = max(1, max(hi - lo for lo, hi in rows))
+        index = torch.tensor([[lo + j if lo + j < hi else size for j in range(width)] for lo, hi in rows],
+                             device=x.device).view(-1)
+        pad = list(v.shape)
+        pad[d] = 1
+        vp = torch.cat([v, v.new_full(pad, float("-inf"))], d).index_select(d, index)
+        ip = torch.cat([lidx, lidx.new_full(pad, -1)], d).index_select(d, index)
+        split = [*v.shape[:d], len(rows), width, *v.shape[d + 1:]]
+        v, arg = vp.view(split).max(dim=d + 1)
+        lidx = ip.view(split).gather(d + 1, arg.unsqueeze(d + 1)).squeeze(d + 1)
+    return v, lidx
+
+
+class DistAdaptiveMaxPool3d(_AdaptivePool, nn.AdaptiveMaxPool3d):
+    """``torch.nn.AdaptiveMaxPool3d`` (any output size, ``return_indices`` too) of a split input; the
+    output (and the indices: flat global ones, as torch's) is *replicated*, for the reasons given at
+    :class:`DistAdaptiveAvgPool3d`.
+
+    Each rank finds, per bin, its part's maximum and that value's first voxel in (d, h, w) order; a MAX
+    all-reduce gives the bin's maximum and a MIN all-reduce of the global flat indices of the ranks
+    that reach it gives the first such voxel, the one torch picks, so ties across shards send the
+    gradient where torch sends it. The rank owning that voxel takes the output from it (autograd
+    routes the gradient); the others hold a constant copy. NaN inputs give NaN outputs but no gradient.
+    """
+
+    def __init__(self, output_size, return_indices: bool = False, *, grid: ProcessGrid | None = None) -> None:
+        nn.AdaptiveMaxPool3d.__init__(self, output_size, return_indices)
+        self._init_spatial(grid, None)
+        self._memo: dict[tuple, object] = {}
+
+    def forward(self, x: torch.Tensor):
+        shape = self.global_shape(x)
+        _, box, bins = self._geometry(shape)
+        group = self._spatial_group()
+        n, c = x.shape[:2]
+        with torch.no_grad():
+            vals, lidx = _bin_argmax(x.detach(), bins)
+            best = vals.clone()
+            if group is not None:
+                dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+            lh, lw = x.shape[3], x.shape[4]
+            gidx = (((lidx // (lh * lw) + box[0][0]) * shape[1] + (lidx // lw) % lh + box[1][0]) * shape[2]
+                    + lidx % lw + box[2][0])
+            none = torch.iinfo(torch.int64).max
+            mine = torch.where((vals == best) & (lidx >= 0), gidx, none)
+            first = mine.clone()
+            if group is not None:
+                dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+            owned = (mine == first) & (mine != none)
+        picked = x.reshape(n, c, -1).gather(2, lidx.clamp_min(0).reshape(n, c, -1)).view(vals.shape)
+        y = torch.where(owned, picked, best)
+        return (y, first) if self.return_indices else y
+
+
+def _adaptive_avg_pool3d(m: nn.AdaptiveAvgPool3d, grid: ProcessGrid,
+                         overlap: bool = False) -> DistAdaptiveAvgPool3d:
+    return DistAdaptiveAvgPool3d(m.output_size, grid=grid)
+
+
+def _adaptive_max_pool3d(m: nn.AdaptiveMaxPool3d, grid: ProcessGrid,
+                         overlap: bool = False) -> DistAdaptiveMaxPool3d:
+    return DistAdaptiveMaxPool3d(m.output_size, m.return_indices, grid=grid)
+
+
+def _replicated(m: nn.Module) -> bool:
+    """Adaptive pools of a split input give a replicated output, whatever their output size."""
+    return True
+
+
 def _max_pool3d(m: nn.MaxPool3d, grid: ProcessGrid, overlap: bool = False) -> DistMaxPool3d:
     return DistMaxPool3d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode,
                          grid=grid)
@@ -128,15 +308,11 @@ def _avg_pool3d(m: nn.AvgPool3d, grid: ProcessGrid, overlap: bool = False) -> Di
                          m.divisor_override, grid=grid)
 
 
-def _adaptive_avg_pool3d(m: nn.AdaptiveAvgPool3d, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
-    if registry.triple(m.output_size) != (1, 1, 1):
-        raise NotImplementedError(f"AdaptiveAvgPool3d({m.output_size}): only output size 1 runs split")
-    return DistGlobalAvgPool3d(grid=grid)
-
-
 registry.register(nn.MaxPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_max_pool3d,
                   window_args=registry.pool_window_args, saved=registry.saved_window)
 registry.register(nn.AvgPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_avg_pool3d,
                   window_args=registry.pool_window_args, saved=registry.saved_window)
 registry.register(nn.AdaptiveAvgPool3d, role="reduce", op="pool", flops=registry.per_input_flops,
-                  to_dist=_adaptive_avg_pool3d)
+                  to_dist=_adaptive_avg_pool3d, replicates=_replicated)
+registry.register(nn.AdaptiveMaxPool3d, role="reduce", op="pool", flops=registry.per_input_flops,
+                  to_dist=_adaptive_max_pool3d, replicates=_replicated)

@@ -195,7 +195,9 @@ class Engine:
             if i > 0 and mine[i - 1].output_split != lp.split:
                 layers.append((None, Redistribute(self._layout(mine[i - 1].output_split),
                                                   self._layout(lp.split), tuple(lp.input_shape[2:]))))
-            layers.append((lp.name, self._convert(lp.name, self.model.get_submodule(lp.name), lp)))
+            path = lp.name.split("#")[0]  # a module without weights called again: "act#1"
+            layers.append((None if path != lp.name else lp.name,
+                           self._convert(lp.name, self.model.get_submodule(path), lp)))
         following = [lp for lp in self.plan if lp.stage == stage + 1]
         out_split = mine[-1].output_split
         target = following[0].split if following else self.output_split

@@ -43,6 +43,14 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     node.add_module(leaf, module)
 
 
+def _has_submodule(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
 class _Ref:
     """A node's value in an argument template."""
 
@@ -98,7 +106,8 @@ class StageGraph(nn.Module):
         self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.op == "module":
-                _set_submodule(self, node.name, to_dist(node.name, node.module, rec))
+                if not _has_submodule(self, node.target):  # once per module, however often called
+                    _set_submodule(self, node.target, to_dist(node.name, node.module, rec))
             elif node.module is not None:
                 self.stand_ins[node.name] = to_dist(node.name, node.module, rec)
         del self.nodes, self.graph
@@ -155,7 +164,7 @@ class StageGraph(nn.Module):
 
             args, kwargs = _fill(args_t, arg), _fill(kwargs_t, arg)
             if op == "module":
-                out = self.get_submodule(name)(*args, **kwargs)
+                out = self.get_submodule(target)(*args, **kwargs)
             elif name in self.stand_ins:
                 out = self.stand_ins[name](args[0])
             elif op == "method":

@@ -34,8 +34,9 @@ SUPPORTED = ("supported: a forward that torch.fx can trace (no branches or loops
 
 @dataclass(frozen=True)
 class Node:
-    """One call in forward order: a module (``op == "module"``, ``name`` its qualified name) or a
-    function or tensor method (``name`` the fx node's name). ``inputs`` names the producers of its tensor
+    """One call in forward order: a module (``op == "module"``, ``target`` its qualified name, and
+    ``name`` too, with ``#k`` appended for its k-th further call) or a function or tensor method
+    (``name`` the fx node's name). ``inputs`` names the producers of its tensor
     arguments in argument order (:data:`INPUT` for the model input)."""
 
     name: str
@@ -124,7 +125,7 @@ def trace(model: nn.Module) -> ModelGraph:
     gm = fx.GraphModule(model, graph)
     nodes: list[Node] = []
     produced: dict[fx.Node, str] = {}
-    seen_modules: set[str] = set()
+    calls: dict[str, int] = {}  # a module without weights may be called more than once (a shared ReLU)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise SpecError(f"model ({type(model).__name__}): forward takes {len(placeholders)} inputs; "
@@ -146,13 +147,14 @@ def trace(model: nn.Module) -> ModelGraph:
             continue
         inputs = tuple(produced[a] for a in n.all_input_nodes if a in produced)
         if n.op == "call_module":
-            name, module = str(n.target), gm.get_submodule(str(n.target))
-            if name in seen_modules:
-                raise SpecError(f"model: module {name} is called more than once in forward; a layer "
-                                f"called twice shares its weights, which a split or a pipeline cut "
-                                f"cannot follow: use two modules")
-            seen_modules.add(name)
-            nodes.append(Node(name, "module", name, module, inputs, n))
+            target, module = str(n.target), gm.get_submodule(str(n.target))
+            calls[target] = calls.get(target, 0) + 1
+            if calls[target] > 1 and any(True for _ in module.parameters()):
+                raise SpecError(f"model: module {target} ({type(module).__name__}) is called more than "
+                                f"once in forward; its weights would be shared between calls, which a "
+                                f"split or a pipeline cut does not follow: use one module per call")
+            name = target if calls[target] == 1 else f"{target}#{calls[target] - 1}"
+            nodes.append(Node(name, "module", target, module, inputs, n))
         else:
             op = "method" if n.op == "call_method" else "function"
             nodes.append(Node(n.name, op, n.target, _stand_in(n) if op == "function" else None, inputs, n))
@@ -163,7 +165,7 @@ def trace(model: nn.Module) -> ModelGraph:
     for i, node in enumerate(nodes):
         if node.op != "module":
             continue
-        parts = node.name.split(".")
+        parts = node.target.split(".")
         for k in range(1, len(parts)):
             containers.setdefault(".".join(parts[:k]), i)
     return ModelGraph(gm, nodes, output or nodes[-1].name, containers)

@@ -6,6 +6,8 @@ two ranks with the single-process numbers (float64)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,6 +98,7 @@ def _user_layer(rank: int, world: int) -> None:
 
     _register_blur()
     fails = Failures()
+    torch.manual_seed(1)  # the same weights on every rank
     model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Blur3d(), nn.ReLU(), nn.Conv3d(2, 1, 3, padding=1))
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
     table = explain(spec, model, (2, 1, 9, 8, 8))
@@ -105,7 +108,6 @@ def _user_layer(rank: int, world: int) -> None:
     counted = hp.flops.count(model, (2, 1, 9, 8, 8)).by_name()
     if counted["1"].forward_other != 27 * 2 * 2 * 9 * 8 * 8:
         fails.append(f"FLOPs of the user's layer: {counted['1'].forward_other}")
-    torch.manual_seed(1)
     ref = model.double()
     engine = hp.parallelize(nn.Sequential(*[m for m in ref]), spec, loss_fn=F.mse_loss)
     x = torch.randn(2, 1, 9, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -116,6 +118,16 @@ def _user_layer(rank: int, world: int) -> None:
     fails.check("user layer loss", loss.reshape(()), ref_loss.detach())
     for name, p in engine.named_parameters():
         fails.check(f"user layer model grad {name}", p.grad, ref.get_parameter(name).grad)
+    # a gather inside a split region is said once per job (rank 0), never silently
+    ruled = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]},
+                                       "layers": {"2": {"spatial": "replicate"}}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hp.parallelize(nn.Sequential(*[m for m in ref]), ruled, loss_fn=F.mse_loss,
+                       input_shape=(2, 1, 9, 8, 8))
+    said = [str(w.message) for w in caught if "gather a split activation" in str(w.message)]
+    if len(said) != (1 if rank == 0 else 0) or (said and "2 (ReLU)" not in said[0]):
+        fails.append(f"gather warning on rank {rank}: {said}")
     fails.raise_if_any(rank)
 
 

@@ -135,16 +135,13 @@ def _halos(name: str, m: nn.Module, entry: registry.LayerEntry | None, in_shape:
 
 
 def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:
-    """Forward FLOPs, 2 per multiply-accumulate; conv and linear only (as FlopCounterMode counts)."""
-    if isinstance(m, nn.ConvTranspose3d):
-        taps = math.prod(registry.triple(m.kernel_size))
-        return 2 * math.prod(in_shape) * (m.out_channels // m.groups) * taps
-    if isinstance(m, nn.Conv3d | nn.Conv2d | nn.Conv1d):
-        per_out = (m.in_channels // m.groups) * math.prod(m.kernel_size)
-        return 2 * math.prod(out_shape) * per_out
-    if isinstance(m, nn.Linear):
-        return 2 * math.prod(out_shape) * m.in_features
-    return 0
+    """Forward matmul FLOPs of one call, from the layer's registry entry (2 per multiply-accumulate, as
+    FlopCounterMode counts); for a model that cannot be copied to the meta device."""
+    entry = registry.lookup(m) if m is not None else None
+    if entry is None:
+        return 0
+    x, y = torch.empty(in_shape, device="meta"), torch.empty(out_shape, device="meta")
+    return entry.flops(m, x, y)[0].get("forward", 0)
 
 
 def leaf_flop_sums(counted: flop_count.FlopCount, leaves: list[tuple[str, nn.Module]]) -> list[list[int]]:

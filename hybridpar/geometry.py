@@ -11,7 +11,9 @@ Conventions
 * Ranges are half-open ``(start, stop)`` in global voxel coordinates.
 * A window-based layer (conv, pool) with kernel ``k``, stride ``s``, left padding ``pl`` and dilation
   ``d`` computes global output ``o`` from global inputs ``o*s - pl + j*d`` for ``j`` in ``0..k-1``;
-  inputs outside ``[0, n)`` are padding (zero for conv, -inf for max pooling).
+  inputs outside ``[0, n)`` are padding: a fill (zero for conv, -inf for max pooling), or with a
+  padding *mode* copies of voxels inside: ``circular`` wraps around (a periodic box: the neighbours of
+  the first and last shards are each other), ``replicate`` and ``reflect`` copy edge voxels.
 """
 
 from __future__ import annotations
@@ -68,6 +70,43 @@ def same_padding(kernel: int, dilation: int = 1) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
+MODES = ("zeros", "circular", "replicate", "reflect")
+
+
+def padding_mode(mode: str | None = None, periodic: bool = False) -> str:
+    """The geometry's name of a padding mode, checked.
+
+    ``None`` means ``"zeros"``, or ``"circular"`` with ``periodic=True`` (how the registry describes a
+    periodic conv); torch's ``"constant"`` is ``"zeros"`` here, since the fill value is no index
+    arithmetic (the exchanger fills with it).
+    """
+    name = ("circular" if periodic else "zeros") if mode is None else {"constant": "zeros"}.get(mode, mode)
+    if name not in MODES:
+        raise ValueError(f"padding mode {mode!r} is not one of {', '.join(MODES)} (or 'constant')")
+    if periodic and name != "circular":
+        raise ValueError(f"periodic=True contradicts padding mode {mode!r}")
+    return name
+
+
+def source(v: int, extent: int, mode: str, period: int | None = None) -> int | None:
+    """Global voxel that position ``v`` of the padded input reads (None: the fill of ``"zeros"``).
+
+    As ``torch.nn.functional.pad`` computes it: ``"replicate"`` clamps to the edge voxel,
+    ``"reflect"`` mirrors about it (the edge itself not repeated), ``"circular"`` wraps with
+    ``period`` (the extent, or less where a negative pad crops first, as torch does).
+    """
+    if 0 <= v < extent:
+        return v
+    if mode == "zeros":
+        return None
+    if mode == "circular":
+        period = extent if period is None else period
+        return v + period if v < 0 else v - period
+    if mode == "replicate":
+        return 0 if v < 0 else extent - 1
+    return -v if v < 0 else 2 * (extent - 1) - v
+
+
 @dataclass(frozen=True)
 class HaloPlan:
     """What one rank does along one dim before running a window layer locally with no padding.
@@ -79,6 +118,13 @@ class HaloPlan:
 
     ``send_lo``/``send_hi`` are the slices of this rank's own (untrimmed) shard that the left/right
     neighbours need, in local coordinates. ``need`` is the global input range the local output needs.
+
+    ``mode`` says what lies beyond the volume's faces. ``"zeros"``: the fill above. ``"circular"``:
+    no fill; the first shard's left neighbour is the last shard and vice versa (a periodic box), so
+    halos arrive across the wrap-around like any other. ``"replicate"``/``"reflect"``: the voxels
+    received and kept, ``fetched = [recv_lo][own kept][recv_hi]``, are contiguous, and the extended
+    input is ``fetched[index]``: ``pad_lo``/``pad_hi`` of its voxels lie beyond the faces and copy edge
+    voxels, those in between are one contiguous run of ``fetched``.
     """
 
     own: Range
@@ -92,17 +138,35 @@ class HaloPlan:
     trim_hi: int
     send_lo: Range
     send_hi: Range
+    mode: str = "zeros"
+    index: tuple[int, ...] | None = None
+
+    @property
+    def kept(self) -> int:
+        """Voxels of the own shard kept (not trimmed)."""
+        return max(self.own[1] - self.own[0] - self.trim_lo - self.trim_hi, 0)
+
+    @property
+    def fetched(self) -> int:
+        """Extent of the received and kept voxels, ``recv_lo + kept + recv_hi``."""
+        return self.recv_lo + self.kept + self.recv_hi
 
     @property
     def extended(self) -> int:
         """Extent of the local extended input."""
-        own = self.own[1] - self.own[0] - self.trim_lo - self.trim_hi
-        return self.pad_lo + self.recv_lo + max(own, 0) + self.recv_hi + self.pad_hi
+        if self.index is not None:
+            return len(self.index)
+        return self.pad_lo + self.fetched + self.pad_hi
 
     @property
     def halo(self) -> tuple[int, int]:
         """Signed halo widths (negative: surplus own input trimmed)."""
         return (self.recv_lo - self.trim_lo, self.recv_hi - self.trim_hi)
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the neighbours wrap around (the first shard's left neighbour is the last)."""
+        return self.mode == "circular"
 
 
 class HaloError(ValueError):
@@ -116,50 +180,91 @@ def _need(out: Range, kernel: int, stride: int, pad_lo: int, dilation: int) -> R
     return out[0] * stride - pad_lo, (out[1] - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
 
 
-def _local_plan(own: Range, out: Range, need: Range, extent: int) -> tuple[HaloPlan, Range, Range]:
-    """This rank's plan (sends still empty) and the global ranges it receives from left and right."""
+def _period(extent: int, pads: tuple[int, int]) -> int:
+    """Period of a circular dim: torch crops a negative pad before it wraps."""
+    return extent - max(0, -pads[0]) - max(0, -pads[1])
+
+
+def _fetch(need: Range, extent: int, mode: str) -> tuple[Range, tuple[int, int], tuple[int, ...] | None]:
+    """Global voxels a rank assembles for ``need`` (unwrapped coordinates when circular), the fill
+    (or mapped) voxels beyond the faces on each side, and the map of ``replicate``/``reflect``."""
     a, b = need
+    if mode == "zeros":
+        lo, hi = max(a, 0), min(b, extent)
+        if hi <= lo:  # the outputs read padding only
+            return (0, 0), (b - a, 0), None
+        return (lo, hi), (max(0, -a), max(0, b - extent)), None
+    if mode == "circular":  # across the faces the neighbours stand shifted by the period
+        return (a, b), (0, 0), None
+    srcs = [source(v, extent, mode) for v in range(a, b)]
+    if not srcs:
+        return (0, 0), (0, 0), ()
+    lo = min(srcs)  # type: ignore[type-var]
+    outside = (max(0, min(b, 0) - a), max(0, b - max(a, extent)))
+    return (lo, max(srcs) + 1), outside, tuple(s - lo for s in srcs)  # type: ignore[operator]
+
+
+def _local_plan(own: Range, out: Range, need: Range, extent: int,
+                mode: str = "zeros") -> tuple[HaloPlan, Range, Range]:
+    """This rank's plan (sends still empty) and the ranges it receives from left and right (global
+    coordinates, unwrapped: across a periodic face they leave ``[0, extent)``)."""
     n_own = own[1] - own[0]
-    ca, cb = max(a, 0), min(b, extent)
-    if cb <= ca:  # the outputs read padding only
-        return HaloPlan(own, out, need, b - a, 0, 0, 0, n_own, 0, (0, 0), (0, 0)), (0, 0), (0, 0)
-    lo_rng = (ca, min(own[0], cb)) if ca < own[0] else (0, 0)
-    hi_rng = (max(own[1], ca), cb) if cb > own[1] else (0, 0)
-    trim_lo = min(max(0, ca - own[0]), n_own)
-    trim_hi = min(max(0, own[1] - cb), n_own - trim_lo)
-    plan = HaloPlan(own, out, need, max(0, -a), max(0, b - extent), lo_rng[1] - lo_rng[0],
-                    hi_rng[1] - hi_rng[0], trim_lo, trim_hi, (0, 0), (0, 0))
+    (f0, f1), (fill_lo, fill_hi), index = _fetch(need, extent, mode)
+    if f1 <= f0:  # nothing to receive or keep
+        return (HaloPlan(own, out, need, fill_lo, fill_hi, 0, 0, n_own, 0, (0, 0), (0, 0), mode, index),
+                (0, 0), (0, 0))
+    lo_rng = (f0, min(own[0], f1)) if f0 < own[0] else (0, 0)
+    hi_rng = (max(own[1], f0), f1) if f1 > own[1] else (0, 0)
+    trim_lo = min(max(0, f0 - own[0]), n_own)
+    trim_hi = min(max(0, own[1] - f1), n_own - trim_lo)
+    plan = HaloPlan(own, out, need, fill_lo, fill_hi, lo_rng[1] - lo_rng[0], hi_rng[1] - hi_rng[0],
+                    trim_lo, trim_hi, (0, 0), (0, 0), mode, index)
     return plan, lo_rng, hi_rng
 
 
+def _neighbour(ins: list[Range], i: int, step: int, shift: int | None) -> tuple[int, int] | None:
+    """(rank, offset) of rank ``i``'s neighbour ``step`` (-1 left, +1 right): ``offset`` turns ``i``'s
+    unwrapped coordinates into the neighbour's global ones (nonzero across a periodic face; ``shift``
+    None: not periodic, no neighbour beyond the faces)."""
+    j = i + step
+    if 0 <= j < len(ins):
+        return j, 0
+    if shift is None:
+        return None
+    return j % len(ins), shift if step < 0 else -shift
+
+
 def _link(extent: int, ins: list[Range], outs: list[Range], needs: list[Range], layer: str,
-          dim: str, fits: str) -> list[HaloPlan]:
-    """Plans of all ranks with sends set to what the neighbours receive, checked to be neighbourly."""
+          dim: str, fits: str, mode: str = "zeros", pads: tuple[int, int] = (0, 0)) -> list[HaloPlan]:
+    """Plans of all ranks with sends set to what the neighbours receive, checked to be neighbourly.
+
+    With ``mode="circular"`` the neighbours wrap around: rank 0's left neighbour is the last rank
+    (one rank: itself; two ranks: the same rank on both sides), standing shifted by the period, which
+    ``pads`` (the layer's low and high padding) shortens where a negative pad crops before the wrap.
+    """
     parts = len(ins)
-    local = [_local_plan(ins[i], outs[i], needs[i], extent) for i in range(parts)]
+    shift = _period(extent, pads) if mode == "circular" else None
+    local = [_local_plan(ins[i], outs[i], needs[i], extent, mode) for i in range(parts)]
+    sends: list[list[Range]] = [[(0, 0), (0, 0)] for _ in range(parts)]
     for i, (_, lo_rng, hi_rng) in enumerate(local):
-        for side, rng, j in (("left", lo_rng, i - 1), ("right", hi_rng, i + 1)):
+        for side, rng, step in (("left", lo_rng, -1), ("right", hi_rng, 1)):
             width = rng[1] - rng[0]
             if not width:
                 continue
-            nb = ins[j][1] - ins[j][0] if 0 <= j < parts else 0
-            if not (0 <= j < parts and ins[j][0] <= rng[0] and rng[1] <= ins[j][1]):
+            nb = _neighbour(ins, i, step, shift)
+            j, off = nb if nb is not None else (i, 0)
+            a, b = rng[0] + off, rng[1] + off
+            if nb is None or not (ins[j][0] <= a and b <= ins[j][1]):
+                across = " (across the periodic boundary)" if off else ""
+                held = ins[j][1] - ins[j][0] if nb is not None else 0
+                wrap = ", periodic" if shift is not None else ""
                 raise HaloError(
-                    f"{layer}: dim {dim}: a halo of {width} voxels from the {side} neighbour is wider "
-                    f"than its shard of {nb} voxels (input extent {extent} split {parts} ways); {fits}")
-    plans = []
-    for i, (plan, _, _) in enumerate(local):
-        own0 = plan.own[0]
-        send_lo = send_hi = (0, 0)
-        if i > 0 and local[i - 1][2][1] > local[i - 1][2][0]:
-            r = local[i - 1][2]
-            send_lo = (r[0] - own0, r[1] - own0)
-        if i + 1 < parts and local[i + 1][1][1] > local[i + 1][1][0]:
-            r = local[i + 1][1]
-            send_hi = (r[0] - own0, r[1] - own0)
-        plans.append(HaloPlan(plan.own, plan.out, plan.need, plan.pad_lo, plan.pad_hi, plan.recv_lo,
-                              plan.recv_hi, plan.trim_lo, plan.trim_hi, send_lo, send_hi))
-    return plans
+                    f"{layer}: dim {dim}: a halo of {width} voxels from the {side} neighbour{across} is "
+                    f"wider than its shard of {held} voxels (input extent {extent} split {parts} "
+                    f"ways{wrap}); {fits}")
+            sends[j][1 if step < 0 else 0] = (a - ins[j][0], b - ins[j][0])
+    return [HaloPlan(p.own, p.out, p.need, p.pad_lo, p.pad_hi, p.recv_lo, p.recv_hi, p.trim_lo, p.trim_hi,
+                     sends[i][0], sends[i][1], p.mode, p.index) for i, (p, _, _) in enumerate(local)]
 
 
 def _check_nonempty(extent: int, n_out: int, parts: int, layer: str, dim: str) -> None:
@@ -170,37 +275,63 @@ def _check_nonempty(extent: int, n_out: int, parts: int, layer: str, dim: str) -
             f"{max(1, min(extent, n_out))} along {dim}")
 
 
+def _check_reach(extent: int, mode: str, pads: tuple[int, int], layer: str, dim: str) -> None:
+    """torch's own limits, whatever the split: a circular pad wraps at most once, a reflection
+    stays inside the volume (padding < extent). Checked on the padding as declared, as torch pads
+    before its kernel runs, even where the windows read less of it."""
+    if mode == "circular":
+        limit, what = _period(extent, pads), "wrap around the volume more than once"
+    elif mode == "reflect":
+        limit, what = extent - 1, "reflect beyond the volume (padding must be < extent)"
+    else:
+        return
+    if max(pads) > limit:
+        raise ValueError(f"{layer}: dim {dim}: {mode} padding of {pads[0]}/{pads[1]} voxels on an input "
+                         f"extent of {extent} would {what}; torch refuses it too")
+
+
 def window_plans(extent: int, parts: int, kernel: int, stride: int = 1, pad_lo: int = 0,
                  pad_hi: int = 0, dilation: int = 1, ceil_mode: bool = False,
-                 out_extent: int | None = None, layer: str = "layer", dim: str = "dim") -> list[HaloPlan]:
+                 out_extent: int | None = None, layer: str = "layer", dim: str = "dim",
+                 periodic: bool = False, mode: str | None = None) -> list[HaloPlan]:
     """Halo plans of every rank along one dim for a window layer whose output is balanced-split.
 
+    ``mode`` (see :class:`HaloPlan`): ``"zeros"`` (default; fill), ``"circular"`` (also
+    ``periodic=True``: halos wrap around), ``"replicate"`` or ``"reflect"`` (edge voxels copied, as
+    ``torch.nn.functional.pad`` does). A pad layer is a window of kernel 1 with (possibly negative)
+    ``pad_lo``/``pad_hi``.
+
     Raises :class:`HaloError` when a rank needs input beyond its immediate neighbours, naming the
-    layer, the dim, the neighbour's shard extent and the halo width, and what would fit.
+    layer, the dim, the neighbour's shard extent and the halo width, and what would fit; ValueError
+    for padding torch refuses on any split.
     """
+    mode = padding_mode(mode, periodic)
     n_out = conv_output_extent(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode) \
         if out_extent is None else out_extent
     _check_nonempty(extent, n_out, parts, layer, dim)
+    _check_reach(extent, mode, (pad_lo, pad_hi), layer, dim)
     ins, outs = shard_ranges(extent, parts), shard_ranges(n_out, parts)
     needs = [_need(o, kernel, stride, pad_lo, dilation) for o in outs]
     try:
-        return _link(extent, ins, outs, needs, layer, dim, "")
+        return _link(extent, ins, outs, needs, layer, dim, "", mode, (pad_lo, pad_hi))
     except HaloError as err:
         fits = "use a smaller split along " + dim
         if layer:  # the search for what fits calls this function; only a real layer's error pays for it
             fits = (f"use a split of at most "
-                    f"{max_parts(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode)} along {dim}")
+                    f"{max_parts(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode, mode=mode)} "
+                    f"along {dim}")
         raise HaloError(f"{err}{fits}") from None
 
 
 def max_parts(extent: int, kernel: int, stride: int = 1, pad_lo: int = 0, pad_hi: int = 0,
-              dilation: int = 1, ceil_mode: bool = False) -> int:
+              dilation: int = 1, ceil_mode: bool = False, periodic: bool = False,
+              mode: str | None = None) -> int:
     """Largest split of this dim for which every halo comes from the immediate neighbours."""
     best = 1
     for parts in range(2, extent + 1):
         try:
             window_plans(extent, parts, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode,
-                         layer="", dim="")
+                         layer="", dim="", periodic=periodic, mode=mode)
         except HaloError:
             continue
         best = parts
@@ -236,8 +367,11 @@ def interior(plan: HaloPlan, n_out_local: int, kernel: int, stride: int, dilatio
     """Local output range computable from locally held data alone (own shard and boundary fill).
 
     Used to overlap the interior computation with the halo exchange: outputs outside it read at
-    least one received halo voxel.
+    least one received halo voxel. Empty for ``replicate``/``reflect`` plans, whose extended input is
+    mapped from what was received (nothing of it is local before the exchange ends).
     """
+    if plan.index is not None:
+        return (0, 0)
     left_recv_end = plan.pad_lo + plan.recv_lo
     lo_avail = 0 if plan.recv_lo == 0 else left_recv_end
     own = max(plan.own[1] - plan.own[0] - plan.trim_lo - plan.trim_hi, 0)

@@ -147,13 +147,20 @@ class ProcessGrid:
         idx = rep * self.spatial_size + (coord[0] * sh + coord[1]) * sw + coord[2]
         return self.global_rank(self.data_index, self.pipe_index, idx)
 
-    def neighbours(self, axis: int) -> tuple[int | None, int | None]:
-        """Global ranks of the lower and upper neighbours along spatial axis 0, 1 or 2 (None at edges)."""
+    def neighbours(self, axis: int, periodic: bool = False) -> tuple[int | None, int | None]:
+        """Global ranks of the lower and upper neighbours along spatial axis 0, 1 or 2 (None at edges).
+
+        ``periodic``: the axis wraps around (a periodic box): the first rank's lower neighbour is the
+        last rank, with two ranks both neighbours are the other one, and with one it is itself.
+        """
         out: list[int | None] = []
+        n = self.spatial_shape[axis]
         for step in (-1, 1):
             c = list(self.spatial_coord)
             c[axis] += step
-            out.append(self.rank_at(c) if 0 <= c[axis] < self.spatial_shape[axis] else None)
+            if periodic:
+                c[axis] %= n
+            out.append(self.rank_at(c) if 0 <= c[axis] < n else None)
         return out[0], out[1]
 
     @property

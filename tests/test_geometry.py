@@ -189,3 +189,155 @@ def test_interior_excludes_every_halo_read():
             last_own = pl.extended - (pl.recv_hi + pl.pad_hi) if pl.recv_hi else pl.extended
             for o in range(lo, hi):
                 assert o * s >= first_own and o * s + k <= last_own
+
+
+# ---------------------------------------------------------------------- padding modes (periodic boxes)
+def _assembled(x, plans, i, mode, fill=0.0):
+    """What rank i assembles under ``mode``: the neighbours' sends (across the faces too when
+    circular), its kept own voxels, then the fill or the edge-voxel map of the plan."""
+    p, parts = plans[i], len(plans)
+
+    def shard(j):
+        return x[plans[j].own[0]:plans[j].own[1]]
+
+    pieces = []
+    if p.recv_lo:
+        j = (i - 1) % parts
+        assert i > 0 or mode == "circular"
+        pieces.append(shard(j)[plans[j].send_hi[0]:plans[j].send_hi[1]])
+    own = shard(i)
+    pieces.append(own[p.trim_lo:len(own) - p.trim_hi])
+    if p.recv_hi:
+        j = (i + 1) % parts
+        assert i < parts - 1 or mode == "circular"
+        pieces.append(shard(j)[plans[j].send_lo[0]:plans[j].send_lo[1]])
+    fetched = np.concatenate(pieces)
+    assert len(fetched) == p.fetched
+    if p.index is not None:
+        ext = fetched[list(p.index)] if p.index else fetched[:0]
+    else:
+        ext = np.concatenate([np.full(p.pad_lo, fill), fetched, np.full(p.pad_hi, fill)])
+    assert len(ext) == p.extended
+    return ext
+
+
+def _torch_padded(x, pl, ph, mode):
+    t = torch.tensor(x).view(1, 1, -1)
+    return F.pad(t, (pl, ph), mode="constant" if mode == "zeros" else mode).view(-1).numpy()
+
+
+@pytest.mark.parametrize("mode", ["zeros", "circular", "replicate", "reflect"])
+@pytest.mark.parametrize("n", [1, 2, 5, 7, 9, 13])
+def test_mode_plans_reproduce_torch_padding(mode, n):
+    """Every split, kernel, stride, padding and dilation: each rank's windows over what it assembles
+    (halos across the periodic faces, edge copies) concatenate to the windows over torch's padded
+    input, or the geometry raises HaloError (a split too fine) or ValueError (padding torch refuses)."""
+    rng = np.random.default_rng(n)
+    checked = errors = 0
+    for parts, k, s, pl, ph, d in itertools.product((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3), (0, 1, 2, 3),
+                                                    (0, 1, 2), (1, 2)):
+        n_out = conv_output_extent(n, k, s, pl, ph, d)
+        if n_out == 0:
+            continue
+        x = rng.random(n)
+        try:
+            plans = window_plans(n, parts, k, s, pl, ph, d, mode=mode)
+        except HaloError:
+            errors += 1
+            continue
+        except ValueError:
+            with pytest.raises(RuntimeError):
+                _torch_padded(x, pl, ph, mode)
+            continue
+        expected = _windows(_torch_padded(x, pl, ph, mode), k, s, d, n_out)
+        got = [_windows(_assembled(x, plans, i, mode), k, s, d, p.out[1] - p.out[0])
+               for i, p in enumerate(plans)]
+        np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-12)
+        checked += 1
+    assert checked > (5 if n < 5 else 150), (checked, errors)
+
+
+@pytest.mark.parametrize("mode", ["zeros", "circular", "replicate", "reflect"])
+def test_pad_plans_with_cropping_match_torch(mode):
+    """A pad layer is a kernel-1 window: asymmetric and negative pads (torch crops; circular crops
+    before it wraps) on every split, against F.pad."""
+    rng = np.random.default_rng(3)
+    checked = 0
+    for n, parts, pl, ph in itertools.product((4, 7, 9), (1, 2, 3, 4), range(-3, 5), range(-3, 5)):
+        x = rng.random(n)
+        n_out = n + pl + ph
+        if n_out < 1:
+            continue
+        try:
+            want = _torch_padded(x, pl, ph, mode)
+        except RuntimeError:
+            with pytest.raises((ValueError, HaloError)):
+                window_plans(n, parts, 1, 1, pl, ph, mode=mode)
+            continue
+        try:
+            plans = window_plans(n, parts, 1, 1, pl, ph, mode=mode)
+        except HaloError:
+            continue
+        got = np.concatenate([_assembled(x, plans, i, mode) for i in range(parts)])
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        checked += 1
+    assert checked > 200
+
+
+def test_periodic_neighbours_wrap_around():
+    """Two shards: the left and right neighbour are the same rank, two distinct messages; one shard:
+    the rank is its own neighbour across both faces."""
+    two = window_plans(8, 2, 3, 1, 1, 1, periodic=True)
+    assert [p.mode for p in two] == ["circular"] * 2 and all(p.periodic for p in two)
+    assert [(p.recv_lo, p.recv_hi, p.pad_lo, p.pad_hi) for p in two] == [(1, 1, 0, 0)] * 2
+    assert two[0].send_lo == (0, 1) and two[0].send_hi == (3, 4)    # rank 1 gets both, one each side
+    assert two[1].send_lo == (0, 1) and two[1].send_hi == (3, 4)
+    one = window_plans(5, 1, 5, 1, 2, 2, periodic=True)[0]
+    assert (one.recv_lo, one.recv_hi, one.send_lo, one.send_hi) == (2, 2, (0, 2), (3, 5))
+    assert window_plans(8, 2, 3, 1, 1, 1, mode="circular") == two
+    with pytest.raises(ValueError, match="contradicts"):
+        window_plans(8, 2, 3, 1, 1, 1, periodic=True, mode="reflect")
+    with pytest.raises(ValueError, match="padding mode 'mirror'"):
+        window_plans(8, 2, 3, 1, 1, 1, mode="mirror")
+
+
+def test_periodic_split_too_fine_names_layer_dim_and_fit():
+    """A periodic halo wider than the shard across the boundary: layer, dim, the wrap, what fits."""
+    with pytest.raises(HaloError) as err:
+        window_plans(9, 5, 5, 1, 2, 2, periodic=True, layer="DistConv3d(enc.0)", dim="W")
+    msg = str(err.value)   # shards 2, 2, 2, 2, 1: rank 0's left halo lives on the last shard
+    assert msg.startswith("DistConv3d(enc.0): dim W: a halo of 2 voxels from the left neighbour (across the "
+                          "periodic boundary) is wider than its shard of 1 voxels")
+    assert "split 5 ways, periodic" in msg and msg.endswith("use a split of at most 4 along W")
+    assert max_parts(9, 5, 1, 2, 2, periodic=True) == 4
+    window_plans(9, 4, 5, 1, 2, 2, periodic=True)   # what the message says fits does fit
+
+
+def test_reflect_fetches_edge_voxels_from_a_neighbour():
+    """A shard thinner than the reflection: the voxels it mirrors come from its neighbour."""
+    plans = window_plans(6, 3, 1, 1, 3, 0, mode="reflect")        # a ReflectionPad of 3 on the left
+    assert plans[0].out == (0, 3) and plans[0].need == (-3, 0)
+    assert plans[0].own == (0, 2) and plans[0].trim_lo == 1       # mirrors voxels 3, 2, 1: keeps 1
+    assert plans[0].recv_hi == 2 and plans[1].send_lo == (0, 2)   # and gets 2, 3 from rank 1
+    assert plans[0].index == (2, 1, 0) and plans[0].pad_lo == 3
+
+
+def test_padding_torch_refuses_is_a_value_error():
+    with pytest.raises(ValueError, match="reflect padding of 5/0 voxels.*extent of 5"):
+        window_plans(5, 1, 1, 1, 5, 0, mode="reflect", layer="DistReflectionPad3d", dim="D")
+    with pytest.raises(ValueError, match="wrap around the volume more than once"):
+        window_plans(4, 1, 1, 1, 0, 5, periodic=True)
+
+
+def test_interior_of_periodic_plans_excludes_halo_reads():
+    for n, parts, k, p in itertools.product((9, 13), (1, 2, 3), (1, 3, 5), (0, 1, 2)):
+        try:
+            plans = window_plans(n, parts, k, 1, p, p, periodic=True)
+        except HaloError:
+            continue
+        for pl in plans:
+            lo, hi = interior(pl, pl.out[1] - pl.out[0], k, 1, 1)
+            first_own = pl.recv_lo
+            last_own = pl.extended - pl.recv_hi
+            for o in range(lo, hi):
+                assert o >= first_own and o + k <= last_own

@@ -3,9 +3,12 @@
 Why: a window layer on a spatial shard needs the voxels its neighbours own near the shared faces.
 Exchanging dim by dim (depth, then height on the depth-extended tensor, then width) carries edges and
 corners along in 6 messages instead of 26. The backward pass is the adjoint: halo gradients travel
-back to their owners and are added there, in the reverse dim order. Boundary padding (zero, or -inf
-for max pooling) and trimming of input a rank does not need are part of the same operator, so a layer
-runs its torch kernel on the result with no padding at all.
+back to their owners and are added there, in the reverse dim order. Boundary padding and trimming of
+input a rank does not need are part of the same operator, so a layer runs its torch kernel on the
+result with no padding at all. The padding is a fill (zero, or -inf for max pooling), halos across
+the faces of a periodic box (``circular``: the last shard's upper neighbour is the first shard), or
+copies of edge voxels (``replicate``/``reflect``, whose adjoint adds their gradients back into the
+voxels they copy).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from hybridpar.profiling import range as prange
 
 _FWD_TAG, _ADJ_TAG = 100, 200
 
+Message = tuple[int | None, torch.Tensor, int]      # (peer, tensor, tag)
+Wanted = tuple[int | None, list[int], int]          # (peer, shape, tag)
+
 
 @dataclass(frozen=True)
 class DimExchange:
@@ -28,7 +34,7 @@ class DimExchange:
 
     dim: int                 # tensor dim (2, 3, 4 for N, C, D, H, W)
     plan: HaloPlan
-    lo: int | None           # global rank of the lower neighbour
+    lo: int | None           # global rank of the lower neighbour (across the face when periodic)
     hi: int | None
 
     @property
@@ -44,80 +50,140 @@ def _sized(x: torch.Tensor, dim: int, extent: int) -> list[int]:
     return shape
 
 
-class HaloExchanger:
-    """Extends a local shard by its halos (``forward``) and returns halo gradients (``adjoint``)."""
+def _cat(pieces: list[torch.Tensor], like: torch.Tensor, dim: int) -> torch.Tensor:
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, dim=dim) if pieces else like.new_empty(_sized(like, dim, 0))
 
-    def __init__(self, dims: list[DimExchange], transport: Transport, fill: float = 0.0) -> None:
+
+def _mapped(fetched: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
+    """``fetched[p.index]`` along ``d``: edge copies beyond the faces, one contiguous run between."""
+    idx = p.index or ()
+    mid = len(idx) - p.pad_lo - p.pad_hi
+    if mid == len(idx) and mid == fetched.shape[d]:
+        return fetched
+    pieces = []
+    if p.pad_lo:
+        pieces.append(fetched.index_select(d, torch.tensor(idx[:p.pad_lo], device=fetched.device)))
+    if mid > 0:
+        pieces.append(fetched.narrow(d, idx[p.pad_lo], mid))
+    if p.pad_hi:
+        pieces.append(fetched.index_select(d, torch.tensor(idx[len(idx) - p.pad_hi:], device=fetched.device)))
+    return _cat(pieces, fetched, d)
+
+
+def _unmapped(g: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
+    """Adjoint of :func:`_mapped`: each voxel's gradient added into the fetched voxel it copies.
+
+    One slice at a time beyond the faces (a few voxels) rather than ``index_add_``, whose CUDA kernel
+    adds duplicates atomically in no fixed order.
+    """
+    idx = p.index or ()
+    mid = len(idx) - p.pad_lo - p.pad_hi
+    if mid == len(idx) and mid == p.fetched:
+        return g
+    out = g.new_zeros(_sized(g, d, p.fetched))
+    if mid > 0:
+        out.narrow(d, idx[p.pad_lo], mid).copy_(g.narrow(d, p.pad_lo, mid))
+    for k in (*range(p.pad_lo), *range(len(idx) - p.pad_hi, len(idx))):
+        out.narrow(d, idx[k], 1).add_(g.narrow(d, k, 1))
+    return out
+
+
+class HaloExchanger:
+    """Extends a local shard by its halos (``forward``) and returns halo gradients (``adjoint``).
+
+    ``rank``: this process's global rank. A periodic dim split once makes the rank its own neighbour
+    across both faces: its messages to itself are handed over in memory (torch.distributed refuses
+    to send to oneself).
+    """
+
+    def __init__(self, dims: list[DimExchange], transport: Transport, fill: float = 0.0,
+                 rank: int | None = None) -> None:
         self.dims = [d for d in dims if not d.trivial]
         self.transport = transport
         self.fill = fill
+        self.rank = rank
+
+    def _swap(self, sends: list[Message], wanted: list[Wanted], like: torch.Tensor,
+              what: str) -> list[torch.Tensor]:
+        """Post ``sends``, return what arrives for ``wanted`` in its order.
+
+        A message to this rank itself is the sent tensor (no copy). The rest go to the transport in
+        tag order on both sides: transports that pair messages per peer in posting order (NCCL
+        ignores tags) then pair them as the tags do, which matters with two shards along a periodic
+        dim, whose left and right neighbour are one rank sending two messages.
+        """
+        mine = {tag: t for peer, t, tag in sends if peer == self.rank}
+        got, recvs = [], []
+        for peer, shape, tag in wanted:
+            if peer == self.rank:
+                got.append(mine[tag])
+            else:
+                buf = like.new_empty(shape)
+                got.append(buf)
+                recvs.append((peer, buf, tag))
+        out = [(peer, t.contiguous(), tag) for peer, t, tag in sends if peer != self.rank]
+        if out or recvs:
+            with prange(what, "halo"):
+                self.transport.exchange(sorted(out, key=lambda m: m[2]), sorted(recvs, key=lambda m: m[2]))
+        return got
 
     # ------------------------------------------------------------------ forward
     def _forward_dim(self, x: torch.Tensor, ex: DimExchange) -> torch.Tensor:
         p, d = ex.plan, ex.dim
-        sends, recvs = [], []
-        tag = _FWD_TAG + 2 * d
+        tag = _FWD_TAG + 2 * d               # tag: sent upwards (to hi), tag + 1: sent downwards
         (a, b), (c, e) = p.send_lo, p.send_hi
-        if b > a:
-            sends.append((ex.lo, x.narrow(d, a, b - a).contiguous(), tag + 1))
-        if e > c:
-            sends.append((ex.hi, x.narrow(d, c, e - c).contiguous(), tag))
-        lo_buf = x.new_empty(_sized(x, d, p.recv_lo)) if p.recv_lo else None
-        hi_buf = x.new_empty(_sized(x, d, p.recv_hi)) if p.recv_hi else None
-        if lo_buf is not None:
-            recvs.append((ex.lo, lo_buf, tag))        # what the lower neighbour sent upwards
-        if hi_buf is not None:
-            recvs.append((ex.hi, hi_buf, tag + 1))
-        with prange("halo_exchange", "halo"):
-            self.transport.exchange(sends, recvs)
-        own = x.shape[d] - p.trim_lo - p.trim_hi
+        sends = [(ex.lo, x.narrow(d, a, b - a), tag + 1)] if b > a else []
+        sends += [(ex.hi, x.narrow(d, c, e - c), tag)] if e > c else []
+        wanted = [(ex.lo, _sized(x, d, p.recv_lo), tag)] if p.recv_lo else []
+        wanted += [(ex.hi, _sized(x, d, p.recv_hi), tag + 1)] if p.recv_hi else []
+        got = self._swap(sends, wanted, x, "halo_exchange")
+        lo_buf = got[0] if p.recv_lo else None
+        hi_buf = got[-1] if p.recv_hi else None
+        fill = p.index is None
         pieces = []
-        if p.pad_lo:
+        if fill and p.pad_lo:
             pieces.append(x.new_full(_sized(x, d, p.pad_lo), self.fill))
         if lo_buf is not None:
             pieces.append(lo_buf)
-        if own > 0:
-            pieces.append(x.narrow(d, p.trim_lo, own))
+        if p.kept:
+            pieces.append(x.narrow(d, p.trim_lo, p.kept))
         if hi_buf is not None:
             pieces.append(hi_buf)
-        if p.pad_hi:
+        if fill and p.pad_hi:
             pieces.append(x.new_full(_sized(x, d, p.pad_hi), self.fill))
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat(pieces, dim=d) if pieces else x.new_empty(_sized(x, d, 0))
+        y = _cat(pieces, x, d)
+        return y if fill else _mapped(y, p, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The extended local input: own shard, neighbours' halos, boundary fill, surplus trimmed."""
+        """The extended local input: own shard, neighbours' halos, boundary padding, surplus trimmed."""
         for ex in self.dims:
             x = self._forward_dim(x, ex)
         return x
 
     # ------------------------------------------------------------------ adjoint
-    def _adjoint_dim(self, g: torch.Tensor, ex: DimExchange, n_own: int) -> torch.Tensor:
+    def _adjoint_dim(self, g: torch.Tensor, ex: DimExchange) -> torch.Tensor:
         p, d = ex.plan, ex.dim
+        n_own = p.own[1] - p.own[0]
         tag = _ADJ_TAG + 2 * d
-        own = n_own - p.trim_lo - p.trim_hi
-        off = p.pad_lo
-        sends, recvs = [], []
-        if p.recv_lo:
-            sends.append((ex.lo, g.narrow(d, off, p.recv_lo).contiguous(), tag + 1))
-        if p.recv_hi:
-            start = off + p.recv_lo + max(own, 0)
-            sends.append((ex.hi, g.narrow(d, start, p.recv_hi).contiguous(), tag))
+        if p.index is not None:
+            g, off = _unmapped(g, p, d), 0
+        else:
+            off = p.pad_lo
+        sends = [(ex.lo, g.narrow(d, off, p.recv_lo), tag + 1)] if p.recv_lo else []
+        sends += [(ex.hi, g.narrow(d, off + p.recv_lo + p.kept, p.recv_hi), tag)] if p.recv_hi else []
         lo_w, hi_w = p.send_lo[1] - p.send_lo[0], p.send_hi[1] - p.send_hi[0]
-        lo_buf = g.new_empty(_sized(g, d, lo_w)) if lo_w > 0 else None
-        hi_buf = g.new_empty(_sized(g, d, hi_w)) if hi_w > 0 else None
-        if lo_buf is not None:
-            recvs.append((ex.lo, lo_buf, tag))
-        if hi_buf is not None:
-            recvs.append((ex.hi, hi_buf, tag + 1))
-        with prange("halo_adjoint", "halo"):
-            self.transport.exchange(sends, recvs)
-        if own == n_own and lo_buf is None and hi_buf is None:
-            return g.narrow(d, off + p.recv_lo, own)
+        wanted = [(ex.lo, _sized(g, d, lo_w), tag)] if lo_w > 0 else []
+        wanted += [(ex.hi, _sized(g, d, hi_w), tag + 1)] if hi_w > 0 else []
+        got = self._swap(sends, wanted, g, "halo_adjoint")
+        lo_buf = got[0] if lo_w > 0 else None
+        hi_buf = got[-1] if hi_w > 0 else None
+        if p.kept == n_own and lo_buf is None and hi_buf is None:
+            return g.narrow(d, off + p.recv_lo, n_own)
         out = g.new_zeros(_sized(g, d, n_own))
-        if own > 0:
-            out.narrow(d, p.trim_lo, own).add_(g.narrow(d, off + p.recv_lo, own))
+        if p.kept:
+            out.narrow(d, p.trim_lo, p.kept).add_(g.narrow(d, off + p.recv_lo, p.kept))
         if lo_buf is not None:
             out.narrow(d, p.send_lo[0], lo_w).add_(lo_buf)
         if hi_buf is not None:
@@ -127,7 +193,7 @@ class HaloExchanger:
     def adjoint(self, g: torch.Tensor) -> torch.Tensor:
         """Gradient w.r.t. the own shard from the gradient w.r.t. the extended input."""
         for ex in reversed(self.dims):
-            g = self._adjoint_dim(g, ex, ex.plan.own[1] - ex.plan.own[0])
+            g = self._adjoint_dim(g, ex)
         return g.contiguous()
 
     # ------------------------------------------------------------------ overlap

@@ -8,6 +8,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.norm import DistBatchNorm3d, DistGroupNorm, DistInstanceNorm3d
+from hybridpar.nn.pad import DistCircularPad3d, DistConstantPad3d, DistReflectionPad3d, DistReplicationPad3d
 from hybridpar.nn.pool import (
     DistAdaptiveAvgPool3d,
     DistAdaptiveMaxPool3d,
@@ -25,4 +26,5 @@ __all__ = [
     "register_function", "lookup", "LayerEntry",
     "DistUpsample", "dist_interpolate", "DistGroupNorm", "DistInstanceNorm3d", "DistAdaptiveAvgPool3d",
     "DistAdaptiveMaxPool3d",
+    "DistConstantPad3d", "DistReplicationPad3d", "DistReflectionPad3d", "DistCircularPad3d",
 ]

@@ -16,8 +16,8 @@ from hybridpar.comm.halo import HaloExchanger, halo_exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
-from hybridpar.nn.overlap import OverlappedConv3d
 from hybridpar.nn import registry
+from hybridpar.nn.overlap import OverlappedConv3d
 from hybridpar.nn.spatial import SpatialLayer, _triple
 
 
@@ -25,6 +25,12 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
     """``torch.nn.Conv3d`` on a spatially split input; gives what Conv3d gives on the whole volume.
 
     ``overlap=True`` computes the interior while halos are in flight (forward and backward).
+
+    ``padding_mode`` as torch's: ``'zeros'``; ``'circular'`` (a periodic box: halos wrap around, so the
+    boundary ranks exchange with each other instead of padding); ``'replicate'`` and ``'reflect'`` (the
+    boundary ranks pad with copies of the volume's edge voxels, fetched from the neighbour where the
+    shard is thinner than a reflection; the backward adds the copies' gradients back into them).
+    These two assemble the extended input before computing: ``overlap`` applies to the other two.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
@@ -34,9 +40,6 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
         nn.Conv3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation,
                            groups, bias, padding_mode, device, dtype)
         self._init_spatial(grid, transport)
-        if padding_mode != "zeros":
-            raise NotImplementedError(f"DistConv3d: padding_mode={padding_mode!r} is not supported; "
-                                      f"use 'zeros'")
         self.overlap = overlap
         self._mark_params(self.grid.spatial_size)
 
@@ -48,9 +51,10 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
         return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
 
     def _native_pads(self) -> tuple[int, int, int]:
-        """Padding torch's kernel can apply itself: symmetric padding along dims that are not split
-        (no copy of the input). The overlapped path pads everything in the exchanger instead."""
-        if self.overlap:
+        """Padding torch's kernel can apply itself: symmetric zero padding along dims that are not
+        split (no copy of the input). The overlapped path pads everything in the exchanger instead, and
+        so do the other padding modes (``F.conv3d`` pads with zeros only)."""
+        if self._overlapped() or self.padding_mode != "zeros":
             return (0, 0, 0)
         return tuple(lo if lo == hi and self.grid.spatial_shape[i] == 1 else 0  # type: ignore[return-value]
                      for i, (lo, hi) in enumerate(self._pads()))
@@ -64,14 +68,19 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             if native[i]:  # unsplit, padded by the kernel: nothing to exchange, trim or fill
                 return [HaloPlan((0, n), (0, n), (0, n), 0, 0, 0, 0, 0, 0, (0, 0), (0, 0))]
             return window_plans(n, parts, self.kernel_size[i], self.stride[i], *pads[i], self.dilation[i],
-                                layer=self.layer_name, dim=dim)
+                                layer=self.layer_name, dim=dim, mode=self.padding_mode)
 
         return self.exchanger(shape, plans_of, key=("native", native))
+
+    def _overlapped(self) -> bool:
+        """Whether the interior is computed while halos are in flight: with ``overlap``, for fills and
+        periodic halos (an edge copy of ``replicate``/``reflect`` exists only once the halos are in)."""
+        return self.overlap and self.padding_mode in ("zeros", "circular")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.halo_exchanger(self.global_shape(x))
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
-        if self.overlap:
+        if self._overlapped():
             return OverlappedConv3d.apply(x, self.weight, self.bias, ex, self.stride, self.dilation,
                                           self.groups, group)
         weight, bias = sync_grads(group, self.weight, self.bias)
@@ -152,8 +161,16 @@ def _conv_transpose3d(m: nn.ConvTranspose3d, grid: ProcessGrid, overlap: bool = 
                                grid=grid)
 
 
+def _conv3d_window_args(m: nn.Conv3d) -> list[dict]:
+    """``registry.conv_window_args`` (which marks circular padding periodic) plus the mode of
+    replicate/reflect padding, whose edge copies may need voxels from a neighbour."""
+    args = registry.conv_window_args(m)
+    mode = getattr(m, "padding_mode", "zeros")
+    return [dict(a, mode=mode) for a in args] if mode in ("replicate", "reflect") else args
+
+
 registry.register(nn.Conv3d, role="window", op="conv", flops=registry.conv_flops, to_dist=_conv3d,
-                  window_args=registry.conv_window_args, saved=registry.saved_window)
+                  window_args=_conv3d_window_args, saved=registry.saved_window)
 registry.register(nn.ConvTranspose3d, role="transposed", op="conv", flops=registry.conv_flops,
                   to_dist=_conv_transpose3d, window_args=registry.transposed_window_args,
                   saved=registry.saved_window)

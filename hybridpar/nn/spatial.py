@@ -57,17 +57,22 @@ class SpatialLayer(nn.Module):
 
     def exchanger(self, shape: tuple[int, int, int], plans_of: Callable[[int, int, str], list[HaloPlan]],
                   fill: float = 0.0, key: tuple = ()) -> HaloExchanger:
-        """The (memoised) halo exchanger for global ``shape``; ``plans_of(extent, parts, dim_name)``."""
+        """The (memoised) halo exchanger for global ``shape``; ``plans_of(extent, parts, dim_name)``.
+
+        A dim whose plans are periodic (``circular`` padding) takes its neighbours across the faces:
+        the first and the last rank along the axis are each other's.
+        """
         k = (tuple(shape), fill, *key)
         if k not in self._exchangers:
             dims = []
             for axis in range(3):
                 plans = plans_of(shape[axis], self.grid.spatial_shape[axis], DIM_NAMES[axis])
-                lo, hi = self.grid.neighbours(axis)
-                dims.append(DimExchange(2 + axis, plans[self.grid.spatial_coord[axis]], lo, hi))
+                plan = plans[self.grid.spatial_coord[axis]]
+                lo, hi = self.grid.neighbours(axis, periodic=plan.periodic)
+                dims.append(DimExchange(2 + axis, plan, lo, hi))
             # one rank has no neighbour to talk to: no communicator for it (see grid._self_group)
             group = self.grid.halo_group if self.grid.spatial_size > 1 else None
-            ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill)
+            ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill, rank=self.grid.rank)
             ex.all_dims = dims  # type: ignore[attr-defined]
             self._exchangers[k] = ex
         return self._exchangers[k]

@@ -38,8 +38,6 @@ def test_layer_errors_name_layer_and_fix(grid):
         hp.nn.DistConv3d(2, 3, 3)
     with pytest.raises(ValueError, match=r"DistConv3d: expected a 5-D \(N, C, D, H, W\) shard"):
         hp.nn.DistConv3d(2, 3, 3, grid=grid)(torch.randn(2, 5, 5, 5))
-    with pytest.raises(NotImplementedError, match="padding_mode='circular' is not supported"):
-        hp.nn.DistConv3d(2, 3, 3, padding=1, padding_mode="circular", grid=grid)
     with pytest.raises(NotImplementedError, match="return_indices"):
         hp.nn.DistMaxPool3d(2, return_indices=True, grid=grid)
     with pytest.raises(ValueError, match="padding 2 should be at most half"):

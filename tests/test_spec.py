@@ -291,7 +291,8 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     assert [(r.name, r.kind, r.inputs) for r in plan] == [
         ("a", "Conv3d", ("(input)",)), ("b", "ReLU", ("a",)), ("add", "add", ("b",))]
     nested = nn.Sequential(OrderedDict(body=SeqWithForward(nn.ReLU())))
-    assert [(r.name, r.kind) for r in spec.plan(nested, (1, 1, 8, 8, 8))] == [("body.0", "ReLU"), ("mul", "mul")]
+    plan = spec.plan(nested, (1, 1, 8, 8, 8))
+    assert [(r.name, r.kind) for r in plan] == [("body.0", "ReLU"), ("mul", "mul")]
     raises(["model (Branchy)", "torch.fx cannot trace", "supported:"], spec.plan, Branchy(), (1, 1, 8, 8, 8))
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
     assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
@@ -302,7 +303,8 @@ def test_unregistered_layer_in_a_split_region_is_an_error():
     model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Branchy2(), nn.Conv3d(2, 2, 3, padding=1))
     raises(["1 (Branchy2)", "not registered", "hybridpar.nn.register", "spatial: replicate"],
            spec_of({"spatial": [2, 1, 1]}).plan, model, (1, 1, 8, 8, 8))
-    plan = spec_of({"spatial": [2, 1, 1]}, layers={"1": {"spatial": "replicate"}}).plan(model, (1, 1, 8, 8, 8))
+    ruled = spec_of({"spatial": [2, 1, 1]}, layers={"1": {"spatial": "replicate"}})
+    plan = ruled.plan(model, (1, 1, 8, 8, 8))
     assert [r.gather for r in plan] == [False, True, False]
 
 

@@ -25,15 +25,15 @@ Conventions
   element; max pooling's backward 1 per input element), adaptive pooling (1 per input element each
   way), normalisation (4 per element each way). These layers are memory-bound: the numbers are for
   completeness, not for rate models (the performance model times them instead).
-* Which modules are counted: the outermost module that is an instance of a supported torch class
-  (``_ConvNd`` incl. transposed and ``padding='same'``, ``Linear``, max/avg/adaptive pooling,
-  batch/group/instance/layer norm, activations, ``Flatten``/``Unflatten``/``Identity``, dropout), or
-  one that wraps such a module in ``.local_module`` (how distributed layers name their torch
-  counterpart: the wrapper's observed shapes are used with the counterpart's hyperparameters). The
-  children of a counted module are not visited again. Leaves matching nothing are recorded with zero
-  FLOPs and, when they hold parameters, listed in ``unsupported`` with a warning. Work done in
-  ``forward`` by plain functions (``torch.flatten``, ``x * 1.2``) is not counted, nor by
-  ``FlopCounterMode`` unless it is a matmul.
+* Which modules are counted: the outermost module with an entry in the layer registry
+  (:mod:`hybridpar.nn.registry`: convolutions incl. transposed and ``padding='same'``, ``Linear``,
+  max/avg/adaptive pooling, batch/group/instance/layer norm, upsampling, pads, activations,
+  ``Flatten``/``Unflatten``/``Identity``, dropout, and what users register), or one that wraps such a
+  module in ``.local_module`` (the wrapper's observed shapes are used with the counterpart's
+  hyperparameters). Each entry's ``flops`` gives the formula. The children of a counted module are
+  not visited again. Leaves matching nothing are recorded with zero FLOPs and, when they hold
+  parameters, listed in ``unsupported`` with a warning. Work done in ``forward`` by plain functions
+  (``torch.flatten``, ``x * 1.2``) is not counted, nor by ``FlopCounterMode`` unless it is a matmul.
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def _halo_plans(layer: LayerFlops, dim: int, parts: int) -> list[HaloPlan] | Non
                                 g.output_padding[dim], layer=layer.name, dim=label)[0]
     return window_plans(extent, parts, g.kernel[dim], g.stride[dim], g.pad_lo[dim], g.pad_hi[dim],
                         g.dilation[dim], g.ceil_mode, out_extent=layer.output_shape[-n + dim],
-                        layer=layer.name, dim=label)
+                        layer=layer.name, dim=label, mode=g.mode)
 
 
 def _scale(value: int, part: int, whole: int) -> int:

@@ -91,6 +91,7 @@ from hybridpar.nn import registry
 from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.spec import plan as _plan
 from hybridpar.spec.config import ParallelSpec, SpecError, Split
+from hybridpar.spec.graph import INPUT
 from hybridpar.spec.plan import LayerPlan
 
 __all__ = ["Cost", "Link", "Machine", "PRESETS", "Prediction", "StageCost", "LayerCost", "Workload",
@@ -1080,6 +1081,15 @@ def predict(workload: Workload | nn.Module, spec: ParallelSpec | Mapping[str, An
     return pred
 
 
+def _cut_bytes(plan: list[LayerPlan], graph: Any, stage: int, e: int) -> int:
+    """Bytes per micro-batch a graph's stage sends on: every value live across its end, skips too."""
+    end = max(i for i, r in enumerate(plan) if r.stage == stage)
+    reader = next(r for r in plan if INPUT in r.inputs)
+    index = graph.index()
+    return sum(math.prod(reader.local_input_shape if v == INPUT else plan[index[v]].local_output_shape) * e
+               for v in _plan.live_across(graph)[end])
+
+
 def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: int, plan: list[LayerPlan],
              optimizer_states: int, share: float) -> Prediction:
     """:func:`predict` with a rank's compute stretched ``share`` times by ranks sharing its core."""
@@ -1153,12 +1163,15 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
         layers.append(LayerCost(rec.name, leaf.op, rec.stage, rec.split, fwd, bwd, h_f, h_b, r_f, r_b,
                                 f_fwd + f_i + f_w, hb, saved, latency, w_bwd))
     # hand-over at the end of each stage (to the next stage's split, or replicated for the loss)
+    graph = workload.analysis.graph
     handover: dict[int, tuple[tuple[float, float], float]] = {}
     for s in range(S):
         recs = [r for r in plan if r.stage == s]
         last = recs[-1]
         nxt = next((r for r in plan if r.stage == s + 1), None)
         target = nxt.split if nxt is not None else REPLICATED
+        if not graph.chain:  # a graph's stages hand over every live value in its producer's layout
+            continue
         if target != last.split and len(last.output_shape) == 5:
             micro_shape = (last.local_output_shape[0], *last.output_shape[1:])
             handover[s] = _redistribution(last.output_shape, micro_shape, last.split, target, stage_size, e,
@@ -1179,7 +1192,7 @@ def _predict(workload: Workload, spec: ParallelSpec, machine: Machine, world: in
         send = send_lat = 0.0
         nxt = next((r for r in plan if r.stage == s + 1), None)
         if nxt is not None:
-            nbytes = math.prod(nxt.local_input_shape) * e
+            nbytes = math.prod(nxt.local_input_shape) * e if graph.chain else _cut_bytes(plan, graph, s, e)
             send += 2 * p2p_link.time(nbytes / p2p_share)  # the activation forward, its gradient back
             send_lat = 2 * p2p_link.latency
             latency += send_lat

@@ -61,6 +61,7 @@ class LayerGeometry:
     dilation: tuple[int, ...] = ()
     output_padding: tuple[int, ...] = ()
     ceil_mode: bool = False
+    mode: str | None = None  # padding beyond the faces, as geometry names it (None: zeros)
 
 
 FlopFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Work, LayerGeometry | None]]
@@ -269,7 +270,8 @@ def conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, La
         pads = [(p, p) for p in m.padding]
     geom = LayerGeometry("conv_transposed" if m.transposed else "conv", tuple(m.kernel_size),
                          tuple(m.stride), tuple(p[0] for p in pads), tuple(p[1] for p in pads),
-                         tuple(m.dilation), tuple(m.output_padding) if m.transposed else ())
+                         tuple(m.dilation), tuple(m.output_padding) if m.transposed else (),
+                         mode=None if getattr(m, "padding_mode", "zeros") == "zeros" else m.padding_mode)
     bias = m.bias is not None
     work = {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
             "weight_grad": fwd if m.weight.requires_grad else 0,

@@ -1,16 +1,19 @@
-"""``hybridpar.parallelize``: an ordinary sequential model + a spec -> a hybrid-parallel engine.
+"""``hybridpar.parallelize``: an ordinary model + a spec -> a hybrid-parallel engine.
 
-Why: a scientist writes ``nn.Sequential`` and a YAML file; the engine does the rest in a fixed order:
-(1) resolve the spec against the model and the input shape (one plan every rank computes alike),
-(2) create every process group any rank will use, in the same order everywhere,
-(3) build this rank's stage: Dist layers per the plan, weights copied, Redistributes where splits
-change, (4) run a training step as a pipeline schedule over micro-batches, activations and gradients
-moving shard to shard between stages, (5) reduce gradients once, bucketed and overlapped with the
-last backward, over the stage's data × spatial ranks.
+Why: a scientist writes an ``nn.Module`` (a sequence, a residual network, a U-Net) and a YAML file;
+the engine does the rest in a fixed order: (1) trace the model and resolve the spec against it and
+the input shape (one plan every rank computes alike), (2) create every process group any rank will
+use, in the same order everywhere, (3) build this rank's stage: Dist layers per the plan, weights
+copied, Redistributes where splits change (a sequence's stage is a list of layers; a graph's runs
+in :class:`~hybridpar.pipeline.stage_graph.StageGraph`), (4) run a training step as a pipeline
+schedule over micro-batches, activations and gradients moving shard to shard between stages, (5)
+reduce gradients once, bucketed and overlapped with the last backward, over the stage's data ×
+spatial ranks.
 
 The training step gives the same numbers as the single-process model on any layout: each
 micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
-averaged, and the loss a head computes on replicated ranks counts once.
+averaged, the loss a head computes on replicated ranks counts once, and on a split output (a volume
+predicted voxel by voxel) each rank's loss is weighted by its share of the volume.
 """
 
 from __future__ import annotations
@@ -577,7 +580,7 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                 local_p2p: bool | None = None) -> Engine:
-    """Make ``model`` (an ``nn.Sequential``, possibly nested) hybrid-parallel per ``spec``.
+    """Make ``model`` (any module whose forward torch.fx can trace) hybrid-parallel per ``spec``.
 
     ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
     engine is built from ``input_shape`` (global N, C, D, H, W) or from the first batch it sees.

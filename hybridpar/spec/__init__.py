@@ -6,8 +6,9 @@ process starts, with a message that prints the arithmetic and says what would fi
 
 * :mod:`~hybridpar.spec.config`: YAML -> typed dataclasses (``GridSpec``, ``PipelineSpec``,
   ``LayerRule``, ``ParallelSpec``), validated when built.
+* :mod:`~hybridpar.spec.graph`: the model traced by torch.fx into nodes with their inputs.
 * :mod:`~hybridpar.spec.plan`: the spec resolved against a model and a global input shape, one
-  ``LayerPlan`` per leaf layer (split, stage, shapes, halos, FLOPs, activation bytes).
+  ``LayerPlan`` per graph node (split, stage, shapes, halos, FLOPs, activation bytes).
 * :mod:`~hybridpar.spec.explain`: that plan as a table; ``python -m hybridpar.spec explain`` prints it.
 
 Example::

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import distributed
 import graph_models
@@ -110,3 +111,47 @@ def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
                                                                       "stages": ["enc.0.0", "enc.2.0"]}})
     plan = spec.plan(graph_models.UNet3d(), SHAPE, 2)
     assert {r.stage for r in plan if r.name.startswith("dec")} == {1}
+
+
+class Untraceable(nn.Module):
+    """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
+    follow it): run by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 4),
+                                 nn.ReLU())
+        self.down, self.mid = nn.MaxPool3d(2), nn.Conv3d(4, 4, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="trilinear")
+        self.dec = nn.Conv3d(8, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        m = self.mid(self.down(e))
+        if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
+            m = torch.relu(m) + m
+        return self.dec(torch.cat([e, self.up(m)], dim=1))
+
+
+def _swapped_body(rank: int, world: int) -> None:
+    import hybridpar as hp
+
+    fails = Failures()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    y = torch.randn((SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64, generator=g)
+    for spec in ({"grid": {"data": 2, "spatial": [2, 1, 1]}}, {"grid": {"spatial": [1, 2, 2]}}):
+        _compare(fails, f"module swapping {spec}", Untraceable, spec, x, y, F.mse_loss)
+    try:
+        hp.parallelize(Untraceable(), {"grid": {"pipe": 2, "spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+        fails.append("a pipeline over an untraceable model did not fail")
+    except hp.SpecError as err:
+        if "torch.fx cannot trace" not in str(err) or "module swapping" not in str(err):
+            fails.append(f"pipeline over an untraceable model: {err}")
+    fails.raise_if_any(rank)
+
+
+def test_untraceable_model_runs_by_module_swapping():
+    """Without a pipeline, a forward torch.fx cannot trace runs on shards with its layers swapped;
+    the same three steps as one process; with a pipeline it is an error saying why."""
+    distributed.run(_swapped_body, 4, timeout=300)

@@ -293,7 +293,14 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     nested = nn.Sequential(OrderedDict(body=SeqWithForward(nn.ReLU())))
     plan = spec.plan(nested, (1, 1, 8, 8, 8))
     assert [(r.name, r.kind) for r in plan] == [("body.0", "ReLU"), ("mul", "mul")]
-    raises(["model (Branchy)", "torch.fx cannot trace", "supported:"], spec.plan, Branchy(), (1, 1, 8, 8, 8))
+    piped = ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 1}})
+    raises(["model (Branchy)", "torch.fx cannot trace", "supported:", "module swapping"], piped.plan,
+           Branchy(), (2, 1, 8, 8, 8), 2)
+    # without a pipeline it runs by module swapping: its layers found by a forward on the meta device
+    assert [(r.name, r.split) for r in spec_of({"spatial": [2, 1, 1]}).plan(Branchy(), (1, 1, 8, 8, 8))] \
+        == [("a", (2, 1, 1))]
+    raises(["model (ValueBranch)", "neither torch.fx nor a run on the meta device"], spec.plan, ValueBranch(),
+           (1, 1, 8, 8, 8))
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
     assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
 
@@ -306,6 +313,11 @@ def test_unregistered_layer_in_a_split_region_is_an_error():
     ruled = spec_of({"spatial": [2, 1, 1]}, layers={"1": {"spatial": "replicate"}})
     plan = ruled.plan(model, (1, 1, 8, 8, 8))
     assert [r.gather for r in plan] == [False, True, False]
+
+
+class ValueBranch(Branchy):
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else x
 
 
 class Branchy2(Branchy):

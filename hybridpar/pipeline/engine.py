@@ -45,9 +45,11 @@ from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.pipeline.stage_graph import StageGraph
+from hybridpar.pipeline.swap import swap
 from hybridpar.profiling import range as prange
 from hybridpar.spec import ParallelSpec, load_spec
-from hybridpar.spec.graph import INPUT
+from hybridpar.spec.config import SpecError
+from hybridpar.spec.graph import INPUT, ModelGraph, UntraceableError
 from hybridpar.spec.graph import trace as trace_graph
 
 _FWD, _BWD, _LOSS = 1 << 12, 1 << 13, 1 << 14
@@ -73,8 +75,15 @@ class Engine:
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                  local_p2p: bool | None = None) -> None:
-        self.graph = trace_graph(model)  # an untraceable model fails here, before anything starts
-        self._chain = self.graph.chain and all(n.op == "module" for n in self.graph.nodes)
+        try:
+            self.graph: ModelGraph | None = trace_graph(model)  # an untraceable model fails here
+        except UntraceableError as err:
+            if spec.grid.pipe != 1:
+                raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a "
+                                f"model runs by module swapping") from None
+            self.graph, self._untraced = None, str(err)  # run by module swapping (pipeline/swap.py)
+        self._chain = self.graph is not None and self.graph.chain and \
+            all(n.op == "module" for n in self.graph.nodes)
         if not dist.is_initialized():
             init_distributed()
         if all(p.device.type == "cpu" for p in model.parameters()):
@@ -160,11 +169,14 @@ class Engine:
         mine = self.plan[lo:hi]
         reader = next(lp for lp in self.plan if INPUT in lp.inputs)
         self.input_split = reader.split if len(reader.input_shape) == 5 else REPLICATED
-        out = next(lp for lp in self.plan if lp.name == self.graph.output)
+        out = self.plan[-1] if self.graph is None else next(lp for lp in self.plan
+                                                             if lp.name == self.graph.output)
         self.output_record = out
         self.output_split = out.output_split if len(out.output_shape) == 5 else REPLICATED
         self.stage_graph: StageGraph | None = None
-        if self._chain:
+        if self.graph is None:
+            self.layers = [("", self._swapped())]
+        elif self._chain:
             self.layers = self._chain_layers(mine, stage)
         else:  # a graph: this stage's nodes run by one module, every live value carried across cuts
             self.stage_graph = StageGraph(self.graph, self.plan, lo, hi, input_shape, self.input_split,
@@ -189,6 +201,21 @@ class Engine:
             m.global_input_shape = tuple(lp.input_shape[2:])
             m.layer_name = f"{type(m).__name__}({name})"
         return m
+
+    def _swapped(self) -> nn.Module:
+        """The untraceable model with its layers swapped for their split versions (said once)."""
+        if dist.get_rank() == 0:
+            warnings.warn(f"hybridpar.parallelize: {self._untraced}. Running it by module swapping: its "
+                          f"own forward on shards, every registered layer split "
+                          f"{list(self.spec.grid.spatial)}", stacklevel=4)
+        first = {lp.name: lp for lp in reversed(self.plan)}
+
+        def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
+            if name in first:
+                return self._convert(name, m, first[name])
+            return to_distributed(m, grid, self.overlap)  # never called on this input
+
+        return swap(self.model, self._layout(self.spec.grid.spatial), convert)
 
     def _chain_layers(self, mine: list[Any], stage: int) -> list[tuple[str | None, nn.Module]]:
         """A sequence's stage: its layers in order, Redistributes where the split changes, and one at

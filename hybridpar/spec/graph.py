@@ -32,6 +32,10 @@ SUPPORTED = ("supported: a forward that torch.fx can trace (no branches or loops
              "tensor in and one tensor out; modules whose forward cannot be traced run whole as one layer")
 
 
+class UntraceableError(SpecError):
+    """torch.fx cannot follow the model's forward (without a pipeline it runs by module swapping)."""
+
+
 @dataclass(frozen=True)
 class Node:
     """One call in forward order: a module (``op == "module"``, ``target`` its qualified name, and
@@ -120,7 +124,7 @@ def trace(model: nn.Module) -> ModelGraph:
         graph = tracer.trace(model)
     except Exception as err:
         where = tracer.stack[-1] if tracer.stack else "the model's own forward"
-        raise SpecError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
+        raise UntraceableError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
                         f"{type(err).__name__}: {err}; {SUPPORTED}") from None
     gm = fx.GraphModule(model, graph)
     nodes: list[Node] = []

@@ -33,7 +33,7 @@ from hybridpar import flops as flop_count
 from hybridpar import geometry
 from hybridpar.nn import registry
 from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
-from hybridpar.spec.graph import INPUT, ModelGraph, Node, trace, trace_values
+from hybridpar.spec.graph import INPUT, ModelGraph, Node, UntraceableError, trace, trace_values
 
 AXES = ("d", "h", "w")
 BYTES_PER_ELEMENT = 4  # activations are planned in float32
@@ -511,5 +511,13 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
         spec = spec.resolve_grid(world_size)
     elif not spec.grid.is_resolved:
         raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
-    _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
-    return resolve(spec, analyse(model, shape))
+    micro = _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
+    try:
+        return resolve(spec, analyse(model, shape))
+    except UntraceableError as err:
+        if spec.grid.pipe != 1:
+            raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a model "
+                            f"runs by module swapping") from None
+    from hybridpar.spec.swapped import swapped_plan  # noqa: PLC0415 (it builds on this module)
+
+    return swapped_plan(model, shape, spec.grid.spatial, micro)

@@ -1,0 +1,43 @@
+"""Module swapping: a model whose forward torch.fx cannot trace, run on shards by its own forward.
+
+Why: a forward may branch or loop in Python (on a config flag, a list of blocks, a shape) in ways
+torch.fx refuses, yet every tensor operation in it is one a split volume supports: registered layers
+and elementwise arithmetic. Without a pipeline nothing needs the graph: each registered layer is
+swapped in place for its split counterpart (a copy of the model, weights loaded), every layer runs
+under the grid's split, and the model's own forward runs on this rank's shard. A ``Flatten`` gathers
+its split input first (the dense head then runs replicated, as after a planned gather).
+
+What it cannot do: cut the model into pipeline stages (that needs the data flow), or let one layer run
+under another split. Python code that reads a split tensor's spatial shape sees the shard's.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from torch import nn
+
+from hybridpar.grid import ProcessGrid
+from hybridpar.nn import registry
+from hybridpar.nn.layout import Gather
+from hybridpar.spec.swapped import leaves
+
+Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
+
+
+def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
+    """A copy of ``model`` whose registered layers are their split counterparts under ``grid``
+    (``convert(name, module, grid)``), a ``Flatten`` gathering its split input first."""
+    swapped = copy.deepcopy(model)
+    for name, m in leaves(swapped):
+        entry = registry.lookup(m)
+        if isinstance(m, nn.Flatten):
+            new: nn.Module = nn.Sequential(Gather(grid), m) if grid.spatial_size > 1 else m
+        elif entry is not None and entry.to_dist is not None:
+            new = convert(name, m, grid)
+        else:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        (swapped.get_submodule(parent) if parent else swapped).register_module(leaf, new)
+    return swapped

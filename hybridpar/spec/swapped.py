@@ -1,0 +1,94 @@
+"""The plan of a model torch.fx cannot trace, run by module swapping (:mod:`hybridpar.pipeline.swap`).
+
+Why: ``explain`` and the engine need a plan for such a model too. Without the graph, the layers are
+found by a forward on the meta device with hooks on every module that runs as one layer: one record
+per call, in call order, each registered layer under the grid's split (module swapping runs every
+layer under one split), the rest replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from hybridpar import flops as flop_count
+from hybridpar.nn import registry
+from hybridpar.spec.config import SpecError, Split
+from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, _halos, _local, leaf_flop_sums
+
+
+def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that run as one layer: registered ones (not traced into) and childless ones."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if registry.lookup(child) is not None or not any(True for _ in child.children()):
+                out.append((path, child))
+            else:
+                walk(path, child)
+
+    walk("", model)
+    return out
+
+
+def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
+                 micro: int) -> list[LayerPlan]:
+    """One record per call of a leaf module on a meta forward of the global input, in call order:
+    registered splittable layers under ``split``, the rest replicated. Fails with a :class:`SpecError`
+    when the forward does not run on the meta device (it branches on tensor values) or a layer
+    nobody registered reads a split activation."""
+    records: list[LayerPlan] = []
+    names = dict((m, n) for n, m in leaves(model))
+    split_so_far = [False]
+
+    def hook(m: nn.Module, args: tuple, out: object) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or not isinstance(out, torch.Tensor):
+            return
+        entry = registry.lookup(m)
+        spatial = x.dim() == 5
+        if entry is None and spatial and split_so_far[0]:
+            raise SpecError(f"{names[m]} ({type(m).__name__}): this layer type is not registered and its "
+                            f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
+                            f"model can run by module swapping")
+        s = split if spatial and entry is not None and entry.splittable else REPLICATED
+        split_so_far[0] = split_so_far[0] or s != REPLICATED
+        out_split = REPLICATED if out.dim() != 5 or entry is None or entry.replicated_output(m) else s
+        records.append(LayerPlan(
+            name=names[m] if not any(r.name == names[m] for r in records) else f"{names[m]}#{len(records)}",
+            kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
+            output_shape=tuple(out.shape), local_input_shape=_local(tuple(x.shape), micro, s),
+            local_output_shape=_local(tuple(out.shape), micro, out_split),
+            halo=_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), s),
+            params=sum(p.numel() for p in m.parameters()), flops=0, activation_bytes=0, redistribute=False,
+            inputs=(records[-1].name,) if records else ("(input)",), out_split=out_split))
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    state = {k: torch.empty_like(v, device="meta")
+             for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
+    try:
+        torch.func.functional_call(model, state, (x,))
+    except SpecError:
+        raise
+    except Exception as err:
+        where = records[-1].name if records else "its first layer"
+        raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "
+                        f"follow its forward (after {where}: {type(err).__name__}: {err}); branch on "
+                        f"configuration, not on tensor values") from err
+    finally:
+        for h in handles:
+            h.remove()
+    if not records:
+        raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
+    sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
+    return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
+                                activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape))
+            for r, f in zip(records, sums, strict=True)]

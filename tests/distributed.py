@@ -16,6 +16,16 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+# World sizes and their spatial grids that layer suites run on: every axis split alone, two axes,
+# three ways, and all three axes.
+GRIDS = [
+    (1, [(1, 1, 1)]),
+    (2, [(2, 1, 1), (1, 1, 2)]),
+    (3, [(3, 1, 1)]),
+    (4, [(2, 2, 1), (1, 2, 2)]),
+    (8, [(2, 2, 2)]),
+]
+
 
 def free_port() -> int:
     with socket.socket() as s:

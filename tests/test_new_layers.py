@@ -19,13 +19,7 @@ def _body(rank: int, world: int, grids: list) -> None:
     new_layer_cases.run_all(rank, grids)
 
 
-@pytest.mark.parametrize("world,grids", [
-    (1, [(1, 1, 1)]),
-    (2, [(2, 1, 1), (1, 1, 2)]),
-    (3, [(3, 1, 1)]),
-    (4, [(2, 2, 1), (1, 2, 2)]),
-    (8, [(2, 2, 2)]),
-])
+@pytest.mark.parametrize("world,grids", distributed.GRIDS)
 def test_new_layers_match_torch(world, grids):
     distributed.run(_body, world, grids, timeout=600)
 

@@ -21,13 +21,7 @@ def _body(rank: int, world: int, grids: list, n_random: int, every: int) -> None
     periodic_cases.run_all(rank, grids, n_random=n_random, every=every)
 
 
-@pytest.mark.parametrize("world,grids", [
-    (1, [(1, 1, 1)]),
-    (2, [(2, 1, 1), (1, 1, 2)]),
-    (3, [(3, 1, 1)]),
-    (4, [(2, 2, 1), (1, 2, 2)]),
-    (8, [(2, 2, 2)]),
-])
+@pytest.mark.parametrize("world,grids", distributed.GRIDS)
 def test_padding_modes_match_torch(world, grids):
     # 8 ranks time-share 2 cores here: every other fixed convolution case, no random ones
     distributed.run(_body, world, grids, 8 if world < 8 else 0, 1 if world < 8 else 2, timeout=300)

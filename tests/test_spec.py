@@ -301,6 +301,12 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
         == [("a", (2, 1, 1))]
     raises(["model (ValueBranch)", "neither torch.fx nor a run on the meta device"], spec.plan, ValueBranch(),
            (1, 1, 8, 8, 8))
+    raises(["module swapping", "per-layer rules"], spec_of({"spatial": [2, 1, 1]}, layers={"a": {"spatial":
+           "replicate"}}).plan, Branchy(), (1, 1, 8, 8, 8))
+    # a function that needs the whole volume, called on a split activation outside any layer
+    raises(["model (FlattenBranchy)", "calls flatten on split activations", "nn.Flatten"],
+           spec_of({"spatial": [2, 1, 1]}).plan, FlattenBranchy(), (1, 1, 8, 8, 8))
+    assert len(spec.plan(FlattenBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
     assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
 
@@ -318,6 +324,11 @@ def test_unregistered_layer_in_a_split_region_is_an_error():
 class ValueBranch(Branchy):
     def forward(self, x):
         return self.a(x) if x.sum() > 0 else x
+
+
+class FlattenBranchy(Branchy):
+    def forward(self, x):
+        return torch.flatten(self.a(x) * 2, 1) if x.dim() == 5 else x
 
 
 class Branchy2(Branchy):

@@ -396,7 +396,8 @@ def _register_functions() -> None:
                  F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.sigmoid, F.tanh, F.dropout, F.mish,
                  F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
                  "add", "sub", "mul", "div", "neg", "relu", "sigmoid", "tanh", "exp", "abs", "clamp",
-                 "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as"]
+                 "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as",
+                 "radd", "rsub", "rmul", "truediv", "rtruediv", "iadd", "isub", "imul", "itruediv", "pow"]
     for fn in pointwise:
         register_function(fn, "pointwise")
     register_function(torch.cat, "concat")

@@ -518,6 +518,10 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
         if spec.grid.pipe != 1:
             raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a model "
                             f"runs by module swapping") from None
+        if spec.layers:
+            raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
+                            f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "
+                            f"traced graph") from None
     from hybridpar.spec.swapped import swapped_plan  # noqa: PLC0415 (it builds on this module)
 
     return swapped_plan(model, shape, spec.grid.spatial, micro)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
@@ -37,6 +38,41 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+class _Watch(TorchFunctionMode):
+    """Sees every torch function the forward calls outside its layers and notes those that read a
+    split activation and are not elementwise (they would compute on the shard what they compute on
+    the whole volume). Split-ness follows the tensors: a layer's split output, and what elementwise
+    functions make of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.split: dict[int, torch.Tensor] = {}  # id -> tensor (kept, so that ids are not reused)
+        self.unsafe: list[str] = []
+
+    def mark(self, t: torch.Tensor) -> None:
+        self.split[id(t)] = t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.depth or not isinstance(out, torch.Tensor):
+            return out
+        flat = [*args, *(a for v in args if isinstance(v, list | tuple) for a in v), *kwargs.values()]
+        if not any(isinstance(a, torch.Tensor) and id(a) in self.split for a in flat):
+            return out
+        name = getattr(func, "__name__", str(func)).strip("_")
+        role = registry.function_role(func) or registry.function_role(name)
+        if role == "concat":
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            role = "pointwise" if isinstance(dim, int) and dim % out.dim() == 1 else None
+        if role == "pointwise":
+            self.mark(out)
+        else:
+            self.unsafe.append(name)
+        return out
+
+
 def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
                  micro: int) -> list[LayerPlan]:
     """One record per call of a leaf module on a meta forward of the global input, in call order:
@@ -45,9 +81,14 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     nobody registered reads a split activation."""
     records: list[LayerPlan] = []
     names = dict((m, n) for n, m in leaves(model))
+    watch = _Watch()
     split_so_far = [False]
 
+    def enter(m: nn.Module, args: tuple) -> None:
+        watch.depth += 1
+
     def hook(m: nn.Module, args: tuple, out: object) -> None:
+        watch.depth -= 1
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None or not isinstance(out, torch.Tensor):
             return
@@ -60,6 +101,10 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         s = split if spatial and entry is not None and entry.splittable else REPLICATED
         split_so_far[0] = split_so_far[0] or s != REPLICATED
         out_split = REPLICATED if out.dim() != 5 or entry is None or entry.replicated_output(m) else s
+        if s != REPLICATED and not records:
+            watch.mark(x)  # the model input is sharded like its first reader
+        if out_split != REPLICATED:
+            watch.mark(out)
         records.append(LayerPlan(
             name=names[m] if not any(r.name == names[m] for r in records) else f"{names[m]}#{len(records)}",
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
@@ -69,13 +114,15 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             params=sum(p.numel() for p in m.parameters()), flops=0, activation_bytes=0, redistribute=False,
             inputs=(records[-1].name,) if records else ("(input)",), out_split=out_split))
 
-    handles = [m.register_forward_hook(hook) for m in names]
+    handles = [m.register_forward_pre_hook(enter) for m in names]
+    handles += [m.register_forward_hook(hook) for m in names]
     state = {k: torch.empty_like(v, device="meta")
              for k, v in [*model.named_parameters(), *model.named_buffers()]}
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     try:
-        torch.func.functional_call(model, state, (x,))
+        with watch:
+            torch.func.functional_call(model, state, (x,))
     except SpecError:
         raise
     except Exception as err:
@@ -88,6 +135,13 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             h.remove()
     if not records:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
+    if watch.unsafe:
+        calls = ", ".join(sorted(set(watch.unsafe)))
+        raise SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {calls} "
+                        f"on split activations outside any layer; on a shard these would not give what "
+                        f"they give on the whole volume. Supported there: elementwise arithmetic and "
+                        f"activations, torch.cat along channels; use a layer instead (nn.Flatten, "
+                        f"nn.Upsample, nn.AdaptiveAvgPool3d), or make the forward traceable by torch.fx")
     sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
                                 activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape))

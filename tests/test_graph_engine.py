@@ -111,6 +111,9 @@ def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
                                                                       "stages": ["enc.0.0", "enc.2.0"]}})
     plan = spec.plan(graph_models.UNet3d(), SHAPE, 2)
     assert {r.stage for r in plan if r.name.startswith("dec")} == {1}
+    from hybridpar.spec import explain
+
+    assert "cut 0 -> 1 carries enc.0.2, enc.1.2, pool.1" in explain(spec, graph_models.UNet3d(), SHAPE, 2)
 
 
 class Untraceable(nn.Module):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from hybridpar.spec.config import ParallelSpec, Split
-from hybridpar.spec.plan import LayerPlan, build_plan
+from hybridpar.spec.plan import LayerPlan, build_plan, live_values
 
 COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
 
@@ -92,11 +92,29 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
             f"({_si(rank_train)} fwd+bwd) per rank per step, "
             f"activations {_bytes(act)} per rank per micro-batch ({_bytes(act * kept)} with {kept} in "
             f"flight under {p.schedule}{', before recompute' if p.recompute else ''})")
+    lines += _carried(records, g.pipe)
     lines.append(f"total: {_si(sum(r.params for r in records))} params, "
                  f"{_si(sum(r.flops for r in records))} FLOPs forward, "
                  f"{_si(sum(r.train_flops for r in records))} forward + backward")
     lines += [f"note: {n}" for n in cpu_notes(records)]
     return "\n".join(lines)
+
+
+def _carried(records: Sequence[LayerPlan], stages: int) -> list[str]:
+    """What each cut carries to the next stage when it is more than one tensor (skips of a graph)."""
+    if stages < 2 or all(r.inputs == ((records[i - 1].name,) if i else ("(input)",))
+                         for i, r in enumerate(records)):
+        return []
+    live = live_values([r.name for r in records], [r.inputs for r in records], records[-1].name)
+    by_name = {r.name: r for r in records}
+    lines = []
+    for s in range(stages - 1):
+        end = max(i for i, r in enumerate(records) if r.stage == s)
+        names = live[end]
+        size = sum(by_name[n].activation_bytes for n in names if n in by_name)
+        lines.append(f"cut {s} -> {s + 1} carries {', '.join(names)} ({_bytes(size)} per rank per "
+                     f"micro-batch)")
+    return lines
 
 
 # oneDNN takes a float32 conv on CPU only when N > 1 or N*C*D*H > 20480 (torch's ConvParams::use_mkldnn);

@@ -481,15 +481,20 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
 def live_across(graph: ModelGraph) -> list[list[str]]:
     """Per cut after node ``i``: the values a later stage still reads (the model input included), in
     forward order. What a pipeline carries from one stage to the next."""
-    index = graph.index()
+    return live_values([n.name for n in graph.nodes], [n.inputs for n in graph.nodes], graph.output)
+
+
+def live_values(names: Sequence[str], inputs: Sequence[tuple[str, ...]], output: str) -> list[list[str]]:
+    """:func:`live_across` from each node's name and inputs (as a plan's records hold them)."""
+    index = {name: i for i, name in enumerate(names)}
     index[INPUT] = -1
     last_use: dict[str, int] = {}
-    for i, n in enumerate(graph.nodes):
-        for src in n.inputs:
+    for i, srcs in enumerate(inputs):
+        for src in srcs:
             last_use[src] = i
-    last_use[graph.output] = len(graph.nodes)
-    order = [INPUT, *(n.name for n in graph.nodes)]
-    return [[v for v in order if index[v] <= i < last_use.get(v, -2)] for i in range(len(graph.nodes))]
+    last_use[output] = len(names)
+    order = [INPUT, *names]
+    return [[v for v in order if index[v] <= i < last_use.get(v, -2)] for i in range(len(names))]
 
 
 def _cut_bytes(graph: ModelGraph, act: list[int], micro: int, input_shape: tuple[int, ...],

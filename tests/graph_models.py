@@ -8,6 +8,7 @@ blocks (``x + f(x)``) with BatchNorm and a strided conv, ending in a dense head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -82,3 +83,22 @@ class ResNet3d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.block2(self.down(self.block1(self.stem(x))))
         return self.head(torch.flatten(self.pool(x), 1))
+
+
+class FunctionalNet(nn.Module):
+    """Layers called as functions in the forward (``F.max_pool3d``, ``F.interpolate``,
+    ``F.adaptive_avg_pool3d``, ``F.leaky_relu``, ``torch.cat``): each runs as its split layer."""
+
+    def __init__(self, c_in: int = 1, c_out: int = 1, width: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv3d(c_in, width, 3, padding=1)
+        self.conv2 = nn.Conv3d(width, width, 3, padding=1)
+        self.gate = nn.Conv3d(width, width, 1)
+        self.out = nn.Conv3d(2 * width, c_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = F.leaky_relu(self.conv1(x), 0.1)
+        m = self.conv2(F.max_pool3d(e, 2))
+        m = m * torch.sigmoid(self.gate(F.adaptive_avg_pool3d(m, 1)))
+        up = F.interpolate(m, scale_factor=2, mode="trilinear", align_corners=False)
+        return self.out(torch.cat([e, up], dim=1))

@@ -66,7 +66,7 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     y_params = torch.randn((SHAPE[0], 3), dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
         make = getattr(graph_models, model)
-        y = y_volume if model == "UNet3d" else y_params
+        y = y_params if model == "ResNet3d" else y_volume
         try:
             _compare(fails, f"{desc} {spec}", make, spec, x, y, F.mse_loss)
         except Exception as err:  # name the case, then go on with the others
@@ -94,6 +94,10 @@ def test_graph_models_four_ranks():
          {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
           "pipeline": {"microbatches": 1, "stages": ["stem", "block1.conv2"]}}),
         ("resnet spatial", "ResNet3d", {"grid": {"spatial": [2, 2, 1]}}),
+        ("functional layers data x spatial", "FunctionalNet", {"grid": {"data": 2, "spatial": [1, 1, 2]}}),
+        ("functional layers pipe x spatial", "FunctionalNet",
+         {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
+          "pipeline": {"microbatches": 2, "stages": ["conv1", "interpolate"]}}),
     ]
     distributed.run(_body, 4, cases, timeout=600)
 

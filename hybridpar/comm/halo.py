@@ -56,6 +56,17 @@ def _cat(pieces: list[torch.Tensor], like: torch.Tensor, dim: int) -> torch.Tens
     return torch.cat(pieces, dim=dim) if pieces else like.new_empty(_sized(like, dim, 0))
 
 
+_INDICES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _index(idx: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The index tensor of ``idx`` on ``device``, made once (no host-to-device copy per call)."""
+    key = (tuple(idx), device)
+    if key not in _INDICES:
+        _INDICES[key] = torch.tensor(idx, dtype=torch.long, device=device)
+    return _INDICES[key]
+
+
 def _mapped(fetched: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
     """``fetched[p.index]`` along ``d``: edge copies beyond the faces, one contiguous run between."""
     idx = p.index or ()
@@ -64,11 +75,11 @@ def _mapped(fetched: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
         return fetched
     pieces = []
     if p.pad_lo:
-        pieces.append(fetched.index_select(d, torch.tensor(idx[:p.pad_lo], device=fetched.device)))
+        pieces.append(fetched.index_select(d, _index(idx[:p.pad_lo], fetched.device)))
     if mid > 0:
         pieces.append(fetched.narrow(d, idx[p.pad_lo], mid))
     if p.pad_hi:
-        pieces.append(fetched.index_select(d, torch.tensor(idx[len(idx) - p.pad_hi:], device=fetched.device)))
+        pieces.append(fetched.index_select(d, _index(idx[len(idx) - p.pad_hi:], fetched.device)))
     return _cat(pieces, fetched, d)
 
 

@@ -576,7 +576,7 @@ def _quick_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | No
     call, ~1 s a layer at 512^3): a planner only needs to know that a split fails, so the message is
     shorter; :meth:`ParallelSpec.plan` gives the full one."""
     try:
-        return _plan._halos("", m, entry, in_shape, out_shape, split)
+        return _plan.node_halos("", m, entry, in_shape, out_shape, split)
     except SpecError:
         size = "x".join(map(str, in_shape[2:]))
         kind = type(m).__name__ if m is not None else "function"

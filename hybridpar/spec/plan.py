@@ -113,7 +113,7 @@ def _node_shapes(graph: ModelGraph, values: dict) -> list[tuple[tuple[int, ...],
 
 
 # ---------------------------------------------------------------------- per-layer arithmetic
-def _halos(name: str, m: nn.Module, entry: registry.LayerEntry | None, in_shape: tuple[int, ...],
+def node_halos(name: str, m: nn.Module, entry: registry.LayerEntry | None, in_shape: tuple[int, ...],
            out_shape: tuple[int, ...], split: Split) -> tuple[tuple[int, int], ...]:
     """Widest (low, high) halo per dim; a split too fine for the layer raises what would fit."""
     if split == REPLICATED:
@@ -193,7 +193,8 @@ def _shard(extent: int, parts: int) -> int:
     return -(-extent // parts)
 
 
-def _local(shape: tuple[int, ...], micro: int, split: Split) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], micro: int, split: Split) -> tuple[int, ...]:
+    """The most loaded rank's shape of a value of global ``shape`` under ``split``, per micro-batch."""
     if len(shape) != 5:
         return (micro, *shape[1:])
     return (micro, shape[1], *(_shard(shape[2 + i], split[i]) for i in range(3)))
@@ -374,7 +375,7 @@ def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | N
 
 
 def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
-            halos: Callable[..., tuple[tuple[int, int], ...]] = _halos) -> list[LayerPlan]:
+            halos: Callable[..., tuple[tuple[int, int], ...]] = node_halos) -> list[LayerPlan]:
     """The plan of ``spec`` on an analysed model (see the module doc for the rules). ``halos`` computes
     one node's halos (the performance model passes a memoised, terser one)."""
     if world_size is not None:
@@ -446,7 +447,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
     gathers = [g and s for g, s in zip(gathers, split_later, strict=True)]
 
     input_split = input_split or REPLICATED
-    local_out = [_local(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
+    local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
     act = [BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
     if pipe.stages == "auto":
         sends = _cut_bytes(a.graph, act, micro, a.input_shape, input_split)
@@ -471,7 +472,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],
         rule=rule_of[node.name].pattern if node.name in rule_of else None,
         input_shape=shapes[i][0], output_shape=shapes[i][1],
-        local_input_shape=_local(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
+        local_input_shape=local_shape(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i])
@@ -501,7 +502,7 @@ def _cut_bytes(graph: ModelGraph, act: list[int], micro: int, input_shape: tuple
                input_split: Split) -> list[int]:
     """Bytes per micro-batch a stage ending after node ``i`` sends on (every live value, skips too)."""
     index = graph.index()
-    in_bytes = BYTES_PER_ELEMENT * math.prod(_local(input_shape, micro, input_split))
+    in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(input_shape, micro, input_split))
     return [sum(in_bytes if v == INPUT else act[index[v]] for v in live) for live in live_across(graph)]
 
 

@@ -19,7 +19,14 @@ from torch.overrides import TorchFunctionMode
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
 from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, _halos, _local, leaf_flop_sums
+from hybridpar.spec.plan import (
+    BYTES_PER_ELEMENT,
+    REPLICATED,
+    LayerPlan,
+    leaf_flop_sums,
+    local_shape,
+    node_halos,
+)
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -108,9 +115,9 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         records.append(LayerPlan(
             name=names[m] if not any(r.name == names[m] for r in records) else f"{names[m]}#{len(records)}",
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
-            output_shape=tuple(out.shape), local_input_shape=_local(tuple(x.shape), micro, s),
-            local_output_shape=_local(tuple(out.shape), micro, out_split),
-            halo=_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), s),
+            output_shape=tuple(out.shape), local_input_shape=local_shape(tuple(x.shape), micro, s),
+            local_output_shape=local_shape(tuple(out.shape), micro, out_split),
+            halo=node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), s),
             params=sum(p.numel() for p in m.parameters()), flops=0, activation_bytes=0, redistribute=False,
             inputs=(records[-1].name,) if records else ("(input)",), out_split=out_split))
 

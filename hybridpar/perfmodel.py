@@ -593,9 +593,7 @@ class Workload:
     """
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int]) -> None:
-        shape = tuple(int(s) for s in input_shape)
-        if len(shape) != 5:
-            raise SpecError(f"input shape must be N, C, D, H, W, got {list(shape)}")
+        shape = _plan.check_input_shape(tuple(int(s) for s in input_shape))
         self.model, self.input_shape = model, shape
         self.analysis = _plan.analyse(model, shape)
         self.leaves, self.containers = self.analysis.leaves, self.analysis.containers

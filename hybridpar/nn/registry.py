@@ -161,7 +161,7 @@ def registered_types() -> list[type]:
     return list(_REGISTRY)
 
 
-def register_function(fn: Any, role: str = "module", *, as_module: Callable[..., nn.Module] | None = None
+def register_function(fn: Any, role: str | None = None, *, as_module: Callable[..., nn.Module] | None = None
                       ) -> None:
     """Say how a function called in a model's forward meets split inputs: ``"pointwise"``
     (elementwise, ``torch.add``, ``operator.mul``: runs on shards whose layouts agree), ``"concat"``
@@ -230,7 +230,8 @@ def transposed_window_args(m: nn.Module) -> list[dict]:
             for i in range(3)]
 
 
-def _check_extent(name: str, extent: int, parts: int, axis: int) -> None:
+def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
+    """A split without halos still needs every shard non-empty (raises ``HaloError``)."""
     if extent < parts:
         raise geometry.HaloError(f"{name}: dim {AXES[axis]} has extent {extent}, too small to split over "
                                  f"{parts} ranks; use a split of at most {extent}")
@@ -250,7 +251,7 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
         elif entry.role == "window":
             plans = geometry.window_plans(extent, parts, layer=name, dim=AXES[i], **args[i])
         else:
-            _check_extent(name, extent, parts, i)
+            check_extent(name, extent, parts, i)
             halo.append((0, 0))
             continue
         halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))

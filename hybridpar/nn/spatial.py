@@ -17,12 +17,14 @@ from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.transport import get_transport
 from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn import registry
 
 DIM_NAMES = ("D", "H", "W")
 
 
 def _triple(v, what: str, layer: str) -> tuple[int, int, int]:
-    t = tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
+    """:func:`registry.triple`, checked: a layer's argument error names the layer."""
+    t = registry.triple(v)
     if len(t) != 3 or not all(isinstance(i, int) for i in t):
         raise ValueError(f"{layer}: {what} must be an int or 3 ints, got {v!r}")
     return t  # type: ignore[return-value]

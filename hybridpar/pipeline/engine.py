@@ -51,6 +51,7 @@ from hybridpar.spec import ParallelSpec, load_spec
 from hybridpar.spec.config import SpecError
 from hybridpar.spec.graph import INPUT, ModelGraph, UntraceableError
 from hybridpar.spec.graph import trace as trace_graph
+from hybridpar.spec.plan import build_plan
 
 _FWD, _BWD, _LOSS = 1 << 12, 1 << 13, 1 << 14
 REPLICATED = (1, 1, 1)
@@ -161,7 +162,7 @@ class Engine:
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape
-        self.plan = self.spec.validate_for(self.model, input_shape, self.world)
+        self.plan = build_plan(self.spec, self.model, input_shape, self.world, self.graph)
         self._make_groups()
         stage = self.grid.pipe_index
         rows = [i for i, lp in enumerate(self.plan) if lp.stage == stage]

@@ -26,7 +26,7 @@ from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
 from hybridpar.spec.graph import INPUT, ModelGraph
-from hybridpar.spec.plan import LayerPlan, live_across
+from hybridpar.spec.plan import LayerPlan, broadcasts, live_across
 
 Split = tuple[int, int, int]
 
@@ -141,9 +141,7 @@ class StageGraph(nn.Module):
         """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
         if not isinstance(value, torch.Tensor) or value.dim() != 5 or src == dst:
             return value
-        if all(n == 1 for n in shape[2:]) and src == (1, 1, 1):
-            # one voxel, replicated (a pooled gate): it broadcasts against any shard as it is, and its
-            # gradient is the sum of the shards' parts
+        if broadcasts(src, shape):  # read as it is; its gradient is the sum of the shards' parts
             layout = self.layout(dst)
             return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
         key = (src, dst, shape)

@@ -122,10 +122,7 @@ def node_halos(name: str, m: nn.Module, entry: registry.LayerEntry | None, in_sh
         if entry is not None and m is not None:
             return entry.halo_widths(m, name, in_shape, out_shape, split)
         for i, parts in enumerate(split):  # an elementwise function: every shard must be non-empty
-            if in_shape[2 + i] < parts:
-                raise geometry.HaloError(f"{name}: dim {AXES[i]} has extent {in_shape[2 + i]}, too small "
-                                         f"to split over {parts} ranks; use a split of at most "
-                                         f"{in_shape[2 + i]}")
+            registry.check_extent(name, in_shape[2 + i], parts, i)
         return ((0, 0),) * 3
     except geometry.HaloError as err:
         size = "x".join(map(str, in_shape[2:]))
@@ -330,13 +327,20 @@ class Analysis:
         return self.graph.containers
 
 
-def analyse(model: nn.Module, input_shape: Sequence[int]) -> Analysis:
-    """Trace ``model``, its shapes on a global input of ``input_shape`` (N, C, D, H, W) and its FLOPs."""
+def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
+    """``input_shape`` as a tuple, if it is a global batch N, C, D, H, W."""
     shape = tuple(input_shape)
     if len(shape) != 5 or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise SpecError(f"input shape must be 5 positive integers N, C, D, H, W (the global batch), got "
                         f"{list(shape)}")
-    graph = trace(model)
+    return shape
+
+
+def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | None = None) -> Analysis:
+    """Trace ``model`` (unless its ``graph`` is given), its shapes on a global input of
+    ``input_shape`` (N, C, D, H, W) and its FLOPs."""
+    shape = check_input_shape(input_shape)
+    graph = trace(model) if graph is None else graph
     shapes = _node_shapes(graph, trace_values(graph, shape))
     leaves = [(n.name, n.module) for n in graph.nodes]
     try:
@@ -464,9 +468,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
             return False
         srcs = [(input_split, a.input_shape) if n == INPUT else (out_split[n], shapes[index[n]][1])
                 for n in node.inputs]
-        # a replicated one-voxel operand (a pooled gate) broadcasts against any shard as it is
-        return any(s != splits[i] and not (s == REPLICATED and all(e == 1 for e in shape[2:]))
-                   for s, shape in srcs)
+        return any(s != splits[i] and not broadcasts(s, shape) for s, shape in srcs)
 
     return [LayerPlan(
         name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],
@@ -477,6 +479,12 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i])
         for i, node in enumerate(nodes)]
+
+
+def broadcasts(split: Split, shape: Sequence[int]) -> bool:
+    """Whether a value of global ``shape`` in layout ``split`` is read by split computations as it is:
+    a replicated one-voxel operand (a pooled gate) broadcasts against any shard, no redistribute."""
+    return split == REPLICATED and len(shape) == 5 and all(e == 1 for e in shape[2:])
 
 
 def live_across(graph: ModelGraph) -> list[list[str]]:
@@ -507,19 +515,17 @@ def _cut_bytes(graph: ModelGraph, act: list[int], micro: int, input_shape: tuple
 
 
 def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
-               world_size: int | None = None) -> list[LayerPlan]:
-    """Resolve ``spec`` for ``model`` on a global input of ``input_shape`` (N, C, D, H, W)."""
-    shape = tuple(input_shape)
-    if len(shape) != 5 or not all(isinstance(s, int) and s >= 1 for s in shape):
-        raise SpecError(f"input shape must be 5 positive integers N, C, D, H, W (the global batch), got "
-                        f"{list(shape)}")
+               world_size: int | None = None, graph: ModelGraph | None = None) -> list[LayerPlan]:
+    """Resolve ``spec`` for ``model`` (traced once more unless its ``graph`` is given) on a global
+    input of ``input_shape`` (N, C, D, H, W)."""
+    shape = check_input_shape(input_shape)
     if world_size is not None:
         spec = spec.resolve_grid(world_size)
     elif not spec.grid.is_resolved:
         raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
     micro = _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
     try:
-        return resolve(spec, analyse(model, shape))
+        return resolve(spec, analyse(model, shape, graph))
     except UntraceableError as err:
         if spec.grid.pipe != 1:
             raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a model "

@@ -90,6 +90,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     names = dict((m, n) for n, m in leaves(model))
     watch = _Watch()
     split_so_far = [False]
+    calls: dict[str, int] = {}
 
     def enter(m: nn.Module, args: tuple) -> None:
         watch.depth += 1
@@ -112,8 +113,9 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             watch.mark(x)  # the model input is sharded like its first reader
         if out_split != REPLICATED:
             watch.mark(out)
+        calls[names[m]] = calls.get(names[m], -1) + 1  # the k-th further call is "name#k", as in a graph
         records.append(LayerPlan(
-            name=names[m] if not any(r.name == names[m] for r in records) else f"{names[m]}#{len(records)}",
+            name=names[m] if not calls[names[m]] else f"{names[m]}#{calls[names[m]]}",
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
             output_shape=tuple(out.shape), local_input_shape=local_shape(tuple(x.shape), micro, s),
             local_output_shape=local_shape(tuple(out.shape), micro, out_split),

@@ -29,6 +29,7 @@ class DataConfig:
     workers: int = 1                     # reader processes per rank (0: read in the training process)
     prefetch: int = 2                    # batches read ahead
     stage_dir: str | None = None         # copy this replica's files here first (node-local disk)
+    channels: int = 4                    # redshift channels read, from z = 0 (1: today's field only)
 
 
 @dataclass
@@ -42,6 +43,17 @@ class ModelConfig:
     global_pool: bool = False            # global average pooling before the dense head
     head_norm: bool = False              # BatchNorm1d on the pooled features
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
+
+
+@dataclass
+class UNetConfig:
+    """The reconstruction task's network (``cosmoflow.unet.UNet3d``)."""
+
+    width: int = 8                       # channels of the full-resolution level, doubled per level
+    levels: int = 4                      # resolutions: the sample size must divide by 2^(levels - 1)
+    max_width: int = 64
+    groups: int = 4                      # GroupNorm groups
+    padding_mode: str = "circular"       # zeros | circular (periodic boxes)
 
 
 @dataclass
@@ -84,11 +96,18 @@ class LoggingConfig:
     progress: bool = True
 
 
+TASKS = ("regress", "reconstruct")
+"""regress: the four cosmological parameters of a volume (CosmoFlow); reconstruct: the initial linear
+density field of a volume, voxel by voxel (a U-Net)."""
+
+
 @dataclass
 class Config:
     run_dir: str = "runs/cosmoflow"
+    task: str = "regress"                # regress | reconstruct
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    unet: UNetConfig = field(default_factory=UNetConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: dict[str, Any] = field(default_factory=lambda: {"grid": {"data": -1}})
@@ -192,6 +211,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch."""
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task: {cfg.task!r} is not one of {', '.join(TASKS)}")
+    if not 1 <= cfg.data.channels <= 4:
+        raise ConfigError(f"data.channels: {cfg.data.channels} redshift channels; the universes have 1 to 4 "
+                          "(z = 0, 0.5, 1.5, 3, read from the first)")
     if cfg.optimizer.name not in ("sgd", "lars", "adamw"):
         raise ConfigError(f"optimizer.name: {cfg.optimizer.name!r} is not one of sgd, lars, adamw")
     if len(cfg.optimizer.decay_epochs) != len(cfg.optimizer.decay_factors):
@@ -201,11 +225,42 @@ def validate(cfg: Config) -> None:
                         ("data.sample_size", cfg.data.sample_size)):
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")
-    if cfg.model.padding_mode not in ("zeros", "circular"):
-        raise ConfigError(f"model.padding_mode: {cfg.model.padding_mode!r} is not one of zeros, circular "
-                          f"(circular: periodic boxes, as the generator's universes are)")
+    for section, mode in (("model", cfg.model.padding_mode), ("unet", cfg.unet.padding_mode)):
+        if mode not in ("zeros", "circular"):
+            raise ConfigError(f"{section}.padding_mode: {mode!r} is not one of zeros, circular "
+                              f"(circular: periodic boxes, as the generator's universes are)")
+    if cfg.task == "reconstruct":
+        _validate_reconstruct(cfg)
+        return
     n = cfg.model.n_conv
     if cfg.data.sample_size % (2 ** n):
         fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]
         raise ConfigError(f"model.n_conv: {n} pooling layers need a sample size divisible by {2 ** n}; "
                           f"data.sample_size {cfg.data.sample_size} fits n_conv in {fits}")
+
+
+RECONSTRUCT_METRICS = ("val_loss", "val_decorrelation")
+"""What the reconstruct task can pin its best checkpoint on (lowest wins): the voxel MSE, and the mean of
+1 - r(k) over the shells below half the Nyquist frequency."""
+
+
+def _validate_reconstruct(cfg: Config) -> None:
+    u = cfg.unet
+    if u.levels < 3:
+        raise ConfigError(f"unet.levels: {u.levels}; a reconstruction U-Net needs at least 3 levels to "
+                          "reach the displacement scale (several Mpc/h)")
+    step = 2 ** (u.levels - 1)
+    if cfg.data.sample_size % step:
+        fits = [k for k in range(3, 8) if cfg.data.sample_size % 2 ** (k - 1) == 0]
+        raise ConfigError(f"unet.levels: {u.levels} levels need a sample size divisible by {step}; "
+                          f"data.sample_size {cfg.data.sample_size} fits levels in {fits or 'none (use 4k)'}")
+    for name, value in (("unet.width", u.width), ("unet.max_width", u.max_width), ("unet.groups", u.groups)):
+        if value < 1:
+            raise ConfigError(f"{name}: must be at least 1, got {value}")
+    if u.width % u.groups or u.max_width % u.groups:
+        raise ConfigError(f"unet.groups: {u.groups} GroupNorm groups must divide unet.width ({u.width}) and "
+                          f"unet.max_width ({u.max_width})")
+    best = cfg.checkpoint.best_metric
+    if best is not None and best not in RECONSTRUCT_METRICS:
+        raise ConfigError(f"checkpoint.best_metric: {best!r} is not reported by the reconstruct task; "
+                          f"use one of {', '.join(RECONSTRUCT_METRICS)} (lowest wins) or null")

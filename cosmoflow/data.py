@@ -18,7 +18,10 @@ packed (ours)         ``x`` (N, S, S, S, C), ``y`` (N, 4)      N, one chunked fi
 Sub-cube (i, j, k) of a raw universe (i along axis 0, …) is sample ``(i·n + j)·n + k`` of that file,
 the order in which MLPerf's prepare step splits a universe with ``np.split`` over axes 0, 1, 2.
 
-In memory a sample is ``x`` float32 (C, d, h, w) channels first after ``log1p``, ``y`` float32 (4,).
+In memory a sample is ``x`` float32 (C, d, h, w) channels first after ``log1p``, and ``y`` the target
+of the task: the four parameters, float32 (4,), or for the reconstruction task (``target="linear"``)
+the same region of the raw universe's ``linear`` dataset (the initial density field), float32
+(1, d, h, w), read as a hyperslab like the input and so split like it.
 
 h5py handles cannot cross a fork or be pickled, so files are opened lazily, on the first read in
 each process; pickling drops them and a process that finds handles opened by another pid discards
@@ -43,6 +46,8 @@ import torch
 Region = tuple[slice, slice, slice]
 """Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
 Format = Literal["universe", "split", "packed"]
+Target = Literal["params", "linear"]
+TARGETS = ("params", "linear")
 PathsLike = str | os.PathLike | Iterable[str | os.PathLike]
 HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
 
@@ -114,18 +119,32 @@ def _check_labels(ds: h5py.Dataset, path: str, name: str, want: tuple[int, ...],
 
 
 def _cube_side(shape: tuple[int, ...], lead: int, channels: int) -> int | None:
-    """Side S if ``shape`` is ``lead`` leading dims then (S, S, S, channels), else None."""
+    """Side S if ``shape`` is ``lead`` leading dims then (S, S, S, C) with C >= ``channels``, else None
+    (the first ``channels`` are read: 1 is the z = 0 field alone)."""
     if len(shape) != lead + 4:
         return None
     s = shape[lead:lead + 3]
-    return s[0] if s[0] == s[1] == s[2] and s[0] > 0 and shape[-1] == channels else None
+    return s[0] if s[0] == s[1] == s[2] and s[0] > 0 and shape[-1] >= channels else None
+
+
+def _check_linear(f: h5py.File, path: str, side: int) -> None:
+    """The reconstruction target beside a raw universe: ``linear`` (U, U, U) floats."""
+    obj = f.get("linear")
+    if not isinstance(obj, h5py.Dataset):
+        raise ValueError(f"{path}: no dataset 'linear' (the initial density field the reconstruction task "
+                         "predicts); generate the universes again with python -m cosmoflow.generate "
+                         "(without --no-linear)")
+    if obj.shape != (side,) * 3 or obj.dtype.kind != "f":
+        raise ValueError(f"{path}: dataset 'linear' has shape {obj.shape} and dtype {obj.dtype}; expected "
+                         f"{(side,) * 3} floats, the size of 'full' without its channels")
 
 
 def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_outputs: int = 4,
-                 size_from: str = "") -> tuple[FileEntry, int, np.ndarray]:
+                 size_from: str = "", target: Target = "params") -> tuple[FileEntry, int, np.ndarray]:
     """Detect the format of one file: (entry, sample size, labels (count, n_outputs) float32).
 
-    ``size_from`` names where ``sample_size`` came from when it was not given (for the error message).
+    ``size_from`` names where ``sample_size`` came from when it was not given (for the error message);
+    ``target="linear"`` also requires the reconstruction target, which only raw universes carry.
     """
     try:
         f = h5py.File(path, "r")
@@ -134,7 +153,7 @@ def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_output
     with f:
         if "full" in f:
             full = _dataset(f, path, "full")
-            want = f"(U, U, U, {channels}) with U a multiple of the sample size"
+            want = f"(U, U, U, C >= {channels}) with U a multiple of the sample size"
             side = _cube_side(full.shape, 0, channels)
             if side is None:
                 raise ValueError(f"{path}: dataset 'full' has shape {full.shape}; expected {want}")
@@ -144,6 +163,8 @@ def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_output
                                  f"shape ({n_outputs},) beside 'full'")
             par = _dataset(f, path, "unitPar")
             _check_labels(par, path, "unitPar", (n_outputs,), n_outputs)
+            if target == "linear":
+                _check_linear(f, path, side)
             size = side if sample_size is None else sample_size
             if side % size:
                 fits = ", ".join(str(d) for d in _divisors(side))
@@ -152,6 +173,10 @@ def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_output
             n = side // size
             labels = np.repeat(np.asarray(par[()], dtype=np.float32)[None], n ** 3, axis=0)
             return FileEntry(path, "universe", n ** 3, n), size, labels
+        if "x" in f and target == "linear":
+            raise ValueError(f"{path}: an MLPerf split or packed file holds no initial density field; the "
+                             "reconstruction task reads raw universes ('full' + 'unitPar' + 'linear') as "
+                             "python -m cosmoflow.generate writes them")
         if "x" in f:
             x = _dataset(f, path, "x")
             if "y" not in f:
@@ -161,8 +186,8 @@ def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_output
             lead = len(x.shape) - 4
             side = _cube_side(x.shape, lead, channels) if lead in (0, 1) else None
             if side is None:
-                raise ValueError(f"{path}: dataset 'x' has shape {x.shape}; expected (S, S, S, {channels}) "
-                                 f"(MLPerf split) or (N, S, S, S, {channels}) (packed)")
+                raise ValueError(f"{path}: dataset 'x' has shape {x.shape}; expected (S, S, S, C >= "
+                                 f"{channels}) (MLPerf split) or (N, S, S, S, C >= {channels}) (packed)")
             _check_counts(x, path, "x", f"(S, S, S, {channels})")
             if sample_size is not None and sample_size != side:
                 wanted = f"size {sample_size} of {size_from}" if size_from else f"sample_size {sample_size}"
@@ -218,8 +243,9 @@ class CosmoDataset:
     """
 
     def __init__(self, entries: list[FileEntry], labels: np.ndarray, sample_size: int, channels: int,
-                 chunk_cache_bytes: int | None = None) -> None:
+                 chunk_cache_bytes: int | None = None, target: Target = "params") -> None:
         self.entries = entries
+        self.target = target
         self.labels = labels
         """All labels (len, n_outputs) float32, in sample order."""
         self.sample_size = sample_size
@@ -301,34 +327,48 @@ class CosmoDataset:
             f = self._files[path] = h5py.File(path, "r", **kw)
         return f
 
-    def read_raw(self, index: int, region: Region | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(x, y)`` as stored: x int16 (d, h, w, C) channels last, y float32; only the region is read."""
-        entry, local = self.locate(index)
-        (d0, d1), (h0, h1), (w0, w1) = _region_bounds(region, self.sample_size)
-        f = self._file(entry.path)
-        if entry.format == "universe":
-            n, s = entry.per_side, self.sample_size
-            i, j, k = local // (n * n), (local // n) % n, local % n
-            ds = f["full"]
-            sel = ((i * s + d0, i * s + d1), (j * s + h0, j * s + h1), (k * s + w0, k * s + w1))
-        elif entry.format == "split":
-            ds = f["x"]
-            sel = ((d0, d1), (h0, h1), (w0, w1))
-        else:
-            ds = f["x"]
-            sel = ((local, local + 1), (d0, d1), (h0, h1), (w0, w1))
-        sel = sel + ((0, self.channels),)
-        x = ds[tuple(slice(a, b) for a, b in sel)]
-        if entry.format == "packed":
-            x = x[0]
-        self._bytes_read += x.nbytes
+    def _slab(self, entry: FileEntry, local: int, region: Region | None) -> tuple[tuple[int, int], ...]:
+        """The region's voxel bounds along D, H, W in the file's dataset (after a packed file's index)."""
+        bounds = _region_bounds(region, self.sample_size)
+        if entry.format != "universe":
+            return bounds
+        n, s = entry.per_side, self.sample_size
+        corner = (local // (n * n), (local // n) % n, local % n)
+        return tuple((c * s + a, c * s + b) for c, (a, b) in zip(corner, bounds))
+
+    def _read_slab(self, ds: h5py.Dataset, sel: tuple[tuple[int, int], ...]) -> np.ndarray:
+        out = ds[tuple(slice(a, b) for a, b in sel)]
+        self._bytes_read += out.nbytes
         self._chunk_bytes_read += _chunk_bytes(ds, sel)
+        return out
+
+    def read_raw(self, index: int, region: Region | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, y)`` as stored: x int16 (d, h, w, C) channels last, y the float32 parameters; only the
+        region is read."""
+        entry, local = self.locate(index)
+        f = self._file(entry.path)
+        sel = self._slab(entry, local, region) + ((0, self.channels),)
+        if entry.format == "universe":
+            x = self._read_slab(f["full"], sel)
+        elif entry.format == "split":
+            x = self._read_slab(f["x"], sel)
+        else:
+            x = self._read_slab(f["x"], ((local, local + 1), *sel))[0]
         return x, self.labels[self._index(index)].copy()
 
-    def read(self, index: int, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``: x float32 (C, d, h, w) channels first, ``log1p`` of the counts; y float32 (4,).
+    def read_linear(self, index: int, region: Region | None = None) -> np.ndarray:
+        """The reconstruction target of sample ``index``: its region of ``linear``, float32 (d, h, w)."""
+        entry, local = self.locate(index)
+        if entry.format != "universe":
+            raise ValueError(f"{entry.path}: only raw universes carry the initial density field 'linear'")
+        ds = self._file(entry.path)["linear"]
+        return np.asarray(self._read_slab(ds, self._slab(entry, local, region)), dtype=np.float32)
 
-        Without ``region`` the whole sample, (C, S, S, S); with it only that hyperslab is read.
+    def read(self, index: int, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: x float32 (C, d, h, w) channels first, ``log1p`` of the counts; y the target.
+
+        Without ``region`` the whole sample, (C, S, S, S); with it only that hyperslab is read, of the
+        input and, for ``target="linear"``, of the target, which is then float32 (1, d, h, w).
         """
         raw, y = self.read_raw(index, region)
         # numpy, not torch: torch's OpenMP pool deadlocks in a forked child once the parent has used
@@ -336,6 +376,8 @@ class CosmoDataset:
         x = np.empty((raw.shape[3], *raw.shape[:3]), dtype=np.float32)
         np.copyto(x, raw.transpose(3, 0, 1, 2), casting="unsafe")
         np.log1p(x, out=x)
+        if self.target == "linear":
+            y = self.read_linear(index, region)[None]
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,13 +392,16 @@ class CosmoDataset:
 
 
 def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int = 4, n_outputs: int = 4,
-                 chunk_cache_bytes: int | None = None) -> CosmoDataset:
+                 chunk_cache_bytes: int | None = None, target: Target = "params") -> CosmoDataset:
     """Open CosmoFlow samples from a directory, an HDF5 file, a glob or a list of those.
 
     ``sample_size`` cuts raw universes into cubes of that side and must match the other formats; None
     takes each file's natural size (a whole universe is one sample), which must then agree across files.
-    ``chunk_cache_bytes`` sets h5py's per-file chunk cache (default 1 MiB).
+    ``chunk_cache_bytes`` sets h5py's per-file chunk cache (default 1 MiB). ``target`` picks what
+    ``y`` is: ``"params"`` (the four parameters) or ``"linear"`` (the initial density field).
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if sample_size is not None and sample_size < 1:
         raise ValueError(f"sample_size must be a positive number of voxels, got {sample_size}")
     entries: list[FileEntry] = []
@@ -364,10 +409,10 @@ def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int
     size: int | None = sample_size
     size_from = ""
     for path in _expand(paths):
-        entry, side, lab = inspect_file(path, size, channels, n_outputs, size_from)
+        entry, side, lab = inspect_file(path, size, channels, n_outputs, size_from, target)
         if size is None:  # the first file fixes the size the others must have (or be cut to)
             size, size_from = side, f"the first file {path}"
         entries.append(entry)
         labels.append(lab)
     assert size is not None
-    return CosmoDataset(entries, np.concatenate(labels), size, channels, chunk_cache_bytes)
+    return CosmoDataset(entries, np.concatenate(labels), size, channels, chunk_cache_bytes, target)

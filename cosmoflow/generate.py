@@ -3,7 +3,9 @@
 Why a CLI of its own: everything downstream (formats, packing, the loader, training) is meant to run
 unchanged on the real ExaLearn files, so the generator writes exactly their layout, one HDF5 file per
 universe with ``full`` (S, S, S, 4) int16 channels last and ``unitPar`` (4,) float32, and nothing
-downstream may rely on the extra attributes it adds (the physical parameters, box size, seed)::
+the regression task reads may rely on what it adds: the attributes (the physical parameters, box size,
+seed) and ``linear`` (S, S, S) float32, the smoothed z = 0 linear density contrast that displaced the
+particles, which is the truth of the reconstruction task (``--no-linear`` leaves it out)::
 
     python -m cosmoflow.generate --out data/universes --universes 64 --size 64 --workers 2
 
@@ -25,7 +27,15 @@ from typing import TextIO
 import h5py
 import numpy as np
 
-from cosmoflow.universe import PARAM_NAMES, REDSHIFTS, SMOOTHING, Cosmology, box_size, universe_from_seed
+from cosmoflow.universe import (
+    PARAM_NAMES,
+    REDSHIFTS,
+    SMOOTHING,
+    Cosmology,
+    box_size,
+    draw_unit_params,
+    make_universe_and_linear,
+)
 
 
 class ProgressBar:
@@ -80,14 +90,20 @@ def universe_path(out: Path, seed: int, index: int) -> Path:
     return out / f"univ_s{seed}_{index:05d}.h5"
 
 
-def write_universe(path: Path, size: int, seed: int, index: int, smoothing: float = SMOOTHING) -> Path:
+def write_universe(path: Path, size: int, seed: int, index: int, smoothing: float = SMOOTHING,
+                   linear: bool = True) -> Path:
     """Generate universe ``index`` of base seed ``seed`` and write it atomically to ``path``."""
-    full, unit = universe_from_seed(size, (seed, index), smoothing=smoothing)
+    unit = draw_unit_params((seed, index))
+    full, delta = make_universe_and_linear(size, unit, (seed, index), smoothing=smoothing)
     cosmo = Cosmology.from_unit(unit)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with h5py.File(tmp, "w") as f:
         f.create_dataset("full", data=full)
         f.create_dataset("unitPar", data=unit.astype(np.float32))
+        if linear:
+            ds = f.create_dataset("linear", data=delta)
+            ds.attrs["description"] = ("z = 0 linear density contrast, smoothed as the field that displaced "
+                                       "the particles (the reconstruction target)")
         f.attrs["physPar"] = np.array([cosmo.omega_m, cosmo.sigma_8, cosmo.n_s, cosmo.h0])
         f.attrs["physParNames"] = ",".join(PARAM_NAMES)
         f.attrs["redshifts"] = np.asarray(REDSHIFTS)
@@ -100,7 +116,8 @@ def write_universe(path: Path, size: int, seed: int, index: int, smoothing: floa
 
 
 def generate(out: str | Path, universes: int, size: int, workers: int = 1, seed: int = 0,
-             overwrite: bool = False, progress: bool = True, smoothing: float = SMOOTHING) -> list[Path]:
+             overwrite: bool = False, progress: bool = True, smoothing: float = SMOOTHING,
+             linear: bool = True) -> list[Path]:
     """Write ``universes`` files of ``size``³ into ``out``; returns all their paths (kept ones too)."""
     if universes < 1:
         raise ValueError(f"--universes must be at least 1, got {universes}")
@@ -117,12 +134,13 @@ def generate(out: str | Path, universes: int, size: int, workers: int = 1, seed:
     bar = ProgressBar(len(todo), label=f"universes {size}^3", unit="universe") if progress else None
     if workers == 1 or len(todo) <= 1:
         for i in todo:
-            write_universe(paths[i], size, seed, i, smoothing)
+            write_universe(paths[i], size, seed, i, smoothing, linear)
             if bar:
                 bar.update()
     else:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-            futures = [pool.submit(write_universe, paths[i], size, seed, i, smoothing) for i in todo]
+            futures = [pool.submit(write_universe, paths[i], size, seed, i, smoothing, linear)
+                       for i in todo]
             for fut in as_completed(futures):
                 fut.result()
                 if bar:
@@ -143,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoothing", type=float, default=SMOOTHING,
                         help=f"Gaussian smoothing of the linear field, Mpc/h (default {SMOOTHING}); smaller "
                              "keeps more small-scale modes, so sigma_8 is easier to learn from small samples")
+    parser.add_argument("--no-linear", dest="linear", action="store_false",
+                        help="do not write the linear density field (the reconstruction target); files "
+                             "shrink by a third")
     args = parser.parse_args(argv)
     try:
         paths = generate(args.out, args.universes, args.size, args.workers, args.seed, args.overwrite,
-                         smoothing=args.smoothing)
+                         smoothing=args.smoothing, linear=args.linear)
     except ValueError as err:
         parser.error(str(err))
     print(f"{len(paths)} universes of {args.size}^3 in {args.out}", file=sys.stderr)

@@ -91,9 +91,14 @@ class Reporter:
             self.tb.flush()
         if self.progress:
             sys.stderr.write("\n")
-        maes = " ".join(f"{p}={row[f'mae_{p}']:.4f}" for p in PARAMS if f"mae_{p}" in row)
-        print(f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f} "
-              f"val MAE {row['val_mae']:.4f} ({maes})", flush=True)
+        line = f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f}"
+        if "val_mae" in row:
+            maes = " ".join(f"{p}={row[f'mae_{p}']:.4f}" for p in PARAMS if f"mae_{p}" in row)
+            line += f" val MAE {row['val_mae']:.4f} ({maes})"
+        else:  # every other validation figure as it comes, e.g. the reconstruction's r(k) summaries
+            line += "".join(f" {k[4:]} {v:.4f}" for k, v in row.items()
+                            if k.startswith("val_") and k != "val_loss" and isinstance(v, float))
+        print(line, flush=True)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -125,7 +130,7 @@ def plot_run(run_dir: Path, pred: np.ndarray | None, true: np.ndarray | None) ->
         if epochs:
             ax.plot([int(r["last_step"]) for r in epochs], [float(r["val_loss"]) for r in epochs], "o-",
                     label="validation (epoch)")
-        ax.set(xlabel="step", ylabel="MSE loss", yscale="log", title="CosmoFlow training")
+        ax.set(xlabel="step", ylabel="MSE loss", yscale="log", title="training")
         ax.legend()
         fig.tight_layout()
         out.append(run_dir / "plots" / "loss.png")

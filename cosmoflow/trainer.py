@@ -33,8 +33,18 @@ from cosmoflow.data import open_dataset
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
+from cosmoflow.reconstruct import (
+    build_unet,
+    evaluate_fields,
+    mean_fundamental,
+    plot_fields,
+    print_table,
+    result_json,
+    write_result,
+)
 from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.data import VolumeLoader
+from hybridpar.hostinfo import machine_info
 from hybridpar.profiling import StepTimer
 
 
@@ -129,8 +139,30 @@ def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int
         m.momentum = mom
 
 
+def _command_line(launcher: str, world: int) -> str:
+    """The command that started this run, as far as this process can tell (for result files)."""
+    args = " ".join(sys.argv)
+    if launcher == "torchrun":
+        return f"torchrun --nproc-per-node {world} {args}"
+    if launcher == "none" or world == 1:
+        return f"python {args}"
+    return f"{'srun' if launcher == 'slurm' else 'mpirun'} -n {world} python {args}"
+
+
+def _build_model(cfg: Config, channels: int) -> torch.nn.Module:
+    """The task's network: CosmoFlow's regressor or the reconstruction U-Net."""
+    if cfg.task == "reconstruct":
+        return build_unet(cfg, channels)
+    m = cfg.model
+    return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
+                       dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
+                       head_norm=m.head_norm, padding_mode=m.padding_mode)
+
+
 def run(cfg: Config) -> dict[str, Any]:
-    """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline)."""
+    """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline, or
+    the reconstruction's scores)."""
+    started = time.monotonic()
     info = hp.init_distributed()
     rank = info.rank
     run_dir = Path(cfg.run_dir)
@@ -139,21 +171,24 @@ def run(cfg: Config) -> dict[str, Any]:
         _write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
 
-    train_ds = open_dataset(cfg.data.train, sample_size=cfg.data.sample_size)
-    val_ds = open_dataset(cfg.data.val, sample_size=cfg.data.sample_size)
-    S = cfg.data.sample_size
-    model = build_model(S, train_ds.sample_shape[0], cfg.model.n_conv, cfg.model.base_filters,
-                        cfg.model.max_filters, dense=cfg.model.dense, dropout=cfg.model.dropout,
-                        batchnorm=cfg.model.batchnorm, global_pool=cfg.model.global_pool,
-                        head_norm=cfg.model.head_norm, padding_mode=cfg.model.padding_mode)
+    reconstruct = cfg.task == "reconstruct"
+    target = "linear" if reconstruct else "params"
+    S, channels = cfg.data.sample_size, cfg.data.channels
+    train_ds = open_dataset(cfg.data.train, sample_size=S, channels=channels, target=target)
+    val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target)
+    model = _build_model(cfg, channels)
     batch = cfg.train.batch_size
     spec = hp.ParallelSpec.from_dict(cfg.parallel)
-    channels = train_ds.sample_shape[0]
+    # the mean over every voxel (reconstruct) or output: hybridpar weighs each shard by its volume share
     engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S))
+    if reconstruct and engine.output_split != engine.input_split:
+        raise ValueError(f"task reconstruct: the spec leaves the U-Net's output split {engine.output_split} "
+                         f"but its input {engine.input_split}; the target field is read split like the "
+                         "input, so give the last layers the first layer's spatial split")
     grid = engine.grid
     # Dropout masks must agree inside a replica (replicated head), differ between replicas.
     torch.manual_seed(cfg.train.seed + 1000 * grid.data_index + 1)
-    flops = hp.flops.count(model, (1, train_ds.sample_shape[0], S, S, S))
+    flops = hp.flops.count(model, (1, channels, S, S, S))
 
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
                           workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir)
@@ -203,7 +238,8 @@ def run(cfg: Config) -> dict[str, Any]:
         last_save = time.monotonic()
 
     metrics: dict[str, Any] = {}
-    pred = true = None
+    pred = true = fields = None
+    k_fundamental = mean_fundamental(val_ds.labels, S)
     try:
         while epoch < cfg.train.epochs and step < total:
             loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
@@ -242,7 +278,10 @@ def run(cfg: Config) -> dict[str, Any]:
                 epoch += 1
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
-            metrics, pred, true = evaluate(engine, val_loader)
+            if reconstruct:
+                metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
+            else:
+                metrics, pred, true = evaluate(engine, val_loader)
             train_loss = float(np.mean(losses)) if losses else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
             save({"metrics": metrics})
@@ -264,6 +303,18 @@ def run(cfg: Config) -> dict[str, Any]:
     loader.close()
     val_loader.close()
     summary = {"step": step, "epoch": epoch, **metrics}
+    if rank == 0 and fields is not None:
+        print_table(fields)
+        payload = result_json(fields, _command_line(info.launcher, info.world_size), machine_info(),
+                              epochs=epoch, steps=step, train_volumes=len(train_ds), channels=channels,
+                              world_size=info.world_size, parallel=cfg.parallel,
+                              wall_s=round(time.monotonic() - started, 1))
+        write_result(run_dir / "reconstruction.json", payload)
+        summary["goal_met"] = payload["goal"]["met"]
+        plots = [*plot_run(run_dir, None, None), *plot_fields(run_dir, fields)] if cfg.logging.plots else []
+        summary["plots"] = [str(p) for p in plots]
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"run directory: {run_dir.resolve()}", flush=True)
     if rank == 0 and pred is not None:
         base = mae_per_parameter(np.broadcast_to(train_ds.labels.mean(0), true.shape), true)
         summary["baseline"] = base

@@ -278,19 +278,33 @@ def make_universe(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
     Deterministic for a given ``(n, unit_par, seed)``; the field's phases depend on ``seed`` only, so
     universes that share a seed differ only through their parameters.
     """
+    return make_universe_and_linear(n, unit_par, seed, redshifts, smoothing)[0]
+
+
+def make_universe_and_linear(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
+                             redshifts: Sequence[float] = REDSHIFTS,
+                             smoothing: float = SMOOTHING) -> tuple[np.ndarray, np.ndarray]:
+    """``(full, linear)``: the universe of :func:`make_universe` and the field that made it.
+
+    ``linear`` (n, n, n) float32 is the z = 0 linear density contrast, smoothed exactly as the field
+    whose Zel'dovich displacements moved the particles: the truth a reconstruction of the initial
+    conditions aims at (modes the smoothing removed left no trace in the counts).
+    """
     if n < 2:
         raise ValueError(f"universe size must be at least 2 voxels, got {n}")
     cosmo = Cosmology.from_unit(unit_par)
     box = box_size(n, cosmo.h0)
-    psi = zeldovich_displacement(linear_field_k(n, cosmo, seed, smoothing), n, box)
+    delta_k = linear_field_k(n, cosmo, seed, smoothing)
+    psi = zeldovich_displacement(delta_k, n, box)
     growth = np.atleast_1d(growth_factor(np.asarray(redshifts, dtype=np.float64), cosmo.omega_m))
     full = np.empty((n, n, n, len(redshifts)), dtype=np.int16)
     for c, d in enumerate(growth):
         full[..., c] = ngp_counts(psi, float(d), box / n)
-    return full
+    linear = np.fft.irfftn(delta_k, s=(n, n, n), axes=(0, 1, 2)).astype(np.float32)
+    return full, linear
 
 
 def universe_from_seed(n: int, seed: Seed, **kwargs: object) -> tuple[np.ndarray, np.ndarray]:
-    """``(full, unitPar)`` with the parameters drawn from ``seed`` too (what the generator writes)."""
+    """``(full, unitPar)`` with the parameters drawn from ``seed`` too."""
     unit = draw_unit_params(seed)
     return make_universe(n, unit, seed, **kwargs), unit  # type: ignore[arg-type]

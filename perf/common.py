@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import pickle
-import platform
 import socket
 import statistics
 import sys
@@ -45,44 +44,14 @@ if str(ROOT) not in sys.path:  # run as ``python perf/bench_x.py`` from the chec
     sys.path.insert(0, str(ROOT))
 
 
+from hybridpar.hostinfo import cpu_model, machine_info  # noqa: E402,F401 (re-exported to the benchmarks)
+
+
 # ---------------------------------------------------------------------------- machine and load
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     with open("/proc/loadavg") as f:
         return [float(v) for v in f.read().split()[:3]]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict[str, Any]:
-    """Facts that decide what a timing means; stored next to every result."""
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "usable_cores": affinity,
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
-        "torch": torch.__version__,
-        "torch_default_threads": torch.get_num_threads(),
-        "mkldnn": torch.backends.mkldnn.is_available(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYBRIDPAR_MALLOC_TUNING")
-                if k in os.environ},
-        "malloc_tuning": os.environ.get("HYBRIDPAR_MALLOC_TUNING", "1") != "0",
-    }
 
 
 LOCK_PATH = "/tmp/hybridpar-perf.lock"

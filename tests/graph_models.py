@@ -102,3 +102,10 @@ class FunctionalNet(nn.Module):
         m = m * torch.sigmoid(self.gate(F.adaptive_avg_pool3d(m, 1)))
         up = F.interpolate(m, scale_factor=2, mode="trilinear", align_corners=False)
         return self.out(torch.cat([e, up], dim=1))
+
+
+def CosmoUNet() -> nn.Module:  # noqa: N802 (named like the other model classes the tests look up)
+    """The reconstruction task's U-Net (two convs per level, max-pooling), small enough for a test."""
+    from cosmoflow.unet import UNet3d as AppUNet  # noqa: PLC0415
+
+    return AppUNet(1, 1, width=4, levels=3, max_width=16, groups=2)

@@ -215,9 +215,9 @@ def test_errors(universes, packed, tmp_path) -> None:
         _write(tmp_path / "float.h5", full=np.zeros((U, U, U, 4), np.float32), unitPar=par).name:
             "dataset 'full' has dtype float32; expected int16",
         _write(tmp_path / "notcube.h5", full=np.zeros((U, U, 16, 4), i16), unitPar=par).name:
-            r"'full' has shape \(32, 32, 16, 4\); expected \(U, U, U, 4\)",
+            r"'full' has shape \(32, 32, 16, 4\); expected \(U, U, U, C >= 4\)",
         _write(tmp_path / "chan.h5", x=np.zeros((S, S, S, 3), i16), y=par).name:
-            r"'x' has shape \(16, 16, 16, 3\); expected \(S, S, S, 4\)",
+            r"'x' has shape \(16, 16, 16, 3\); expected \(S, S, S, C >= 4\)",
         _write(tmp_path / "badpar.h5", full=np.zeros((U, U, U, 4), i16), unitPar=np.zeros(3)).name:
             r"'unitPar' has shape \(3,\); expected \(4,\)",
         _write(tmp_path / "bady.h5", x=np.zeros((3, S, S, S, 4), i16), y=np.zeros((2, 4))).name:

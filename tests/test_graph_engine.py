@@ -85,6 +85,7 @@ def test_graph_models_four_ranks():
     cases = [
         ("unet data x spatial", "UNet3d", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("unet spatial 2x2", "UNet3d", {"grid": {"spatial": [2, 1, 2]}}),
+        ("reconstruction U-Net spatial 2x2", "CosmoUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("unet pipe x spatial, skips cross the cut", "UNet3d",
          {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
           "pipeline": {"microbatches": 2, "stages": ["enc.0.0", "enc.2.0"]}}),

@@ -1,0 +1,219 @@
+"""The reconstruction task: predict a universe's initial linear density field from its evolved one.
+
+Why this task: the displacements that turn the initial field into today's clustered one scramble its
+small-scale modes (the evolved field decorrelates from the initial one above k ≈ 0.3 h/Mpc in the
+generator's universes), and undoing them needs a network that maps a whole volume to a whole volume
+(a U-Net) and sees tens of voxels around each one. Every activation of such a network is a
+full-resolution volume, which is the case spatial parallelism exists for.
+
+What is measured, on held-out universes, per sample and then averaged:
+
+* ``r(k)`` of the prediction against the truth and, the baseline, of the input itself (the z = 0
+  overdensity ``counts / mean - 1``, i.e. no reconstruction) against the truth, per shell of
+  :mod:`cosmoflow.correlation`;
+* the voxel mean squared error of both, beside the truth's variance (the error of predicting zero).
+
+The goal a run is held to: the prediction's decorrelation ``1 - r`` at most half the input's in every
+shell below half the Nyquist frequency.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hybridpar as hp
+from cosmoflow.config import Config
+from cosmoflow.correlation import correlation, cross_power, shell_centres, shell_edges
+from cosmoflow.unet import UNet3d
+from cosmoflow.universe import Cosmology, box_size
+from hybridpar.comm.redistribute import gather
+from hybridpar.data import VolumeLoader
+
+GOAL = 0.5
+"""The prediction's 1 - r(k) must be at most this fraction of the input's below half the Nyquist frequency."""
+
+
+def build_unet(cfg: Config, in_channels: int) -> UNet3d:
+    """The task's network from the ``unet`` section of the config."""
+    u = cfg.unet
+    model = UNet3d(in_channels, 1, width=u.width, levels=u.levels, max_width=u.max_width, groups=u.groups,
+                   padding_mode=u.padding_mode)
+    model.check_extent(cfg.data.sample_size)
+    return model
+
+
+def overdensity(log_counts: np.ndarray) -> np.ndarray:
+    """``counts / mean - 1`` from the loader's ``log1p(counts)``: the evolved field as an estimate of the
+    initial one (what a reconstruction has to beat)."""
+    counts = np.expm1(log_counts.astype(np.float64))
+    return counts / counts.mean() - 1.0
+
+
+@dataclass
+class FieldResult:
+    """Scores over the validation volumes (every rank holds the same)."""
+
+    size: int
+    edges: np.ndarray
+    """Shell edges in units of the fundamental frequency."""
+    k_fundamental: float
+    """Mean 2π/L over the validation boxes, h/Mpc."""
+    r_model: np.ndarray
+    """(samples, shells) r(k) of each prediction."""
+    r_input: np.ndarray
+    mse_model: np.ndarray
+    """(samples,) voxel MSE of each prediction."""
+    mse_input: np.ndarray
+    var_truth: np.ndarray
+    example: dict[str, np.ndarray] | None = None
+    """Middle slices (truth, input, prediction) of the first validation volume, on the rank that read it."""
+
+    @property
+    def k(self) -> np.ndarray:
+        return shell_centres(self.edges) * self.k_fundamental
+
+    @property
+    def k_nyquist(self) -> float:
+        return self.size / 2 * self.k_fundamental
+
+    @property
+    def low(self) -> np.ndarray:
+        """Shells entirely below half the Nyquist frequency (the ones the goal is about)."""
+        return self.edges[1:] <= self.size / 4 + 1e-9
+
+    def metrics(self) -> dict[str, float]:
+        rm, ri = self.r_model.mean(0), self.r_input.mean(0)
+        return {"val_loss": float(self.mse_model.mean()), "val_mse_input": float(self.mse_input.mean()),
+                "val_var_truth": float(self.var_truth.mean()),
+                "val_r_model": float(rm[self.low].mean()), "val_r_input": float(ri[self.low].mean()),
+                "val_decorrelation": float((1 - rm[self.low]).mean())}
+
+    def goal_ratio(self) -> np.ndarray:
+        """``(1 - r_model) / (1 - r_input)`` per shell: at most :data:`GOAL` where the goal is met."""
+        return (1 - self.r_model.mean(0)) / (1 - self.r_input.mean(0))
+
+
+@torch.no_grad()
+def evaluate_fields(engine: hp.Engine, loader: VolumeLoader, size: int,
+                    k_fundamental: float) -> tuple[dict[str, float], FieldResult]:
+    """Predict every validation volume and score it against the truth (gathered whole per replica).
+
+    The prediction comes back whole from ``engine.predict``; the truth and the input arrive split like
+    the input and are gathered over the replica's spatial group, so no rank reads a whole sample.
+    """
+    engine.eval()
+    edges = shell_edges(size)
+    rows: list[tuple[np.ndarray, np.ndarray, float, float, float]] = []
+    example = None
+    shape = (size, size, size)
+    for x_local, y_local in loader:
+        pred = engine.predict(x_local).double().cpu().numpy()
+        truth = gather(y_local, engine.input_grid, shape).double().cpu().numpy()
+        field = gather(x_local[:, :1].contiguous(), engine.input_grid, shape).cpu().numpy()
+        for b in range(pred.shape[0]):
+            p, t, d = pred[b, 0], truth[b, 0], overdensity(field[b, 0])
+            rows.append((correlation(cross_power(p, t, edges)), correlation(cross_power(d, t, edges)),
+                         float(((p - t) ** 2).mean()), float(((d - t) ** 2).mean()), float(t.var())))
+            if example is None:
+                mid = size // 2
+                example = {"truth": t[mid], "input": d[mid], "prediction": p[mid]}
+    engine.train()
+    if dist.is_initialized() and dist.get_world_size(engine.grid.data_group) > 1:
+        gathered: list[Any] = [None] * engine.grid.data
+        dist.all_gather_object(gathered, rows, group=engine.grid.data_group)
+        rows = [row for part in gathered for row in part]
+    if not rows:
+        raise ValueError("the validation set gave no volumes; check data.val and train.batch_size")
+    cols = list(zip(*rows))
+    result = FieldResult(size, edges, k_fundamental, np.array(cols[0]), np.array(cols[1]),
+                         np.array(cols[2]), np.array(cols[3]), np.array(cols[4]), example)
+    return result.metrics(), result
+
+
+def mean_fundamental(labels: np.ndarray, size: int) -> float:
+    """Mean ``2π/L`` (h/Mpc) over samples of side ``size`` with these unitPar labels (L follows H_0)."""
+    boxes = np.array([box_size(size, Cosmology.from_unit(u).h0) for u in labels])
+    return float(np.mean(2 * np.pi / boxes))
+
+
+def print_table(result: FieldResult) -> None:
+    """r(k) of the prediction and of the input per shell, and the voxel errors."""
+    ratio = result.goal_ratio()
+    print(f"\ncross-correlation with the initial field per shell ({len(result.r_model)} validation volumes "
+          f"of {result.size}^3; goal: 1 - r at most {GOAL:g}x the input's below k_Nyquist/2 = "
+          f"{result.k_nyquist / 2:.2f} h/Mpc):")
+    print(f"  {'k [h/Mpc]':>9} {'r input':>8} {'r U-Net':>8} {'(1-r) ratio':>12}  goal")
+    rm, ri = result.r_model.mean(0), result.r_input.mean(0)
+    for k, a, b, q, low in zip(result.k, ri, rm, ratio, result.low):
+        mark = ("met" if q <= GOAL else "missed") if low else "-"
+        print(f"  {k:9.3f} {a:8.3f} {b:8.3f} {q:12.3f}  {mark}")
+    print(f"voxel MSE: U-Net {result.mse_model.mean():.4f}, input (evolved overdensity) "
+          f"{result.mse_input.mean():.4f}, predicting zero {result.var_truth.mean():.4f}", flush=True)
+
+
+def result_json(result: FieldResult, command: str, machine: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The task's result file (``reconstruction.json``): r(k) of both fields per shell, voxel errors."""
+    low, ratio = result.low, result.goal_ratio()
+    return {
+        "k": result.k.round(5).tolist(), "k_nyquist": round(result.k_nyquist, 5),
+        "r_model": result.r_model.mean(0).round(5).tolist(),
+        "r_input": result.r_input.mean(0).round(5).tolist(),
+        "mse_model": float(result.mse_model.mean()), "mse_input": float(result.mse_input.mean()),
+        "size": result.size, "command": command, "machine": machine,
+        "r_model_std": result.r_model.std(0).round(5).tolist(),
+        "r_input_std": result.r_input.std(0).round(5).tolist(),
+        "var_truth": float(result.var_truth.mean()), "validation_volumes": int(len(result.r_model)),
+        "below_half_nyquist": low.tolist(),
+        "goal": {"max_decorrelation_ratio": GOAL, "ratio": ratio.round(4).tolist(),
+                 "met": bool(np.all(ratio[low] <= GOAL))},
+        "k_units": "h/Mpc (shells of 2 fundamental frequencies; k at the validation boxes' mean size)",
+        **extra,
+    }
+
+
+def plot_fields(run_dir: Path, result: FieldResult) -> list[Path]:
+    """r(k) against k for both fields, and middle slices of the first validation volume, as PNG."""
+    try:
+        import matplotlib  # noqa: PLC0415 (optional)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return []
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curves = (("U-Net prediction", result.r_model, "o-"), ("input (evolved field)", result.r_input, "s--"))
+    for name, r, style in curves:
+        ax.errorbar(result.k, r.mean(0), yerr=r.std(0), fmt=style, ms=4, capsize=2, label=name)
+    ax.axvline(result.k_nyquist / 2, color="0.5", lw=0.8, ls=":", label="half Nyquist")
+    ax.set(xlabel="k [h/Mpc]", ylabel="r(k) with the initial field", ylim=(-0.05, 1.02),
+           title=f"Reconstruction, {result.size}^3 validation volumes")
+    ax.legend()
+    fig.tight_layout()
+    paths = [out_dir / "r_k.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    if result.example is not None:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+        lim = 3 * float(np.std(result.example["truth"]))
+        for ax, (name, img) in zip(axes, result.example.items()):
+            ax.imshow(img, cmap="RdBu_r", vmin=-lim, vmax=lim)
+            ax.set(title=name, xticks=[], yticks=[])
+        fig.tight_layout()
+        paths.append(out_dir / "slices.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def write_result(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")

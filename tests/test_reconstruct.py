@@ -1,0 +1,152 @@
+"""The reconstruction task: r(k) against exact cases, the generator's initial field, its per-rank reads,
+the task's config checks, and ``launch/train.py`` end to end on tiny universes (2 ranks, split volumes):
+the result file has the fields the issue names, plots and CSV are written, a second start resumes.
+The U-Net's parity with one process is in test_graph_engine (``CosmoUNet``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from cosmoflow.config import ConfigError, load_config
+from cosmoflow.correlation import correlation, cross_power, mode_lengths, shell_edges
+from cosmoflow.data import open_dataset
+from cosmoflow.generate import generate
+from cosmoflow.universe import Cosmology, draw_unit_params, linear_field
+
+from test_train_app import ROOT, _torchrun
+
+
+def _field(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, n, n))
+
+
+def test_mode_weights_give_parseval():
+    """Each stored rfftn mode weighted by its conjugate twins: Σ w |f_k|² = n³ Σ x² (odd and even n)."""
+    for n in (6, 7):
+        x = _field(n, 1)
+        f = np.fft.rfftn(x).ravel()
+        _, w = mode_lengths(n)
+        assert np.isclose((w * np.abs(f) ** 2).sum(), n ** 3 * (x ** 2).sum())
+
+
+def test_correlation_exact_cases():
+    n = 32
+    edges = shell_edges(n)
+    a, b = _field(n, 1), _field(n, 2)
+    assert np.allclose(correlation(cross_power(a, a, edges)), 1.0)
+    assert np.allclose(correlation(cross_power(a, 3.0 * a + 7.0, edges)), 1.0)  # scale and mean do not count
+    assert np.allclose(correlation(cross_power(a, -a, edges)), -1.0)
+    # equal-power independent noise: r = 1/sqrt(2) up to the scatter of each shell's modes
+    mixed = correlation(cross_power(a, a + b, edges))[2:]
+    assert np.all(np.abs(mixed - 2 ** -0.5) < 0.08)
+    assert np.all(np.abs(correlation(cross_power(a, b, edges))[2:]) < 0.1)
+    with pytest.raises(ValueError, match="same shape"):
+        cross_power(a, a[:8, :8, :8], edges)
+
+
+@pytest.fixture(scope="module")
+def fields(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("fields")
+    generate(d / "train", 4, 16, seed=1, progress=False, smoothing=1.0)
+    generate(d / "val", 2, 16, seed=2, progress=False, smoothing=1.0)
+    generate(d / "bare", 1, 16, seed=1, progress=False, linear=False)
+    return d
+
+
+def test_generator_writes_the_initial_field(fields):
+    with h5py.File(fields / "train" / "univ_s1_00001.h5") as f:
+        stored = f["linear"][()]
+    cosmo = Cosmology.from_unit(draw_unit_params((1, 1)))
+    np.testing.assert_allclose(stored, linear_field(16, cosmo, (1, 1), 1.0), rtol=1e-5, atol=1e-5)
+    with h5py.File(fields / "bare" / "univ_s1_00000.h5") as f:
+        assert "linear" not in f
+
+
+def test_target_is_read_per_region_like_the_input(fields):
+    ds = open_dataset(fields / "train", sample_size=8, channels=1, target="linear")
+    assert len(ds) == 4 * 8 and ds.sample_shape == (1, 8, 8, 8)
+    with h5py.File(ds.entries[1].path) as f:
+        full, linear = f["full"][()], f["linear"][()]
+    region = (slice(1, 5), slice(0, 8), slice(3, 7))
+    x, y = ds.read(8 + 5, region)  # file 1, sub-cube 5 = (1, 0, 1)
+    corner = (slice(9, 13), slice(0, 8), slice(11, 15))
+    np.testing.assert_array_equal(y.numpy()[0], linear[corner])
+    np.testing.assert_allclose(x.numpy()[0], np.log1p(full[corner][..., 0].astype(np.float32)))
+    assert x.shape == (1, 4, 8, 4)
+
+
+def test_missing_target_names_the_file(fields, tmp_path):
+    with pytest.raises(ValueError, match=r"univ_s1_00000\.h5: no dataset 'linear'.*without --no-linear"):
+        open_dataset(fields / "bare", target="linear")
+    packed = tmp_path / "p.h5"
+    with h5py.File(packed, "w") as f:
+        f["x"] = np.zeros((2, 8, 8, 8, 4), np.int16)
+        f["y"] = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="holds no initial density field"):
+        open_dataset(packed, target="linear")
+    with pytest.raises(ValueError, match="target must be one of"):
+        open_dataset(fields / "train", target="labels")
+
+
+def test_reconstruct_config_checks():
+    cfg = ROOT / "launch/configs/reconstruct.yaml"
+    assert load_config(cfg).task == "reconstruct"
+    with pytest.raises(ConfigError, match="divisible by 8; data.sample_size 36"):
+        load_config(cfg, ["data.sample_size=36"])
+    with pytest.raises(ConfigError, match="not reported by the reconstruct task"):
+        load_config(cfg, ["checkpoint.best_metric=val_mae"])
+    with pytest.raises(ConfigError, match="task: 'segment' is not one of regress, reconstruct"):
+        load_config(cfg, ["task=segment"])
+    with pytest.raises(ConfigError, match="at least 3 levels"):
+        load_config(cfg, ["unet.levels=2"])
+    with pytest.raises(ConfigError, match="data.channels: 5"):
+        load_config(cfg, ["data.channels=5"])
+
+
+def _args(data: Path, run: Path, *extra: str) -> list[str]:
+    sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", "data.sample_size=16",
+            "data.workers=0", "unet.levels=3", "unet.width=4", "unet.max_width=8", "unet.groups=2",
+            "train.batch_size=2", f"run_dir={run}", "logging.progress=false", "logging.tensorboard=false",
+            "checkpoint.every_steps=2", "parallel={grid: {data: 1, pipe: 1, spatial: [2, 1, 1]}}", *extra]
+    config = str(ROOT / "launch/configs/reconstruct.yaml")
+    return ["--config", config, *[a for s in sets for a in ("--set", s)]]
+
+
+def test_reconstruct_end_to_end_and_resume(fields, tmp_path):
+    run = tmp_path / "run"
+    first = _torchrun(_args(fields, run, "train.epochs=1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads((run / "reconstruction.json").read_text())
+    keys = ("k", "k_nyquist", "r_model", "r_input", "mse_model", "mse_input", "size", "command", "machine")
+    assert set(keys) <= set(result), set(keys) - set(result)
+    assert result["size"] == 16 and len(result["k"]) == len(result["r_model"]) == len(result["r_input"]) == 4
+    assert all(-1.0 <= r <= 1.0 for r in result["r_model"] + result["r_input"])
+    assert result["validation_volumes"] == 2 and "launch/train.py" in result["command"]
+    assert "cross-correlation with the initial field" in first.stdout
+    assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 2  # 4 volumes / batch 2
+    if _has("matplotlib"):
+        assert (run / "plots" / "r_k.png").is_file() and (run / "plots" / "slices.png").is_file()
+    second = _torchrun(_args(fields, run, "train.epochs=2"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 2" in second.stdout
+
+
+def test_output_split_differs_from_input_is_one_line(fields, tmp_path):
+    res = _torchrun(_args(fields, tmp_path / "r", "train.epochs=1",
+                          "parallel={grid: {spatial: [2, 1, 1]}, layers: {'head': {spatial: [1, 2, 1]}}}"))
+    assert res.returncode != 0
+    assert "the target field is read split like the input" in res.stderr
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+

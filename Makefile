@@ -16,7 +16,7 @@ DEMO_RUN ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
 RECON_DATA ?= data/reconstruct
 RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
-RECON_TRAIN ?= 640
+RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
 .PHONY: venv test demo demo-data reconstruct reconstruct-data lint clean

@@ -37,7 +37,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import h5py
 import numpy as np
@@ -47,7 +47,7 @@ Region = tuple[slice, slice, slice]
 """Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
 Format = Literal["universe", "split", "packed"]
 Target = Literal["params", "linear"]
-TARGETS = ("params", "linear")
+TARGETS: tuple[str, ...] = get_args(Target)
 PathsLike = str | os.PathLike | Iterable[str | os.PathLike]
 HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
 

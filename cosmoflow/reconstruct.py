@@ -31,6 +31,7 @@ import torch.distributed as dist
 import hybridpar as hp
 from cosmoflow.config import Config
 from cosmoflow.correlation import correlation, cross_power, shell_centres, shell_edges
+from cosmoflow.metrics import plot_run
 from cosmoflow.unet import UNet3d
 from cosmoflow.universe import Cosmology, box_size
 from hybridpar.comm.redistribute import gather
@@ -131,7 +132,8 @@ def evaluate_fields(engine: hp.Engine, loader: VolumeLoader, size: int,
                          float(((p - t) ** 2).mean()), float(((d - t) ** 2).mean()), float(t.var()), early))
             if example is None:
                 mid = size // 2
-                example = {"truth": t[mid], "input": d[mid], "prediction": p[mid]}
+                example = {"truth (initial field)": t[mid], "input at z = 0 (overdensity)": d[mid],
+                           "U-Net prediction": p[mid]}
     engine.train()
     if dist.is_initialized() and dist.get_world_size(engine.grid.data_group) > 1:
         gathered: list[Any] = [None] * engine.grid.data
@@ -220,7 +222,7 @@ def plot_fields(run_dir: Path, result: FieldResult) -> list[Path]:
     plt.close(fig)
     if result.example is not None:
         fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-        lim = 3 * float(np.std(result.example["truth"]))
+        lim = 3 * float(np.std(next(iter(result.example.values()))))
         for ax, (name, img) in zip(axes, result.example.items()):
             ax.imshow(img, cmap="RdBu_r", vmin=-lim, vmax=lim)
             ax.set(title=name, xticks=[], yticks=[])
@@ -231,6 +233,12 @@ def plot_fields(run_dir: Path, result: FieldResult) -> list[Path]:
     return paths
 
 
-def write_result(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+def report(run_dir: Path, result: FieldResult, plots: bool, command: str, machine: dict[str, Any],
+           **extra: Any) -> dict[str, Any]:
+    """The end of a run (rank 0): the table, ``reconstruction.json`` and the plots; returns what the
+    run's summary adds (whether the goal was met, the plot files)."""
+    print_table(result)
+    payload = result_json(result, command, machine, **extra)
+    (run_dir / "reconstruction.json").write_text(json.dumps(payload, indent=1) + "\n")
+    files = [*plot_run(run_dir, None, None), *plot_fields(run_dir, result)] if plots else []
+    return {"goal_met": payload["goal"]["met"], "plots": [str(p) for p in files]}

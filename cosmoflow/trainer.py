@@ -1,11 +1,17 @@
-"""The CosmoFlow training loop on hybridpar: data, model, engine, optimizer, checkpoints, metrics.
+"""The training loop on hybridpar: data, model, engine, optimizer, checkpoints, metrics.
+
+Two tasks share it (``task`` in the config): ``regress``, CosmoFlow's four parameters of a volume,
+and ``reconstruct``, a universe's initial density field voxel by voxel with a U-Net
+(:mod:`cosmoflow.reconstruct`); they differ in the model, the target the loader reads and the
+validation scores, nothing else.
 
 Why one file: like nanoGPT's ``train.py``, the loop should be readable in one sitting; everything it
 calls lives in the library (engine, loader, checkpointer, profiler) or in small application modules
 (config, optim, metrics). Launch it with ``launch/train.py`` under torchrun, mpirun or srun.
 
 A run directory holds ``config.yaml``, ``metrics_steps.csv``, ``metrics_epochs.csv``,
-``tensorboard/``, ``plots/``, ``checkpoints/`` and ``summary.json``. Starting again on the same run
+``tensorboard/``, ``plots/``, ``checkpoints/`` and ``summary.json`` (and, for ``reconstruct``,
+``reconstruction.json``). Starting again on the same run
 directory resumes from its newest complete checkpoint. SIGTERM (a Slurm time limit) ends the run at
 the next step boundary with a final checkpoint; a NaN loss stops it without overwriting the last good
 checkpoint.
@@ -33,15 +39,7 @@ from cosmoflow.data import open_dataset
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
-from cosmoflow.reconstruct import (
-    build_unet,
-    evaluate_fields,
-    mean_fundamental,
-    plot_fields,
-    print_table,
-    result_json,
-    write_result,
-)
+from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
 from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
@@ -304,27 +302,22 @@ def run(cfg: Config) -> dict[str, Any]:
     val_loader.close()
     summary = {"step": step, "epoch": epoch, **metrics}
     if rank == 0 and fields is not None:
-        print_table(fields)
-        payload = result_json(fields, _command_line(info.launcher, info.world_size), machine_info(),
+        summary.update(report(run_dir, fields, cfg.logging.plots,
+                              command=_command_line(info.launcher, info.world_size), machine=machine_info(),
                               epochs=epoch, steps=step, train_volumes=len(train_ds), channels=channels,
                               world_size=info.world_size, parallel=cfg.parallel,
-                              wall_s=round(time.monotonic() - started, 1))
-        write_result(run_dir / "reconstruction.json", payload)
-        summary["goal_met"] = payload["goal"]["met"]
-        plots = [*plot_run(run_dir, None, None), *plot_fields(run_dir, fields)] if cfg.logging.plots else []
-        summary["plots"] = [str(p) for p in plots]
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"run directory: {run_dir.resolve()}", flush=True)
+                              wall_s=round(time.monotonic() - started, 1)))
     if rank == 0 and pred is not None:
         base = mae_per_parameter(np.broadcast_to(train_ds.labels.mean(0), true.shape), true)
         summary["baseline"] = base
         summary["plots"] = [str(p) for p in plot_run(run_dir, pred, true)] if cfg.logging.plots else []
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print("\nvalidation MAE per parameter (unitPar units), model vs predict-the-training-mean baseline:")
         print(f"  {'parameter':<10} {'model':>8} {'baseline':>9} {'change':>8}")
         for p in PARAMS:
             m, b = metrics[f"mae_{p}"], base[f"mae_{p}"]
             print(f"  {p:<10} {m:8.4f} {b:9.4f} {100 * (m / b - 1):+7.1f}%")
+    if rank == 0 and (fields is not None or pred is not None):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"run directory: {run_dir.resolve()}", flush=True)
     return summary
 

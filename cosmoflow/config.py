@@ -252,8 +252,9 @@ def _validate_reconstruct(cfg: Config) -> None:
     step = 2 ** (u.levels - 1)
     if cfg.data.sample_size % step:
         fits = [k for k in range(3, 8) if cfg.data.sample_size % 2 ** (k - 1) == 0]
+        hint = f"fits levels in {fits}" if fits else "fits none: 3 levels need a multiple of 4"
         raise ConfigError(f"unet.levels: {u.levels} levels need a sample size divisible by {step}; "
-                          f"data.sample_size {cfg.data.sample_size} fits levels in {fits or 'none (use 4k)'}")
+                          f"data.sample_size {cfg.data.sample_size} {hint}")
     for name, value in (("unet.width", u.width), ("unet.max_width", u.max_width), ("unet.groups", u.groups)):
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")

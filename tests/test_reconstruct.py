@@ -127,6 +127,7 @@ def test_reconstruct_end_to_end_and_resume(fields, tmp_path):
     assert result["size"] == 16 and len(result["k"]) == len(result["r_model"]) == len(result["r_input"]) == 4
     assert all(-1.0 <= r <= 1.0 for r in result["r_model"] + result["r_input"])
     assert result["validation_volumes"] == 2 and "launch/train.py" in result["command"]
+    assert len(result["r_input_earliest_channel"]) == 4  # four snapshots in: the z = 3 one is scored too
     assert "cross-correlation with the initial field" in first.stdout
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 2  # 4 volumes / batch 2
     if _has("matplotlib"):

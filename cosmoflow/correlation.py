@@ -38,6 +38,33 @@ def shell_edges(n: int, width: float = 2.0) -> np.ndarray:
     return np.arange(0.0, n / 2 + 1e-9, width)
 
 
+class Shells:
+    """The shells of an n³ grid, binned once: which stored mode falls in which shell, with its weight.
+
+    Scoring many fields against one truth then costs one transform per field and one bincount per
+    pair (:meth:`transform`, :meth:`sums`), with no mode lengths recomputed.
+    """
+
+    def __init__(self, n: int, edges: np.ndarray) -> None:
+        self.n, self.edges = n, edges
+        length, weight = mode_lengths(n)
+        which = np.digitize(length, edges) - 1
+        self.inside = (length > 0) & (which >= 0) & (which < len(edges) - 1)
+        self.index, self.weight = which[self.inside], weight[self.inside]
+
+    def transform(self, a: np.ndarray) -> np.ndarray:
+        """The modes of a real n³ field inside the shells (float64 ``rfftn``, flattened)."""
+        if a.shape != (self.n,) * 3:
+            raise ValueError(f"cross_power needs cubes of shape {(self.n,) * 3}, got {a.shape}")
+        return np.fft.rfftn(np.asarray(a, dtype=np.float64)).ravel()[self.inside]
+
+    def sums(self, fa: np.ndarray, fb: np.ndarray) -> np.ndarray:
+        """Per shell ``[Σ Re(a_k b_k*), Σ |a_k|², Σ |b_k|²]`` of two :meth:`transform` results."""
+        bins = len(self.edges) - 1
+        return np.stack([np.bincount(self.index, weights=self.weight * v, minlength=bins)
+                         for v in ((fa * fb.conj()).real, np.abs(fa) ** 2, np.abs(fb) ** 2)])
+
+
 def cross_power(a: np.ndarray, b: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Per shell the sums ``[Σ Re(a_k b_k*), Σ |a_k|², Σ |b_k|²]`` over its modes, shape (3, bins).
 
@@ -45,15 +72,8 @@ def cross_power(a: np.ndarray, b: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """
     if a.shape != b.shape or a.ndim != 3 or len(set(a.shape)) != 1:
         raise ValueError(f"cross_power needs two cubes of the same shape, got {a.shape} and {b.shape}")
-    fa = np.fft.rfftn(np.asarray(a, dtype=np.float64)).ravel()
-    fb = np.fft.rfftn(np.asarray(b, dtype=np.float64)).ravel()
-    length, weight = mode_lengths(a.shape[0])
-    which = np.digitize(length, edges) - 1
-    inside = (length > 0) & (which >= 0) & (which < len(edges) - 1)
-    idx, w = which[inside], weight[inside]
-    bins = len(edges) - 1
-    return np.stack([np.bincount(idx, weights=w * v[inside], minlength=bins)
-                     for v in ((fa * fb.conj()).real, np.abs(fa) ** 2, np.abs(fb) ** 2)])
+    shells = Shells(a.shape[0], edges)
+    return shells.sums(shells.transform(a), shells.transform(b))
 
 
 def correlation(sums: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ from cosmoflow.universe import (
     Cosmology,
     box_size,
     draw_unit_params,
+    make_universe,
     make_universe_and_linear,
 )
 
@@ -94,13 +95,16 @@ def write_universe(path: Path, size: int, seed: int, index: int, smoothing: floa
                    linear: bool = True) -> Path:
     """Generate universe ``index`` of base seed ``seed`` and write it atomically to ``path``."""
     unit = draw_unit_params((seed, index))
-    full, delta = make_universe_and_linear(size, unit, (seed, index), smoothing=smoothing)
+    if linear:
+        full, delta = make_universe_and_linear(size, unit, (seed, index), smoothing=smoothing)
+    else:
+        full, delta = make_universe(size, unit, (seed, index), smoothing=smoothing), None
     cosmo = Cosmology.from_unit(unit)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with h5py.File(tmp, "w") as f:
         f.create_dataset("full", data=full)
         f.create_dataset("unitPar", data=unit.astype(np.float32))
-        if linear:
+        if delta is not None:
             ds = f.create_dataset("linear", data=delta)
             ds.attrs["description"] = ("z = 0 linear density contrast, smoothed as the field that displaced "
                                        "the particles (the reconstruction target)")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import hybridpar as hp
 from cosmoflow.config import Config
-from cosmoflow.correlation import correlation, cross_power, shell_centres, shell_edges
+from cosmoflow.correlation import Shells, correlation, shell_centres, shell_edges
 from cosmoflow.metrics import plot_run
 from cosmoflow.unet import UNet3d
 from cosmoflow.universe import Cosmology, box_size
@@ -114,6 +114,11 @@ def evaluate_fields(engine: hp.Engine, loader: VolumeLoader, size: int,
     """
     engine.eval()
     edges = shell_edges(size)
+    shells = Shells(size, edges)
+
+    def r(fa: np.ndarray, ft: np.ndarray) -> np.ndarray:
+        return correlation(shells.sums(fa, ft))
+
     rows: list[tuple[np.ndarray, np.ndarray, float, float, float, np.ndarray | None]] = []
     example = None
     shape = (size, size, size)
@@ -125,10 +130,9 @@ def evaluate_fields(engine: hp.Engine, loader: VolumeLoader, size: int,
         field = gather(ends, engine.input_grid, shape).cpu().numpy()
         for b in range(pred.shape[0]):
             p, t, d = pred[b, 0], truth[b, 0], overdensity(field[b, 0])
-            early = None
-            if ends.shape[1] > 1:
-                early = correlation(cross_power(overdensity(field[b, -1]), t, edges))
-            rows.append((correlation(cross_power(p, t, edges)), correlation(cross_power(d, t, edges)),
+            ft = shells.transform(t)  # once per volume, shared by the three fields scored against it
+            early = r(shells.transform(overdensity(field[b, -1])), ft) if ends.shape[1] > 1 else None
+            rows.append((r(shells.transform(p), ft), r(shells.transform(d), ft),
                          float(((p - t) ** 2).mean()), float(((d - t) ** 2).mean()), float(t.var()), early))
             if example is None:
                 mid = size // 2

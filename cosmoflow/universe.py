@@ -207,8 +207,12 @@ def linear_field_k(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0)
 
 def linear_field(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0) -> np.ndarray:
     """The z = 0 linear density contrast on the grid (float32, n³), deterministic per ``seed``."""
-    field = np.fft.irfftn(linear_field_k(n, cosmo, seed, smoothing), s=(n, n, n), axes=(0, 1, 2))
-    return field.astype(np.float32)
+    return real_field(linear_field_k(n, cosmo, seed, smoothing), n)
+
+
+def real_field(delta_k: np.ndarray, n: int) -> np.ndarray:
+    """The real n³ field (float32) of ``rfftn``-layout modes."""
+    return np.fft.irfftn(delta_k, s=(n, n, n), axes=(0, 1, 2)).astype(np.float32)
 
 
 def measure_power(delta: np.ndarray, box: float, edges: np.ndarray,
@@ -278,7 +282,7 @@ def make_universe(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
     Deterministic for a given ``(n, unit_par, seed)``; the field's phases depend on ``seed`` only, so
     universes that share a seed differ only through their parameters.
     """
-    return make_universe_and_linear(n, unit_par, seed, redshifts, smoothing)[0]
+    return _evolve(n, unit_par, seed, redshifts, smoothing, keep_linear=False)[0]
 
 
 def make_universe_and_linear(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
@@ -290,6 +294,13 @@ def make_universe_and_linear(n: int, unit_par: Sequence[float] | np.ndarray, see
     whose Zel'dovich displacements moved the particles: the truth a reconstruction of the initial
     conditions aims at (modes the smoothing removed left no trace in the counts).
     """
+    full, linear = _evolve(n, unit_par, seed, redshifts, smoothing, keep_linear=True)
+    assert linear is not None
+    return full, linear
+
+
+def _evolve(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed, redshifts: Sequence[float],
+            smoothing: float, keep_linear: bool) -> tuple[np.ndarray, np.ndarray | None]:
     if n < 2:
         raise ValueError(f"universe size must be at least 2 voxels, got {n}")
     cosmo = Cosmology.from_unit(unit_par)
@@ -300,8 +311,7 @@ def make_universe_and_linear(n: int, unit_par: Sequence[float] | np.ndarray, see
     full = np.empty((n, n, n, len(redshifts)), dtype=np.int16)
     for c, d in enumerate(growth):
         full[..., c] = ngp_counts(psi, float(d), box / n)
-    linear = np.fft.irfftn(delta_k, s=(n, n, n), axes=(0, 1, 2)).astype(np.float32)
-    return full, linear
+    return full, real_field(delta_k, n) if keep_linear else None
 
 
 def universe_from_seed(n: int, seed: Seed, **kwargs: object) -> tuple[np.ndarray, np.ndarray]:

@@ -9,12 +9,17 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # World sizes and their spatial grids that layer suites run on: every axis split alone, two axes,
 # three ways, and all three axes.
@@ -67,3 +72,11 @@ def run(fn: Callable, world: int, *args, timeout: float = 300.0, env: dict | Non
                     p.kill()
             raise TimeoutError(f"distributed test on {world} ranks did not finish in {timeout:.0f} s "
                                f"(deadlock?)")
+
+
+def train_script(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``launch/train.py`` under torchrun on ``nproc`` local ranks, one thread each; output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "launch/train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

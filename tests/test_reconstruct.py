@@ -18,7 +18,7 @@ from cosmoflow.data import open_dataset
 from cosmoflow.generate import generate
 from cosmoflow.universe import Cosmology, draw_unit_params, linear_field
 
-from test_train_app import ROOT, _torchrun
+from distributed import ROOT, train_script
 
 
 def _field(n: int, seed: int) -> np.ndarray:
@@ -119,7 +119,7 @@ def _args(data: Path, run: Path, *extra: str) -> list[str]:
 
 def test_reconstruct_end_to_end_and_resume(fields, tmp_path):
     run = tmp_path / "run"
-    first = _torchrun(_args(fields, run, "train.epochs=1"))
+    first = train_script(_args(fields, run, "train.epochs=1"))
     assert first.returncode == 0, first.stderr[-3000:]
     result = json.loads((run / "reconstruction.json").read_text())
     keys = ("k", "k_nyquist", "r_model", "r_input", "mse_model", "mse_input", "size", "command", "machine")
@@ -132,13 +132,13 @@ def test_reconstruct_end_to_end_and_resume(fields, tmp_path):
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 2  # 4 volumes / batch 2
     if _has("matplotlib"):
         assert (run / "plots" / "r_k.png").is_file() and (run / "plots" / "slices.png").is_file()
-    second = _torchrun(_args(fields, run, "train.epochs=2"))
+    second = train_script(_args(fields, run, "train.epochs=2"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 2" in second.stdout
 
 
 def test_output_split_differs_from_input_is_one_line(fields, tmp_path):
-    res = _torchrun(_args(fields, tmp_path / "r", "train.epochs=1",
+    res = train_script(_args(fields, tmp_path / "r", "train.epochs=1",
                           "parallel={grid: {spatial: [2, 1, 1]}, layers: {'head': {spatial: [1, 2, 1]}}}"))
     assert res.returncode != 0
     assert "the target field is read split like the input" in res.stderr

@@ -5,7 +5,6 @@ written, a second start resumes from the newest checkpoint, and bad input is a o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from cosmoflow.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from distributed import ROOT, train_script
 
 
 def test_unknown_key_suggests_nearest():
@@ -40,13 +39,6 @@ def test_overrides_reach_typed_fields():
     assert load_config(ROOT / "launch/configs/cosmoflow_128.yaml").data.sample_size == 128
 
 
-def _torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "launch/train.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("universes")
@@ -69,13 +61,13 @@ def _args(data: Path, run: Path, *extra: str) -> list[str]:
 
 def test_train_resume_and_outputs(tiny_data, tmp_path):
     run = tmp_path / "run"
-    first = _torchrun(_args(tiny_data, run, "train.epochs=1"))
+    first = train_script(_args(tiny_data, run, "train.epochs=1"))
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["baseline"]) == {"mae_Omega_m", "mae_sigma_8", "mae_n_s", "mae_H_0"}
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 8   # 32 samples / batch 4
     assert "validation MAE per parameter" in first.stdout
-    second = _torchrun(_args(tiny_data, run, "train.epochs=2"))
+    second = train_script(_args(tiny_data, run, "train.epochs=2"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 8" in second.stdout
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 16
@@ -84,7 +76,7 @@ def test_train_resume_and_outputs(tiny_data, tmp_path):
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
-    res = _torchrun(_args(tiny_data, run, "train.epochs=2", "optimizer.base_lr=1e38",
+    res = train_script(_args(tiny_data, run, "train.epochs=2", "optimizer.base_lr=1e38",
                           "optimizer.warmup_epochs=0", "checkpoint.every_steps=1"))
     assert res.returncode != 0
     assert "non-finite" in res.stderr or "loss is nan" in res.stderr, res.stderr[-3000:]
@@ -94,6 +86,6 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path
 
 
 def test_missing_data_is_a_one_line_error(tmp_path):
-    res = _torchrun(_args(tmp_path / "nowhere", tmp_path / "run", "train.epochs=1"), nproc=1, timeout=120)
+    res = train_script(_args(tmp_path / "nowhere", tmp_path / "run", "train.epochs=1"), nproc=1, timeout=120)
     assert res.returncode != 0
     assert "error:" in res.stderr and "nowhere" in res.stderr

@@ -8,8 +8,8 @@ snapshot, in the middle of writing, and between the last fsync and the manifest 
 ``snapshot`` (in ``save``, the previous save complete, before any copy), ``copy`` (the writer thread,
 before it completes an overlapped copy), ``persist`` (after the first tensor of a file is written),
 ``manifest`` (manifest written to its temp name and fsynced, not yet renamed), ``flush`` (an L3 copy
-half done). Actions: ``kill`` (SIGKILL this process), ``raise`` (an OSError, as a full disk would),
-``sleepSECONDS``.
+half done). Actions: ``kill`` (SIGKILL this process), ``stop`` (SIGSTOP it: it stops answering
+without dying, as a hung host would), ``raise`` (an OSError, as a full disk would), ``sleepSECONDS``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ def hit(point: str, step: int, rank: int = 0) -> None:
         action = parts[1]
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "raise":
             raise OSError(f"injected fault at {point} (step {step}, rank {rank}) from ${ENV}")
         elif action.startswith("sleep"):
             time.sleep(float(action[5:]))
         else:
-            raise ValueError(f"${ENV}: unknown action {action!r} in {entry!r} (kill, raise or sleepSECONDS)")
+            raise ValueError(f"${ENV}: unknown action {action!r} in {entry!r} (kill, stop, raise or "
+                             "sleepSECONDS)")

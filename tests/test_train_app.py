@@ -5,6 +5,7 @@ written, a second start resumes from the newest checkpoint, and bad input is a o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path
     assert res.returncode != 0
     assert "non-finite" in res.stderr or "loss is nan" in res.stderr, res.stderr[-3000:]
     assert "step None" not in res.stderr and "lower optimizer.base_lr" in res.stderr, res.stderr[-3000:]
+    assert re.search(r"on the batch of \S+/univ_s1_\d+\.h5: sample \d", res.stderr), res.stderr[-3000:]
     listing = subprocess.run([sys.executable, "-m", "hybridpar.checkpoint", "verify",
                               str(run / "checkpoints")], capture_output=True, text=True, cwd=ROOT)
     assert listing.returncode == 0, listing.stdout + listing.stderr

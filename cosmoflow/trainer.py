@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import signal
 import sys
 import time
@@ -41,6 +42,7 @@ from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
 from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from hybridpar.checkpoint import faults
 from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
 from hybridpar.profiling import StepTimer
@@ -90,7 +92,9 @@ def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float],
     """Validation loss and MAE per parameter over the whole set (summed over data replicas)."""
     engine.eval()
     preds, trues = [], []
-    for x_local, y in loader:
+    for i, (x_local, y) in enumerate(loader):
+        if i == 1:  # a fault-injection point for the recovery tests (mid-validation)
+            faults.hit("validate", 0, dist.get_rank())
         out = engine.predict(x_local)
         preds.append(out.detach().cpu().double().numpy())
         trues.append(y.cpu().double().numpy())
@@ -184,8 +188,12 @@ def run(cfg: Config) -> dict[str, Any]:
                          f"but its input {engine.input_split}; the target field is read split like the "
                          "input, so give the last layers the first layer's spatial split")
     grid = engine.grid
-    # Dropout masks must agree inside a replica (replicated head), differ between replicas.
-    torch.manual_seed(cfg.train.seed + 1000 * grid.data_index + 1)
+    # Dropout masks must agree inside a replica (replicated head), differ between replicas. Python's and
+    # numpy's generators are seeded too, so whatever draws from them repeats after a restart.
+    replica_seed = cfg.train.seed + 1000 * grid.data_index + 1
+    torch.manual_seed(replica_seed)
+    random.seed(replica_seed)
+    np.random.seed(replica_seed)
     flops = hp.flops.count(model, (1, channels, S, S, S))
 
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
@@ -196,7 +204,8 @@ def run(cfg: Config) -> dict[str, Any]:
                              workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
     ck = cfg.checkpoint
-    ckpt = Checkpointer(run_dir / "checkpoints", grid, keep_last=ck.keep_last, keep_every=ck.keep_every,
+    ckpt = Checkpointer(run_dir / "checkpoints", grid, local_dir=ck.local_dir,
+                        keep_last=ck.keep_last, keep_every=ck.keep_every,
                         keep_every_on="epoch", best=(ck.best_metric, "min") if ck.best_metric else None,
                         config=cfg.to_dict())
     ckpt.attach(opt)  # the optimizer step waits for an overlapped snapshot copy, nothing else does
@@ -256,6 +265,7 @@ def run(cfg: Config) -> dict[str, Any]:
                                f"checkpoint is step {ckpt.latest()} in {ckpt.root}; lower optimizer.base_lr "
                                f"or check the data")
                 step += 1
+                faults.hit("step", step, rank)  # a fault-injection point for the recovery tests
                 losses.append(value)
                 parts = timer.breakdown()
                 comm = sum(parts.get(k, 0.0) for k in ("halo", "pipeline", "grad_reduce"))

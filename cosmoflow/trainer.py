@@ -41,8 +41,14 @@ from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
-from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
-from hybridpar.checkpoint import faults
+from hybridpar.checkpoint import (
+    Checkpointer,
+    faults,
+    load_optimizer_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
 from hybridpar.profiling import StepTimer

@@ -39,7 +39,8 @@ def universes(tmp_path_factory):
     d = tmp_path_factory.mktemp("soak-universes")
     for split, n, seed in (("train", 4, 1), ("val", 2, 2)):
         subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
-                        str(n), "--size", "16", "--seed", str(seed)], check=True, capture_output=True, cwd=ROOT)
+                        str(n), "--size", "16", "--seed", str(seed)],
+                       check=True, capture_output=True, cwd=ROOT)
     return d
 
 
@@ -125,7 +126,8 @@ def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
 
     seed = int(os.environ.get("SOAK_SEED", random.randrange(1 << 30)))
     faults, delay = _plan(seed)
-    context = f"soak seed {seed} (SOAK_SEED={seed} repeats it): faults {faults}, outside kill after {delay:.2f} s"
+    context = (f"soak seed {seed} (SOAK_SEED={seed} repeats it): faults {faults}, "
+               f"outside kill after {delay:.2f} s")
     run = tmp_path / "faulted"
     proc = subprocess.Popen(_command(universes, run, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env(faults), cwd=ROOT)
@@ -153,7 +155,7 @@ def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
     assert want["step"] == got["step"] == STEPS_PER_EPOCH * EPOCHS, context
     assert set(want) == set(got), f"{context}: keys differ: {sorted(set(want) ^ set(got))[:8]}"
     differ = [k for k in want if not _same(want[k], got[k])]
-    assert not differ, f"{context}: {len(differ)} leaves differ from the uninterrupted run, e.g. {differ[:6]}"
+    assert not differ, f"{context}: {len(differ)} leaves differ from the uninterrupted run: {differ[:6]}"
     summary = json.loads((run / "summary.json").read_text())
     expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert {k: v for k, v in summary.items() if k != "plots"} == \

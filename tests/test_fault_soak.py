@@ -148,8 +148,8 @@ def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
     killer.join(timeout=10)
     assert proc.returncode == 0, f"{context}\n{log[-4000:]}"
     failures = log.count("failed (exitcode: -9)")
-    assert failures == 3 + len(killed), f"{context}: {failures} killed attempts, expected {3 + len(killed)}\n" \
-        f"{log[-3000:]}"
+    assert failures == 3 + len(killed), \
+        f"{context}: {failures} killed attempts, expected {3 + len(killed)}\n{log[-3000:]}"
 
     want, got = _final_state(tmp_path / "reference"), _final_state(run)
     assert want["step"] == got["step"] == STEPS_PER_EPOCH * EPOCHS, context

@@ -117,7 +117,8 @@ def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int
 
     Running averages taken while the weights move lag behind them; a model whose head normalises
     pooled features across the batch then evaluates far off. Averaging the batch statistics of a few
-    training batches, weights frozen, removes the lag.
+    training batches, weights frozen, removes the lag. Every replica's batches count: the engine
+    averages the statistics over the data-parallel replicas after each training-mode forward.
     """
     norms = [m for _, layer in engine.layers for m in layer.modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]

@@ -73,7 +73,11 @@ def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     dtype and autocast dtype, with its own op on a two-element tensor.
     """
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return x.dtype
+    if not enabled:
         return x.dtype
     key = (op, device, x.dtype, torch.get_autocast_dtype(device))
     if key not in _RESULT_DTYPES:

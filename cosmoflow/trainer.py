@@ -127,7 +127,8 @@ def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int
 
     Running averages taken while the weights move lag behind them; a model whose head normalises
     pooled features across the batch then evaluates far off. Averaging the batch statistics of a few
-    training batches, weights frozen, removes the lag.
+    training batches, weights frozen, removes the lag. Every replica's batches count: the engine
+    averages the statistics over the data-parallel replicas after each training-mode forward.
     """
     norms = [m for _, layer in engine.layers for m in layer.modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
@@ -217,6 +218,8 @@ def run(cfg: Config) -> dict[str, Any]:
     ckpt.attach(opt)  # the optimizer step waits for an overlapped snapshot copy, nothing else does
 
     step, epoch = 0, 0
+    resumed = False
+    epoch_loss = {"sum": 0.0, "steps": 0}  # this epoch's training losses so far (kept by checkpoints)
     if ck.resume:
         state = ckpt.load()
         if state is not None:
@@ -226,11 +229,16 @@ def run(cfg: Config) -> dict[str, Any]:
             if "rng" in state:
                 set_rng_state(state["rng"])
             step, epoch = int(state["step"]), int(state["epoch"])
+            epoch_loss.update(state.get("train", {}).get("epoch_loss", {}))
+            resumed = True
             if rank == 0:
                 print(f"resumed from step {step} (epoch {epoch}, batch {loader.index}) in {ckpt.root}",
                       flush=True)
 
-    reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress)
+    reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress,
+                        plots=cfg.logging.plots, every=cfg.train.log_every)
+    if resumed:
+        reporter.rewind(step)  # the steps after the checkpoint run again: their rows go
     timer = StepTimer(rank=rank)
     steps_per_epoch = len(loader)
     total = cfg.train.epochs * steps_per_epoch
@@ -246,7 +254,8 @@ def run(cfg: Config) -> dict[str, Any]:
             raise Stop(f"weights became non-finite by step {step} (epoch {epoch}); not saving. The newest "
                        f"good checkpoint is step {ckpt.latest()} in {ckpt.root}; lower optimizer.base_lr")
         state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
-                 "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch}
+                 "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch,
+                 "train": {"epoch_loss": dict(epoch_loss)}}
         ckpt.save(step, state, {"epoch": epoch, **(metadata or {})}, overlap=overlap)
         last_save = time.monotonic()
 
@@ -256,7 +265,6 @@ def run(cfg: Config) -> dict[str, Any]:
     try:
         while epoch < cfg.train.epochs and step < total:
             loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
-            losses = []
             for x_local, y in loader:
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
                 t0 = time.perf_counter()
@@ -272,7 +280,8 @@ def run(cfg: Config) -> dict[str, Any]:
                                f"or check the data")
                 step += 1
                 faults.hit("step", step, rank)  # a fault-injection point for the recovery tests
-                losses.append(value)
+                epoch_loss["sum"] += value
+                epoch_loss["steps"] += 1
                 parts = timer.breakdown()
                 comm = sum(parts.get(k, 0.0) for k in ("halo", "pipeline", "grad_reduce"))
                 reporter.step({"step": step, "epoch": epoch, "loss": value, "lr": opt.param_groups[0]["lr"],
@@ -288,7 +297,8 @@ def run(cfg: Config) -> dict[str, Any]:
                     save()
                 if step >= total:
                     break
-            if loader.epoch > epoch:  # the epoch ran to its end
+            ended = loader.epoch > epoch  # the epoch ran to its end (else max_steps cut it short)
+            if ended:
                 epoch += 1
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
@@ -296,8 +306,11 @@ def run(cfg: Config) -> dict[str, Any]:
                 metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
             else:
                 metrics, pred, true = evaluate(engine, val_loader)
-            train_loss = float(np.mean(losses)) if losses else float("nan")
+            n = epoch_loss["steps"]
+            train_loss = epoch_loss["sum"] / n if n else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
+            if ended:
+                epoch_loss.update(sum=0.0, steps=0)
             save({"metrics": metrics})
     except KeyboardInterrupt:
         if rank == 0:

@@ -30,6 +30,8 @@ class DataConfig:
     prefetch: int = 2                    # batches read ahead
     stage_dir: str | None = None         # copy this replica's files here first (node-local disk)
     channels: int = 4                    # redshift channels read, from z = 0 (1: today's field only)
+    skip_bad: bool = False               # a bad sample (cosmoflow.validate) is skipped with a warning, not an
+                                         # error; the summary counts them
 
 
 @dataclass

@@ -43,6 +43,8 @@ import h5py
 import numpy as np
 import torch
 
+from cosmoflow.validate import DataError, checked_read, count_problem, field_problem, label_problem
+
 Region = tuple[slice, slice, slice]
 """Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
 Format = Literal["universe", "split", "packed"]
@@ -243,15 +245,22 @@ class CosmoDataset:
     """
 
     def __init__(self, entries: list[FileEntry], labels: np.ndarray, sample_size: int, channels: int,
-                 chunk_cache_bytes: int | None = None, target: Target = "params") -> None:
+                 chunk_cache_bytes: int | None = None, target: Target = "params", skip_bad: bool = False
+                 ) -> None:
         self.entries = entries
         self.target = target
+        self.skip_bad = skip_bad
+        """Read the next good sample in place of a bad one (each judged whole, see :meth:`read_raw`)."""
         self.labels = labels
         """All labels (len, n_outputs) float32, in sample order."""
         self.sample_size = sample_size
         self.channels = channels
         self.chunk_cache_bytes = chunk_cache_bytes
         self._starts = np.cumsum([0] + [e.count for e in entries])
+        self._bad_labels = {i: p for i in range(len(labels)) if (p := label_problem(labels[i])) is not None}
+        if self._bad_labels and not skip_bad:
+            i, problem = next(iter(self._bad_labels.items()))
+            raise DataError(f"{self.describe(i)}: {problem}{_HINT}")
         self._reset_process()
 
     def _reset_process(self) -> None:
@@ -259,6 +268,8 @@ class CosmoDataset:
         self._files: dict[str, h5py.File] = {}
         self._bytes_read = 0
         self._chunk_bytes_read = 0
+        self._verdicts: dict[int, str | None] = {}  # sample -> problem (None: good), judged whole
+        self._skipped: list[str] = []  # descriptions of samples skipped and not yet taken
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():  # forked: the inherited handles belong to the parent
@@ -266,7 +277,7 @@ class CosmoDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_files", "_pid", "_bytes_read", "_chunk_bytes_read"):
+        for key in ("_files", "_pid", "_bytes_read", "_chunk_bytes_read", "_verdicts", "_skipped"):
             state.pop(key)
         return state
 
@@ -313,6 +324,65 @@ class CosmoDataset:
         f = int(np.searchsorted(self._starts, index, side="right")) - 1
         return self.entries[f], index - int(self._starts[f])
 
+    def describe(self, index: int) -> str:
+        """``path: sample k`` (with its sub-cube for a raw universe), for messages."""
+        entry, local = self.locate(index)
+        where = f"{entry.path}: sample {local}"
+        if entry.format == "universe" and entry.per_side > 1:
+            n = entry.per_side
+            where += f" (sub-cube {(local // (n * n), (local // n) % n, local % n)})"
+        return where
+
+    def problem(self, index: int) -> str | None:
+        """What is wrong with sample ``index``, read whole (counts, parameters, the initial field if the
+        file has one, checksums), as a message naming file and sample; None if it is good. Cached in
+        this process."""
+        self._check_process()
+        index = self._index(index)
+        if index in self._verdicts:
+            return self._verdicts[index]
+        entry, local = self.locate(index)
+        where = self.describe(index)
+        problem = self._bad_labels.get(index)
+        try:
+            if problem is None:
+                sel = self._slab(entry, local, None)
+                name = "full" if entry.format == "universe" else "x"
+                lead = ((local, local + 1),) if entry.format == "packed" else ()
+                ds = self._file(entry.path)[name]
+                x = checked_read(lambda: ds[tuple(slice(a, b) for a, b in (*lead, *sel))], where)
+                problem = count_problem(x[0] if lead else x, of="the sample")
+            if problem is None and entry.format == "universe" and "linear" in self._file(entry.path):
+                lin = self._file(entry.path)["linear"]
+                problem = field_problem(checked_read(lambda: lin[tuple(slice(a, b) for a, b in sel)], where))
+        except DataError as err:
+            self._verdicts[index] = str(err)
+            return str(err)
+        self._verdicts[index] = None if problem is None else f"{where}: {problem}"
+        return self._verdicts[index]
+
+    def _usable(self, index: int) -> int:
+        """``index``, or with ``skip_bad`` the next good sample after it (recording the skipped ones)."""
+        index = self._index(index)
+        if not self.skip_bad:
+            return index
+        self._check_process()
+        for step in range(len(self)):
+            j = (index + step) % len(self)
+            new = j not in self._verdicts
+            problem = self.problem(j)
+            if problem is None:
+                return j
+            if new:
+                self._skipped.append(problem)
+        raise DataError(f"every one of the {len(self)} samples is bad; the first: {self.problem(index)}")
+
+    def take_skipped(self) -> list[str]:
+        """The bad samples this process skipped since the last call (the loader gathers them)."""
+        self._check_process()
+        out, self._skipped = self._skipped, []
+        return out
+
     def _index(self, index: int) -> int:
         n = len(self)
         if not -n <= index < n:
@@ -345,24 +415,36 @@ class CosmoDataset:
     def read_raw(self, index: int, region: Region | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(x, y)`` as stored: x int16 (d, h, w, C) channels last, y the float32 parameters; only the
         region is read."""
+        index = self._usable(index)
         entry, local = self.locate(index)
         f = self._file(entry.path)
         sel = self._slab(entry, local, region) + ((0, self.channels),)
+        where = f"{self.describe(index)}, region {_region_text(sel)}"
         if entry.format == "universe":
-            x = self._read_slab(f["full"], sel)
+            x = checked_read(lambda: self._read_slab(f["full"], sel), where, _HINT)
         elif entry.format == "split":
-            x = self._read_slab(f["x"], sel)
+            x = checked_read(lambda: self._read_slab(f["x"], sel), where, _HINT)
         else:
-            x = self._read_slab(f["x"], ((local, local + 1), *sel))[0]
-        return x, self.labels[self._index(index)].copy()
+            x = checked_read(lambda: self._read_slab(f["x"], ((local, local + 1), *sel))[0], where, _HINT)
+        problem = count_problem(x)
+        if problem is not None:
+            raise DataError(f"{where}: {problem}{_HINT}")
+        return x, self.labels[index].copy()
 
     def read_linear(self, index: int, region: Region | None = None) -> np.ndarray:
         """The reconstruction target of sample ``index``: its region of ``linear``, float32 (d, h, w)."""
+        index = self._usable(index)
         entry, local = self.locate(index)
         if entry.format != "universe":
             raise ValueError(f"{entry.path}: only raw universes carry the initial density field 'linear'")
         ds = self._file(entry.path)["linear"]
-        return np.asarray(self._read_slab(ds, self._slab(entry, local, region)), dtype=np.float32)
+        sel = self._slab(entry, local, region)
+        where = f"{self.describe(index)}, region {_region_text(sel)}"
+        y = np.asarray(checked_read(lambda: self._read_slab(ds, sel), where, _HINT), dtype=np.float32)
+        problem = field_problem(y)
+        if problem is not None:
+            raise DataError(f"{where}: {problem}{_HINT}")
+        return y
 
     def read(self, index: int, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: x float32 (C, d, h, w) channels first, ``log1p`` of the counts; y the target.
@@ -370,6 +452,7 @@ class CosmoDataset:
         Without ``region`` the whole sample, (C, S, S, S); with it only that hyperslab is read, of the
         input and, for ``target="linear"``, of the target, which is then float32 (1, d, h, w).
         """
+        index = self._usable(index)
         raw, y = self.read_raw(index, region)
         # numpy, not torch: torch's OpenMP pool deadlocks in a forked child once the parent has used
         # it, and loader workers are forked; numpy's ufuncs run single-threaded and fork-safe.
@@ -392,13 +475,20 @@ class CosmoDataset:
 
 
 def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int = 4, n_outputs: int = 4,
-                 chunk_cache_bytes: int | None = None, target: Target = "params") -> CosmoDataset:
+                 chunk_cache_bytes: int | None = None, target: Target = "params", skip_bad: bool = False
+                 ) -> CosmoDataset:
     """Open CosmoFlow samples from a directory, an HDF5 file, a glob or a list of those.
 
     ``sample_size`` cuts raw universes into cubes of that side and must match the other formats; None
     takes each file's natural size (a whole universe is one sample), which must then agree across files.
     ``chunk_cache_bytes`` sets h5py's per-file chunk cache (default 1 MiB). ``target`` picks what
     ``y`` is: ``"params"`` (the four parameters) or ``"linear"`` (the initial density field).
+
+    Every read checks what it read (:mod:`cosmoflow.check`): a bad sample is a :class:`DataError`
+    naming file, sample and problem. With ``skip_bad`` the next good sample is read in its place
+    instead, and :meth:`CosmoDataset.take_skipped` names the skipped ones. A skipped sample is judged
+    on its whole volume, read once per process, so that every rank of a spatial group, each reading
+    its own region, skips the same samples.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -415,4 +505,13 @@ def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int
         entries.append(entry)
         labels.append(lab)
     assert size is not None
-    return CosmoDataset(entries, np.concatenate(labels), size, channels, chunk_cache_bytes, target)
+    return CosmoDataset(entries, np.concatenate(labels), size, channels, chunk_cache_bytes, target, skip_bad)
+
+
+_HINT = ("; check the files with python -m cosmoflow.check, replace the damaged one, or set "
+         "data.skip_bad: true to skip bad samples")
+
+
+def _region_text(sel: Sequence[tuple[int, int]]) -> str:
+    """``d 0:8, h 0:16, w 0:16`` of a slab's voxel bounds (in the file's dataset)."""
+    return ", ".join(f"{axis} {a}:{b}" for axis, (a, b) in zip("dhw", sel[:3]))

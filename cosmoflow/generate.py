@@ -86,6 +86,11 @@ class ProgressBar:
         self.stream.flush()
 
 
+_CHUNK = 32
+"""Side of an HDF5 chunk (checksums need a chunked layout): a sub-cube of 32³ voxels, 256 KiB of
+counts, whole chunks of any sample side that is a multiple of 32."""
+
+
 def universe_path(out: Path, seed: int, index: int) -> Path:
     """File name of universe ``index`` of base seed ``seed``."""
     return out / f"univ_s{seed}_{index:05d}.h5"
@@ -101,11 +106,12 @@ def write_universe(path: Path, size: int, seed: int, index: int, smoothing: floa
         full, delta = make_universe(size, unit, (seed, index), smoothing=smoothing), None
     cosmo = Cosmology.from_unit(unit)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("full", data=full)
-        f.create_dataset("unitPar", data=unit.astype(np.float32))
+    chunk = min(size, _CHUNK)
+    with h5py.File(tmp, "w") as f:  # Fletcher-32 checksums: a damaged file is an error on read
+        f.create_dataset("full", data=full, chunks=(chunk, chunk, chunk, full.shape[-1]), fletcher32=True)
+        f.create_dataset("unitPar", data=unit.astype(np.float32), fletcher32=True)
         if delta is not None:
-            ds = f.create_dataset("linear", data=delta)
+            ds = f.create_dataset("linear", data=delta, chunks=(chunk,) * 3, fletcher32=True)
             ds.attrs["description"] = ("z = 0 linear density contrast, smoothed as the field that displaced "
                                        "the particles (the reconstruction target)")
         f.attrs["physPar"] = np.array([cosmo.omega_m, cosmo.sigma_8, cosmo.n_s, cosmo.h0])

@@ -8,7 +8,8 @@ group read exactly the chunks of its own shard (HDF5 reads whole chunks)::
     python -m cosmoflow.pack --src data/universes --out data/train.h5 --sample-size 64 --chunk-split 2,2,1
 
 ``--src`` is anything :func:`cosmoflow.data.open_dataset` reads (raw universes are cut into
-sub-cubes on the way). ``--range a:b`` packs only samples a..b-1 of the source, e.g. to split train
+sub-cubes on the way). Datasets carry Fletcher-32 checksums, which HDF5 verifies on every read
+(:mod:`cosmoflow.validate`). ``--range a:b`` packs only samples a..b-1 of the source, e.g. to split train
 from validation; ranges at multiples of the sub-cubes per universe keep universes whole. The file is
 written under a temporary name and renamed when complete.
 """
@@ -79,8 +80,11 @@ def pack(src: str | os.PathLike | list, out: str | os.PathLike, sample_size: int
     bar = ProgressBar(len(indices), label=f"pack {out.name}", unit="sample") if progress else None
     try:
         with h5py.File(tmp, "w") as f:
-            x = f.create_dataset("x", shape=(len(indices), s, s, s, c), dtype=np.int16, chunks=chunks)
-            f.create_dataset("y", data=ds.labels[indices.start:indices.stop].astype(np.float32))
+            # Fletcher-32: HDF5 checks each chunk on read, so a damaged file is an error, not a NaN loss
+            x = f.create_dataset("x", shape=(len(indices), s, s, s, c), dtype=np.int16, chunks=chunks,
+                                 fletcher32=True)
+            f.create_dataset("y", data=ds.labels[indices.start:indices.stop].astype(np.float32),
+                             fletcher32=True)
             f.attrs["format"] = PACKED_FORMAT
             f.attrs["sample_size"] = s
             f.attrs["chunk_split"] = np.asarray(split)

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from hybridpar.launch import init_distributed
+from hybridpar.launch import collective_timeout, init_distributed
 
 AXES = ("d", "h", "w")
 _GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
@@ -41,7 +41,7 @@ def _partition_groups(partition: list[list[int]], purpose: str = "") -> list[dis
         return [_self_group()] * len(partition)
     key = (purpose, tuple(tuple(b) for b in partition))
     if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = [dist.new_group(list(b)) for b in partition]
+        _GROUP_CACHE[key] = [dist.new_group(list(b), timeout=collective_timeout()) for b in partition]
     return _GROUP_CACHE[key]
 
 
@@ -56,7 +56,8 @@ def _self_group() -> dist.ProcessGroup:
     """
     key = ("self", dist.get_rank())
     if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = [dist.new_group([dist.get_rank()], use_local_synchronization=True)]
+        _GROUP_CACHE[key] = [dist.new_group([dist.get_rank()], use_local_synchronization=True,
+                                             timeout=collective_timeout())]
     return _GROUP_CACHE[key][0]
 
 

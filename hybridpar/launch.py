@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,16 @@ def _restart_store(env: dict[str, str], world: int, timeout) -> dist.Store | Non
     return dist.PrefixStore(f"hybridpar/attempt{env['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
+_TIMEOUT_S = [600.0]  # the job's collective timeout, set when init_distributed creates the group
+
+
+def collective_timeout() -> timedelta:
+    """How long any collective or transfer of this job waits for a peer: ``init_distributed``'s
+    ``timeout_s``, given to every group hybridpar creates (``new_group`` would otherwise take
+    torch's 30-minute default, not the default group's)."""
+    return timedelta(seconds=_TIMEOUT_S[0])
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> LaunchInfo:
     """Join the job's process group (idempotent) and return where this process sits.
 
@@ -108,6 +119,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     gets a world of one: it still initialises a one-rank gloo group so that every distributed code path
     runs unchanged. A world larger than one without rendezvous information is an error naming the
     variables looked for.
+
+    ``timeout_s`` bounds every wait for a peer (:func:`collective_timeout`); each rank also beats a
+    heartbeat into the rendezvous store, so that a timeout can name the ranks that stopped answering
+    (:mod:`hybridpar.comm.liveness`).
     """
     env = os.environ
     found = detect_launcher()
@@ -131,8 +146,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     else:
         cpu_alloc.tune()  # activations come from glibc malloc: keep freed memory between steps
     if not dist.is_initialized():
-        from datetime import timedelta  # noqa: PLC0415
-
+        _TIMEOUT_S[0] = float(timeout_s)
         if world == 1 and "MASTER_ADDR" not in env:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1,
@@ -149,6 +163,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             else:
                 kwargs["init_method"] = "env://"
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+            from hybridpar.comm import liveness  # noqa: PLC0415 (comm imports this module's package)
+
+            liveness.start(timeout_s)
     return LaunchInfo(launcher, dist.get_rank(), dist.get_world_size(), local, backend)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import nvtx
 import torch
 
-__all__ = ["CATEGORIES", "StepRecord", "StepTimer", "range", "trace", "current_timer"]
+__all__ = ["CATEGORIES", "StepRecord", "StepTimer", "range", "trace", "current_timer", "where"]
 
 CATEGORIES: tuple[str, ...] = ("compute", "halo", "pipeline", "bubble", "grad_reduce", "data_wait",
                                "checkpoint")
@@ -74,6 +74,27 @@ def _attributes(name: str, category: str | None) -> Any:
         attrs = _DOMAIN.get_event_attributes(message=name, color=_COLORS[category])
         _ATTRIBUTES[key] = attrs
     return attrs
+
+
+def _tag(err: object, key: str, value: object) -> None:
+    try:
+        setattr(err, key, value)
+    except AttributeError:  # an exception type without a __dict__
+        pass
+
+
+def where(err: BaseException) -> str:
+    """Where ``err`` was raised, as far as the ranges it left say: ``"in halo_exchange, step 5"`` (or "").
+
+    Why: an error from deep inside a collective (a gloo timeout) names neither the operation nor the
+    step; the range it passed through on its way out, and the timed step, do.
+    """
+    parts = []
+    if getattr(err, "hybridpar_range", None):
+        parts.append(f"in {err.hybridpar_range}")  # type: ignore[attr-defined]
+    if getattr(err, "hybridpar_step", None) is not None:
+        parts.append(f"step {err.hybridpar_step}")  # type: ignore[attr-defined]
+    return ", ".join(parts)
 
 
 def current_timer() -> StepTimer | None:
@@ -121,6 +142,8 @@ class range:  # named like the builtin on purpose: ``with profiling.range("conv1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[1] is not None and not hasattr(exc[1], "hybridpar_range"):
+            _tag(exc[1], "hybridpar_range", self.name)  # the innermost range an error left
         stack = _local.stack
         frame = stack.pop()
         while frame[0] is not self and stack:  # a range left open by an exception: close it too
@@ -270,6 +293,9 @@ class StepTimer:
         self.start(step)
         try:
             yield self
+        except BaseException as err:
+            _tag(err, "hybridpar_step", step)
+            raise
         finally:
             self.stop()
 

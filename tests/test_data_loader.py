@@ -356,13 +356,13 @@ def test_results_are_received_before_they_are_asked_for():
             time.sleep(0.01)
         assert "a" in pool._ready  # arrived without get()
         t0 = time.perf_counter()
-        x, y, _ = pool.get(gen, "a")
+        x, y, _, _ = pool.get(gen, "a")
         assert time.perf_counter() - t0 < 0.05
         torch.testing.assert_close(y, torch.tensor([[0.0, -0.0], [1.0, -1.0]]))
         pool.submit(gen, "b", [2])
         gen2 = pool.begin()  # abandon "b"
         pool.submit(gen2, "c", [3])
-        _, y, _ = pool.get(gen2, "c")
+        _, y, _, _ = pool.get(gen2, "c")
         assert y.tolist() == [[3.0, -3.0]] and "b" not in pool._ready
     finally:
         pool.close()

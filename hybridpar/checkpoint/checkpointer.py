@@ -640,14 +640,16 @@ class Checkpointer:
                 err = ""
             except CheckpointError as e:
                 err = str(e)
-            bad = [(r, e) for r, e in enumerate(g.all_gather(err)) if e]
+            every = g.all_gather((err, notes))
+            bad = [(r, e) for r, (e, _) in enumerate(every) if e]
             if not bad:
                 self._warn_skipped(name, found, problems)
-                for n in notes:
-                    warnings.warn(f"checkpoint {name}: {n}", stacklevel=2)
+                if self.rank == 0:  # every rank's notes, once per job
+                    for n in dict.fromkeys(n for _, ns in every for n in ns):
+                        warnings.warn(f"checkpoint {name}: {n}", stacklevel=2)
                 self._parent = name
                 return unflatten(flat)
-            detail = "; ".join(f"rank {r}: {e}" for r, e in bad[:4])
+            detail = _by_message(bad)
             if step is not None:
                 raise CheckpointError(f"checkpoint of step {step} ({name}) is damaged: {detail}")
             problems.append(f"{name}: {detail}")
@@ -667,7 +669,15 @@ class Checkpointer:
             if f.manifest is None and f.step >= chosen_step:
                 why = "; ".join(f.problems) or "no manifest: the save never completed"
                 skipped.append(f"{f.name}: {why}")
-        if skipped:
+        if skipped and self.rank == 0:  # problems hold every rank's findings: said once per job
             using = f"loading {chosen}" if chosen else "starting fresh"
             warnings.warn(f"skipped newer checkpoint(s), {using}: " + " | ".join(skipped), stacklevel=3)
 
+
+def _by_message(bad: list[tuple[int, str]], most: int = 4) -> str:
+    """``ranks 0, 1: msg; rank 3: other``: per-rank errors, ranks with the same message together."""
+    ranks: dict[str, list[int]] = {}
+    for r, e in bad:
+        ranks.setdefault(e, []).append(r)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}" for e, rs in ranks.items()]
+    return "; ".join(parts[:most]) + (f"; and {len(parts) - most} more" if len(parts) > most else "")

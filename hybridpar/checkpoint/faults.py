@@ -10,7 +10,8 @@ before it completes an overlapped copy), ``persist`` (after the first tensor of 
 ``manifest`` (manifest written to its temp name and fsynced, not yet renamed), ``flush`` (an L3 copy
 half done); a training loop may add its own (the CosmoFlow trainer: ``step``, after an optimizer step,
 and ``validate``, in the middle of a validation pass). Actions: ``kill`` (SIGKILL this process),
-``raise`` (an OSError, as a full disk would), ``sleepSECONDS``. ``ATTEMPT`` is torchrun's restart count
+``stop`` (SIGSTOP it: it stops answering without dying, as a hung host would), ``raise`` (an OSError, as
+a full disk would), ``sleepSECONDS``. ``ATTEMPT`` is torchrun's restart count
 (``TORCHELASTIC_RESTART_COUNT``, 0 without torchrun), so a fault can fire in one attempt and not again in
 the one that resumes from it.
 """
@@ -44,9 +45,12 @@ def hit(point: str, step: int, rank: int = 0) -> None:
         action = parts[1]
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "raise":
             raise OSError(f"injected fault at {point} (step {step}, rank {rank}) from ${ENV}")
         elif action.startswith("sleep"):
             time.sleep(float(action[5:]))
         else:
-            raise ValueError(f"${ENV}: unknown action {action!r} in {entry!r} (kill, raise or sleepSECONDS)")
+            raise ValueError(f"${ENV}: unknown action {action!r} in {entry!r} (kill, stop, raise or "
+                             "sleepSECONDS)")

@@ -11,7 +11,9 @@ scale and are part of the contract:
 
 Optional attributes the loader uses when present: ``sample_shape`` (``(C, D, H, W)`` or
 ``(D, H, W)``; needed to split samples spatially), ``bytes_read`` (a running count the loader sums
-over its workers), and the :class:`FileBacked` pair used by staging.
+over its workers), ``take_skipped()`` (descriptions of bad samples the dataset read something else in
+place of since the last call; the loader gathers them from its workers into ``loader.skipped``), and
+the :class:`FileBacked` pair used by staging.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def read_batch(dataset: VolumeDataset, indices: Sequence[int], region: Region | 
     if not shared:
         return torch.stack(xs), torch.stack(ys)
     return _stack_shared(xs), _stack_shared(ys)
+
+
+def take_skipped(dataset: object) -> list[str]:
+    """The dataset's skipped-sample notes since the last call, if it keeps any (see the module doc)."""
+    take = getattr(dataset, "take_skipped", None)
+    return list(take()) if callable(take) else []
 
 
 def _stack_shared(items: list[torch.Tensor]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hybridpar.data.dataset import VolumeDataset, read_batch, spatial_extent
+from hybridpar.data.dataset import VolumeDataset, read_batch, spatial_extent, take_skipped
 from hybridpar.data.placement import Placement
 from hybridpar.data.sampler import ShardedSampler
 from hybridpar.data.staging import stage_dataset
@@ -85,6 +85,8 @@ class VolumeLoader:
         self.wait_time = 0.0
         self.last_wait = 0.0
         self._worker_bytes = 0
+        self.skipped: list[str] = []
+        """What the dataset reported skipping (``take_skipped``), in this process and its workers."""
         self._main_bytes0 = getattr(dataset, "bytes_read", None)
         self._generation = 0
         self._pool: WorkerPool | None = None
@@ -172,6 +174,7 @@ class VolumeLoader:
             t0 = time.perf_counter()
             batch = read_batch(self.dataset, batches[k], self.region)
             self._timed(t0)
+            self.skipped += take_skipped(self.dataset)
             yield batch
 
     def _pooled_reads(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Batch]:
@@ -201,9 +204,10 @@ class VolumeLoader:
                     pool.submit(generation, (epoch + 1, sent - n), following[sent - n])
                 sent += 1
             t0 = time.perf_counter()
-            x, y, nbytes = pool.get(generation, (epoch, k))
+            x, y, nbytes, skipped = pool.get(generation, (epoch, k))
             self._timed(t0)
             self._worker_bytes += nbytes
+            self.skipped += skipped
             if k == n - 1:
                 self._carry = ((epoch + 1, 0), generation, sent - n)
             yield x, y

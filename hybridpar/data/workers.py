@@ -30,7 +30,7 @@ from collections.abc import Hashable, Sequence
 import torch
 import torch.multiprocessing as tmp
 
-from hybridpar.data.dataset import Region, read_batch
+from hybridpar.data.dataset import Region, read_batch, take_skipped
 
 _POLL_S = 0.5
 
@@ -60,18 +60,31 @@ def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: 
             x, y = read_batch(dataset, indices, region, shared=True)
             x.share_memory_()  # no-op unless the batch was empty
             y.share_memory_()
-        except Exception:
-            results.put(("error", generation, k, traceback.format_exc()))
+        except Exception as err:
+            results.put(("error", generation, k, (traceback.format_exc(), _portable(err))))
             seen = getattr(dataset, "bytes_read", None)
             continue
         now = getattr(dataset, "bytes_read", None)
         nbytes = now - seen if isinstance(now, int) and isinstance(seen, int) else 0
         seen = now
-        results.put(("ok", generation, k, (x, y, nbytes)))
+        results.put(("ok", generation, k, (x, y, nbytes, take_skipped(dataset))))
+
+
+def _portable(err: BaseException) -> BaseException | None:
+    """``err`` if it survives pickling (to cross to the trainer), else None."""
+    try:
+        return pickle.loads(pickle.dumps(err))
+    except Exception:
+        return None
 
 
 class WorkerError(RuntimeError):
-    """A reader process failed; the message carries its traceback."""
+    """A reader process failed; the message carries its traceback, ``original`` the exception itself
+    (None if it could not cross processes), so that a caller can report it as if read in-process."""
+
+    def __init__(self, message: str, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.original = original
 
 
 class WorkerPool:
@@ -156,8 +169,9 @@ class WorkerPool:
         """Ask for batch ``k`` (any key, e.g. (epoch, index)) of ``generation``: ``indices`` to read."""
         self._tasks.put((generation, k, list(indices)))
 
-    def get(self, generation: int, k: Hashable) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Block until batch ``k`` of ``generation`` arrives: ``(x, y, bytes the worker read)``."""
+    def get(self, generation: int, k: Hashable) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
+        """Block until batch ``k`` of ``generation`` arrives: ``(x, y, bytes the worker read, samples it
+        skipped)``."""
         if generation != self._generation or self._closed:
             raise RuntimeError(f"batch {k} of an abandoned loader iteration (or a closed pool) "
                                f"will never arrive")
@@ -176,7 +190,8 @@ class WorkerPool:
                 self._check_alive()
         if kind == "error":  # raised when the failed batch is due, not when a look-ahead hits it
             self.close()
-            raise WorkerError(f"a loader worker failed reading batch {k}:\n{body}")
+            tb, original = body  # type: ignore[misc]
+            raise WorkerError(f"a loader worker failed reading batch {k}:\n{tb}", original)
         return body  # type: ignore[return-value]
 
     def _check_alive(self) -> None:

@@ -37,7 +37,7 @@ from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import gather, local_box
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.grid import ProcessGrid
-from hybridpar.launch import init_distributed
+from hybridpar.launch import collective_timeout, init_distributed
 from hybridpar.nn.layout import Redistribute
 from hybridpar.nn.norm import recomputing
 from hybridpar.nn.spatial import SpatialLayer
@@ -161,7 +161,8 @@ class Engine:
                 and os.environ.get("HYBRIDPAR_LOCAL_P2P", "1") != "0"):
             # Every rank takes part (the option and the variable are the same everywhere); pairs that
             # cannot use it keep torch.distributed.
-            self.local = LocalP2P.create({self._peer(k) for k in range(self.grid.pipe)} - {dist.get_rank()})
+            self.local = LocalP2P.create({self._peer(k) for k in range(self.grid.pipe)} - {dist.get_rank()},
+                                         timeout=collective_timeout().total_seconds())
 
     def _build(self, input_shape: tuple[int, ...]) -> None:
         self.input_shape = input_shape

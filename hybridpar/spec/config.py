@@ -25,7 +25,7 @@ SCHEDULES = ("gpipe", "1f1b")
 REPLICATE = "replicate"
 Split = tuple[int, int, int]
 
-_SPEC_KEYS = ("grid", "pipeline", "layers")
+_SPEC_KEYS = ("grid", "pipeline", "layers", "timeout_s")
 _GRID_KEYS = ("data", "pipe", "spatial")
 _PIPELINE_KEYS = ("schedule", "microbatches", "stages", "recompute")
 _RULE_KEYS = ("spatial",)
@@ -220,9 +220,16 @@ class ParallelSpec:
     grid: GridSpec = field(default_factory=GridSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     layers: tuple[LayerRule, ...] = ()
+    timeout_s: float | None = None
+    """How long a rank waits for a peer in any collective before the job ends naming the ranks that
+    stopped answering (``hybridpar.init_distributed(timeout_s=...)``); None: its default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t > 0):
+            raise SpecError(f"timeout_s: {t!r} is not a positive number of seconds (how long a rank waits "
+                            f"for a peer before the job ends)")
         stages, pipe = self.pipeline.stages, self.grid.pipe
         if stages != "auto" and pipe != -1 and len(stages) != pipe:
             raise SpecError(
@@ -259,7 +266,7 @@ class ParallelSpec:
                 raise SpecError(f"{where}: missing key 'spatial'; give spatial: [d, h, w] or "
                                 f"spatial: replicate")
             rules.append(LayerRule(pattern, body["spatial"]))
-        return cls(GridSpec(**grid), PipelineSpec(**pipeline), tuple(rules))
+        return cls(GridSpec(**grid), PipelineSpec(**pipeline), tuple(rules), d.get("timeout_s"))
 
     @classmethod
     def from_yaml(cls, text: str, source: str = "<string>") -> ParallelSpec:
@@ -275,8 +282,9 @@ class ParallelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that ``from_dict`` turns back into an equal spec."""
-        return {"grid": self.grid.to_dict(), "pipeline": self.pipeline.to_dict(),
-                "layers": {r.pattern: r.to_dict() for r in self.layers}}
+        out = {"grid": self.grid.to_dict(), "pipeline": self.pipeline.to_dict(),
+               "layers": {r.pattern: r.to_dict() for r in self.layers}}
+        return out if self.timeout_s is None else {**out, "timeout_s": self.timeout_s}
 
     def to_yaml(self) -> str:
         """YAML that ``load_spec`` / ``from_yaml`` turns back into an equal spec."""

@@ -1,0 +1,105 @@
+"""Which ranks still answer, so that a collective timeout can say who stopped.
+
+Why: a rank that stops answering (SIGSTOP, a debugger, a hung host) leaves the others waiting in a
+collective until the group's timeout, and gloo's error then names neither the operation nor the peer
+("Timed out waiting 10000ms for recv operation to complete"). Worse, the timeout closes the group, so
+no collective can ask who is missing. The rendezvous store still answers (torchrun's agent hosts it, or
+rank 0), so every rank beats a counter there from a daemon thread; a rank a timeout hits reads all
+counters twice, a few beats apart: ranks whose counter did not move have stopped. The operation comes
+from the profiling range the error left (:func:`hybridpar.profiling.where`: the halo exchange, the
+pipeline transfer or the gradient reduction, and the step) and from the caller.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hybridpar import profiling
+
+_PREFIX = "hybridpar/beat/"
+_state: dict[str, object] = {}
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective or transfer gave up waiting for a peer; the message names the operation and the
+    ranks that stopped answering."""
+
+
+def beat_interval(timeout_s: float) -> float:
+    """Seconds between beats: a tenth of the timeout, within [0.2, 5] (cheap, and quick to judge)."""
+    return min(max(timeout_s / 10.0, 0.2), 5.0)
+
+
+def start(timeout_s: float) -> None:
+    """Beat this rank's counter in the default group's store until the process ends (once per process)."""
+    if _state.get("thread") is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    rank, every = dist.get_rank(), beat_interval(timeout_s)
+    key = f"{_PREFIX}{rank}"
+    store.add(key, 1)  # the key exists before anyone can ask for it
+
+    def beat() -> None:
+        while True:
+            time.sleep(every)
+            try:
+                store.add(key, 1)
+            except Exception:  # the store's host is gone: nothing left to tell
+                return
+
+    thread = threading.Thread(target=beat, name="hybridpar-heartbeat", daemon=True)
+    thread.start()
+    _state.update(thread=thread, store=store, every=every, world=dist.get_world_size(), timeout_s=timeout_s)
+
+
+def silent_ranks() -> list[int] | None:
+    """Ranks whose heartbeat stood still over 2.5 beats (this call waits that long); None if unknown
+    (no heartbeat started, or the store itself does not answer)."""
+    store, every, world = _state.get("store"), _state.get("every"), _state.get("world")
+    if store is None:
+        return None
+    keys = [f"{_PREFIX}{r}" for r in range(int(world))]  # type: ignore[call-overload]
+    try:
+        store.set_timeout(timedelta(seconds=max(5.0, 4 * float(every))))  # type: ignore[union-attr,arg-type]
+        before = store.multi_get(keys)  # type: ignore[union-attr]
+        time.sleep(2.5 * float(every))  # type: ignore[arg-type]
+        after = store.multi_get(keys)  # type: ignore[union-attr]
+    except Exception:
+        return None
+    return [r for r in range(len(keys)) if before[r] == after[r]]
+
+
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is a peer not answering: a gloo/local transfer timeout or a lost connection."""
+    return isinstance(err, RuntimeError) and not isinstance(err, CollectiveTimeout) \
+        and bool(_TIMEOUT_TEXT.search(str(err)))
+
+
+def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
+    """A :class:`CollectiveTimeout` for ``err`` (see :func:`is_timeout`): which operation waited, on
+    which rank, and which ranks stopped answering. ``doing`` is the caller's description."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[file.cc:78] " prefix
+    where = ", ".join(p for p in (doing, profiling.where(err)) if p)
+    limit = _state.get("timeout_s")
+    silent = silent_ranks()
+    if silent is None:
+        who = ("the rendezvous store does not answer either (rank 0 hosts it unless torchrun does): rank 0 "
+               "has probably stopped")
+    elif silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering"
+    else:
+        who = ("every rank still answers: one is slower than the timeout allows, or the ranks called "
+               "different collectives")
+    setting = f" (parallel.timeout_s = {limit:g})" if isinstance(limit, float | int) else ""
+    return CollectiveTimeout(f"rank {rank} gave up waiting{' ' + where if where else ''}: {cause}{setting}; "
+                             f"{who}")

@@ -1,0 +1,123 @@
+"""One line per failure: the first rank that fails speaks, the others stay quiet.
+
+Why: an error raised on every rank (a bad config, a missing file) used to print once per rank, and a
+fault on one rank made every other rank print its own secondary error (a closed connection, a
+timeout) on top. The ranks agree through the rendezvous store, which every launcher provides and
+which stays usable after a collective has failed: the first rank to claim the failure prints its line;
+the others print nothing.
+
+Under torchrun each rank also writes its line to the error file torchelastic names in
+``TORCHELASTIC_ERROR_FILE`` (what ``torch.distributed.elastic``'s ``@record`` does with a traceback),
+so torchrun's closing report shows that line as the root cause instead of a link to its docs; the
+ranks that stopped because of it say so, dated a second later, so that torchrun (which picks the
+earliest) names the right rank.
+
+Exit codes (:data:`CONFIG_ERROR`, :data:`RUNTIME_FAULT`) tell a job that cannot start as configured
+from one that failed while running. mpirun and srun pass a rank's code on; torchrun exits 1 and shows
+each rank's code in its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+CONFIG_ERROR = 2
+"""The job cannot run as configured: a bad key or value, a missing file, a spec that does not fit, a
+checkpoint of another model. Fix the command line or the config; running it again will not help."""
+RUNTIME_FAULT = 1
+"""The job failed while running: damaged data, a diverged loss, a rank that stopped answering, a bug.
+Resuming from the newest checkpoint may help."""
+
+_KEY = "hybridpar/failure"
+_STORE_TIMEOUT = timedelta(seconds=10)  # a store that does not answer (its host is gone) must not hang us
+
+
+def _store() -> dist.Store | None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _launcher_rank() -> int:
+    """This process's rank before (or without) a process group, from the launcher's environment."""
+    from hybridpar.launch import detect_launcher  # noqa: PLC0415 (launch imports torch.distributed)
+
+    found = detect_launcher()
+    return found[1] if found else 0
+
+
+def first(key: str) -> bool:
+    """True on exactly one rank of the job: the first to ask for ``key`` (every rank without a group)."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        store.set_timeout(_STORE_TIMEOUT)
+        return store.add(f"hybridpar/once/{key}", 1) == 1
+    except (RuntimeError, OSError):
+        return True
+
+
+def report(line: str, code: int = RUNTIME_FAULT) -> int:
+    """Print ``line`` to stderr if this rank failed first in the job, record it for torchrun, and
+    return ``code`` (the process's exit status).
+
+    Before a process group exists every rank is assumed to meet the same error (configuration), and
+    rank 0 speaks. When the store cannot be reached, every rank speaks, prefixed with its rank.
+    """
+    _keep_exit_code()
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else _launcher_rank()
+    store = _store()
+    stamp = int(time.time())
+    if store is None:
+        root, root_line, root_stamp, speak = 0, line, stamp, rank == 0
+    else:
+        try:
+            store.set_timeout(_STORE_TIMEOUT)
+            if store.add(_KEY, 1) == 1:
+                store.set(f"{_KEY}/first", json.dumps([rank, line, stamp]))
+                root, root_line, root_stamp = rank, line, stamp
+            else:
+                root, root_line, root_stamp = json.loads(store.get(f"{_KEY}/first"))
+            speak = root == rank
+        except (RuntimeError, OSError, ValueError):
+            root, root_line, root_stamp, speak = rank, f"rank {rank}: {line}", stamp, True
+    if speak:
+        print(root_line, file=sys.stderr, flush=True)
+        _error_file(root_line, stamp)
+    else:
+        _error_file(f"stopped because rank {root} failed (the root cause below)", max(stamp, root_stamp + 1))
+    return code
+
+
+def _keep_exit_code() -> None:
+    """Ignore SIGTERM from here on: torchrun sends it to every rank as soon as one has exited, and a
+    rank still on its way out would then report -15 instead of its own code (in the main thread only)."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        pass
+
+
+def _error_file(message: str, stamp: int) -> None:
+    """Write torchelastic's error file, if the launcher asked for one (the format ``@record`` writes, with
+    ``message`` in place of the traceback torchrun shows)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    body = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": body}, f)
+    except OSError:
+        pass

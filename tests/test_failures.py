@@ -1,0 +1,121 @@
+"""One clear line per failure, end to end on launch/train.py with 2 ranks and tiny sizes: a bad config,
+a resume with another model, a damaged universe (and ``data.skip_bad``), and a rank that stops
+answering. Each is printed once per job (a line starting ``error:``), torchrun's report shows that line
+as the root cause, and the exit code tells a configuration error (2) from a runtime fault (1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+from cosmoflow.generate import generate
+from cosmoflow.trainer import main
+
+from distributed import ROOT, free_port, train_script
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("universes")
+    generate(d / "train", universes=4, size=16, seed=1, progress=False, linear=False)
+    generate(d / "val", universes=2, size=16, seed=2, progress=False, linear=False)
+    damaged = d / "damaged"
+    damaged.mkdir()
+    for p in (d / "train").iterdir():
+        (damaged / p.name).write_bytes(p.read_bytes())
+    bad = damaged / "univ_s1_00002.h5"
+    with h5py.File(bad, "r") as f:
+        at = f["full"].id.get_chunk_info(0).byte_offset + 100
+    raw = bytearray(bad.read_bytes())
+    raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    bad.write_bytes(bytes(raw))
+    return d
+
+
+def _args(data: Path, run: Path, *extra: str, train: str = "train") -> list[str]:
+    sets = [f"data.train={data / train}", f"data.val={data / 'val'}", "data.sample_size=8", "data.workers=0",
+            "model.n_conv=2", "model.base_filters=4", "model.dense=[8]", "model.dropout=0.0",
+            "train.batch_size=4", "train.epochs=1", f"run_dir={run}", "logging.progress=false",
+            "logging.plots=false", "logging.tensorboard=false", "checkpoint.every_steps=3",
+            "parallel={grid: {data: 1, pipe: 1, spatial: [2, 1, 1]}}", *extra]
+    return ["--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def _one_error(res: subprocess.CompletedProcess, code: int) -> str:
+    """The job's one ``error:`` line; torchrun's report names it as the root cause, with its exit code."""
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, res.stderr[-4000:]
+    root = res.stderr[res.stderr.index("Root Cause"):]
+    assert f"traceback : {lines[0]}" in root and re.search(rf"exitcode\s*: {code} ", root), res.stderr[-4000:]
+    assert "To enable traceback" not in res.stderr, res.stderr[-4000:]
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr  # torchrun's own only
+    return lines[0]
+
+
+def test_config_error_is_one_line_exit_2(data, tmp_path, capsys):
+    assert main(_args(data, tmp_path / "run", "train.epochs=many")) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: train.epochs: expected int, got 'many' (default 8)"]
+    res = train_script(_args(data, tmp_path / "run", "train.epochs=many"), timeout=120)
+    assert "expected int, got 'many'" in _one_error(res, 2)
+    assert "stopped because rank 0 failed" in res.stderr
+
+
+def test_resume_with_another_model_names_the_keys(data, tmp_path):
+    run = tmp_path / "run"
+    first = train_script(_args(data, run, "train.max_steps=3"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = train_script(_args(data, run, "model.base_filters=8"))
+    line = _one_error(res, 2)
+    assert "cannot resume" in line and "(step 3) holds another model" in line, line
+    assert "9 shape mismatches (0.weight (4, 4, 3, 3, 3) saved, (8, 4, 3, 3, 3) now;" in line, line
+    assert "and 6 more" in line and "--set checkpoint.resume=false" in line, line
+    assert "size mismatch" not in res.stderr
+    fresh = train_script(_args(data, run, "model.base_filters=8", "checkpoint.resume=false",
+                               "train.max_steps=1"))
+    assert fresh.returncode == 0 and "resumed" not in fresh.stdout, fresh.stderr[-3000:]
+
+
+def test_damaged_universe_is_named_or_skipped(data, tmp_path):
+    res = train_script(_args(data, tmp_path / "a", train="damaged"))
+    line = _one_error(res, 1)
+    assert re.search(r"damaged/univ_s1_00002\.h5: sample \d \(sub-cube .*\), region d \d+:\d+, h \d+:\d+, "
+                     r"w \d+:\d+: checksum mismatch \(Fletcher-32\)", line), line
+    skipped = train_script(_args(data, tmp_path / "b", "data.skip_bad=true", train="damaged"))
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    warned = [ln for ln in skipped.stderr.splitlines() if ln.startswith("warning: data.skip_bad")]
+    assert len(warned) == 1 and "univ_s1_00002.h5: sample" in warned[0], skipped.stderr[-3000:]
+    assert "skipped 8 bad samples (data.skip_bad)" in skipped.stdout  # the whole 16³ universe is one chunk
+
+
+def test_a_rank_that_stops_answering_ends_the_job(data, tmp_path):
+    """Rank 1 SIGSTOPs itself (a fault hook, at its save of step 3); rank 0, waiting for its halo,
+    ends within parallel.timeout_s and names the operation and the silent rank. Two plain processes
+    (the launcher's variables set by hand): torchrun would add its 30 s grace before killing rank 1."""
+    spec = "parallel={grid: {data: 1, pipe: 1, spatial: [2, 1, 1]}, timeout_s: 3}"
+    args = _args(data, tmp_path / "run", spec)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "HYBRIDPAR_CKPT_FAULT": "snapshot:stop:3:1"}
+    cmd = [sys.executable, str(ROOT / "launch/train.py"), *args]
+    ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (1, 0)]
+    try:
+        _, err = ranks[1].communicate(timeout=120)
+        state = Path(f"/proc/{ranks[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    finally:
+        ranks[0].send_signal(signal.SIGKILL)
+        ranks[0].communicate()
+    assert state == "T", f"rank 1 is in state {state}, not stopped"
+    assert ranks[1].returncode == 1, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == [ln for ln in err.strip().splitlines() if not ln.startswith("warning")][-1:], err[-3000:]
+    assert re.fullmatch(r"error: rank 0 gave up waiting in halo_exchange, step 3: Timed out waiting "
+                        r"3000ms for recv operation to complete \(parallel.timeout_s = 3\); rank 1 stopped "
+                        r"answering", lines[0]), lines[0]

@@ -515,7 +515,10 @@ class Engine:
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-        """Model outputs for this replica's samples, on every rank of the replica (all stages)."""
+        """Model outputs for this replica's samples, on every rank of the replica (all stages).
+
+        In training mode the forward updates running statistics, which are then averaged over the
+        data-parallel replicas: call it on every replica alike."""
         self._require_built("predict")
         batch = x_local.shape[0] if batch is None else batch
         sizes = _split_sizes(batch, self.spec.pipeline.microbatches)

@@ -89,6 +89,8 @@ class CheckpointConfig:
     keep_every: int | None = None
     best_metric: str | None = "val_mae"  # pin the version with the lowest value of this metric
     resume: bool = True
+    local_dir: str | None = None         # node-local copies (L1) first, flushed to run_dir in the
+                                         # background; restarts read them first ("{node}" per node)
 
 
 @dataclass

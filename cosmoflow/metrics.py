@@ -2,17 +2,21 @@
 
 Why: a scientist watches a run live (progress bar on rank 0), compares runs later (CSV, TensorBoard
 event files) and looks at what the model learned (loss curves, predicted against true per
-parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies.
-TensorBoard and matplotlib are optional: without them the run still writes CSV.
+parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies; a
+run resumed from a checkpoint first drops the rows of the steps it will run again. The progress line
+redraws itself on a terminal and is one plain line per ``every`` steps otherwise (log files, mpirun).
+TensorBoard and matplotlib are optional: without them the run still writes CSV, and says so once.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -45,12 +49,44 @@ class CsvLog:
         with self.path.open() as f:
             return list(csv.DictReader(f))
 
+    def truncate_after(self, column: str, last: int) -> int:
+        """Drop the rows whose ``column`` is past ``last`` (atomically); returns how many went."""
+        rows = self.read()
+        keep = [r for r in rows if r.get(column) in (None, "") or float(r[column]) <= last]
+        if len(keep) == len(rows):
+            return 0
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, self.fields or list(rows[0]), extrasaction="ignore")
+            w.writeheader()
+            w.writerows(keep)
+        os.replace(tmp, self.path)
+        return len(rows) - len(keep)
+
+
+def warn(message: str) -> None:
+    """One line on stderr (the reporter's, so rank 0's only)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
 
 class Reporter:
-    """Rank 0's outputs: progress line, CSV, TensorBoard. Other ranks get a reporter that does nothing."""
+    """Rank 0's outputs: progress line, CSV, TensorBoard. Other ranks get a reporter that does nothing.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, progress: bool) -> None:
+    ``plots``: whether the run will draw plots at its end (only to say now if matplotlib is missing).
+    ``every``: without a terminal, the progress line is printed every this many steps.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, progress: bool, *,
+                 plots: bool = False, every: int = 1, stream: TextIO | None = None) -> None:
         self.enabled, self.progress = enabled, progress and enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = max(int(every), 1)
         self.steps = CsvLog(run_dir / "metrics_steps.csv")
         self.epochs = CsvLog(run_dir / "metrics_epochs.csv")
         self.tb = None
@@ -59,9 +95,19 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional)
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
+            except ImportError as err:
+                warn(f"no TensorBoard events: {err} (pip install tensorboard, or set "
+                     f"logging.tensorboard=false); the metrics still go to CSV")
+        if enabled and plots and not installed("matplotlib"):
+            warn("no plots: matplotlib is not installed (pip install matplotlib, or set logging.plots=false)")
         self.t0 = time.monotonic()
+
+    def rewind(self, step: int) -> None:
+        """A run resumed at ``step``: drop the rows of later steps (and epochs ended after it), which it
+        runs again, so that no step appears twice."""
+        if self.enabled:
+            self.steps.truncate_after("step", step)
+            self.epochs.truncate_after("last_step", step)
 
     def step(self, row: dict[str, Any], total_steps: int) -> None:
         if not self.enabled:
@@ -71,14 +117,9 @@ class Reporter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"train/{k}", v, row["step"])
-        if self.progress:
-            done = row["step"] / max(total_steps, 1)
-            bar = "#" * int(30 * done)
-            sys.stderr.write(
-                f"\r[{bar:<30}] step {row['step']}/{total_steps} epoch {row['epoch']} "
-                f"loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s {row['gflops']:.2f} GFLOP/s "
-                f"data {100 * row['data_wait_share']:.0f}% comm {100 * row['comm_share']:.0f}%  ")
-            sys.stderr.flush()
+        if self.progress and (self.tty or row["step"] % self.every == 0 or row["step"] >= total_steps):
+            self.stream.write(progress_line(row, total_steps, self.tty))
+            self.stream.flush()
 
     def epoch(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -89,8 +130,8 @@ class Reporter:
                 if k != "epoch" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"val/{k}", v, row["epoch"])
             self.tb.flush()
-        if self.progress:
-            sys.stderr.write("\n")
+        if self.progress and self.tty:  # end the redrawn line
+            self.stream.write("\n")
         line = f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f}"
         if "val_mae" in row:
             maes = " ".join(f"{p}={row[f'mae_{p}']:.4f}" for p in PARAMS if f"mae_{p}" in row)
@@ -103,6 +144,16 @@ class Reporter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def progress_line(row: dict[str, Any], total_steps: int, tty: bool) -> str:
+    """One step's progress: redrawn in place (``\\r``) on a terminal, a whole line otherwise."""
+    done = row["step"] / max(total_steps, 1)
+    bar = "#" * int(30 * done)
+    text = (f"[{bar:<30}] step {row['step']}/{total_steps} epoch {row['epoch']} "
+            f"loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s {row['gflops']:.2f} GFLOP/s "
+            f"data {100 * row['data_wait_share']:.0f}% comm {100 * row['comm_share']:.0f}%")
+    return f"\r{text}  " if tty else f"{text}\n"
 
 
 def mae_per_parameter(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:

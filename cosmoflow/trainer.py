@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import signal
 import sys
 import time
@@ -43,7 +44,14 @@ from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
 from hybridpar import failure
-from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from hybridpar.checkpoint import (
+    Checkpointer,
+    faults,
+    load_optimizer_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
 from hybridpar.launch import collective_timeout
@@ -92,7 +100,9 @@ def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float],
     """Validation loss and MAE per parameter over the whole set (summed over data replicas)."""
     engine.eval()
     preds, trues = [], []
-    for x_local, y in loader:
+    for i, (x_local, y) in enumerate(loader):
+        if i == 1:  # a fault-injection point for the recovery tests (mid-validation)
+            faults.hit("validate", 0, dist.get_rank())
         out = engine.predict(x_local)
         preds.append(out.detach().cpu().double().numpy())
         trues.append(y.cpu().double().numpy())
@@ -119,7 +129,8 @@ def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int
 
     Running averages taken while the weights move lag behind them; a model whose head normalises
     pooled features across the batch then evaluates far off. Averaging the batch statistics of a few
-    training batches, weights frozen, removes the lag.
+    training batches, weights frozen, removes the lag. Every replica's batches count: the engine
+    averages the statistics over the data-parallel replicas after each training-mode forward.
     """
     norms = [m for _, layer in engine.layers for m in layer.modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
@@ -188,8 +199,12 @@ def run(cfg: Config) -> dict[str, Any]:
                          f"but its input {engine.input_split}; the target field is read split like the "
                          "input, so give the last layers the first layer's spatial split")
     grid = engine.grid
-    # Dropout masks must agree inside a replica (replicated head), differ between replicas.
-    torch.manual_seed(cfg.train.seed + 1000 * grid.data_index + 1)
+    # Dropout masks must agree inside a replica (replicated head), differ between replicas. Python's and
+    # numpy's generators are seeded too, so whatever draws from them repeats after a restart.
+    replica_seed = cfg.train.seed + 1000 * grid.data_index + 1
+    torch.manual_seed(replica_seed)
+    random.seed(replica_seed)
+    np.random.seed(replica_seed)
     flops = hp.flops.count(model, (1, channels, S, S, S))
 
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
@@ -200,12 +215,15 @@ def run(cfg: Config) -> dict[str, Any]:
                              workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
     ck = cfg.checkpoint
-    ckpt = Checkpointer(run_dir / "checkpoints", grid, keep_last=ck.keep_last, keep_every=ck.keep_every,
+    ckpt = Checkpointer(run_dir / "checkpoints", grid, local_dir=ck.local_dir,
+                        keep_last=ck.keep_last, keep_every=ck.keep_every,
                         keep_every_on="epoch", best=(ck.best_metric, "min") if ck.best_metric else None,
                         config=cfg.to_dict(), timeout_s=collective_timeout().total_seconds())
     ckpt.attach(opt)  # the optimizer step waits for an overlapped snapshot copy, nothing else does
 
     step, epoch = 0, 0
+    resumed = False
+    epoch_loss = {"sum": 0.0, "steps": 0}  # this epoch's training losses so far (kept by checkpoints)
     if ck.resume:
         state = ckpt.load()
         if state is not None:
@@ -216,11 +234,16 @@ def run(cfg: Config) -> dict[str, Any]:
             if "rng" in state:
                 set_rng_state(state["rng"])
             step, epoch = int(state["step"]), int(state["epoch"])
+            epoch_loss.update(state.get("train", {}).get("epoch_loss", {}))
+            resumed = True
             if rank == 0:
                 print(f"resumed from step {step} (epoch {epoch}, batch {loader.index}) in {ckpt.root}",
                       flush=True)
 
-    reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress)
+    reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress,
+                        plots=cfg.logging.plots, every=cfg.train.log_every)
+    if resumed:
+        reporter.rewind(step)  # the steps after the checkpoint run again: their rows go
     timer = StepTimer(rank=rank)
     steps_per_epoch = len(loader)
     total = cfg.train.epochs * steps_per_epoch
@@ -236,7 +259,8 @@ def run(cfg: Config) -> dict[str, Any]:
             raise Stop(f"weights became non-finite by step {step} (epoch {epoch}); not saving. The newest "
                        f"good checkpoint: {errors.newest_checkpoint(ckpt)}; lower optimizer.base_lr")
         state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
-                 "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch}
+                 "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch,
+                 "train": {"epoch_loss": dict(epoch_loss)}}
         ckpt.save(step, state, {"epoch": epoch, **(metadata or {})}, overlap=overlap)
         last_save = time.monotonic()
 
@@ -247,7 +271,6 @@ def run(cfg: Config) -> dict[str, Any]:
     try:
         while epoch < cfg.train.epochs and step < total:
             loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
-            losses = []
             for x_local, y in loader:
                 errors.note_skipped(loader.skipped, skipped)
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
@@ -263,7 +286,9 @@ def run(cfg: Config) -> dict[str, Any]:
                     batch_of = loader.batches(epoch)[(loader.index or len(loader)) - 1]
                     raise errors.diverged(value, step, epoch, train_ds, batch_of, ckpt, bad_input)
                 step += 1
-                losses.append(value)
+                faults.hit("step", step, rank)  # a fault-injection point for the recovery tests
+                epoch_loss["sum"] += value
+                epoch_loss["steps"] += 1
                 parts = timer.breakdown()
                 comm = sum(parts.get(k, 0.0) for k in ("halo", "pipeline", "grad_reduce"))
                 reporter.step({"step": step, "epoch": epoch, "loss": value, "lr": opt.param_groups[0]["lr"],
@@ -279,7 +304,8 @@ def run(cfg: Config) -> dict[str, Any]:
                     save()
                 if step >= total:
                     break
-            if loader.epoch > epoch:  # the epoch ran to its end
+            ended = loader.epoch > epoch  # the epoch ran to its end (else max_steps cut it short)
+            if ended:
                 epoch += 1
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
@@ -287,8 +313,11 @@ def run(cfg: Config) -> dict[str, Any]:
                 metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
             else:
                 metrics, pred, true = evaluate(engine, val_loader)
-            train_loss = float(np.mean(losses)) if losses else float("nan")
+            n = epoch_loss["steps"]
+            train_loss = epoch_loss["sum"] / n if n else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
+            if ended:
+                epoch_loss.update(sum=0.0, steps=0)
             save({"metrics": metrics})
     except KeyboardInterrupt:
         if rank == 0:
@@ -351,4 +380,3 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-

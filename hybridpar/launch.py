@@ -86,6 +86,22 @@ def _rendezvous(launcher: str, rank: int, env: dict[str, str]) -> None:
         env["MASTER_PORT"] = str(29500 + int(job) % 1000 if job.isdigit() else 29500)
 
 
+def _restart_store(env: dict[str, str], world: int, timeout) -> dist.Store | None:
+    """A store of this attempt's own under torchrun restarts (``--max-restarts``), else None.
+
+    Why: torchrun's agent hosts one TCPStore for the whole job and its workers connect to it as
+    clients; torch's ``env://`` handler adds no per-attempt prefix, so after a restart gloo can read the
+    listening addresses that the previous attempt's (dead) ranks published and fail with "Gloo
+    connectFullMesh failed ... Connection refused". Prefixing every key with the restart count gives
+    each attempt a clean namespace on the same store.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"hybridpar/attempt{env['TORCHELASTIC_RESTART_COUNT']}/", store)
+
+
 _TIMEOUT_S = [600.0]  # the job's collective timeout, set when init_distributed creates the group
 
 
@@ -140,8 +156,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             env.setdefault("WORLD_SIZE", str(world))
             env.setdefault("LOCAL_RANK", str(local))
             kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s), **kwargs)
+            timeout = timedelta(seconds=timeout_s)
+            store = _restart_store(env, world, timeout)
+            if store is not None:
+                kwargs["store"] = store
+            else:
+                kwargs["init_method"] = "env://"
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
             from hybridpar.comm import liveness  # noqa: PLC0415 (comm imports this module's package)
 
             liveness.start(timeout_s)

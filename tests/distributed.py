@@ -74,9 +74,11 @@ def run(fn: Callable, world: int, *args, timeout: float = 300.0, env: dict | Non
                                f"(deadlock?)")
 
 
-def train_script(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``launch/train.py`` under torchrun on ``nproc`` local ranks, one thread each; output captured."""
+def train_script(args: list[str], nproc: int = 2, timeout: float = 240,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``launch/train.py`` under torchrun on ``nproc`` local ranks, one thread each; output captured.
+    ``env``: extra environment variables (a checkpoint fault to inject, say)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "launch/train.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -84,3 +84,37 @@ def _grid_body(rank: int, world: int) -> None:
 
 def test_grid_groups_and_neighbours():
     distributed.run(_grid_body, 8, timeout=300)
+
+
+RESTARTED = """
+import os, sys, torch, torch.distributed as dist
+import hybridpar as hp
+hp.init_distributed()
+t = torch.ones(1)
+dist.all_reduce(t)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+    os.kill(os.getpid(), 9)  # the first attempt loses a rank after its group formed
+dist.all_reduce(t)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"attempt {attempt} rank {dist.get_rank()} sum {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_restart_forms_a_fresh_group(tmp_path):
+    """torchrun --max-restarts: the attempt after a killed rank joins a group of its own, not the dead
+    attempt's (gloo would otherwise connect to the listening addresses the dead ranks published)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(distributed.ROOT)}
+    for _ in range(2):  # the stale addresses were read in about half of the restarts
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", "--max-restarts=1", str(script)],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert sorted(line for line in res.stdout.splitlines() if line.startswith("attempt")) == \
+            ["attempt 1 rank 0 sum 4", "attempt 1 rank 1 sum 4"], res.stdout

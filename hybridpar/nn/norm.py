@@ -2,15 +2,28 @@
 
 Why: per-shard statistics (what LBANN and MPI4DL do) change the model as the split changes. Here the
 mean and variance are reduced over the spatial group (optionally the data-parallel replicas too), in
-two passes for float32 accuracy, the running statistics are identical on every rank, and the backward
-pass reduces its two per-channel sums in one collective. GroupNorm and InstanceNorm3d keep statistics
-per sample (and group or channel), so only the spatial group takes part, never the data replicas.
+two passes, the running statistics are identical on every rank, and the backward pass reduces its two
+per-channel sums in one collective. GroupNorm and InstanceNorm3d keep statistics per sample (and group
+or channel), so only the spatial group takes part, never the data replicas. (Over data-parallel
+replicas, the engine averages the running statistics after every step:
+:mod:`hybridpar.pipeline.running_stats`.)
+
+Precision: whatever the input's dtype, sums accumulate in float64 and the elementwise work is done in
+float32 (float64 for a float64 input), as torch's own CPU kernels do: a bfloat16 activation of mean
+100 has a resolution of 0.5, and its mean and variance summed in bfloat16 would be off by more than
+its standard deviation; summed in float32 the mean keeps too few digits to centre values near 100
+to float32 accuracy. The mean is carried as two float32 parts, so the centred values are as exact as
+float32 allows (:func:`_centre`). Only the output is rounded, to the dtype torch's own layer returns for the
+same input under the same autocast state (:func:`_result_dtype`), and the input gradient to the
+input's dtype. The layer keeps its input for the backward (not the normalised float32 values), so a
+half-precision activation costs half-precision memory.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -38,35 +51,92 @@ def _allreduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype statistics are computed in: float32 for half-precision inputs, float64 stays."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+_PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "batch_norm": lambda z: F.batch_norm(z, None, None, training=True),
+    "group_norm": lambda z: F.group_norm(z, 1),
+    "instance_norm": lambda z: F.instance_norm(z),
+}
+_RESULT_DTYPES: dict[tuple, torch.dtype] = {}
+
+
+def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
+    """The dtype torch's ``op`` returns for ``x`` under the current autocast state.
+
+    Without autocast, the input's. Under autocast it depends on the device's op lists: ``group_norm``
+    is a float32 op under CUDA's autocast (float32 out for a bfloat16 input) and no listed op under
+    the CPU's (the input's dtype out). Rather than copy those lists, torch is asked once per device,
+    dtype and autocast dtype, with its own op on a two-element tensor.
+    """
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return x.dtype
+    if not enabled:
+        return x.dtype
+    key = (op, device, x.dtype, torch.get_autocast_dtype(device))
+    if key not in _RESULT_DTYPES:
+        probe = torch.zeros(1, 1, 2, dtype=x.dtype, device=x.device)
+        _RESULT_DTYPES[key] = _PROBES[op](probe).dtype
+    return _RESULT_DTYPES[key]
+
+
+def _total(t: torch.Tensor, dims, group) -> torch.Tensor:
+    """``t`` summed over ``dims`` and the ``group``'s shards, accumulated in float64 (as torch's CPU
+    kernels accumulate float32): a float32 sum of values offset from zero (mean 100, std 1) would
+    lose the digits that the centring needs. Only the totals are float64; ``t`` is read as it is."""
+    return _allreduce(t.sum(dim=dims, dtype=torch.float64), group)
+
+
+def _mean_parts(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 mean as two ``dtype`` parts, (hi, lo) stacked, for :func:`_centre`."""
+    hi = mean.to(dtype)
+    return torch.stack([hi, (mean - hi).to(dtype)])
+
+
+def _centre(x: torch.Tensor, parts: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``x - mean`` in ``x``'s dtype as exactly as the float64 mean allows: ``x - hi`` is exact for
+    values near the mean (Sterbenz), so only the small difference ``- lo`` is rounded."""
+    return (x - parts[0].view(shape)) - parts[1].view(shape)
+
+
 class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, group, count, data_replicas):
-        dims = (0, 2, 3, 4)
-        mean = _allreduce(x.sum(dim=dims), group) / count
-        centred = x - mean.view(1, -1, 1, 1, 1)
-        var = _allreduce(centred.square().sum(dim=dims), group) / count
+    def forward(ctx, x, weight, bias, eps, group, count, data_replicas, out_dtype):
+        dims, shape, sd = (0, 2, 3, 4), (1, -1, 1, 1, 1), _stat_dtype(x)
+        mean = _total(x, dims, group) / count
+        parts = _mean_parts(mean, sd)
+        centred = _centre(x.to(sd), parts, shape)
+        var = (_total(centred.square(), dims, group) / count).to(sd)
         invstd = torch.rsqrt(var + eps)
-        xhat = centred * invstd.view(1, -1, 1, 1, 1)
-        y = _affine(xhat, weight, bias)
-        ctx.save_for_backward(xhat, invstd, weight)
-        ctx.meta = (group, count, data_replicas, bias is not None)
+        y = _affine(centred * invstd.view(shape), weight, bias)
+        ctx.save_for_backward(x, parts, invstd, weight)
+        ctx.meta = (group, count, data_replicas, None if bias is None else bias.dtype)
+        mean = mean.to(sd)
         ctx.mark_non_differentiable(mean, var)
-        return y, mean, var
+        return y.to(out_dtype), mean, var
 
     @staticmethod
     def backward(ctx, gy, _gmean, _gvar):
-        xhat, invstd, weight = ctx.saved_tensors
-        group, count, replicas, has_bias = ctx.meta
-        dims = (0, 2, 3, 4)
-        sums = _allreduce(torch.stack([gy.sum(dim=dims), (gy * xhat).sum(dim=dims)]), group)
+        x, parts, invstd, weight = ctx.saved_tensors
+        group, count, replicas, bias_dtype = ctx.meta
+        dims, shape, sd = (0, 2, 3, 4), (1, -1, 1, 1, 1), invstd.dtype
+        xhat = _centre(x.to(sd), parts, shape) * invstd.view(shape)
+        gy = gy.to(sd)
+        sums = _allreduce(torch.stack([gy.sum(dim=dims, dtype=torch.float64),
+                                       (gy * xhat).sum(dim=dims, dtype=torch.float64)]), group).to(sd)
         g_bias, g_weight = sums[0], sums[1]
         scale = invstd if weight is None else invstd * weight
-        gx = (gy - (g_bias / count).view(1, -1, 1, 1, 1) - xhat * (g_weight / count).view(1, -1, 1, 1, 1)) \
-            * scale.view(1, -1, 1, 1, 1)
+        gx = (gy - (g_bias / count).view(shape) - xhat * (g_weight / count).view(shape)) * scale.view(shape)
         # Reduced over data replicas too: divide so the engine's average over replicas keeps the sum.
-        gw = g_weight / replicas if weight is not None else None
-        gb = g_bias / replicas if has_bias else None
-        return gx, gw, gb, None, None, None, None
+        gw = (g_weight / replicas).to(weight.dtype) if weight is not None else None
+        gb = (g_bias / replicas).to(bias_dtype) if bias_dtype is not None else None
+        return gx.to(x.dtype), gw, gb, None, None, None, None, None
 
 
 def _affine(xhat: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -129,7 +199,8 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
         if count == 1:
             raise ValueError(f"{self.layer_name}: expected more than 1 value per channel when training, "
                              f"got input of global size {(x.shape[0], x.shape[1], *shape)}")
-        y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, group, count, replicas)
+        y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, group, count, replicas,
+                                            _result_dtype(x, "batch_norm"))
         factor = self._count_batch()
         if factor is not None:
             with torch.no_grad():
@@ -151,42 +222,48 @@ class _SyncGroupNorm(torch.autograd.Function):
     """Group normalisation of a split (N, C, D, H, W) shard with statistics over the whole volume.
 
     Statistics are per sample and group of ``C / groups`` channels, summed over the spatial group in
-    two passes (mean, then centred squares) for float32 accuracy. The backward needs, per sample and
+    two passes (mean, then centred squares) in float32 or wider. The backward needs, per sample and
     channel, the sums of ``gy`` and ``gy * xhat`` over the whole volume: one all-reduce of (2, N, C)
     gives them, and with them the per-group terms of the input gradient and the (already reduced)
     weight and bias gradients.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, groups, eps, group, count):
-        n = x.shape[0]
+    def forward(ctx, x, weight, bias, groups, eps, group, count, out_dtype):
+        n, sd = x.shape[0], _stat_dtype(x)
         xg = x.reshape(n, groups, -1)
-        mean = _allreduce(xg.sum(-1), group) / count
-        centred = xg - mean.unsqueeze(-1)
-        var = _allreduce(centred.square().sum(-1), group) / count
+        mean = _total(xg, -1, group) / count
+        parts = _mean_parts(mean, sd)
+        centred = _centre(xg.to(sd), parts, (n, groups, 1))
+        var = (_total(centred.square(), -1, group) / count).to(sd)
         invstd = torch.rsqrt(var + eps)
         xhat = (centred * invstd.unsqueeze(-1)).view(x.shape)
-        ctx.save_for_backward(xhat, invstd, weight)
-        ctx.meta = (groups, group, count, bias is not None)
+        ctx.save_for_backward(x, parts, invstd, weight)
+        ctx.meta = (groups, group, count, None if bias is None else bias.dtype)
+        mean = mean.to(sd)
         ctx.mark_non_differentiable(mean, var)
-        return _affine(xhat, weight, bias), mean, var
+        return _affine(xhat, weight, bias).to(out_dtype), mean, var
 
     @staticmethod
     def backward(ctx, gy, _gmean, _gvar):
-        xhat, invstd, weight = ctx.saved_tensors
-        groups, group, count, has_bias = ctx.meta
+        x, parts, invstd, weight = ctx.saved_tensors
+        groups, group, count, bias_dtype = ctx.meta
         n, c = gy.shape[:2]
-        dims = tuple(range(2, gy.dim()))
-        sums = _allreduce(torch.stack([gy.sum(dim=dims), (gy * xhat).sum(dim=dims)]), group)  # (2, N, C)
-        g_shift, g_scale = sums[0], sums[1]
+        dims, sd = tuple(range(2, gy.dim())), invstd.dtype
+        xhat = (_centre(x.reshape(n, groups, -1).to(sd), parts, (n, groups, 1)) * invstd.unsqueeze(-1)) \
+            .view(x.shape)
+        gy = gy.to(sd)
+        sums = _allreduce(torch.stack([gy.sum(dim=dims, dtype=torch.float64),
+                                       (gy * xhat).sum(dim=dims, dtype=torch.float64)]), group).to(sd)
+        g_shift, g_scale = sums[0], sums[1]  # (N, C) each
         gyw = gy if weight is None else gy * weight.view((1, -1) + (1,) * len(dims))
         wsums = sums if weight is None else sums * weight.view(1, 1, -1)
         per_group = wsums.view(2, n, groups, c // groups).sum(-1) / count  # (2, N, G)
         gx = (gyw.reshape(n, groups, -1) - per_group[0].unsqueeze(-1)
               - xhat.reshape(n, groups, -1) * per_group[1].unsqueeze(-1)) * invstd.unsqueeze(-1)
-        gw = g_scale.sum(0) if weight is not None else None
-        gb = g_shift.sum(0) if has_bias else None
-        return gx.view(gy.shape), gw, gb, None, None, None, None
+        gw = g_scale.sum(0).to(weight.dtype) if weight is not None else None
+        gb = g_shift.sum(0).to(bias_dtype) if bias_dtype is not None else None
+        return gx.view(gy.shape).to(x.dtype), gw, gb, None, None, None, None, None
 
 
 class _PerSampleNorm(SpatialLayer):
@@ -195,13 +272,15 @@ class _PerSampleNorm(SpatialLayer):
     def _spatial_group(self):
         return self.grid.spatial_group if self.grid.spatial_size > 1 else None
 
-    def _normalise(self, x: torch.Tensor, shape: tuple[int, int, int], groups: int):
-        """(y, mean, var) with per-(sample, group) statistics over the whole volume."""
+    def _normalise(self, x: torch.Tensor, shape: tuple[int, int, int], groups: int, op: str):
+        """(y, mean, var) with per-(sample, group) statistics over the whole volume; ``y`` in the dtype
+        torch's ``op`` returns."""
         c = x.shape[1]
         if c % groups:
             raise ValueError(f"{self.layer_name}: {c} channels do not split into {groups} groups")
         count = (c // groups) * shape[0] * shape[1] * shape[2]
-        return _SyncGroupNorm.apply(x, self.weight, self.bias, groups, self.eps, self._spatial_group(), count)
+        return _SyncGroupNorm.apply(x, self.weight, self.bias, groups, self.eps, self._spatial_group(), count,
+                                    _result_dtype(x, op))
 
 
 class DistGroupNorm(_PerSampleNorm, nn.GroupNorm):
@@ -227,7 +306,7 @@ class DistGroupNorm(_PerSampleNorm, nn.GroupNorm):
         if x.shape[0] * (x.shape[1] // self.num_groups) * math.prod(shape) == 1:
             raise ValueError(f"{self.layer_name}: expected more than 1 value per channel, got input of "
                              f"global size {(x.shape[0], x.shape[1], *shape)}")
-        return self._normalise(x, shape, self.num_groups)[0]
+        return self._normalise(x, shape, self.num_groups, "group_norm")[0]
 
 
 class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
@@ -259,7 +338,7 @@ class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
         if volume == 1:
             raise ValueError(f"{self.layer_name}: expected more than 1 spatial element when training, got "
                              f"input of global size {(x.shape[0], x.shape[1], *shape)}")
-        y, mean, var = self._normalise(x, shape, x.shape[1])
+        y, mean, var = self._normalise(x, shape, x.shape[1], "instance_norm")
         if self.training and self.track_running_stats and not _RECOMPUTING.on and x.shape[0] > 0:
             factor = self.momentum if self.momentum is not None else 0.0
             with torch.no_grad():

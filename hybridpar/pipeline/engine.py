@@ -8,7 +8,8 @@ copied, Redistributes where splits change (a sequence's stage is a list of layer
 in :class:`~hybridpar.pipeline.stage_graph.StageGraph`), (4) run a training step as a pipeline
 schedule over micro-batches, activations and gradients moving shard to shard between stages, (5)
 reduce gradients once, bucketed and overlapped with the last backward, over the stage's data ×
-spatial ranks.
+spatial ranks, and average norm layers' running statistics over the data-parallel replicas
+(:mod:`~hybridpar.pipeline.running_stats`), so that every rank holds the same state after a step.
 
 The training step gives the same numbers as the single-process model on any layout: each
 micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
@@ -43,6 +44,7 @@ from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.reducer import GradReducer
+from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
@@ -102,6 +104,7 @@ class Engine:
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
         self.reducer: GradReducer | None = None
+        self.replica_stats: ReplicaStats | None = None
         self._training = model.training
         if input_shape is not None:
             self._build(tuple(input_shape))
@@ -195,6 +198,8 @@ class Engine:
         self.model = self.graph = None  # the traced graph holds the model's modules too
         if self.grid.data * self.grid.stage_size > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
+        if self.grid.data > 1:  # norm layers' running statistics, the same on every replica
+            self.replica_stats = ReplicaStats([m for _, m in self.layers], self.grid.data_group)
 
     def _convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split."""
@@ -472,6 +477,8 @@ class Engine:
                             group = self._layout(self.output_split).spatial_group
                             dist.all_reduce(loss_sum, group=group)
                         loss_x.start(loss_sum)  # known now: off the step's critical path from here
+                    if i == last_forward and self.replica_stats is not None and self._training:
+                        self.replica_stats.start()  # the step's last update of running statistics
                 else:
                     if i == last_backward and self.reducer is not None:
                         self.reducer.arm()
@@ -502,11 +509,16 @@ class Engine:
             w.wait()
         if self.reducer is not None:
             self.reducer.finish()
+        if self.replica_stats is not None:
+            self.replica_stats.finish()
         return loss_x.finish()
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-        """Model outputs for this replica's samples, on every rank of the replica (all stages)."""
+        """Model outputs for this replica's samples, on every rank of the replica (all stages).
+
+        In training mode the forward updates running statistics, which are then averaged over the
+        data-parallel replicas: call it on every replica alike."""
         self._require_built("predict")
         batch = x_local.shape[0] if batch is None else batch
         sizes = _split_sizes(batch, self.spec.pipeline.microbatches)
@@ -526,6 +538,8 @@ class Engine:
                 sends.append(self._send(out, stage + 1, _FWD + m))
         for w in sends:
             w.wait()
+        if self.replica_stats is not None and self._training:  # it updated running statistics
+            self.replica_stats.sync()
         final = (batch, *self.output_record.output_shape[1:])
         y = torch.cat(outs) if self.last_stage else torch.empty(final, dtype=dtype, device=device)
         if self.grid.pipe > 1:

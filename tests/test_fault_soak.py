@@ -1,0 +1,162 @@
+"""Fault soak: the training application on 4 ranks (2 data-parallel replicas x a 2-way spatial split,
+BatchNorm on, no precise-BN re-estimation to hide drift) under ``torchrun --max-restarts``, killed at
+random moments — after an optimizer step, while a checkpoint is being written, in the middle of
+validation, and once by an outside SIGKILL at a random time — resumes by itself each time. Checked
+against an uninterrupted run of the same config: every tensor of every rank's final checkpoint
+(weights, optimizer state, BatchNorm running statistics, RNG and loader state) and the final
+validation metrics are equal bit for bit. The kill moments are drawn from a seed printed on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridpar.checkpoint.faults import ENV
+from hybridpar.checkpoint.levels import Levels, available, scan
+from hybridpar.checkpoint.restore import read_version
+from hybridpar.checkpoint.tree import key_filter
+
+from distributed import ROOT
+
+STEPS_PER_EPOCH = 8      # 4 universes x 8 crops of 8^3 / global batch 4
+EPOCHS = 3
+EVERY = 2                # checkpoint every 2 steps
+
+
+@pytest.fixture(scope="module")
+def universes(tmp_path_factory):
+    d = tmp_path_factory.mktemp("soak-universes")
+    for split, n, seed in (("train", 4, 1), ("val", 2, 2)):
+        subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
+                        str(n), "--size", "16", "--seed", str(seed)],
+                       check=True, capture_output=True, cwd=ROOT)
+    return d
+
+
+def _command(data: Path, run: Path, restarts: int) -> list[str]:
+    sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", "data.sample_size=8",
+            "data.workers=0", "model.n_conv=2", "model.base_filters=4", "model.dense=[8]",
+            "model.dropout=0.0", "model.batchnorm=true", "train.precise_bn_batches=0",
+            f"train.epochs={EPOCHS}", "train.batch_size=4", f"run_dir={run}", "logging.progress=false",
+            "logging.plots=false", "logging.tensorboard=false", f"checkpoint.every_steps={EVERY}",
+            "checkpoint.keep_last=2", "parallel={grid: {data: 2, pipe: 1, spatial: [2, 1, 1]}}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+            f"--max-restarts={restarts}", "--monitor-interval=0.1", str(ROOT / "launch/train.py"),
+            "--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def _env(faults: str = "") -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop(ENV, None)
+    if faults:
+        env[ENV] = faults
+    return env
+
+
+def _workers(agent: int, attempt: int) -> list[int]:
+    """The training processes of torchrun's agent ``agent`` in restart ``attempt`` (its children)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == agent and f"TORCHELASTIC_RESTART_COUNT={attempt}\0".encode() in \
+                    (d / "environ").read_bytes():
+                pids.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+def _final_state(run: Path) -> dict[str, torch.Tensor | object]:
+    """Every leaf of every rank's view of the newest complete version, keyed by rank and path."""
+    levels = Levels(run / "checkpoints")
+    found = sorted((f for f in scan(levels).values() if f.manifest is not None and available(levels, f)),
+                   key=lambda f: f.order)
+    assert found, f"no complete checkpoint under {run}"
+    out: dict[str, torch.Tensor | object] = {}
+    for rank in range(4):
+        flat, _ = read_version(levels, found[-1].manifest, rank, key_filter(None))
+        out.update({f"rank{rank}/{k}": v for k, v in flat.tensors.items()})
+        out.update({f"rank{rank}/{k}": v for k, v in flat.values.items()})
+    out["step"] = found[-1].step
+    return out
+
+
+def _same(a: object, b: object) -> bool:
+    """Bit-for-bit equality of two checkpoint leaves (tensors, numpy arrays, plain values)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict | list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(  # type: ignore[arg-type]
+            _same(x, y) for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)))
+    return a == b
+
+
+def _plan(seed: int) -> tuple[str, float]:
+    """The injected faults, one per attempt (attempts 0-2), and the outside kill's delay (attempt 3)."""
+    rng = random.Random(seed)
+    after_step = rng.randint(1, 5)                              # killed right after this optimizer step
+    mid_save = rng.randrange(after_step + (after_step % 2) + EVERY, 13, EVERY)   # a later checkpoint
+    faults = ",".join([f"step:kill:{after_step}:{rng.randrange(4)}:0",
+                       f"persist:kill:{mid_save}:{rng.randrange(4)}:1",
+                       f"validate:kill:*:{rng.randrange(4)}:2"])
+    return faults, rng.uniform(0.5, 2.0)
+
+
+@pytest.mark.timeout(300)
+def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
+    reference = subprocess.run(_command(universes, tmp_path / "reference", 0), capture_output=True,
+                               text=True, env=_env(), cwd=ROOT, timeout=240)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    seed = int(os.environ.get("SOAK_SEED", random.randrange(1 << 30)))
+    faults, delay = _plan(seed)
+    context = (f"soak seed {seed} (SOAK_SEED={seed} repeats it): faults {faults}, "
+               f"outside kill after {delay:.2f} s")
+    run = tmp_path / "faulted"
+    proc = subprocess.Popen(_command(universes, run, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env(faults), cwd=ROOT)
+    killed: list[int] = []
+
+    def outside_kill() -> None:  # attempt 3 (after three injected faults): SIGKILL a worker mid-run
+        while proc.poll() is None and not (pids := _workers(proc.pid, 3)):
+            time.sleep(0.05)
+        time.sleep(delay)
+        if proc.poll() is None and (pids := _workers(proc.pid, 3)):
+            victim = random.Random(seed).choice(sorted(pids))
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+
+    killer = threading.Thread(target=outside_kill, daemon=True)
+    killer.start()
+    log, _ = proc.communicate(timeout=240)
+    killer.join(timeout=10)
+    assert proc.returncode == 0, f"{context}\n{log[-4000:]}"
+    failures = log.count("failed (exitcode: -9)")
+    assert failures == 3 + len(killed), \
+        f"{context}: {failures} killed attempts, expected {3 + len(killed)}\n{log[-3000:]}"
+
+    want, got = _final_state(tmp_path / "reference"), _final_state(run)
+    assert want["step"] == got["step"] == STEPS_PER_EPOCH * EPOCHS, context
+    assert set(want) == set(got), f"{context}: keys differ: {sorted(set(want) ^ set(got))[:8]}"
+    differ = [k for k in want if not _same(want[k], got[k])]
+    assert not differ, f"{context}: {len(differ)} leaves differ from the uninterrupted run: {differ[:6]}"
+    summary = json.loads((run / "summary.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert {k: v for k, v in summary.items() if k != "plots"} == \
+        {k: v for k, v in expected.items() if k != "plots"}, context

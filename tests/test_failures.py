@@ -21,6 +21,16 @@ from cosmoflow.trainer import main
 from distributed import ROOT, free_port, train_script
 
 
+@pytest.fixture(autouse=True)
+def _sigterm_restored():
+    """``main`` is a process's entry: on failure it ignores SIGTERM for the rest of the process (see
+    ``hybridpar.failure``). Run in this process, restore it, or every later child (which inherits the
+    ignored signal, and a bash script cannot trap it back) would be deaf to SIGTERM."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("universes")

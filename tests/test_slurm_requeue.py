@@ -35,8 +35,10 @@ def _job(tmp_path: Path, rc: str, restarts: int) -> tuple[subprocess.Popen, Path
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "FAKE_RC": rc,
            "SLURM_SUBMIT_DIR": str(submit), "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "2",
            "SLURM_RESTART_COUNT": str(restarts), "MAX_REQUEUES": "2"}
+    # as Slurm starts it: SIGTERM not ignored (bash could not trap an inherited ignored signal)
     proc = subprocess.Popen(["bash", str(ROOT / "launch/slurm.sbatch")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     return proc, log
 
 

@@ -40,6 +40,7 @@ from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
+from hybridpar.accel import Accel
 from hybridpar.checkpoint import Checkpointer, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
@@ -174,11 +175,14 @@ def run(cfg: Config) -> dict[str, Any]:
     S, channels = cfg.data.sample_size, cfg.data.channels
     train_ds = open_dataset(cfg.data.train, sample_size=S, channels=channels, target=target)
     val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target)
-    model = _build_model(cfg, channels)
+    t = cfg.train
+    accel = Accel(hp.launch.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
+    model = _build_model(cfg, channels).to(accel.device)
     batch = cfg.train.batch_size
     spec = hp.ParallelSpec.from_dict(cfg.parallel)
     # the mean over every voxel (reconstruct) or output: hybridpar weighs each shard by its volume share
-    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S))
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S),
+                            memory_format=accel.memory_format)
     if reconstruct and engine.output_split != engine.input_split:
         raise ValueError(f"task reconstruct: the spec leaves the U-Net's output split {engine.output_split} "
                          f"but its input {engine.input_split}; the target field is read split like the "
@@ -195,6 +199,7 @@ def run(cfg: Config) -> dict[str, Any]:
     bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,
                              workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
+    accel.prepare(engine)
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir / "checkpoints", grid, keep_last=ck.keep_last, keep_every=ck.keep_every,
                         keep_every_on="epoch", best=(ck.best_metric, "min") if ck.best_metric else None,
@@ -246,9 +251,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
                 t0 = time.perf_counter()
                 with timer.step(step):
-                    loss = engine.train_step(x_local, y)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    loss = accel.step(engine, opt, x_local, y)
                 dt = time.perf_counter() - t0
                 value = loss.item()
                 if not math.isfinite(value):

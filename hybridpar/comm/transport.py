@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hybridpar.memfmt import wire
+
 
 class Transport(Protocol):
     """Posts a batch of sends and receives to peers (global ranks) and waits for all of them."""
@@ -21,7 +23,8 @@ class Transport(Protocol):
 
     def exchange(self, sends: list[tuple[int, torch.Tensor, int]],
                  recvs: list[tuple[int, torch.Tensor, int]]) -> None:
-        """``sends``/``recvs``: (peer, contiguous tensor, tag); receives fill their tensors in place."""
+        """``sends``/``recvs``: (peer, tensor dense in its memory format, tag); receives fill their
+        tensors in place (a ``channels_last_3d`` buffer receives NDHWC bytes: :func:`memfmt.wire`)."""
 
 
 class TorchP2P:
@@ -33,8 +36,8 @@ class TorchP2P:
         self.group = group
 
     def exchange(self, sends, recvs) -> None:
-        ops = [dist.P2POp(dist.irecv, t, peer=p, group=self.group, tag=tag) for p, t, tag in recvs]
-        ops += [dist.P2POp(dist.isend, t, peer=p, group=self.group, tag=tag) for p, t, tag in sends]
+        ops = [dist.P2POp(dist.irecv, wire(t), peer=p, group=self.group, tag=tag) for p, t, tag in recvs]
+        ops += [dist.P2POp(dist.isend, wire(t), peer=p, group=self.group, tag=tag) for p, t, tag in sends]
         if not ops:
             return
         for work in dist.batch_isend_irecv(ops):
@@ -64,7 +67,7 @@ class MPIP2P:
                 f"mpirun so both agree, or use transport='torch'")
 
     def _buf(self, t: torch.Tensor):
-        t = t.detach()  # same storage; numpy() refuses tensors that require grad
+        t = wire(t.detach())  # same storage; numpy() refuses tensors that require grad
         if t.is_cuda:
             return t  # __cuda_array_interface__: needs a CUDA-aware MPI build
         return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar import memfmt
-from hybridpar.comm.transport import TorchP2P
+from hybridpar.comm.transport import point_to_point
 from hybridpar.geometry import Range, shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange
@@ -106,7 +106,7 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
                 received.append((piece, buf))
     # The world group: a layout's own group may hold a single replica, and this runs on the main thread.
     with prange("redistribute", "halo"):
-        TorchP2P(None).exchange(sends, recvs)
+        point_to_point(None).exchange(sends, recvs)
     for piece in local:
         out[_slices(piece, my_dst)] = x[_slices(piece, my_src)]
     for piece, buf in received:

@@ -38,9 +38,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar import cpu_alloc, memfmt
+from hybridpar.comm import devices
 from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import gather, local_box
 from hybridpar.comm.reduce import no_grad_sync
+from hybridpar.comm.transport import StagedP2P
 from hybridpar.grid import ProcessGrid
 from hybridpar.launch import init_distributed
 from hybridpar.nn.layout import Redistribute
@@ -376,6 +378,8 @@ class Engine:
         t = memfmt.wire(t)  # a channels_last_3d buffer as the contiguous NDHWC view of its storage
         if self.local is not None and self.local.handles(t, peer):
             return self.local.irecv(t, peer, tag)
+        if t.is_cuda and devices.shares_device():  # ranks sharing a GPU: through pinned host memory
+            return StagedP2P().irecv(t, peer, group, tag)
         return dist.irecv(t, peer, group=group, tag=tag)
 
     def post_send(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
@@ -383,6 +387,8 @@ class Engine:
         t = memfmt.wire(t)
         if self.local is not None and self.local.handles(t, peer):
             return self.local.isend(t, peer, tag)
+        if t.is_cuda and devices.shares_device():
+            return StagedP2P().isend(t, peer, group, tag)
         return dist.isend(t, peer, group=group, tag=tag)
 
     def _recv(self, shape, dtype, device, src_stage: int, tag: int) -> torch.Tensor:

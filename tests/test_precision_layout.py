@@ -6,7 +6,8 @@ promotes pools and some pads to float32) and output, input gradient and paramete
 within bf16 tolerances (relative to the largest entry). channels_last_3d: float64, output within
 1e-10 and channels_last_3d wherever torch's is; forward and backward of a split convolution and
 max pool make no copy of a whole shard (counted with a dispatch mode). Scatter, gather and
-Redistribute keep dtype and format bit for bit.
+Redistribute keep dtype and format bit for bit. Marked ``cuda``: the same cases on CUDA tensors, two
+ranks sharing the GPU (staged transport), CUDA autocast (which keeps pools in bf16).
 """
 
 from __future__ import annotations
@@ -58,16 +59,16 @@ def _cases(hp, nn):
 def _run_case(hp, torch, grid, ref, ours, x, replicated: bool, autocast: bool):
     """(torch output, our gathered output, torch input grad, our input grad, param grad pairs)."""
     ours.load_state_dict(ref.state_dict())
-    g = torch.randn(1, generator=torch.Generator().manual_seed(0))  # placeholder, replaced below
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else \
-        (lambda: torch.autocast("cpu", enabled=False))
+    device = x.device.type
+    ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if autocast else \
+        (lambda: torch.autocast(device, enabled=False))
     xr = x.detach().clone().requires_grad_()
     xo = x.detach().clone().requires_grad_()
     with ctx():
         yr = ref(xr)
         yl = ours(hp.scatter(xo, grid))
     y = yl if replicated else hp.gather(yl, grid)
-    g = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).to(yr.dtype)
+    g = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).to(yr)
     (yr * g).sum().backward()
     (y * g.to(y.dtype)).sum().backward()
     params = [(p.grad, q.grad) for p, q in zip(ours.parameters(), ref.parameters())]
@@ -79,7 +80,7 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _body(rank: int, world: int, grids: list) -> None:
+def _body(rank: int, world: int, grids: list, device: str = "cpu") -> None:
     import torch
     from torch import nn
 
@@ -93,9 +94,10 @@ def _body(rank: int, world: int, grids: list) -> None:
             where = f"{name} grid {shape}"
             # bf16 autocast, float32 parameters
             torch.manual_seed(1)
-            ref = make_ref()
-            x = torch.randn(xshape, generator=torch.Generator().manual_seed(3))
-            yr, y, _, gr, go, params = _run_case(hp, torch, grid, ref, make_ours(grid), x, replicated, True)
+            ref = make_ref().to(device)
+            x = torch.randn(xshape, generator=torch.Generator().manual_seed(3)).to(device)
+            yr, y, _, gr, go, params = _run_case(hp, torch, grid, ref, make_ours(grid).to(device), x,
+                                                 replicated, True)
             if y.dtype != yr.dtype:
                 fails.append(f"{where} bf16: output dtype {y.dtype}, torch's {yr.dtype}")
             for what, a, b in [("output", y, yr), ("input grad", go, gr)] + \
@@ -105,11 +107,11 @@ def _body(rank: int, world: int, grids: list) -> None:
                 elif _rel(a, b) > BF16_TOL:
                     fails.append(f"{where} bf16: {what} relative error {_rel(a, b):.2e}")
             # channels_last_3d, float64
-            ref = make_ref().double()
+            ref = make_ref().double().to(device)
             x = torch.randn(xshape, dtype=torch.float64,
-                            generator=torch.Generator().manual_seed(4)).to(memory_format=CL)
-            yr, y, yl, gr, go, params = _run_case(hp, torch, grid, ref, make_ours(grid).double(), x,
-                                                  replicated, False)
+                            generator=torch.Generator().manual_seed(4)).to(device, memory_format=CL)
+            yr, y, yl, gr, go, params = _run_case(hp, torch, grid, ref, make_ours(grid).double().to(device),
+                                                  x, replicated, False)
             for what, a, b in [("output", y, yr), ("input grad", go, gr)] + \
                     [(f"param {i} grad", p, q) for i, (p, q) in enumerate(params)]:
                 if _rel(a, b) > 1e-10:
@@ -117,19 +119,19 @@ def _body(rank: int, world: int, grids: list) -> None:
             if yr.is_contiguous(memory_format=CL) and not yl.is_contiguous(memory_format=CL):
                 fails.append(f"{where} channels_last: torch's output is channels_last_3d, ours is not "
                              f"(strides {yl.stride()})")
-        fails += _layout_changes(hp, torch, grid)
-        fails += _no_full_copies(hp, torch, grid)
+        fails += _layout_changes(hp, torch, grid, device)
+        fails += _no_full_copies(hp, torch, grid, device)
     if fails:
         raise AssertionError(f"rank {rank}: {len(fails)} failures:\n" + "\n".join(fails[:40]))
 
 
-def _layout_changes(hp, torch, grid) -> list[str]:
+def _layout_changes(hp, torch, grid, device: str) -> list[str]:
     """Scatter, Redistribute and gather move bf16 channels_last_3d tensors exactly, keeping both."""
     from hybridpar.memfmt import CL
 
     fails = []
     x = torch.randn(2, 3, 9, 8, 7, generator=torch.Generator().manual_seed(5)).bfloat16()
-    x = x.to(memory_format=CL).requires_grad_()
+    x = x.to(device, memory_format=CL).requires_grad_()
     xs = hp.scatter(x, grid)
     other = grid.with_spatial((1, 1, grid.spatial_size))
     xo = hp.redistribute(xs, grid, other)
@@ -145,7 +147,7 @@ def _layout_changes(hp, torch, grid) -> list[str]:
     return fails
 
 
-def _no_full_copies(hp, torch, grid) -> list[str]:
+def _no_full_copies(hp, torch, grid, device: str) -> list[str]:
     """Forward and backward of a split conv and max pool on a channels_last_3d shard: no copy op
     (clone, copy_, _to_copy) of a tensor as large as the shard, and torch's format kept."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -166,13 +168,14 @@ def _no_full_copies(hp, torch, grid) -> list[str]:
             return out
 
     fails = []
-    conv = torch.nn.Conv3d(4, 4, 3, padding=1)
-    layers = [("conv", conv, hp.nn.DistConv3d(4, 4, 3, padding=1, grid=grid)),
-              ("conv overlap", conv, hp.nn.DistConv3d(4, 4, 3, padding=1, grid=grid, overlap=True)),
+    conv = torch.nn.Conv3d(4, 4, 3, padding=1).to(device)
+    layers = [("conv", conv, hp.nn.DistConv3d(4, 4, 3, padding=1, grid=grid).to(device)),
+              ("conv overlap", conv,
+               hp.nn.DistConv3d(4, 4, 3, padding=1, grid=grid, overlap=True).to(device)),
               ("maxpool", torch.nn.MaxPool3d(3, 1, 1), hp.nn.DistMaxPool3d(3, 1, 1, grid=grid))]
     # float32, two samples: torch's CPU kernels keep channels_last_3d there (not for float64, nor
     # for conv3d on one sample), and a split layer must keep it where torch's kernel does
-    x = torch.randn(2, 4, 12, 10, 8, generator=torch.Generator().manual_seed(6)).to(memory_format=CL)
+    x = torch.randn(2, 4, 12, 10, 8, generator=torch.Generator().manual_seed(6)).to(device, memory_format=CL)
     xs = hp.scatter(x, grid).detach()
     for name, ref, layer in layers:
         if name == "conv overlap" or (name == "maxpool" and grid.spatial_size == 1):
@@ -200,3 +203,8 @@ def _no_full_copies(hp, torch, grid) -> list[str]:
 @pytest.mark.parametrize("world,grids", [(1, [(1, 1, 1)]), (2, [(2, 1, 1), (1, 1, 2)]), (4, [(2, 2, 1)])])
 def test_bf16_and_channels_last_match_torch(world, grids):
     distributed.run(_body, world, grids, timeout=600)
+
+
+@pytest.mark.cuda
+def test_bf16_and_channels_last_match_torch_on_cuda():
+    distributed.run(_body, 2, [(2, 1, 1), (1, 1, 2)], "cuda", timeout=600, env={"LOCAL_WORLD_SIZE": "2"})

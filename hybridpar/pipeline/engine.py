@@ -424,14 +424,16 @@ class Engine:
         return x
 
     def compile(self, **kwargs: Any) -> Engine:
-        """``torch.compile`` this rank's layers in place (``nn.Module.compile``: state-dict keys kept).
+        """``torch.compile`` this stage's forward (``kwargs`` to ``torch.compile``).
 
-        Communication (halo exchange, gradient synchronisation, redistribution) runs eagerly between
-        the compiled graphs: those are its only graph breaks (see ``tests/test_compile.py``).
+        The function that runs the stage's layers is compiled, not each layer: the layers between two
+        communications form one graph (a convolution fused with its activation and pooling), and the
+        modules, hence state-dict keys, stay as they are. Communication (halo exchange, gradient
+        synchronisation, redistribution) runs eagerly between the graphs: it is their only break (see
+        ``tests/test_compile.py``).
         """
         self._require_built("compile")
-        for _, m in self.layers:
-            m.compile(**kwargs)
+        self._run = torch.compile(self._run, **kwargs)  # type: ignore[method-assign]
         return self
 
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:

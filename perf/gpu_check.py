@@ -17,7 +17,11 @@ Why one script: a GPU is lent for short sessions, so everything that needs one r
 3. ``memory``: LBANN's CosmoFlow variant at 256³, batch 1: peak memory per rank with 1, 2 and 4
    ranks sharing the GPU, split along depth.
 4. ``checkpoint``: a >= 2 GiB state on the GPU: how long training stalls for our overlapped
-   checkpoint (snapshot to pinned host memory while the next step runs) against ``torch.save``.
+   checkpoint (snapshot to pinned host memory while the next step runs) against ``torch.save`` and
+   ``torch.distributed.checkpoint.async_save`` (the time its call blocks).
+5. ``--scaling`` (off by default: it takes the machine's CPUs for a while): the scaling harness
+   (``perf/harness.py``) on the host's cores, one rank per core up to 8 ranks, twice, so that the
+   performance model can be judged on configurations that repeat.
 
 Without CUDA (and without ``--cpu-smoke``) it says so in one line and exits with status 2.
 """
@@ -220,8 +224,33 @@ def bench_checkpoint(nbytes: int, device: torch.device, work: Path, step_ms: flo
     if device.type == "cuda":
         torch.cuda.synchronize()
     plain = time.perf_counter() - t0
+    dcp: float | str
+    try:
+        import torch.distributed.checkpoint as dcp_mod
+
+        t0 = time.perf_counter()
+        future = dcp_mod.async_save(state, checkpoint_id=str(work / "dcp"))
+        dcp = round(time.perf_counter() - t0, 4)  # what the caller waits before training on
+        future.result()
+    except Exception as err:  # not every torch build can (needs a process group and a writer)
+        dcp = f"{type(err).__name__}: {err}"[:200]
     return {"state_gib": round(nbytes / 2**30, 2), "step_ms": step_ms, "ours_stall_s": round(stall, 4),
-            "ours_stall_share_of_step": round(stall / (step_ms / 1e3), 4), "torch_save_s": round(plain, 3)}
+            "ours_stall_share_of_step": round(stall / (step_ms / 1e3), 4), "torch_save_s": round(plain, 3),
+            "dcp_async_save_blocking_s": dcp}
+
+
+def run_scaling(out: Path, runs: int = 2) -> list[dict[str, Any]]:
+    """perf/harness.py on this host's cores (1..8 ranks), ``runs`` times, each into its own folder."""
+    rows = []
+    for i in range(runs):
+        dest = out / f"scaling-{i + 1}"
+        cmd = [sys.executable, str(ROOT / "perf/harness.py"), "--ranks", "1,2,4,8", "--no-wait", "--out-dir",
+               str(dest)]
+        res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                             text=True, timeout=3600)
+        rows.append({"out": str(dest.relative_to(ROOT)) if dest.is_relative_to(ROOT) else str(dest),
+                     "returncode": res.returncode, "tail": res.stdout[-500:]})
+    return rows
 
 
 # ---------------------------------------------------------------------------- report
@@ -245,9 +274,14 @@ def write(results: dict[str, Any], out: Path) -> Path:
                                  "Peak memory, ranks sharing the GPU"))
     c = results.get("checkpoint")
     if c:
-        parts.append(print_table(["state GiB", "step ms", "our stall s", "share of step", "torch.save s"],
+        parts.append(print_table(["state GiB", "step ms", "our stall s", "share of step", "torch.save s",
+                                  "DCP async_save blocks s"],
                                  [[c["state_gib"], c["step_ms"], c["ours_stall_s"],
-                                   c["ours_stall_share_of_step"], c["torch_save_s"]]], "Checkpoint stall"))
+                                   c["ours_stall_share_of_step"], c["torch_save_s"],
+                                   c["dcp_async_save_blocking_s"]]], "Checkpoint stall"))
+    if results.get("scaling"):
+        parts.append("scaling harness runs: " + ", ".join(f"{r['out']} (exit {r['returncode']})"
+                                                         for r in results["scaling"]))
     (out / "gpu_check.md").write_text("\n\n".join(parts) + "\n")
     path = out / "gpu_check.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
@@ -259,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="the CPU-testable parts at a tiny size")
     ap.add_argument("--out", type=Path, default=ROOT / "perf/results/gpu")
     ap.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    ap.add_argument("--scaling", action="store_true", help="also run the scaling harness twice on the CPUs")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
@@ -284,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             results["cosmoflow"] = bench_cosmoflow(16, 2, 2, ["fp32", "bf16", "bf16+cl", "bf16+cl+compile"],
                                                    work, device, "aot_eager")
             results["checkpoint"] = bench_checkpoint(1 << 20, device, work, step_ms=20.0)
+    if args.scaling:
+        results["scaling"] = run_scaling(args.out)
     results["wall_s"] = round(time.monotonic() - started, 1)
     path = write(results, args.out)
     print(f"wrote {path}", flush=True)

@@ -127,8 +127,15 @@ class DistGlobalAvgPool3d(SpatialLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d, h, w = self.global_shape(x)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
-        dtype = result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x)
-        return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True, dtype=dtype), group) / (d * h * w)
+        return _mean(x, group, d * h * w)
+
+
+def _mean(x: torch.Tensor, group, count: int) -> torch.Tensor:
+    """The mean over the whole split volume, replicated, in the dtype torch's adaptive pool gives;
+    partial sums travel in float32 for bf16/fp16 (one rounding, as torch's kernel)."""
+    dtype = result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x)
+    acc = torch.float32 if dtype.itemsize < 4 else dtype
+    return (sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True, dtype=acc), group) / count).to(dtype)
 
 
 def _adaptive_avg_probe(t: torch.Tensor) -> torch.Tensor:
@@ -217,11 +224,9 @@ class DistAdaptiveAvgPool3d(_AdaptivePool, nn.AdaptiveAvgPool3d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.global_shape(x)
         ks = self.out_extents(shape)
-        dtype = result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x)
         if ks == (1, 1, 1):
-            return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True, dtype=dtype), self._spatial_group()) \
-                / math.prod(shape)
-        s = widened(x, dtype)
+            return _mean(x, self._spatial_group(), math.prod(shape))
+        s = widened(x, result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x))
         mats, counts = self._weights(shape, s)
         with no_autocast(x.device.type):  # the products in the pool's dtype, not autocast's
             for d, m in ((4, mats[2]), (3, mats[1]), (2, mats[0])):

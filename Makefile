@@ -19,7 +19,7 @@ RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
 RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
-.PHONY: venv test demo demo-data reconstruct reconstruct-data lint clean
+.PHONY: venv test demo demo-data reconstruct reconstruct-data lint clean gpu-check
 
 venv: $(STAMP)
 
@@ -58,6 +58,11 @@ reconstruct: $(APP_STAMP) reconstruct-data
 		--config launch/configs/reconstruct.yaml --set data.train=$(RECON_DATA)/train \
 		--set data.val=$(RECON_DATA)/val --set run_dir=$(RECON_RUN)
 	cp $(RECON_RUN)/reconstruction.json perf/results/reconstruction.json
+
+# The GPU suite (CUDA tests and accelerator benchmarks, < 20 min) with the python at hand: a GPU image
+# has its own torch and no package registry. Writes perf/results/gpu/gpu_check.{md,json}.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) perf/gpu_check.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridpar cosmoflow launch tests perf

@@ -79,6 +79,10 @@ class TrainConfig:
     precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
                                          # training batches with the weights frozen (0: off)
     log_every: int = 1
+    precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
+    channels_last: bool = False          # NDHWC activations (channels_last_3d)
+    compile: bool = False                # torch.compile the layers
+    cuda_graphs: bool = False            # capture the training step in a CUDA graph (CUDA + NCCL)
 
 
 @dataclass
@@ -220,6 +224,11 @@ def validate(cfg: Config) -> None:
     if not 1 <= cfg.data.channels <= 4:
         raise ConfigError(f"data.channels: {cfg.data.channels} redshift channels; the universes have 1 to 4 "
                           "(z = 0, 0.5, 1.5, 3, read from the first)")
+    from hybridpar.accel import check  # noqa: PLC0415 (torch, only when validating)
+
+    problem = check(cfg.train.precision, cfg.train.cuda_graphs)
+    if problem:
+        raise ConfigError(f"train.{problem}")
     if cfg.optimizer.name not in ("sgd", "lars", "adamw"):
         raise ConfigError(f"optimizer.name: {cfg.optimizer.name!r} is not one of sgd, lars, adamw")
     if len(cfg.optimizer.decay_epochs) != len(cfg.optimizer.decay_factors):

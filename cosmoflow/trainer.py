@@ -44,6 +44,7 @@ from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
 from hybridpar import failure
+from hybridpar.accel import Accel
 from hybridpar.checkpoint import (
     Checkpointer,
     faults,
@@ -189,11 +190,14 @@ def run(cfg: Config) -> dict[str, Any]:
     skip = cfg.data.skip_bad
     train_ds = open_dataset(cfg.data.train, sample_size=S, channels=channels, target=target, skip_bad=skip)
     val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target, skip_bad=skip)
-    model = _build_model(cfg, channels)
+    t = cfg.train
+    accel = Accel(hp.launch.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
+    model = _build_model(cfg, channels).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     batch = cfg.train.batch_size
     # the mean over every voxel (reconstruct) or output: hybridpar weighs each shard by its volume share
-    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S))
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S),
+                            memory_format=accel.memory_format)
     if reconstruct and engine.output_split != engine.input_split:
         raise ValueError(f"task reconstruct: the spec leaves the U-Net's output split {engine.output_split} "
                          f"but its input {engine.input_split}; the target field is read split like the "
@@ -214,6 +218,7 @@ def run(cfg: Config) -> dict[str, Any]:
     bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,
                              workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
+    accel.prepare(engine)
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir / "checkpoints", grid, local_dir=ck.local_dir,
                         keep_last=ck.keep_last, keep_every=ck.keep_every,
@@ -276,9 +281,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
                 t0 = time.perf_counter()
                 with timer.step(step):
-                    loss = engine.train_step(x_local, y)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    loss = accel.step(engine, opt, x_local, y)
                 dt = time.perf_counter() - t0
                 value = loss.item()
                 if not math.isfinite(value):

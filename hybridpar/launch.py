@@ -4,7 +4,8 @@ Why: the same training script must run under torchrun, mpirun/mpiexec (Open MPI,
 srun, and as a plain single process, without the user exporting anything by hand. Each launcher
 leaves its own environment variables; this module reads them, fills in what torch.distributed's
 ``env://`` rendezvous needs, and picks the backend (NCCL on CUDA with a gloo group beside it for
-host-side work such as checkpoint writers, gloo on CPU).
+host-side work such as checkpoint writers, gloo on CPU, and gloo alone where more ranks than GPUs
+run on a host: they share devices, which NCCL refuses; see :mod:`hybridpar.comm.devices`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar import cpu_alloc
+from hybridpar.comm import devices
 
 # (rank, world size, local rank) variables of each launcher, in the order they are tried.
 _LAUNCHERS: dict[str, tuple[str, str, str]] = {
@@ -139,8 +141,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             f"and MASTER_PORT, or launch with torchrun, mpirun or srun (looked for {looked} and "
             f"MASTER_ADDR/MASTER_PORT)")
     cuda = torch.cuda.is_available()
+    sharing = cuda and devices.will_share(devices.local_world_size(env), torch.cuda.device_count())
     if backend is None:
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if cuda and not sharing else "gloo"
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
     else:
@@ -155,7 +158,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             env.setdefault("RANK", str(rank))
             env.setdefault("WORLD_SIZE", str(world))
             env.setdefault("LOCAL_RANK", str(local))
-            kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}
+            nccl = "nccl" in backend
+            kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if nccl else {}
             timeout = timedelta(seconds=timeout_s)
             store = _restart_store(env, world, timeout)
             if store is not None:
@@ -166,6 +170,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             from hybridpar.comm import liveness  # noqa: PLC0415 (comm imports this module's package)
 
             liveness.start(timeout_s)
+        if cuda and world > 1:  # once, at group creation: who shares this rank's GPU
+            peers = devices.exchange_placements()
+            if peers and "nccl" in backend:
+                raise RuntimeError(f"hybridpar.init_distributed: rank {rank} shares GPU "
+                                   f"{torch.cuda.current_device()} with ranks {peers} but the backend is "
+                                   f"{backend!r}, which NCCL refuses; launch so that the local world size is "
+                                   f"known (torchrun sets LOCAL_WORLD_SIZE) or pass backend='gloo'")
     return LaunchInfo(launcher, dist.get_rank(), dist.get_world_size(), local, backend)
 
 

@@ -9,6 +9,10 @@ result with no padding at all. The padding is a fill (zero, or -inf for max pool
 the faces of a periodic box (``circular``: the last shard's upper neighbour is the first shard), or
 copies of edge voxels (``replicate``/``reflect``, whose adjoint adds their gradients back into the
 voxels they copy).
+
+Memory format and dtype: every message, receive buffer and extended tensor is allocated in the
+format of the shard (``channels_last_3d`` stays so, packed from strided views without a copy of the
+shard) and travels in the shard's dtype (see :mod:`hybridpar.memfmt`, :mod:`hybridpar.precision`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpar import memfmt
 from hybridpar.comm import background
 from hybridpar.comm.transport import Transport
 from hybridpar.geometry import HaloPlan
@@ -53,7 +58,7 @@ def _sized(x: torch.Tensor, dim: int, extent: int) -> list[int]:
 def _cat(pieces: list[torch.Tensor], like: torch.Tensor, dim: int) -> torch.Tensor:
     if len(pieces) == 1:
         return pieces[0]
-    return torch.cat(pieces, dim=dim) if pieces else like.new_empty(_sized(like, dim, 0))
+    return torch.cat(pieces, dim=dim) if pieces else memfmt.empty(_sized(like, dim, 0), like)
 
 
 _INDICES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -75,11 +80,13 @@ def _mapped(fetched: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
         return fetched
     pieces = []
     if p.pad_lo:
-        pieces.append(fetched.index_select(d, _index(idx[:p.pad_lo], fetched.device)))
+        pieces.append(memfmt.as_format(fetched.index_select(d, _index(idx[:p.pad_lo], fetched.device)),
+                                       fetched))
     if mid > 0:
         pieces.append(fetched.narrow(d, idx[p.pad_lo], mid))
     if p.pad_hi:
-        pieces.append(fetched.index_select(d, _index(idx[len(idx) - p.pad_hi:], fetched.device)))
+        pieces.append(memfmt.as_format(
+            fetched.index_select(d, _index(idx[len(idx) - p.pad_hi:], fetched.device)), fetched))
     return _cat(pieces, fetched, d)
 
 
@@ -93,7 +100,7 @@ def _unmapped(g: torch.Tensor, p: HaloPlan, d: int) -> torch.Tensor:
     mid = len(idx) - p.pad_lo - p.pad_hi
     if mid == len(idx) and mid == p.fetched:
         return g
-    out = g.new_zeros(_sized(g, d, p.fetched))
+    out = memfmt.zeros(_sized(g, d, p.fetched), g)
     if mid > 0:
         out.narrow(d, idx[p.pad_lo], mid).copy_(g.narrow(d, p.pad_lo, mid))
     for k in (*range(p.pad_lo), *range(len(idx) - p.pad_hi, len(idx))):
@@ -131,10 +138,10 @@ class HaloExchanger:
             if peer == self.rank:
                 got.append(mine[tag])
             else:
-                buf = like.new_empty(shape)
+                buf = memfmt.empty(shape, like)
                 got.append(buf)
                 recvs.append((peer, buf, tag))
-        out = [(peer, t.contiguous(), tag) for peer, t, tag in sends if peer != self.rank]
+        out = [(peer, memfmt.dense(t), tag) for peer, t, tag in sends if peer != self.rank]
         if out or recvs:
             with prange(what, "halo"):
                 self.transport.exchange(sorted(out, key=lambda m: m[2]), sorted(recvs, key=lambda m: m[2]))
@@ -155,7 +162,7 @@ class HaloExchanger:
         fill = p.index is None
         pieces = []
         if fill and p.pad_lo:
-            pieces.append(x.new_full(_sized(x, d, p.pad_lo), self.fill))
+            pieces.append(memfmt.full(_sized(x, d, p.pad_lo), self.fill, x))
         if lo_buf is not None:
             pieces.append(lo_buf)
         if p.kept:
@@ -163,7 +170,7 @@ class HaloExchanger:
         if hi_buf is not None:
             pieces.append(hi_buf)
         if fill and p.pad_hi:
-            pieces.append(x.new_full(_sized(x, d, p.pad_hi), self.fill))
+            pieces.append(memfmt.full(_sized(x, d, p.pad_hi), self.fill, x))
         y = _cat(pieces, x, d)
         return y if fill else _mapped(y, p, d)
 
@@ -192,7 +199,7 @@ class HaloExchanger:
         hi_buf = got[-1] if hi_w > 0 else None
         if p.kept == n_own and lo_buf is None and hi_buf is None:
             return g.narrow(d, off + p.recv_lo, n_own)
-        out = g.new_zeros(_sized(g, d, n_own))
+        out = memfmt.zeros(_sized(g, d, n_own), g)
         if p.kept:
             out.narrow(d, p.trim_lo, p.kept).add_(g.narrow(d, off + p.recv_lo, p.kept))
         if lo_buf is not None:
@@ -205,7 +212,7 @@ class HaloExchanger:
         """Gradient w.r.t. the own shard from the gradient w.r.t. the extended input."""
         for ex in reversed(self.dims):
             g = self._adjoint_dim(g, ex)
-        return g.contiguous()
+        return g  # may be a view of the extended gradient (no copy): autograd takes strided grads
 
     # ------------------------------------------------------------------ overlap
     def start_forward(self, x: torch.Tensor):
@@ -227,9 +234,20 @@ class HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return ctx.exchanger.adjoint(g.contiguous()), None
+        return ctx.exchanger.adjoint(memfmt.dense(g)), None
 
 
+@torch.compiler.disable
 def halo_exchange(x: torch.Tensor, exchanger: HaloExchanger) -> torch.Tensor:
-    """Differentiable halo exchange (see :class:`HaloExchanger`)."""
+    """Differentiable halo exchange (see :class:`HaloExchanger`).
+
+    Runs eagerly under ``torch.compile`` (a graph break): it is communication, the one thing a
+    compiled graph of a split layer leaves out. An exchanger with nothing to exchange (an unsplit
+    layer padded by its kernel) returns ``x`` without breaking the graph (see :func:`exchange`).
+    """
     return HaloExchange.apply(x, exchanger)
+
+
+def exchange(x: torch.Tensor, exchanger: HaloExchanger) -> torch.Tensor:
+    """:func:`halo_exchange`, or ``x`` itself where there is nothing to exchange, pad or trim."""
+    return halo_exchange(x, exchanger) if exchanger.dims else x

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridpar.comm.transport import TorchP2P
+from hybridpar import memfmt
+from hybridpar.comm.transport import point_to_point
 from hybridpar.geometry import Range, shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange
@@ -32,6 +33,7 @@ def _coords(grid: ProcessGrid) -> list[tuple[int, int, int]]:
     return [(i // (sh * sw), (i // sw) % sh, i % sw) for i in range(grid.spatial_size)]
 
 
+@torch.compiler.disable
 def infer_global_shape(x_local: torch.Tensor, grid: ProcessGrid) -> tuple[int, int, int]:
     """Global (D, H, W) of a split activation from every rank's local extents (one small collective).
 
@@ -84,7 +86,7 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
     rank_of = lambda i: src.global_rank(src.data_index, src.pipe_index, i)  # noqa: E731
     my_src = local_box(shape, src)
     my_dst = local_box(shape, dst)
-    out = x.new_empty((*x.shape[:-3], *(hi - lo for lo, hi in my_dst)))
+    out = memfmt.empty((*x.shape[:-3], *(hi - lo for lo, hi in my_dst)), x)  # x's dtype and format
     src_coords = _coords(src)
     sends, recvs, local, received = [], [], [], []
     for q in range(src.stage_size):
@@ -97,14 +99,14 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
             if sender == me and q == me:
                 local.append(piece)
             elif sender == me:
-                sends.append((rank_of(q), x[_slices(piece, my_src)].contiguous(), _TAG))
+                sends.append((rank_of(q), memfmt.dense(x[_slices(piece, my_src)]), _TAG))
             elif q == me:
-                buf = x.new_empty((*x.shape[:-3], *(hi - lo for lo, hi in piece)))
+                buf = memfmt.empty((*x.shape[:-3], *(hi - lo for lo, hi in piece)), x)
                 recvs.append((rank_of(sender), buf, _TAG))
                 received.append((piece, buf))
     # The world group: a layout's own group may hold a single replica, and this runs on the main thread.
     with prange("redistribute", "halo"):
-        TorchP2P(None).exchange(sends, recvs)
+        point_to_point(None).exchange(sends, recvs)
     for piece in local:
         out[_slices(piece, my_dst)] = x[_slices(piece, my_src)]
     for piece, buf in received:
@@ -123,16 +125,29 @@ class Redistribution(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         shape, src, dst = ctx.meta
-        return redistribute_tensor(g.contiguous(), shape, dst, src), None, None, None
+        return redistribute_tensor(memfmt.dense(g), shape, dst, src), None, None, None
 
 
 def redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
                  shape: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x`` split as ``src`` -> the same global tensor split as ``dst`` (differentiable)."""
+    """``x`` split as ``src`` -> the same global tensor split as ``dst`` (differentiable).
+
+    Communication runs eagerly under ``torch.compile`` (a graph break); between equal splits there
+    is none, and no break."""
+    same = lambda g: (g.spatial_shape, g.stage_size, g.data_index, g.pipe_index)  # noqa: E731
+    if same(src) == same(dst):
+        return x
+    return _redistribute(x, src, dst, shape)
+
+
+@torch.compiler.disable
+def _redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
+                  shape: tuple[int, int, int] | None) -> torch.Tensor:
     shape = infer_global_shape(x, src) if shape is None else tuple(shape)
     return Redistribution.apply(x, shape, src, dst)
 
 
+@torch.compiler.disable
 def scatter(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     """A global (N, C, D, H, W) tensor, the same on every rank -> this rank's shard (differentiable).
 
@@ -147,4 +162,4 @@ def scatter(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
 def gather(x_local: torch.Tensor, grid: ProcessGrid,
            shape: tuple[int, int, int] | None = None) -> torch.Tensor:
     """This rank's shard -> the global tensor on every rank of the spatial group (differentiable)."""
-    return redistribute(x_local, grid, grid.with_spatial(None), shape)
+    return redistribute(x_local, grid, grid.with_spatial(None), shape)  # (compiler-disabled)

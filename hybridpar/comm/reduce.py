@@ -82,12 +82,17 @@ class SyncGrads(torch.autograd.Function):
         return (None, *grads)
 
 
+@torch.compiler.disable  # communication in backward: runs eagerly under torch.compile
+def _synced(group: dist.ProcessGroup, *live: torch.Tensor):
+    return SyncGrads.apply(group, *live)
+
+
 def sync_grads(group: dist.ProcessGroup | None, *params: torch.Tensor):
     """Use replicated ``params`` on a shard; their gradients come back summed over ``group``."""
     live = [p for p in params if p is not None]
     if group is None or dist.get_world_size(group) == 1 or not live or not torch.is_grad_enabled():
         return params if len(params) > 1 else params[0]
-    synced = SyncGrads.apply(group, *live)
+    synced = _synced(group, *live)
     out = iter(synced if len(live) > 1 else [synced])
     res = tuple(next(out) if p is not None else None for p in params)
     return res if len(res) > 1 else res[0]
@@ -112,6 +117,7 @@ class SumToReplicated(torch.autograd.Function):
         return g, None
 
 
+@torch.compiler.disable
 def sum_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all-reduce of partial sums (see :class:`SumToReplicated`)."""
     return SumToReplicated.apply(x, group)
@@ -176,6 +182,7 @@ class ReplicatedIntoShards(torch.autograd.Function):
         return g, None
 
 
+@torch.compiler.disable
 def replicated_into_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` (replicated over ``group``) for use by split computations (see :class:`ReplicatedIntoShards`)."""
     if group is None or dist.get_world_size(group) == 1 or not x.requires_grad:

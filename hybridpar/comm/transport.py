@@ -1,8 +1,9 @@
 """Point-to-point transports for halo and redistribution traffic.
 
 Why: halos move over whatever the cluster does best (NCCL between GPUs, gloo on CPU, MPI where a
-site's MPI is CUDA-aware or faster than TCP). Everything above this module sees one call: post these
-sends and receives, then wait for all of them. Peers are global ranks.
+site's MPI is CUDA-aware or faster than TCP, pinned host memory over gloo where ranks share a GPU).
+Everything above this module sees one call: post these sends and receives, then wait for all of
+them. Peers are global ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hybridpar.comm import devices
+from hybridpar.memfmt import wire
+
 
 class Transport(Protocol):
     """Posts a batch of sends and receives to peers (global ranks) and waits for all of them."""
@@ -21,7 +25,8 @@ class Transport(Protocol):
 
     def exchange(self, sends: list[tuple[int, torch.Tensor, int]],
                  recvs: list[tuple[int, torch.Tensor, int]]) -> None:
-        """``sends``/``recvs``: (peer, contiguous tensor, tag); receives fill their tensors in place."""
+        """``sends``/``recvs``: (peer, tensor dense in its memory format, tag); receives fill their
+        tensors in place (a ``channels_last_3d`` buffer receives NDHWC bytes: :func:`memfmt.wire`)."""
 
 
 class TorchP2P:
@@ -33,8 +38,8 @@ class TorchP2P:
         self.group = group
 
     def exchange(self, sends, recvs) -> None:
-        ops = [dist.P2POp(dist.irecv, t, peer=p, group=self.group, tag=tag) for p, t, tag in recvs]
-        ops += [dist.P2POp(dist.isend, t, peer=p, group=self.group, tag=tag) for p, t, tag in sends]
+        ops = [dist.P2POp(dist.irecv, wire(t), peer=p, group=self.group, tag=tag) for p, t, tag in recvs]
+        ops += [dist.P2POp(dist.isend, wire(t), peer=p, group=self.group, tag=tag) for p, t, tag in sends]
         if not ops:
             return
         for work in dist.batch_isend_irecv(ops):
@@ -64,7 +69,7 @@ class MPIP2P:
                 f"mpirun so both agree, or use transport='torch'")
 
     def _buf(self, t: torch.Tensor):
-        t = t.detach()  # same storage; numpy() refuses tensors that require grad
+        t = wire(t.detach())  # same storage; numpy() refuses tensors that require grad
         if t.is_cuda:
             return t  # __cuda_array_interface__: needs a CUDA-aware MPI build
         return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
@@ -77,11 +82,101 @@ class MPIP2P:
         self.MPI.Request.Waitall(reqs)
 
 
+class StagedP2P:
+    """CUDA tensors staged through pinned host memory and moved by gloo; CPU tensors as they are.
+
+    For ranks that share one GPU (NCCL refuses them) or a node without a working NCCL. Sends are
+    copied device-to-host on the current stream, which is then synchronised once per exchange before
+    gloo reads the host buffers: a deliberate host round trip, the price of this transport. Receives
+    land in pinned buffers and are copied to the device asynchronously on the current stream (the
+    pinned allocator keeps a buffer until that copy is done). Pipeline transfers use
+    :meth:`isend` / :meth:`irecv` (one message each, same staging).
+    """
+
+    name = "staged"
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    @staticmethod
+    def _host(t: torch.Tensor) -> torch.Tensor:
+        t = wire(t)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t.is_cuda else t
+
+    def _staged_sends(self, sends):
+        out = []
+        for p, t, tag in sends:
+            h = self._host(t)
+            if t.is_cuda:
+                h.copy_(wire(t), non_blocking=True)
+            out.append((p, h, tag))
+        if any(t.is_cuda for _, t, _ in sends):
+            torch.cuda.current_stream().synchronize()  # deliberate: gloo reads host memory now
+        return out
+
+    def exchange(self, sends, recvs) -> None:
+        host_recvs = [(p, self._host(t), tag) for p, t, tag in recvs]
+        TorchP2P(self.group).exchange(self._staged_sends(sends), host_recvs)
+        for (_, t, _), (_, h, _) in zip(recvs, host_recvs):
+            if t.is_cuda:
+                wire(t).copy_(h, non_blocking=True)
+
+    def isend(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int):
+        ((_, h, _),) = self._staged_sends([(peer, t, tag)])
+        return dist.isend(h, peer, group=group, tag=tag)
+
+    def irecv(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int):
+        h = self._host(t)
+        work = dist.irecv(h, peer, group=group, tag=tag)
+        return _StagedRecv(work, h, t) if t.is_cuda else work
+
+
+class _StagedRecv:
+    """A pending staged receive: ``wait`` waits for gloo, then queues the copy onto the device."""
+
+    def __init__(self, work, host: torch.Tensor, dst: torch.Tensor) -> None:
+        self.work, self.host, self.dst = work, host, dst
+
+    def wait(self) -> bool:
+        self.work.wait()
+        wire(self.dst).copy_(self.host, non_blocking=True)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+NAMES = ("torch", "mpi", "staged")
+
+
+def choose(name: str | None, env_value: str | None, shared: bool) -> str:
+    """The transport to use: ``name``, else ``HYBRIDPAR_TRANSPORT``'s ``env_value``, else ``'staged'``
+    where this rank shares its GPU and ``'torch'`` elsewhere. Asking for ``'torch'`` or ``'mpi'``
+    while ranks share a GPU is an error: neither can move their CUDA tensors."""
+    chosen = name or env_value or ("staged" if shared else "torch")
+    if chosen not in NAMES:
+        raise ValueError(f"hybridpar: unknown transport {chosen!r}; use one of {', '.join(NAMES)}")
+    if shared and chosen != "staged":
+        raise ValueError(f"hybridpar: transport {chosen!r} cannot move CUDA tensors between ranks that share "
+                         f"a GPU (gloo carries no device memory, NCCL refuses them); use 'staged' or leave "
+                         f"it unset")
+    return chosen
+
+
 def get_transport(name: str | None, group: dist.ProcessGroup | None) -> Transport:
-    """``'torch'`` (default) or ``'mpi'``; ``HYBRIDPAR_TRANSPORT`` sets the default."""
-    name = name or os.environ.get("HYBRIDPAR_TRANSPORT", "torch")
-    if name == "torch":
-        return TorchP2P(group)
-    if name == "mpi":
+    """The transport :func:`choose` picks (``HYBRIDPAR_TRANSPORT`` sets the default); the automatic
+    choice of ``'staged'`` is said once per job."""
+    chosen = choose(name, os.environ.get("HYBRIDPAR_TRANSPORT") or None, devices.shares_device())
+    if chosen == "staged":
+        if not (name or os.environ.get("HYBRIDPAR_TRANSPORT")):
+            devices.say_staged_once()
+        return StagedP2P(group)
+    if chosen == "mpi":
         return MPIP2P()
-    raise ValueError(f"hybridpar: unknown transport {name!r}; use 'torch' or 'mpi'")
+    return TorchP2P(group)
+
+
+def point_to_point(group: dist.ProcessGroup | None) -> Transport:
+    """The main thread's transport for layout changes: torch.distributed, staged where ranks share a
+    GPU (``HYBRIDPAR_TRANSPORT`` does not apply: it selects the halo transport)."""
+    return get_transport("staged" if devices.shares_device() else "torch", group)

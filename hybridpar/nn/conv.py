@@ -4,6 +4,10 @@ Why subclasses of the torch layers: same constructor arguments, same parameter i
 seed gives the same weights), same ``state_dict`` keys and shapes (weights load both ways), and
 ``isinstance(m, nn.Conv3d)`` still holds for tools that inspect models. Only ``forward`` changes:
 exchange halos, then run the torch kernel on the extended shard with no padding.
+
+Under autocast the shard is cast to the kernel's compute dtype *before* its halos are exchanged (half
+the bytes under bf16, and the same numbers as casting the whole volume, a cast being elementwise);
+the kernel then casts the weight as torch's does. ``channels_last_3d`` shards stay so throughout.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import HaloExchanger, halo_exchange
+from hybridpar import memfmt
+from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
 from hybridpar.nn.spatial import SpatialLayer, _triple
+from hybridpar.precision import narrowed, result_dtype
 
 
 class DistConv3d(SpatialLayer, nn.Conv3d):
@@ -74,18 +80,32 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
 
     def _overlapped(self) -> bool:
         """Whether the interior is computed while halos are in flight: with ``overlap``, for fills and
-        periodic halos (an edge copy of ``replicate``/``reflect`` exists only once the halos are in)."""
-        return self.overlap and self.padding_mode in ("zeros", "circular")
+        periodic halos (an edge copy of ``replicate``/``reflect`` exists only once the halos are in),
+        on a split grid (unsplit, nothing is in flight: the kernel pads)."""
+        return self.overlap and self.padding_mode in ("zeros", "circular") and self.grid.spatial_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.halo_exchanger(self.global_shape(x))
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
+        x = narrowed(x, result_dtype("conv3d", _conv_probe, x))
         if self._overlapped():
-            return OverlappedConv3d.apply(x, self.weight, self.bias, ex, self.stride, self.dilation,
-                                          self.groups, group)
+            return _overlapped(x, self.weight, self.bias, ex, self.stride, self.dilation, self.groups, group)
         weight, bias = sync_grads(group, self.weight, self.bias)
-        return F.conv3d(halo_exchange(x, ex), weight, bias, self.stride, self._native_pads(), self.dilation,
+        return F.conv3d(exchange(x, ex), weight, bias, self.stride, self._native_pads(), self.dilation,
                         self.groups)
+
+
+@torch.compiler.disable  # computes around its communication: runs eagerly under torch.compile
+def _overlapped(x, weight, bias, ex, stride, dilation, groups, group) -> torch.Tensor:
+    return OverlappedConv3d.apply(x, weight, bias, ex, stride, dilation, groups, group)
+
+
+def _conv_probe(t: torch.Tensor) -> torch.Tensor:
+    return F.conv3d(t, torch.ones((1, 1, 1, 1, 1), dtype=t.dtype, device=t.device))
+
+
+def _conv_transpose_probe(t: torch.Tensor) -> torch.Tensor:
+    return F.conv_transpose3d(t, torch.ones((1, 1, 1, 1, 1), dtype=t.dtype, device=t.device))
 
 
 def dim_i(name: str) -> int:
@@ -133,20 +153,21 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         ex = self.halo_exchanger(self.global_shape(x))
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         weight, bias = sync_grads(group, self.weight, self.bias)
-        ext = halo_exchange(x, ex)
+        ext = exchange(narrowed(x, result_dtype("conv_transpose3d", _conv_transpose_probe, x)), ex)
         outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
         if all(s > 0 for s in ext.shape[2:]):
             y = F.conv_transpose3d(ext, weight, None, self.stride, 0, 0, self.groups, self.dilation)
-        else:
-            y = ext.new_zeros((*ext.shape[:1], self.out_channels, 0, 0, 0))
+        else:  # the dtype the kernel would give (autocast)
+            y = memfmt.zeros((*ext.shape[:1], self.out_channels, 0, 0, 0), ext).to(
+                result_dtype("conv_transpose3d", _conv_transpose_probe, ext))
         pad = []
         for i in (2, 1, 0):  # F.pad lists the last dim first; negative values crop
             origin, (a, b) = ex.origins[i], outs[i]
             pad += [origin - a, b - (origin + y.shape[2 + i])]
-        y = F.pad(y, pad) if y.numel() else y.new_zeros((y.shape[0], self.out_channels,
-                                                         *(b - a for a, b in outs)))
-        if bias is not None:
-            y = y + bias.view(1, -1, 1, 1, 1)
+        y = F.pad(y, pad) if y.numel() else memfmt.zeros((y.shape[0], self.out_channels,
+                                                          *(b - a for a, b in outs)), y)
+        if bias is not None:  # in the output's dtype, as the kernel adds it under autocast
+            y = y + bias.to(y.dtype).view(1, -1, 1, 1, 1)
         return y
 
 

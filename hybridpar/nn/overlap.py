@@ -10,6 +10,11 @@ voxels (own shard and boundary padding) form an *interior* box; the rest is a sh
 
 Unlike LBANN (forward only, one split dim), this works for any split and in both directions. The
 arithmetic is that of :class:`torch.nn.Conv3d`; only the order of the work changes.
+
+Under autocast the caller casts the shard (before the exchange); the weight and bias arrive in their
+own dtype and are cast here, as autocast would cast them, so that their gradients leave in the
+parameters' dtype and are summed over the shards in it. The kernels run with autocast off, on
+explicit dtypes (the backward runs outside autocast anyway). Buffers keep the shard's memory format.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv3d_input, conv3d_weight
 
+from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger
 from hybridpar.comm.reduce import all_reduce_async, grad_sync_enabled
 from hybridpar.geometry import interior
+from hybridpar.precision import no_autocast
 
 Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
@@ -33,11 +40,11 @@ def _available(x: torch.Tensor, ex: HaloExchanger) -> tuple[torch.Tensor, list[i
         own = x.shape[dim] - p.trim_lo - p.trim_hi
         pieces = []
         if p.recv_lo == 0 and p.pad_lo:
-            pieces.append(x.new_full((*x.shape[:dim], p.pad_lo, *x.shape[dim + 1:]), ex.fill))
+            pieces.append(memfmt.full((*x.shape[:dim], p.pad_lo, *x.shape[dim + 1:]), ex.fill, x))
         if own > 0:
             pieces.append(x.narrow(dim, p.trim_lo, own))
         if p.recv_hi == 0 and p.pad_hi:
-            pieces.append(x.new_full((*x.shape[:dim], p.pad_hi, *x.shape[dim + 1:]), ex.fill))
+            pieces.append(memfmt.full((*x.shape[:dim], p.pad_hi, *x.shape[dim + 1:]), ex.fill, x))
         x = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
         offsets.append(0 if p.recv_lo == 0 else p.pad_lo + p.recv_lo)
     return x, offsets
@@ -66,38 +73,50 @@ def _sl(box: Box, shift: list[int] | None = None) -> tuple[slice, ...]:
     return (slice(None), slice(None), *(slice(lo - o, hi - o) for (lo, hi), o in zip(box, shift)))
 
 
+def _param_grads(ext, weight, gy, stride, dilation, groups, has_bias: bool, master: torch.dtype):
+    """Weight and bias gradients in the parameters' own dtype (summed over shards in it)."""
+    gw = conv3d_weight(ext, weight.shape, gy, stride, 0, dilation, groups).to(master)
+    gb = gy.sum(dim=(0, 2, 3, 4), dtype=torch.float32 if gy.dtype.itemsize < 4 else None).to(master) \
+        if has_bias else None
+    return gw, gb
+
+
 class OverlappedConv3d(torch.autograd.Function):
     """``conv3d(halo(x), w, b)`` with the exchange hidden behind the interior (see module doc)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, ex: HaloExchanger, stride, dilation, groups, group):
         kernel = weight.shape[2:]
+        master = weight.dtype
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
         pending = ex.start_forward(x)
         avail, offsets = _available(x, ex)
         n_out = [(p.out[1] - p.out[0]) for p in (d.plan for d in ex.all_dims)]
         inner = [interior(d.plan, n, k, s, dl) for d, n, k, s, dl in
                  zip(ex.all_dims, n_out, kernel, stride, dilation)]
         core, shell = _boxes(n_out, inner)
-        y = x.new_empty((x.shape[0], weight.shape[0], *n_out))
+        y = memfmt.empty((x.shape[0], weight.shape[0], *n_out), x)
         conv = lambda t: F.conv3d(t, weight, bias, stride, 0, dilation, groups)  # noqa: E731
-        if core is not None:
-            y[_sl(core)] = conv(avail[_sl(_window(core, stride, dilation, kernel), offsets)])
-        ext = pending.result()
-        for box in shell:
-            y[_sl(box)] = conv(ext[_sl(_window(box, stride, dilation, kernel))])
+        with no_autocast(x.device.type):
+            if core is not None:
+                y[_sl(core)] = conv(avail[_sl(_window(core, stride, dilation, kernel), offsets)])
+            ext = pending.result()
+            for box in shell:
+                y[_sl(box)] = conv(ext[_sl(_window(box, stride, dilation, kernel))])
         ctx.save_for_backward(ext, weight)
-        ctx.meta = (ex, stride, dilation, groups, group, core, shell, bias is not None, tuple(x.shape))
+        ctx.meta = (ex, stride, dilation, groups, group, core, shell, bias is not None, tuple(x.shape),
+                    master)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         ext, weight = ctx.saved_tensors
-        ex, stride, dilation, groups, group, core, shell, has_bias, x_shape = ctx.meta
-        gy = gy.contiguous()
+        ex, stride, dilation, groups, group, core, shell, has_bias, x_shape, master = ctx.meta
+        gy = memfmt.dense(gy.to(ext.dtype))
         kernel = weight.shape[2:]
         if not ctx.needs_input_grad[0]:  # e.g. the first layer: no input gradient, no halo traffic
-            gw = conv3d_weight(ext, weight.shape, gy, stride, 0, dilation, groups)
-            gb = gy.sum(dim=(0, 2, 3, 4)) if has_bias else None
+            gw, gb = _param_grads(ext, weight, gy, stride, dilation, groups, has_bias, master)
             if grad_sync_enabled():
                 work = all_reduce_async([t for t in (gw, gb) if t is not None], group)
                 if work is not None:
@@ -111,8 +130,7 @@ class OverlappedConv3d(torch.autograd.Function):
             g_shell[_sl(win)] += conv3d_input(size, weight, gy[_sl(box)], stride, 0, dilation, groups)
         pending = ex.start_adjoint(g_shell)
         # 2. Meanwhile: weight and bias gradients (and their all-reduce), then the interior.
-        gw = conv3d_weight(ext, weight.shape, gy, stride, 0, dilation, groups)
-        gb = gy.sum(dim=(0, 2, 3, 4)) if has_bias else None
+        gw, gb = _param_grads(ext, weight, gy, stride, dilation, groups, has_bias, master)
         reduce = all_reduce_async([t for t in (gw, gb) if t is not None], group) \
             if grad_sync_enabled() else None
         g_core = None

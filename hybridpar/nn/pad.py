@@ -12,13 +12,15 @@ the exchanger's adjoint. Negative padding crops, as torch's does (circular crops
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import HaloExchanger, halo_exchange
+from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.geometry import HaloPlan, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.precision import narrowed, result_dtype, widened
 
 Pads = list[tuple[int, int]]
 
@@ -48,8 +50,14 @@ class _DistPad(SpatialLayer):
 
         return self.exchanger(shape, plans_of, fill=self._fill())
 
+    def _torch_pad(self, t: torch.Tensor) -> torch.Tensor:
+        mode = "constant" if self.geometry_mode == "zeros" else self.geometry_mode
+        return F.pad(t, (1,) * 6, mode=mode)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return halo_exchange(x, self.halo_exchanger(self.global_shape(x)))
+        """The exchange is the whole pad; under autocast the dtype is torch's pad's (``precision``)."""
+        dtype = result_dtype(f"pad-{self.geometry_mode}", self._torch_pad, x)
+        return widened(exchange(narrowed(x, dtype), self.halo_exchanger(self.global_shape(x))), dtype)
 
 
 class DistConstantPad3d(_DistPad, nn.ConstantPad3d):

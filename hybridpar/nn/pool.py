@@ -6,6 +6,10 @@ apply; only the boundary fill differs (-inf for max, zero for average) and avera
 which depends on where a window sits in the *global* volume, is computed from the geometry. Adaptive
 pools reduce each of torch's bins over the parts of it every rank holds and combine them with an
 all-reduce into a replicated output (see :class:`DistAdaptiveAvgPool3d` for why).
+
+Under autocast, the window pools leave the dtype to torch's kernel (halos travel in the activation's
+dtype); the global and adaptive pools give the dtype torch's adaptive pool gives (CPU autocast
+promotes them to float32), found with :func:`hybridpar.precision.result_dtype`.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import HaloExchanger, halo_exchange
+from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import sum_to_replicated
 from hybridpar.geometry import Range, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer, _triple
+from hybridpar.precision import no_autocast, result_dtype, widened
 
 
 def _check_pad(layer: str, kernel, padding, dilation=(1, 1, 1)) -> None:
@@ -58,7 +63,7 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.halo_exchanger(self.global_shape(x))
-        return F.max_pool3d(halo_exchange(x, ex), self.k, self.s, 0, self.d)
+        return F.max_pool3d(exchange(x, ex), self.k, self.s, 0, self.d)
 
 
 class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
@@ -107,7 +112,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.global_shape(x)
         ex = self.halo_exchanger(shape)
-        sums = F.avg_pool3d(halo_exchange(x, ex), self.k, self.s, 0, divisor_override=1)
+        sums = F.avg_pool3d(exchange(x, ex), self.k, self.s, 0, divisor_override=1)
         outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
         return sums / self._divisor(shape, outs, sums)
 
@@ -122,7 +127,23 @@ class DistGlobalAvgPool3d(SpatialLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d, h, w = self.global_shape(x)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
-        return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True), group) / (d * h * w)
+        return _mean(x, group, d * h * w)
+
+
+def _mean(x: torch.Tensor, group, count: int) -> torch.Tensor:
+    """The mean over the whole split volume, replicated, in the dtype torch's adaptive pool gives;
+    partial sums travel in float32 for bf16/fp16 (one rounding, as torch's kernel)."""
+    dtype = result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x)
+    acc = torch.float32 if dtype.itemsize < 4 else dtype
+    return (sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True, dtype=acc), group) / count).to(dtype)
+
+
+def _adaptive_avg_probe(t: torch.Tensor) -> torch.Tensor:
+    return F.adaptive_avg_pool3d(t, 1)
+
+
+def _adaptive_max_probe(t: torch.Tensor) -> torch.Tensor:
+    return F.adaptive_max_pool3d(t, 1)
 
 
 # ---------------------------------------------------------------------- adaptive pooling
@@ -204,13 +225,13 @@ class DistAdaptiveAvgPool3d(_AdaptivePool, nn.AdaptiveAvgPool3d):
         shape = self.global_shape(x)
         ks = self.out_extents(shape)
         if ks == (1, 1, 1):
-            return sum_to_replicated(x.sum(dim=(2, 3, 4), keepdim=True), self._spatial_group()) \
-                / math.prod(shape)
-        mats, counts = self._weights(shape, x)
-        s = x
-        for d, m in ((4, mats[2]), (3, mats[1]), (2, mats[0])):
-            if m is not None:
-                s = torch.movedim(torch.movedim(s, d, -1) @ m.t(), -1, d)
+            return _mean(x, self._spatial_group(), math.prod(shape))
+        s = widened(x, result_dtype("adaptive_avg_pool3d", _adaptive_avg_probe, x))
+        mats, counts = self._weights(shape, s)
+        with no_autocast(x.device.type):  # the products in the pool's dtype, not autocast's
+            for d, m in ((4, mats[2]), (3, mats[1]), (2, mats[0])):
+                if m is not None:
+                    s = torch.movedim(torch.movedim(s, d, -1) @ m.t(), -1, d)
         return sum_to_replicated(s, self._spatial_group()) / counts
 
 
@@ -261,6 +282,7 @@ class DistAdaptiveMaxPool3d(_AdaptivePool, nn.AdaptiveMaxPool3d):
 
     def forward(self, x: torch.Tensor):
         shape = self.global_shape(x)
+        x = widened(x, result_dtype("adaptive_max_pool3d", _adaptive_max_probe, x))
         _, box, bins = self._geometry(shape)
         group = self._spatial_group()
         n, c = x.shape[:2]

@@ -65,6 +65,12 @@ class SpatialLayer(nn.Module):
         the first and the last rank along the axis are each other's.
         """
         k = (tuple(shape), fill, *key)
+        ex = self._exchangers.get(k)
+        return ex if ex is not None else self._new_exchanger(k, shape, plans_of, fill)
+
+    @torch.compiler.disable  # built once per shape, eagerly (a compiled forward finds it memoised)
+    def _new_exchanger(self, k: tuple, shape: tuple[int, int, int],
+                       plans_of: Callable[[int, int, str], list[HaloPlan]], fill: float) -> HaloExchanger:
         if k not in self._exchangers:
             dims = []
             for axis in range(3):

@@ -17,6 +17,11 @@ when a scale factor reaches the kernel, else ``n/m``; ``m == n`` and ``m == 2n``
 ``min(floorf(src), n-1)``, weight ``clamp(src - index, 0, 1)``. A scale factor reaches the kernel
 unless ``size`` is given or ``recompute_scale_factor=True``. The nearest indices are taken from torch
 itself (``F.interpolate`` of a 1-D ramp, exact in float64), the linear ones from the formula above.
+
+Reduced precision: the weighted sum runs in the opmath type (float32 for bf16/fp16, as torch's
+kernel) and is rounded once; under autocast the output has the dtype torch's interpolation gives
+(:mod:`hybridpar.precision`). A ``channels_last_3d`` input gives a ``channels_last_3d`` output, as
+torch's kernel does (the selections write into buffers of the input's format).
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.comm.halo import HaloExchanger, halo_exchange
+from hybridpar import memfmt
+from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.geometry import HaloError, HaloPlan, Range, _check_nonempty, _link, shard_ranges
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
+from hybridpar.precision import narrowed, result_dtype, widened
 
 MODES = ("nearest", "nearest-exact", "trilinear")
 
@@ -175,24 +182,52 @@ def _local(taps: DimTaps, plan: HaloPlan, dtype: torch.dtype, device: torch.devi
         w = None  # lo == hi with weight 0: a plain selection
     if w is None:
         return LocalTaps(lo.to(device), hi.to(device), None, None, identity)
-    w = w.to(dtype)
+    w = w.to(dtype if dtype.itemsize >= 4 else _opmath(dtype))  # bf16/fp16: summed in float32
     return LocalTaps(lo.to(device), hi.to(device), w.to(device), (1 - w).to(device), identity)
 
 
+def _select(x: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(d, index)`` in ``x``'s memory format (index_select alone returns NCDHW)."""
+    if memfmt.memory_format(x) is torch.contiguous_format:
+        return x.index_select(d, index)
+    shape = list(x.shape)
+    shape[d] = index.numel()
+    return torch.index_select(x, d, index, out=memfmt.empty(shape, x)) if not x.requires_grad \
+        else _Select.apply(x, d, index)
+
+
+class _Select(torch.autograd.Function):
+    """``index_select`` into a buffer of the input's format; backward ``index_add`` into one."""
+
+    @staticmethod
+    def forward(ctx, x, d, index):
+        ctx.meta = (x.shape, d, index)
+        shape = list(x.shape)
+        shape[d] = index.numel()
+        return torch.index_select(x, d, index, out=memfmt.empty(shape, x))
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, d, index = ctx.meta
+        return memfmt.zeros(shape, g).index_add_(d, index, g), None, None
+
+
 def _apply(x: torch.Tensor, taps: list[LocalTaps]) -> torch.Tensor:
-    """Separable interpolation of the extended input along D, H, W (autograd does the adjoint)."""
+    """Separable interpolation of the extended input along D, H, W (autograd does the adjoint);
+    in the weights' dtype (float32 for a bf16/fp16 input), rounded back once at the end."""
+    dtype = x.dtype
     for i, t in enumerate(taps):
         if t.identity:
             continue
         d = 2 + i
-        lo = x.index_select(d, t.lo)
+        lo = _select(x, d, t.lo)
         if t.w is None:
             x = lo
             continue
         shape = [1] * x.dim()
         shape[d] = -1
-        x = lo * t.w0.view(shape) + x.index_select(d, t.hi) * t.w.view(shape)
-    return x
+        x = lo * t.w0.view(shape) + _select(x, d, t.hi) * t.w.view(shape)
+    return widened(x, dtype)
 
 
 class DistUpsample(SpatialLayer, nn.Upsample):
@@ -246,8 +281,14 @@ class DistUpsample(SpatialLayer, nn.Upsample):
                 self._check_input(x)
             return nn.Upsample.forward(self, x)
         shape = self.global_shape(x)
+        dtype = result_dtype(f"interpolate-{self.mode}", self._torch_probe, x)
+        x = narrowed(x, dtype)
         ex = self.halo_exchanger(shape, x.dtype)
-        return _apply(halo_exchange(x, ex), self._local_taps(shape, ex, x))
+        ext = exchange(x, ex)
+        return widened(_apply(ext, self._local_taps(shape, ex, ext)), dtype)
+
+    def _torch_probe(self, t: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(t, scale_factor=2, mode=self.mode)
 
 
 # ---------------------------------------------------------------------- functional form

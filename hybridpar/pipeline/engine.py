@@ -15,6 +15,12 @@ The training step gives the same numbers as the single-process model on any layo
 micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
 averaged, the loss a head computes on replicated ranks counts once, and on a split output (a volume
 predicted voxel by voxel) each rank's loss is weighted by its share of the volume.
+
+Reduced precision and layouts: ``train_step`` under ``torch.autocast`` runs the forward passes and
+losses under it and every backward outside it (as torch recommends); activations crossing a pipeline
+cut travel in the autocast dtype (what the convolutions after the cut compute in). A
+``memory_format=torch.channels_last_3d`` engine hands out input shards, and receives activations
+from the previous stage, in that format.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridpar import cpu_alloc
+from hybridpar import cpu_alloc, memfmt
+from hybridpar.comm import devices
 from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import gather, local_box
 from hybridpar.comm.reduce import no_grad_sync
+from hybridpar.comm.transport import StagedP2P
 from hybridpar.grid import ProcessGrid
 from hybridpar.launch import collective_timeout, init_distributed
 from hybridpar.nn.layout import Redistribute
@@ -48,6 +56,7 @@ from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.schedule import in_flight, schedule
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
+from hybridpar.precision import autocast_state, no_autocast
 from hybridpar.profiling import range as prange
 from hybridpar.spec import ParallelSpec, load_spec
 from hybridpar.spec.config import SpecError
@@ -66,8 +75,8 @@ def _split_sizes(batch: int, parts: int) -> list[int]:
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` in storage of its own: a piece that stays a view would keep the whole global batch alive
-    (and count as such in memory) after the caller lets it go."""
-    t = t.contiguous()
+    (and count as such in memory) after the caller lets it go. Dense in its own memory format."""
+    t = memfmt.dense(t)
     return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
@@ -77,7 +86,9 @@ class Engine:
     def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                 local_p2p: bool | None = None) -> None:
+                 local_p2p: bool | None = None,
+                 memory_format: torch.memory_format = torch.contiguous_format) -> None:
+        self.memory_format = memory_format
         try:
             self.graph: ModelGraph | None = trace_graph(model)  # an untraceable model fails here
         except UntraceableError as err:
@@ -296,6 +307,7 @@ class Engine:
         if x.dim() == 5 and self.input_split != REPLICATED:
             box = local_box(tuple(x.shape[2:]), self.input_grid)
             x_rep = x_rep[(Ellipsis, *(slice(a, b) for a, b in box))]
+        x_rep = x_rep.contiguous(memory_format=self.memory_format) if x_rep.dim() == 5 else x_rep
         if y is None:
             return _own(x_rep), None
         y_rep = y[rows]
@@ -369,14 +381,20 @@ class Engine:
     def post_recv(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
         """Receive into ``t`` from global rank ``peer``: same-host CPU ranks copy directly
         (:mod:`hybridpar.comm.local_p2p`), the rest through torch.distributed on ``group``."""
+        t = memfmt.wire(t)  # a channels_last_3d buffer as the contiguous NDHWC view of its storage
         if self.local is not None and self.local.handles(t, peer):
             return self.local.irecv(t, peer, tag)
+        if t.is_cuda and devices.shares_device():  # ranks sharing a GPU: through pinned host memory
+            return StagedP2P().irecv(t, peer, group, tag)
         return dist.irecv(t, peer, group=group, tag=tag)
 
     def post_send(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
-        """Send the contiguous ``t`` to global rank ``peer`` (the counterpart of :meth:`post_recv`)."""
+        """Send the dense ``t`` to global rank ``peer`` (the counterpart of :meth:`post_recv`)."""
+        t = memfmt.wire(t)
         if self.local is not None and self.local.handles(t, peer):
             return self.local.isend(t, peer, tag)
+        if t.is_cuda and devices.shares_device():
+            return StagedP2P().isend(t, peer, group, tag)
         return dist.isend(t, peer, group=group, tag=tag)
 
     def _recv(self, shape, dtype, device, src_stage: int, tag: int) -> torch.Tensor:
@@ -386,19 +404,43 @@ class Engine:
         return t
 
     def _irecv(self, shape, dtype, device, src_stage: int, tag: int) -> tuple[torch.Tensor, Any]:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        fmt = self.memory_format if len(shape) == 5 else torch.contiguous_format
+        t = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
         with prange("pipeline_post_recv", "pipeline"):
             return t, self.post_recv(t, self._peer(src_stage), self._p2p_group(src_stage, False), tag)
 
     def _send(self, t: torch.Tensor, dst_stage: int, tag: int):
         with prange("pipeline_send", "pipeline"):
-            return self.post_send(t.detach().contiguous(), self._peer(dst_stage),
+            fmt = self.memory_format if t.dim() == 5 else torch.contiguous_format  # the receiver's
+            return self.post_send(t.detach().contiguous(memory_format=fmt), self._peer(dst_stage),
                                   self._p2p_group(dst_stage, True), tag)
 
     def _params(self, lo: int, hi: int | None, undeferred: bool = False) -> list[nn.Parameter]:
         """Trainable parameters of layers ``lo:hi`` (``undeferred``: of those not deferred only)."""
         return [p for (_, m), d in list(zip(self.layers, self._defer))[lo:hi] if not (undeferred and d)
                 for p in m.parameters() if p.requires_grad]
+
+    def _placed(self, x: torch.Tensor) -> torch.Tensor:
+        """An input on the stage's device (a loader's CPU batch onto the GPU) and in its format."""
+        p = next(iter(self.parameters()), None)
+        if p is not None and x.device != p.device:
+            x = x.to(p.device, non_blocking=True)
+        if x.dim() == 5 and self.memory_format is not torch.contiguous_format:
+            x = x.contiguous(memory_format=self.memory_format)
+        return x
+
+    def compile(self, **kwargs: Any) -> Engine:
+        """``torch.compile`` this stage's forward (``kwargs`` to ``torch.compile``).
+
+        The function that runs the stage's layers is compiled, not each layer: the layers between two
+        communications form one graph (a convolution fused with its activation and pooling), and the
+        modules, hence state-dict keys, stay as they are. Communication (halo exchange, gradient
+        synchronisation, redistribution) runs eagerly between the graphs: it is their only break (see
+        ``tests/test_compile.py``).
+        """
+        self._require_built("compile")
+        self._run = torch.compile(self._run, **kwargs)  # type: ignore[method-assign]
+        return self
 
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
         p = next(iter(self.parameters()), None)
@@ -407,19 +449,27 @@ class Engine:
             return torch.get_default_dtype(), torch.device("cpu")
         return ref.dtype, ref.device
 
-    def train_step(self, x_local: torch.Tensor, y_local: torch.Tensor) -> torch.Tensor:
+    def train_step(self, x_local: torch.Tensor, y_local: torch.Tensor,
+                   loss_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward over the micro-batches; gradients end reduced in ``.grad``.
 
-        Returns the global-batch mean loss, on every rank.
+        Returns the global-batch mean loss (unscaled), on every rank. ``loss_scale``: a 0-d tensor the
+        loss is multiplied by before backward (fp16 training: ``scaler.scale(torch.ones(()))`` of a
+        ``torch.amp.GradScaler``, so the scale stays on the device). Under ``torch.autocast`` the
+        forward passes run under it and the backward passes outside it.
         """
         self._require_built("train_step")
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
         batch = y_local.shape[0]
         sizes = _split_sizes(batch, self.spec.pipeline.microbatches)
+        x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         ys = y_local.split(sizes)
         dtype, device = self._dtype_device(x_local)
+        autocast, low = autocast_state(device.type)
+        if autocast and dtype == torch.float32:  # a pipeline cut carries the autocast dtype
+            dtype = low
         ops = schedule(self.spec.pipeline.schedule, self.grid.pipe, len(sizes), self.grid.pipe_index)
         last_backward = max(i for i, (op, _) in enumerate(ops) if op == "B")
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -470,6 +520,7 @@ class Engine:
                         out = self._loss(out, ys[m].to(device)) * (sizes[m] / batch)
                         loss_sum += out.detach().double()
                     else:
+                        out = out.to(dtype) if out.is_floating_point() else out
                         sends.append(self._send(out, stage + 1, _FWD + m))
                     held[m] = (None if self.first_stage else inp, out)
                     if i == last_forward and self.last_stage:
@@ -480,30 +531,32 @@ class Engine:
                     if i == last_forward and self.replica_stats is not None and self._training:
                         self.replica_stats.start()  # the step's last update of running statistics
                 else:
-                    if i == last_backward and self.reducer is not None:
-                        self.reducer.arm()
-                    grad = None if self.last_stage else take(ops[i])
-                    inp, out = held.pop(m)
-                    split = m == split_m and out.requires_grad
-                    if split:  # input gradient first, sent below, then the weights'
-                        with prange("stage_backward_input", "compute"):
-                            root = out
-                            if prefix is not None:  # the layers after the split prefix first
-                                root, grad = deferred.rest_pass(out, grad, prefix, self._params(upto, None))
-                            deferred.input_pass(root, grad, inp, kept, self._params(0, upto, True))
-                    elif out.requires_grad:
-                        with prange("stage_backward", "compute"):
-                            out.backward(grad)
-                    if inp is not None:
-                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                        sends.append(self._send(g, stage - 1, _BWD + m))
-                    if split:
-                        if inp is not None:  # free the sent gradient before the weight pass
-                            sends.pop().wait()  # gloo holds it until then (NCCL: stream order)
-                            g = inp.grad = None
-                        with prange("stage_backward_weight", "compute"):
-                            deferred.weight_pass(kept)
-                        kept, inp, out, prefix, root = [], None, None, None, None  # what pass 1 kept
+                    with no_autocast(device.type):  # backward passes run outside autocast
+                        if i == last_backward and self.reducer is not None:
+                            self.reducer.arm()
+                        grad = (loss_scale if self.last_stage else take(ops[i]))
+                        inp, out = held.pop(m)
+                        split = m == split_m and out.requires_grad
+                        if split:  # input gradient first, sent below, then the weights'
+                            with prange("stage_backward_input", "compute"):
+                                root = out
+                                if prefix is not None:  # the layers after the split prefix first
+                                    root, grad = deferred.rest_pass(out, grad, prefix,
+                                                                    self._params(upto, None))
+                                deferred.input_pass(root, grad, inp, kept, self._params(0, upto, True))
+                        elif out.requires_grad:
+                            with prange("stage_backward", "compute"):
+                                out.backward(grad)
+                        if inp is not None:
+                            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                            sends.append(self._send(g, stage - 1, _BWD + m))
+                        if split:
+                            if inp is not None:  # free the sent gradient before the weight pass
+                                sends.pop().wait()  # gloo holds it until then (NCCL: stream order)
+                                g = inp.grad = None
+                            with prange("stage_backward_weight", "compute"):
+                                deferred.weight_pass(kept)
+                            kept, inp, out, prefix, root = [], None, None, None, None  # what pass 1 kept
                 post(i + 1)
         for w in sends:
             w.wait()
@@ -522,8 +575,12 @@ class Engine:
         self._require_built("predict")
         batch = x_local.shape[0] if batch is None else batch
         sizes = _split_sizes(batch, self.spec.pipeline.microbatches)
+        x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self._dtype_device(x_local)
+        autocast, low = autocast_state(device.type)
+        if autocast and dtype == torch.float32:  # as train_step: a cut carries the autocast dtype
+            dtype = low
         stage, outs, sends = self.grid.pipe_index, [], []
         for m, b in enumerate(sizes):
             inp = xs[m] if self.first_stage else self._recv(self._in_shape(b), dtype, device, stage - 1,
@@ -535,7 +592,8 @@ class Engine:
                                  tuple(self.output_record.output_shape[2:]))
                 outs.append(out)
             else:
-                sends.append(self._send(out, stage + 1, _FWD + m))
+                sends.append(self._send(out.to(dtype) if out.is_floating_point() else out, stage + 1,
+                                        _FWD + m))
         for w in sends:
             w.wait()
         if self.replica_stats is not None and self._training:  # it updated running statistics
@@ -622,7 +680,8 @@ class _LossExchange:
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                local_p2p: bool | None = None) -> Engine:
+                local_p2p: bool | None = None,
+                memory_format: torch.memory_format = torch.contiguous_format) -> Engine:
     """Make ``model`` (any module whose forward torch.fx can trace) hybrid-parallel per ``spec``.
 
     ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
@@ -633,9 +692,12 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     ``local_p2p``: stage-to-stage transfers between CPU ranks of one host copy the sender's tensor
     directly (:mod:`hybridpar.comm.local_p2p`) instead of through gloo's TCP loopback; None (the
     default) does so for a CPU model, False never (``HYBRIDPAR_LOCAL_P2P=0`` too).
+    ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
+    activations received from the previous stage are in it; the layers keep it).
     """
     if isinstance(spec, (str, Path)):
         spec = load_spec(spec)
     elif isinstance(spec, dict):
         spec = ParallelSpec.from_dict(spec)
-    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, local_p2p)
+    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, local_p2p,
+                  memory_format)

@@ -1,0 +1,16 @@
+"""Tests marked ``cuda`` need a CUDA device and are skipped without one (``perf/gpu_check.py`` runs
+them on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

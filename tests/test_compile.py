@@ -1,0 +1,117 @@
+"""torch.compile through Dist layers: graph breaks only at communication, numbers unchanged.
+
+A model of split convolutions (one overlapped), pooling, a gather and a dense head is compiled with
+``backend="aot_eager"`` (CPU inductor compiles correctly but takes minutes on a 2-core machine:
+``perf/gpu_check.py`` runs it). ``torch._dynamo.explain`` counts the graph breaks and dynamo's
+counters list them: on one rank there are none, one graph (nothing is exchanged); on a (2, 1, 1)
+split every break is a call of a communication function (halo exchange, gradient synchronisation,
+the overlapped convolution, redistribution). The model then reads [comm] relu pool [comm] relu pool
+[comm] flatten linear: three graphs, two breaks between them (the first layer starts with
+communication, so no graph precedes it). Outputs and gradients of the
+compiled model equal the eager model's (float64, 1e-10), and an engine compiled by
+``Engine.compile`` trains a step to the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import distributed
+
+COMMUNICATION = {"halo_exchange", "_synced", "_overlapped", "_redistribute", "sum_to_replicated",
+                 "replicated_into_shards", "infer_global_shape"}
+
+
+def _model(hp, nn, grid):
+    return nn.Sequential(
+        hp.nn.DistConv3d(2, 4, 3, padding=1, grid=grid), nn.LeakyReLU(0.3), hp.nn.DistMaxPool3d(2, grid=grid),
+        hp.nn.DistConv3d(4, 4, 3, padding=1, grid=grid, overlap=True), nn.LeakyReLU(0.3),
+        hp.nn.DistAvgPool3d(2, grid=grid), hp.nn.Gather(grid), nn.Flatten(), nn.Linear(4 * 8, 3)).double()
+
+
+def _breaks() -> list[str]:
+    """Names of the functions dynamo skipped (``torch.compiler.disable``) since the counters were
+    cleared, one entry per graph break it recorded, and any other break reason verbatim."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for reason, n in counters["graph_break"].items():
+        m = re.search(r"Skip calling function `<function (\w+) at", reason)
+        out += [m.group(1) if m else reason.splitlines()[0]] * n
+    return out
+
+
+def _body(rank: int, world: int, expected_graphs: int, expected_breaks: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import hybridpar as hp
+
+    fails = []
+    grid = hp.ProcessGrid(spatial=(world, 1, 1))
+    x = torch.randn(2, 2, 8, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    eager = _model(hp, nn, grid)
+    compiled = _model(hp, nn, grid)
+    compiled.load_state_dict(eager.state_dict())
+    for m in (eager, compiled):
+        hp.nn.set_global_shapes(m, x.shape)
+    xs = hp.scatter(x, grid)
+    compiled(xs)  # one eager call builds the halo plans, as an engine's first step would
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    explained = torch._dynamo.explain(compiled)(xs)
+    names = _breaks()
+    if (explained.graph_count, explained.graph_break_count) != (expected_graphs, expected_breaks):
+        fails.append(f"grid {grid.spatial_shape}: {explained.graph_count} graphs and "
+                     f"{explained.graph_break_count} breaks, expected {expected_graphs} and "
+                     f"{expected_breaks} "
+                     f"({names})")
+    if set(names) - COMMUNICATION:
+        fails.append(f"grid {grid.spatial_shape}: graph breaks outside communication: "
+                     f"{sorted(set(names) - COMMUNICATION)}")
+    if rank == 0:
+        print(f"grid {grid.spatial_shape}: {explained.graph_count} graphs, {explained.graph_break_count} "
+              f"breaks at {sorted(set(names))}")
+    compiled.compile(backend="aot_eager")
+    ran = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        xi = xs.detach().clone().requires_grad_()
+        y = model(xi)
+        y.square().sum().backward()
+        ran[name] = (y.detach(), xi.grad)
+    pairs = [("output", ran["compiled"][0], ran["eager"][0]),
+             ("input grad", ran["compiled"][1], ran["eager"][1])]
+    pairs += [(f"{k}.grad", p.grad, q.grad)
+              for (k, p), q in zip(compiled.named_parameters(), eager.parameters())]
+    for what, a, b in pairs:
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        if not err <= 1e-10:
+            fails.append(f"grid {grid.spatial_shape} compiled {what}: relative error {err:.2e}")
+    # the engine: parallelize, Engine.compile, one step against the uncompiled engine
+    from test_engine import make_model
+
+    losses, grads = [], []
+    for compile_it in (False, True):
+        engine = hp.parallelize(make_model(), {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss)
+        xb = torch.randn(2, 2, 16, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        yb = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x_local, y_local = engine.shard_batch(xb, yb)
+        if compile_it:
+            engine.compile(backend="aot_eager")
+        losses.append(engine.train_step(x_local, y_local))
+        grads.append([p.grad.clone() for p in engine.parameters()])
+    if not torch.allclose(losses[1], losses[0], rtol=1e-10, atol=0):
+        fails.append(f"engine compiled: loss {losses[1].item()} vs {losses[0].item()}")
+    if any(not torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(grads[1], grads[0])):
+        fails.append("engine compiled: gradients differ from the uncompiled engine's")
+    if fails:
+        raise AssertionError(f"rank {rank}: " + "\n".join(fails))
+
+
+@pytest.mark.parametrize("world,graphs,breaks", [(1, 1, 0), (2, 3, 2)])
+def test_compiles_with_breaks_only_at_communication(world, graphs, breaks):
+    distributed.run(_body, world, graphs, breaks, timeout=300)

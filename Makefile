@@ -19,7 +19,7 @@ RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
 RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
-.PHONY: venv test demo demo-data reconstruct reconstruct-data lint clean
+.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study lint clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,13 @@ reconstruct: $(APP_STAMP) reconstruct-data
 		--config launch/configs/reconstruct.yaml --set data.train=$(RECON_DATA)/train \
 		--set data.val=$(RECON_DATA)/val --set run_dir=$(RECON_RUN)
 	cp $(RECON_RUN)/reconstruction.json perf/results/reconstruction.json
+
+# Issue 15: the same universes trained on as 32^3 crops, 64^3 crops and whole 128^3 universes (4 ranks),
+# 2 seeds each; universes and finished runs are reused. About 65 min on 2 cores; writes
+# perf/results/volume_study.{json,md} (and _mae.png with matplotlib).
+VOLUME_CONFIG ?= launch/configs/volume_study.yaml
+volume-study: $(APP_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m cosmoflow.experiments.volume --config $(VOLUME_CONFIG)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridpar cosmoflow launch tests perf

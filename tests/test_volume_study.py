@@ -80,6 +80,7 @@ def test_shipped_plan(tmp_path: Path) -> None:
     study = load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path))
     plan = {r.size: (r.crops, r.n_conv, r.batch_size, r.base_batch, r.ranks) for r in study.runs}
     assert plan == {32: (64, 3, 256, 256, 2), 64: (8, 4, 32, 32, 2), 128: (1, 5, 4, 4, 4)}
+    assert study.runs[-1].spatial != (1, 1, 1)                       # the whole volume is split
     assert study.universes.size == 128 and study.universes.channels == 4 and len(study.seeds) >= 2
     cfg = study.trainer_config(study.runs[0], study.seeds[0])
     assert cfg.data.sample_size == 32 and cfg.parallel["grid"]["data"] == 2

@@ -105,7 +105,6 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
                      16: {"grid": {"data": 1, "spatial": [2, 1, 1]}}}
     tree["training"]["model"]["n_conv"] = 3                           # 16 -> 2; 8: 2 levels; 4: 1
     tree["training"]["train"]["epochs"] = 1
-    tree["training"]["data"]["workers"] = 0
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tree))
     results = tmp_path / "results" / "volume_study.json"

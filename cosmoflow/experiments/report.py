@@ -88,11 +88,29 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {size}³ | {crops} | " + " | ".join(cells) + " |")
     lines.append("| predict the mean | – | " + " | ".join(f"{doc['baseline']['mae'][p]:.4f}" for p in PARAMS)
                  + " |")
+    for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
+        per_crop = [r["mae_per_crop"] for r in entry["seeds"] if "mae_per_crop" in r]
+        if per_crop and entry["seeds"][0].get("crops", 1) > 1:
+            mean, std = spread(per_crop)
+            cells = [f"({mean[p]:.4f} ± {std[p]:.4f})" for p in PARAMS]
+            lines.append(f"| {size}³, each crop alone | – | " + " | ".join(cells) + " |")
     seeds = sorted({r["seed"] for e in doc["sizes"].values() for r in e["seeds"]})
     note = (f"\nValidation MAE in {doc['units'].split(':')[0]} units (normalised to [-1, 1]); crop sizes: "
-            f"the mean prediction over all crops of a universe; ± is the standard deviation over seeds "
-            f"{seeds}.\n\nCommand: `{doc['command']}`\n")
+            f"the mean prediction over all crops of a universe (in brackets: each crop scored alone); ± is "
+            f"the standard deviation over seeds {seeds}.\n\n{_ratios(doc)}\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
+
+
+def _ratios(doc: dict[str, Any]) -> str:
+    """The issue's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m."""
+    sizes = sorted(doc["sizes"], key=int)
+    lo, hi = doc["sizes"][sizes[0]], doc["sizes"][sizes[-1]]
+    parts = []
+    for p in ("sigma_8", "Omega_m"):
+        noise = max(lo["mae_spread"][p], hi["mae_spread"][p])
+        parts.append(f"{p}: {sizes[-1]}³ / {sizes[0]}³ = {hi['mae'][p] / lo['mae'][p]:.2f} (difference "
+                     f"{hi['mae'][p] - lo['mae'][p]:+.4f} against a seed spread of {noise:.4f})")
+    return "MAE ratio, whole volume over the smallest crops (goal: sigma_8 at most 0.7): " + "; ".join(parts)
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path | None:

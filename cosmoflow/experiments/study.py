@@ -20,7 +20,7 @@ Per input size ``S`` of universes of side ``U`` (``r = U / S``, a power of two):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ class SizeRun:
 
 @dataclass
 class Study:
+    """The whole study: the universes, the seeds, one :class:`SizeRun` per input size, and the trainer
+    config they share (written once to ``out/train_base.yaml``, each run's ``--set`` on top)."""
+
     universes: Universes
     seeds: list[int]
     batch_universes: int
@@ -86,7 +89,6 @@ class Study:
     out: str = "runs/volume_study"
     results: str = "perf/results/volume_study.json"
     source: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def run_dir(self, run: SizeRun, seed: int) -> Path:
         return Path(self.out) / "runs" / f"{run.size}_seed{seed}"
@@ -153,8 +155,7 @@ def load_study(path: str | Path, out: str | None = None, results: str | None = N
     except TypeError as err:
         raise ConfigError(f"{p}: universes: {err}") from None
     training = dict(tree.get("training") or {})
-    for key in ("run_dir",):
-        training.pop(key, None)
+    training.pop("run_dir", None)  # one per run, set by the study
     n_conv = int(training.get("model", {}).get("n_conv", Config().model.n_conv))
     base_batch = int(training.get("optimizer", {}).get("base_batch", Config().optimizer.base_batch))
     batch_universes = int(tree.get("batch_universes", 1))
@@ -166,7 +167,7 @@ def load_study(path: str | Path, out: str | None = None, results: str | None = N
             for s, e in sorted(sizes.items(), key=lambda kv: int(kv[0]))]
     seeds = [int(s) for s in tree.get("seeds", [0])]
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{p}: seeds {seeds}: give distinct seeds, at least two for a spread")
+        raise ConfigError(f"{p}: seeds {seeds}: give distinct seeds (two or more to measure a spread)")
     study = Study(u, seeds, batch_universes, runs, training, out or tree.get("out", Study.out),
                   results or tree.get("results", Study.results), source=str(p))
     study.write_base_config()

@@ -154,7 +154,7 @@ def estimate(study: Study, steps: int, env: dict[str, str]) -> tuple[float, floa
         per_run = start_s + cfg.train.epochs * epoch_s
         total += per_run * len(study.seeds)
         fastest += (start_s + cfg.train.epochs * (train_steps + forward_steps) * best_s) * len(study.seeds)
-        print(f"  {run.size}^3: {step_s:.2f} s/step, median ({step_s / study.batch_universes:.2f} s per "
+        print(f"  {run.size}^3: {step_s:.2f} s/step median ({step_s / study.batch_universes:.2f} s per "
               f"universe's voxels; fastest {best_s:.2f}), epoch ~{epoch_s:.0f} s with validation, run "
               f"~{per_run / 60:.1f} min", flush=True)
     print(f"projected study: ~{total / 60:.0f} min from the median steps, ~{fastest / 60:.0f} min from the "

@@ -115,6 +115,7 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4x16^3 | conv3 4->8 | MaxPool -> 8^3" in proc.stdout            # the architecture per size
     assert "| 4³ | 64 |" in proc.stdout and (results.with_suffix(".md")).exists()
+    assert "plot: " in proc.stdout                                     # a PNG, or the one-line note
     doc = json.loads(results.read_text())
     check_schema(doc)
     assert sorted(doc["sizes"], key=int) == ["4", "8", "16"]

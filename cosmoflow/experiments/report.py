@@ -89,9 +89,8 @@ def table(doc: dict[str, Any]) -> str:
     lines.append("| predict the mean | – | " + " | ".join(f"{doc['baseline']['mae'][p]:.4f}" for p in PARAMS)
                  + " |")
     for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
-        per_crop = [r["mae_per_crop"] for r in entry["seeds"] if "mae_per_crop" in r]
-        if per_crop and entry["seeds"][0].get("crops", 1) > 1:
-            mean, std = spread(per_crop)
+        if (per_crop := _per_crop(entry)) is not None:
+            mean, std = per_crop
             cells = [f"({mean[p]:.4f} ± {std[p]:.4f})" for p in PARAMS]
             lines.append(f"| {size}³, each crop alone | – | " + " | ".join(cells) + " |")
     seeds = sorted({r["seed"] for e in doc["sizes"].values() for r in e["seeds"]})
@@ -99,6 +98,14 @@ def table(doc: dict[str, Any]) -> str:
             f"the mean prediction over all crops of a universe (in brackets: each crop scored alone); ± is "
             f"the standard deviation over seeds {seeds}.\n\n{_ratios(doc)}\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
+
+
+def _per_crop(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Mean and seed spread of a crop size's MAE with each crop scored alone; None for whole volumes."""
+    runs = entry["seeds"]
+    if runs[0].get("crops", 1) <= 1 or not all("mae_per_crop" in r for r in runs):
+        return None
+    return spread([r["mae_per_crop"] for r in runs])
 
 
 def _ratios(doc: dict[str, Any]) -> str:
@@ -114,8 +121,8 @@ def _ratios(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """MAE against input size per parameter (error bars: the seed spread), the baseline dashed; None and
-    nothing written when matplotlib is not installed."""
+    """MAE against input size per parameter (error bars: the seed spread; crops scored alone in gray), the
+    baseline dashed; None and nothing written when matplotlib is not installed."""
     if not installed("matplotlib"):
         return None
     import matplotlib  # noqa: PLC0415 (optional)
@@ -128,7 +135,10 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     for ax, p in zip(axes, PARAMS):
         ax.errorbar([int(s) for s in sizes], [doc["sizes"][s]["mae"][p] for s in sizes],
                     yerr=[doc["sizes"][s]["mae_spread"][p] for s in sizes], fmt="o-", capsize=3,
-                    label="model")
+                    label="model (crops: mean per universe)")
+        alone = [(int(s), c[0][p]) for s in sizes if (c := _per_crop(doc["sizes"][s])) is not None]
+        if alone:
+            ax.plot(*zip(*alone), "x:", color="gray", label="each crop alone")
         ax.axhline(doc["baseline"]["mae"][p], color="k", ls="--", lw=0.8, label="predict the mean")
         ax.set(xscale="log", xticks=[int(s) for s in sizes], xticklabels=[f"{s}³" for s in sizes],
                title=p, xlabel="input size", ylabel="validation MAE (unitPar)")

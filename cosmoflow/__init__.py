@@ -7,6 +7,7 @@ Only the application lives here (generic parallel machinery is in ``hybridpar``)
 * :mod:`cosmoflow.data` - the three on-disk formats, read whole or as per-rank spatial regions;
 * :mod:`cosmoflow.pack` - ``python -m cosmoflow.pack``, one chunked file per split;
 * :mod:`cosmoflow.validate` - what a good sample is; :mod:`cosmoflow.check` - ``python -m cosmoflow.check``;
+* :mod:`cosmoflow.errors` - the one line each failure of a run prints, and its exit code;
 * :mod:`cosmoflow.model` - the MLPerf HPC reference network and LBANN's large-input variant;
 * :mod:`cosmoflow.unet` - the 3D U-Net of the reconstruction task (initial field from evolved one);
 * :mod:`cosmoflow.correlation` - r(k), the cross-correlation coefficient per Fourier shell;

@@ -43,7 +43,14 @@ import h5py
 import numpy as np
 import torch
 
-from cosmoflow.validate import DataError, checked_read, count_problem, field_problem, label_problem
+from cosmoflow.validate import (
+    LABEL_BOUND,
+    DataError,
+    checked_read,
+    count_problem,
+    field_problem,
+    label_problem,
+)
 
 Region = tuple[slice, slice, slice]
 """Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
@@ -257,7 +264,9 @@ class CosmoDataset:
         self.channels = channels
         self.chunk_cache_bytes = chunk_cache_bytes
         self._starts = np.cumsum([0] + [e.count for e in entries])
-        self._bad_labels = {i: p for i in range(len(labels)) if (p := label_problem(labels[i])) is not None}
+        far = np.abs(labels).max(1, initial=0) > LABEL_BOUND
+        suspect = np.flatnonzero(~np.isfinite(labels).all(1) | far)  # checked one by one below
+        self._bad_labels = {int(i): p for i in suspect if (p := label_problem(labels[i])) is not None}
         if self._bad_labels and not skip_bad:
             i, problem = next(iter(self._bad_labels.items()))
             raise DataError(f"{self.describe(i)}: {problem}{_HINT}")

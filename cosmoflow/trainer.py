@@ -25,7 +25,6 @@ import random
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,14 @@ import torch.nn.functional as F
 import yaml
 
 import hybridpar as hp
-from cosmoflow.config import Config, ConfigError
-from cosmoflow.data import CosmoDataset, open_dataset
+from cosmoflow import errors
+from cosmoflow.config import Config
+from cosmoflow.data import open_dataset
+from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
-from cosmoflow.validate import DataError
 from hybridpar import failure
 from hybridpar.checkpoint import (
     Checkpointer,
@@ -52,60 +52,11 @@ from hybridpar.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from hybridpar.checkpoint.format import CheckpointError
-from hybridpar.comm import liveness
-from hybridpar.data import VolumeLoader, WorkerError
+from hybridpar.data import VolumeLoader
 from hybridpar.hostinfo import machine_info
 from hybridpar.launch import collective_timeout
 from hybridpar.profiling import StepTimer
 from hybridpar.profiling import range as prange
-
-
-class Stop(Exception):
-    """The run ends early (NaN loss); the message says why."""
-
-
-class IncompatibleCheckpoint(ConfigError):
-    """The run directory's checkpoint holds another model than this config builds."""
-
-
-def _check_resumable(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], where: str) -> None:
-    """Raise :class:`IncompatibleCheckpoint` naming the keys that differ (a few, and how many), instead of
-    torch's one ``size mismatch`` line per tensor."""
-    have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
-    wrong = [f"{k} {have[k]} saved, {shapes[k]} now" for k in shapes if k in have and have[k] != shapes[k]]
-    parts = []
-    missing, unexpected = sorted(set(shapes) - set(have)), sorted(set(have) - set(shapes))
-    for what, keys in (("shape mismatches", wrong), ("missing from the checkpoint", missing),
-                       ("unexpected (not in this model)", unexpected)):
-        if keys:
-            more = f", and {len(keys) - 3} more" if len(keys) > 3 else ""
-            parts.append(f"{len(keys)} {what} ({'; '.join(keys[:3])}{more})")
-    if parts:
-        raise IncompatibleCheckpoint(
-            f"cannot resume: {where} holds another model than this config builds: {'; '.join(parts)}. The "
-            f"model settings changed since it was saved; start afresh with --set checkpoint.resume=false "
-            f"or use a new run_dir")
-
-
-def _newest_checkpoint(ckpt: Checkpointer) -> str:
-    """"step N in DIR" for the newest complete checkpoint (waiting for a save in flight), or none."""
-    try:
-        ckpt.wait()
-    except Exception:  # a failed save: the newest complete one is still named below
-        pass
-    step = ckpt.latest()
-    return f"step {step} in {ckpt.root}" if step is not None else f"none yet (in {ckpt.root})"
-
-
-def _batch_files(ds: CosmoDataset, indices: list[int]) -> list[str]:
-    """The samples of a batch, as ``file: sample k`` (every data replica's, gathered)."""
-    mine = [ds.describe(i) for i in indices]
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return list(dict.fromkeys(d for part in every for d in part))
 
 
 def _signals() -> dict[str, bool]:
@@ -280,7 +231,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if ck.resume:
         state = ckpt.load()
         if state is not None:
-            _check_resumable(shapes, state["model"], f"{ckpt.root} (step {state['step']})")
+            errors.check_resumable(shapes, state["model"], f"{ckpt.root} (step {state['step']})")
             engine.load_full_state_dict(state["model"])
             load_optimizer_state(engine, opt, state["optimizer"])
             loader.load_state_dict(state["loader"])
@@ -310,7 +261,7 @@ def run(cfg: Config) -> dict[str, Any]:
         finite = all(bool(torch.isfinite(p).all()) for p in engine.parameters())
         if _agree(not finite):  # never let a diverged model become the newest checkpoint
             raise Stop(f"weights became non-finite by step {step} (epoch {epoch}); not saving. The newest "
-                       f"good checkpoint: {_newest_checkpoint(ckpt)}; lower optimizer.base_lr")
+                       f"good checkpoint: {errors.newest_checkpoint(ckpt)}; lower optimizer.base_lr")
         state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
                  "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch,
                  "train": {"epoch_loss": dict(epoch_loss)}}
@@ -325,6 +276,7 @@ def run(cfg: Config) -> dict[str, Any]:
         while epoch < cfg.train.epochs and step < total:
             loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
             for x_local, y in loader:
+                errors.note_skipped(loader.skipped, skipped)
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
                 t0 = time.perf_counter()
                 with timer.step(step):
@@ -335,22 +287,12 @@ def run(cfg: Config) -> dict[str, Any]:
                 value = loss.item()
                 if not math.isfinite(value):
                     bad_input = _agree(not (torch.isfinite(x_local).all() and torch.isfinite(y).all()))
-                    files = _batch_files(train_ds, loader.batches(epoch)[(loader.index or len(loader)) - 1])
-                    hint = ("the batch holds non-finite values: check the data (python -m cosmoflow.check)"
-                            if bad_input else "the batch's values are finite: lower optimizer.base_lr")
-                    more = f" and {len(files) - 4} more" if len(files) > 4 else ""
-                    raise Stop(f"loss is {value} at step {step} (epoch {epoch}) on the batch of "
-                               f"{'; '.join(files[:4])}{more}; stopping. The newest good checkpoint: "
-                               f"{_newest_checkpoint(ckpt)}; {hint}")
+                    batch_of = loader.batches(epoch)[(loader.index or len(loader)) - 1]
+                    raise errors.diverged(value, step, epoch, train_ds, batch_of, ckpt, bad_input)
                 step += 1
                 faults.hit("step", step, rank)  # a fault-injection point for the recovery tests
                 epoch_loss["sum"] += value
                 epoch_loss["steps"] += 1
-                if loader.skipped and not skipped and failure.first("skip_bad"):
-                    print(f"warning: data.skip_bad: skipping bad samples (counted in the summary); the "
-                          f"first: {loader.skipped[0]}", file=sys.stderr, flush=True)
-                skipped.update(loader.skipped)
-                loader.skipped.clear()
                 parts = timer.breakdown()
                 comm = sum(parts.get(k, 0.0) for k in ("halo", "pipeline", "grad_reduce"))
                 reporter.step({"step": step, "epoch": epoch, "loss": value, "lr": opt.param_groups[0]["lr"],
@@ -398,7 +340,7 @@ def run(cfg: Config) -> dict[str, Any]:
     val_loader.close()
     summary = {"step": step, "epoch": epoch, **metrics}
     if skip:
-        summary["skipped_samples"] = _skipped_everywhere(skipped | set(val_loader.skipped))
+        summary["skipped_samples"] = errors.skipped_everywhere(skipped | set(val_loader.skipped))
         if rank == 0 and summary["skipped_samples"]:
             print(f"skipped {summary['skipped_samples']} bad samples (data.skip_bad)", flush=True)
     if rank == 0 and fields is not None:
@@ -423,15 +365,6 @@ def run(cfg: Config) -> dict[str, Any]:
     return summary
 
 
-def _skipped_everywhere(mine: set[str]) -> int:
-    """How many distinct bad samples the ranks skipped (a spatial group's ranks skip the same ones)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return len(mine)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(mine))
-    return len({s for part in every for s in part})
-
-
 def main(argv: list[str] | None = None) -> int:
     """``launch/train.py``'s entry: ``--config FILE [--set key=value ...]``."""
     import argparse  # noqa: PLC0415
@@ -447,28 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         run(cfg)
     except Exception as err:
-        return failure.report(*_failure_line(err))
+        return failure.report(*errors.failure_line(err))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-_FAULTS = (Stop, DataError, CheckpointError, liveness.CollectiveTimeout)
-"""Failures of a running job (exit 1); checked before the configuration errors, of which ValueError is
-the widest."""
-_CONFIG_ERRORS = (ConfigError, hp.SpecError, FileNotFoundError, ValueError)
-
-
-def _failure_line(err: BaseException) -> tuple[str, int]:
-    """The one line that reports ``err``, and the exit code (see :mod:`hybridpar.failure`)."""
-    if isinstance(err, WorkerError) and err.original is not None:
-        err = err.original  # a loader worker's error, reported as if read here
-    if liveness.is_timeout(err):
-        err = liveness.explain(err)  # which operation waited, and which ranks stopped answering
-    if isinstance(err, _FAULTS):
-        return f"error: {err}", failure.RUNTIME_FAULT
-    if isinstance(err, _CONFIG_ERRORS):
-        return f"error: {err}", failure.CONFIG_ERROR
-    tb = "".join(traceback.format_exception(err)).rstrip()  # a bug: its traceback, printed once
-    return f"error: {type(err).__name__}: {err}\n{tb}", failure.RUNTIME_FAULT

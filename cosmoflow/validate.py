@@ -36,10 +36,9 @@ class DataError(Exception):
 def count_problem(x: np.ndarray, of: str = "the region read") -> str | None:
     """What is wrong with particle counts ``x`` (d, h, w, C), or None: negative or implausible values
     (the first one located in ``of``)."""
-    if x.size == 0:
-        return None
-    lo, hi = int(x.min()), int(x.max())
-    if lo >= 0 and hi <= MAX_COUNT:
+    if x.size == 0 or (x.dtype == np.int16 and int(x.view(np.uint16).max()) <= MAX_COUNT):
+        return None  # one pass over int16: a negative count reads as >= 32768 unsigned
+    if x.dtype != np.int16 and 0 <= int(x.min()) and int(x.max()) <= MAX_COUNT:
         return None
     bad = (x < 0) | (x > MAX_COUNT)
     where = tuple(int(i) for i in np.argwhere(bad)[0])

@@ -6,7 +6,8 @@
     srun python launch/train.py --config launch/configs/cosmoflow_128.yaml   (see launch/slurm.sbatch)
 
 Override any entry with ``--set key=value`` (e.g. ``--set train.epochs=2 --set run_dir=runs/try``).
-Starting again on the same ``run_dir`` resumes from its newest complete checkpoint.
+Starting again on the same ``run_dir`` resumes from its newest complete checkpoint. Exit status: 0 done,
+1 a runtime fault, 2 a configuration error (see :mod:`hybridpar.failure`).
 """
 
 import os

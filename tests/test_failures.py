@@ -63,6 +63,9 @@ def test_config_error_is_one_line_exit_2(data, tmp_path, capsys):
     assert main(_args(data, tmp_path / "run", "train.epochs=many")) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: train.epochs: expected int, got 'many' (default 8)"]
+    bad_timeout = "parallel={grid: {data: 1}, timeout_s: -1}"
+    assert main(_args(data, tmp_path / "run", bad_timeout)) == 2
+    assert "timeout_s: -1 is not a positive number of seconds" in capsys.readouterr().err
     res = train_script(_args(data, tmp_path / "run", "train.epochs=many"), timeout=120)
     assert "expected int, got 'many'" in _one_error(res, 2)
     assert "stopped because rank 0 failed" in res.stderr
@@ -117,5 +120,5 @@ def test_a_rank_that_stops_answering_ends_the_job(data, tmp_path):
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert lines == [ln for ln in err.strip().splitlines() if not ln.startswith("warning")][-1:], err[-3000:]
     assert re.fullmatch(r"error: rank 0 gave up waiting in halo_exchange, step 3: Timed out waiting "
-                        r"3000ms for recv operation to complete \(parallel.timeout_s = 3\); rank 1 stopped "
+                        r"3000ms for recv operation to complete \(timeout_s = 3\); rank 1 stopped "
                         r"answering", lines[0]), lines[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path
     assert res.returncode != 0
     assert "non-finite" in res.stderr or "loss is nan" in res.stderr, res.stderr[-3000:]
     assert "step None" not in res.stderr and "lower optimizer.base_lr" in res.stderr, res.stderr[-3000:]
+    assert re.search(r"on the batch of \S+/univ_s1_\d+\.h5: sample \d", res.stderr), res.stderr[-3000:]
     listing = subprocess.run([sys.executable, "-m", "hybridpar.checkpoint", "verify",
                               str(run / "checkpoints")], capture_output=True, text=True, cwd=ROOT)
     assert listing.returncode == 0, listing.stdout + listing.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -22,12 +23,22 @@ import torch.distributed as dist
 from hybridpar import profiling
 
 _PREFIX = "hybridpar/beat/"
-_state: dict[str, object] = {}
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective or transfer gave up waiting for a peer; the message names the operation and the
     ranks that stopped answering."""
+
+
+@dataclass
+class _Heart:
+    store: dist.Store
+    every: float
+    world: int
+    timeout_s: float
+
+
+_heart: list[_Heart] = []  # this process's heartbeat, once started
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -36,39 +47,41 @@ def beat_interval(timeout_s: float) -> float:
 
 
 def start(timeout_s: float) -> None:
-    """Beat this rank's counter in the default group's store until the process ends (once per process)."""
-    if _state.get("thread") is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+    """Beat this rank's counter in the default group's store until the process ends (once per group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    rank, every = dist.get_rank(), beat_interval(timeout_s)
-    key = f"{_PREFIX}{rank}"
-    store.add(key, 1)  # the key exists before anyone can ask for it
+    if _heart and _heart[0].store is store:
+        return
+    _heart.clear()  # a new default group: the old beat ends with its store
+    heart = _Heart(store, beat_interval(timeout_s), dist.get_world_size(), float(timeout_s))
+    key = f"{_PREFIX}{dist.get_rank()}"
+    heart.store.add(key, 1)  # the key exists before anyone can ask for it
 
     def beat() -> None:
         while True:
-            time.sleep(every)
+            time.sleep(heart.every)
             try:
-                store.add(key, 1)
+                heart.store.add(key, 1)
             except Exception:  # the store's host is gone: nothing left to tell
                 return
 
-    thread = threading.Thread(target=beat, name="hybridpar-heartbeat", daemon=True)
-    thread.start()
-    _state.update(thread=thread, store=store, every=every, world=dist.get_world_size(), timeout_s=timeout_s)
+    threading.Thread(target=beat, name="hybridpar-heartbeat", daemon=True).start()
+    _heart.append(heart)
 
 
 def silent_ranks() -> list[int] | None:
     """Ranks whose heartbeat stood still over 2.5 beats (this call waits that long); None if unknown
     (no heartbeat started, or the store itself does not answer)."""
-    store, every, world = _state.get("store"), _state.get("every"), _state.get("world")
-    if store is None:
+    if not _heart:
         return None
-    keys = [f"{_PREFIX}{r}" for r in range(int(world))]  # type: ignore[call-overload]
+    heart = _heart[0]
+    keys = [f"{_PREFIX}{r}" for r in range(heart.world)]
     try:
-        store.set_timeout(timedelta(seconds=max(5.0, 4 * float(every))))  # type: ignore[union-attr,arg-type]
-        before = store.multi_get(keys)  # type: ignore[union-attr]
-        time.sleep(2.5 * float(every))  # type: ignore[arg-type]
-        after = store.multi_get(keys)  # type: ignore[union-attr]
+        heart.store.set_timeout(timedelta(seconds=max(5.0, 4 * heart.every)))
+        before = heart.store.multi_get(keys)
+        time.sleep(2.5 * heart.every)
+        after = heart.store.multi_get(keys)
     except Exception:
         return None
     return [r for r in range(len(keys)) if before[r] == after[r]]
@@ -90,7 +103,7 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
     cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[file.cc:78] " prefix
     where = ", ".join(p for p in (doing, profiling.where(err)) if p)
-    limit = _state.get("timeout_s")
+    limit = _heart[0].timeout_s if _heart else None
     silent = silent_ranks()
     if silent is None:
         who = ("the rendezvous store does not answer either (rank 0 hosts it unless torchrun does): rank 0 "
@@ -100,6 +113,6 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
     else:
         who = ("every rank still answers: one is slower than the timeout allows, or the ranks called "
                "different collectives")
-    setting = f" (parallel.timeout_s = {limit:g})" if isinstance(limit, float | int) else ""
+    setting = f" (timeout_s = {limit:g})" if limit is not None else ""
     return CollectiveTimeout(f"rank {rank} gave up waiting{' ' + where if where else ''}: {cause}{setting}; "
                              f"{who}")

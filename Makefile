@@ -19,7 +19,7 @@ RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
 RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
-.PHONY: venv test demo demo-data reconstruct reconstruct-data lint clean gpu-check
+.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study lint clean gpu-check
 
 venv: $(STAMP)
 
@@ -63,6 +63,13 @@ reconstruct: $(APP_STAMP) reconstruct-data
 # has its own torch and no package registry. Writes perf/results/gpu/gpu_check.{md,json}.
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) perf/gpu_check.py
+
+# Issue 15: the same universes trained on as 32^3 crops, 64^3 crops and whole 128^3 universes (4 ranks),
+# 2 seeds each; universes and finished runs are reused. About 65 min on 2 cores; writes
+# perf/results/volume_study.{json,md} (and _mae.png with matplotlib).
+VOLUME_CONFIG ?= launch/configs/volume_study.yaml
+volume-study: $(APP_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m cosmoflow.experiments.volume --config $(VOLUME_CONFIG)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridpar cosmoflow launch tests perf

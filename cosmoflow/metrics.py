@@ -162,6 +162,22 @@ def mae_per_parameter(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
     return {f"mae_{name}": float(e) for name, e in zip(PARAMS, err)}
 
 
+def save_predictions(path: Path, pred: np.ndarray, true: np.ndarray, sample: np.ndarray,
+                     dataset: Any) -> None:
+    """Every validation sample's prediction and target, with where it came from, as ``.npz``.
+
+    Why: a crop's prediction alone is not the fair score when a universe was cut into crops; the mean
+    over all crops of one universe is (:mod:`cosmoflow.experiments.averaging`). ``path`` names the HDF5
+    file each sample was read from, which for raw universes (cut into sub-cubes by ``sample_size``) is
+    the universe itself, and ``local`` its sub-cube number there. Rows come in no particular order.
+    """
+    where = [dataset.locate(int(i)) for i in sample]
+    np.savez(path, pred=np.asarray(pred, dtype=np.float64), true=np.asarray(true, dtype=np.float64),
+             sample=np.asarray(sample, dtype=np.int64),
+             path=np.asarray([e.path for e, _ in where], dtype=str),
+             local=np.asarray([k for _, k in where], dtype=np.int64))
+
+
 def plot_run(run_dir: Path, pred: np.ndarray | None, true: np.ndarray | None) -> list[Path]:
     """Loss curves and predicted-against-true scatter plots as PNG; nothing if matplotlib is absent."""
     try:

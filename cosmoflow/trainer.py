@@ -10,11 +10,11 @@ calls lives in the library (engine, loader, checkpointer, profiler) or in small 
 (config, optim, metrics). Launch it with ``launch/train.py`` under torchrun, mpirun or srun.
 
 A run directory holds ``config.yaml``, ``metrics_steps.csv``, ``metrics_epochs.csv``,
-``tensorboard/``, ``plots/``, ``checkpoints/`` and ``summary.json`` (and, for ``reconstruct``,
-``reconstruction.json``). Starting again on the same run
-directory resumes from its newest complete checkpoint. SIGTERM (a Slurm time limit) ends the run at
-the next step boundary with a final checkpoint; a NaN loss stops it without overwriting the last good
-checkpoint.
+``tensorboard/``, ``plots/``, ``checkpoints/`` and ``summary.json`` (and, for ``regress``, the last
+validation's per-sample predictions ``val_predictions.npz``; for ``reconstruct``,
+``reconstruction.json``). Starting again on the same run directory resumes from its newest complete
+checkpoint. SIGTERM (a Slurm time limit) ends the run at the next step boundary with a final
+checkpoint; a NaN loss stops it without overwriting the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from cosmoflow import errors
 from cosmoflow.config import Config
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
-from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run
+from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
@@ -97,10 +97,13 @@ def _write_config(run_dir: Path, cfg: Config) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
-    """Validation loss and MAE per parameter over the whole set (summed over data replicas)."""
+def evaluate(engine: hp.Engine, loader: VolumeLoader
+             ) -> tuple[dict[str, float], np.ndarray, np.ndarray, np.ndarray]:
+    """Validation loss and MAE per parameter over the whole set (summed over data replicas), and every
+    replica's predictions, targets and sample indices (so they can be grouped, e.g. per universe)."""
     engine.eval()
     preds, trues = [], []
+    index = np.asarray([i for batch in loader.batches() for i in batch], dtype=np.int64)
     for i, (x_local, y) in enumerate(loader):
         if i == 1:  # a fault-injection point for the recovery tests (mid-validation)
             faults.hit("validate", 0, dist.get_rank())
@@ -115,13 +118,14 @@ def evaluate(engine: hp.Engine, loader: VolumeLoader) -> tuple[dict[str, float],
     if dist.get_world_size(engine.grid.data_group) > 1:
         dist.all_reduce(sums, group=engine.grid.data_group)
         gathered: list[Any] = [None] * engine.grid.data
-        dist.all_gather_object(gathered, (pred, true), group=engine.grid.data_group)
+        dist.all_gather_object(gathered, (pred, true, index), group=engine.grid.data_group)
         pred = np.concatenate([g[0] for g in gathered])
         true = np.concatenate([g[1] for g in gathered])
+        index = np.concatenate([g[2] for g in gathered])
     n = max(sums[-1].item(), 1.0)
     maes = {f"mae_{p}": sums[i].item() / n for i, p in enumerate(PARAMS)}
     metrics = {"val_loss": sums[4].item() / (4 * n), "val_mae": sum(maes.values()) / 4, **maes}
-    return metrics, pred, true
+    return metrics, pred, true, index
 
 
 @torch.no_grad()
@@ -271,7 +275,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
     metrics: dict[str, Any] = {}
     skipped: set[str] = set()
-    pred = true = fields = None
+    pred = true = val_index = fields = None
     k_fundamental = mean_fundamental(val_ds.labels, S)
     try:
         while epoch < cfg.train.epochs and step < total:
@@ -315,7 +319,7 @@ def run(cfg: Config) -> dict[str, Any]:
             if reconstruct:
                 metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
             else:
-                metrics, pred, true = evaluate(engine, val_loader)
+                metrics, pred, true, val_index = evaluate(engine, val_loader)
             n = epoch_loss["steps"]
             train_loss = epoch_loss["sum"] / n if n else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
@@ -351,6 +355,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if rank == 0 and pred is not None:
         base = mae_per_parameter(np.broadcast_to(train_ds.labels.mean(0), true.shape), true)
         summary["baseline"] = base
+        save_predictions(run_dir / "val_predictions.npz", pred, true, val_index, val_ds)
         summary["plots"] = [str(p) for p in plot_run(run_dir, pred, true)] if cfg.logging.plots else []
         print("\nvalidation MAE per parameter (unitPar units), model vs predict-the-training-mean baseline:")
         print(f"  {'parameter':<10} {'model':>8} {'baseline':>9} {'change':>8}")

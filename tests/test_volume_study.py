@@ -1,0 +1,150 @@
+"""The volume study (issue 15): per-universe averaging, the per-size plan, and a tiny study end to end.
+
+Checked: the averaging of crop predictions per universe against hand-built predictions (noise that
+cancels within a universe must give zero error, a shuffled row order must not matter, a missing crop
+or crops that disagree on their universe's parameters must be errors); the plan the shipped config
+implies (crops, depth, batch, learning-rate base per size); and ``python -m cosmoflow.experiments.volume``
+on 16³ universes at "sizes" 4³, 8³ and 16³ (the last split over 2 ranks), one epoch, one seed, through
+the same code path as the real study: its result file must pass the schema check, every validation
+crop must have been predicted exactly once, and the reported MAE must be the per-universe one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from cosmoflow.config import ConfigError
+from cosmoflow.experiments.averaging import mae, per_universe, spread
+from cosmoflow.experiments.report import check_schema
+from cosmoflow.experiments.study import load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _crops(universes: int, crops: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    truth = rng.uniform(-1, 1, size=(universes, 4))
+    names = np.repeat([f"u{i}.h5" for i in range(universes)], crops)
+    return truth, names, np.repeat(truth, crops, axis=0)
+
+
+def test_noise_that_cancels_within_a_universe_averages_away() -> None:
+    truth, names, true = _crops(3, 4)
+    noise = np.tile([[0.3], [-0.3], [0.1], [-0.1]], (3, 4))        # zero mean per universe
+    order = np.random.default_rng(1).permutation(len(true))         # rows in no particular order
+    pred = true + noise
+    mean, target, keys = per_universe(pred[order], true[order], names[order], crops=4)
+    assert list(keys) == ["u0.h5", "u1.h5", "u2.h5"]
+    np.testing.assert_allclose(target, truth)
+    np.testing.assert_allclose(mean, truth, atol=1e-12)
+    assert max(mae(mean, target).values()) < 1e-12
+    assert mae(pred, true)["sigma_8"] == pytest.approx(0.2)       # per crop: the noise stays
+
+
+def test_averaging_is_the_mean_not_another_statistic() -> None:
+    truth, names, true = _crops(2, 3)
+    pred = true.copy()
+    pred[0] += 0.9                                                   # one outlier crop of universe 0
+    mean, target, _ = per_universe(pred, true, names, crops=3)
+    np.testing.assert_allclose(mean[0] - truth[0], 0.3)
+    np.testing.assert_allclose(mean[1], truth[1])
+    assert mae(mean, target)["Omega_m"] == pytest.approx(0.15)
+
+
+def test_missing_crop_or_mixed_universe_is_an_error() -> None:
+    _, names, true = _crops(2, 4)
+    with pytest.raises(ValueError, match=r"u1.h5 has 3 validation samples, expected 4"):
+        per_universe(true[:-1], true[:-1], names[:-1], crops=4)
+    mixed = true.copy()
+    mixed[5, 1] += 0.5                                               # a crop of u1 with other parameters
+    with pytest.raises(ValueError, match="u1.h5 disagree"):
+        per_universe(mixed, mixed, names, crops=4)
+
+
+def test_spread_over_seeds() -> None:
+    mean, std = spread([{"a": 1.0}, {"a": 3.0}])
+    assert mean == {"a": 2.0} and std["a"] == pytest.approx(np.sqrt(2.0))
+    assert spread([{"a": 1.0}])[1] == {"a": 0.0}
+
+
+def test_shipped_plan(tmp_path: Path) -> None:
+    """The config of the real study: the same voxels and learning rate per step at every size."""
+    study = load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path))
+    plan = {r.size: (r.crops, r.n_conv, r.batch_size, r.base_batch, r.ranks) for r in study.runs}
+    assert plan == {32: (64, 3, 256, 256, 2), 64: (8, 4, 32, 32, 2), 128: (1, 5, 4, 4, 4)}
+    assert study.runs[-1].spatial != (1, 1, 1)                       # the whole volume is split
+    assert study.universes.size == 128 and study.universes.channels == 4 and len(study.seeds) >= 2
+    cfg = study.trainer_config(study.runs[0], study.seeds[0])
+    assert cfg.data.sample_size == 32 and cfg.parallel["grid"]["data"] == 2
+
+
+def test_size_that_does_not_fit_is_one_clear_error(tmp_path: Path) -> None:
+    tree = yaml.safe_load((ROOT / "launch/configs/volume_study.yaml").read_text())
+    tree["sizes"] = {48: {"grid": {"data": 2}}}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=r"input size 48 .* sizes that fit: \[128, 64, 32"):
+        load_study(bad, out=str(tmp_path))
+
+
+def test_tiny_study_end_to_end(tmp_path: Path) -> None:
+    tree = yaml.safe_load((ROOT / "launch/configs/volume_study.yaml").read_text())
+    tree["universes"] = {"dir": str(tmp_path / "data"), "size": 16, "channels": 4, "train": 4, "val": 2,
+                         "train_seed": 3, "val_seed": 4, "smoothing": 1.0, "workers": 1}
+    tree["seeds"] = [0]
+    tree["batch_universes"] = 2
+    tree["sizes"] = {4: {"grid": {"data": 1}}, 8: {"grid": {"data": 2}},
+                     16: {"grid": {"data": 1, "spatial": [2, 1, 1]}}}
+    tree["training"]["model"]["n_conv"] = 3                           # 16 -> 2; 8: 2 levels; 4: 1
+    tree["training"]["train"]["epochs"] = 1
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    results = tmp_path / "results" / "volume_study.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "cosmoflow.experiments.volume", "--config", str(config),
+                           "--out", str(tmp_path / "out"), "--results", str(results)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4x16^3 | conv3 4->8 | MaxPool -> 8^3" in proc.stdout            # the architecture per size
+    assert "| 4³ | 64 |" in proc.stdout and (results.with_suffix(".md")).exists()
+    assert "plot: " in proc.stdout                                     # a PNG, or the one-line note
+    doc = json.loads(results.read_text())
+    check_schema(doc)
+    assert sorted(doc["sizes"], key=int) == ["4", "8", "16"]
+    for size, crops in (("4", 64), ("8", 8), ("16", 1)):
+        (rec,) = doc["sizes"][size]["seeds"]
+        assert rec["seed"] == 0 and rec["crops"] == crops
+        with np.load(Path(rec["run_dir"]) / "val_predictions.npz") as z:
+            pred, true, where, local = z["pred"], z["true"], z["path"], z["local"]
+        assert len(pred) == 2 * crops                                  # every crop of both universes...
+        for name in set(where):                                        # ...exactly once
+            assert sorted(local[where == name]) == list(range(crops))
+        mean, target, _ = per_universe(pred, true, where, crops)
+        assert doc["sizes"][size]["mae"] == pytest.approx(mae(mean, target))
+    assert doc["sizes"]["16"]["seeds"][0]["ranks"] == 2
+    # a second start reuses the finished runs (the study resumes) and reports the same numbers
+    again = subprocess.run([sys.executable, "-m", "cosmoflow.experiments.volume", "--config", str(config),
+                            "--out", str(tmp_path / "out"), "--results", str(results)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.count("reusing") == 3, again.stdout[-2000:]
+    assert json.loads(results.read_text())["sizes"] == doc["sizes"]
+
+
+def test_schema_check_names_the_key() -> None:
+    entry = {"mae": dict.fromkeys(("Omega_m", "sigma_8", "n_s", "H_0"), 0.1)}
+    doc = {"sizes": {"32": {**entry, "mae_spread": entry["mae"], "seeds": [{"seed": 0, **entry}]}},
+           "baseline": entry, "command": "x", "machine": {}, "units": "unitPar"}
+    check_schema(doc)
+    with pytest.raises(ValueError, match="top-level keys"):
+        check_schema({k: v for k, v in doc.items() if k != "units"})
+    doc["sizes"]["32"]["mae"] = {"Omega_m": 0.1}
+    with pytest.raises(ValueError, match=r"sizes.32.mae: expected one number per parameter"):
+        check_schema(doc)

@@ -23,12 +23,18 @@ from collections.abc import Callable
 
 import torch
 
+from hybridpar.eager import eager
+
 _PROBES: dict[tuple, torch.dtype] = {}
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
-    """(enabled, dtype) of autocast for ``device_type`` in this thread."""
-    if not torch.is_autocast_enabled(device_type):
+    """(enabled, dtype) of autocast for ``device_type`` in this thread (off for a device type autocast
+    does not know, such as meta)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return False, None
+    except RuntimeError:
         return False, None
     return True, torch.get_autocast_dtype(device_type)
 
@@ -46,7 +52,7 @@ def result_dtype(op: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.T
     return found if found is not None else _probe(key, fn, x.dtype, x.device)
 
 
-@torch.compiler.disable  # once per key, eagerly (a compiled forward finds it memoised)
+@eager  # once per key, eagerly (a compiled forward finds it memoised)
 def _probe(key: tuple, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
            device: torch.device) -> torch.dtype:
     with torch.no_grad():

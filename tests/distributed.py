@@ -82,3 +82,12 @@ def train_script(args: list[str], nproc: int = 2, timeout: float = 240,
            str(ROOT / "launch/train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def tiny_universes(d: Path, train: int = 4, val: int = 2, size: int = 16) -> Path:
+    """``d/train`` and ``d/val``: synthetic universes from ``cosmoflow.generate`` (seeds 1 and 2)."""
+    for split, n, seed in (("train", train, 1), ("val", val, 2)):
+        subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
+                        str(n), "--size", str(size), "--seed", str(seed)],
+                       check=True, capture_output=True, cwd=ROOT)
+    return d

@@ -27,7 +27,7 @@ from hybridpar.checkpoint.levels import Levels, available, scan
 from hybridpar.checkpoint.restore import read_version
 from hybridpar.checkpoint.tree import key_filter
 
-from distributed import ROOT
+from distributed import ROOT, tiny_universes
 
 STEPS_PER_EPOCH = 8      # 4 universes x 8 crops of 8^3 / global batch 4
 EPOCHS = 3
@@ -36,12 +36,7 @@ EVERY = 2                # checkpoint every 2 steps
 
 @pytest.fixture(scope="module")
 def universes(tmp_path_factory):
-    d = tmp_path_factory.mktemp("soak-universes")
-    for split, n, seed in (("train", 4, 1), ("val", 2, 2)):
-        subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
-                        str(n), "--size", "16", "--seed", str(seed)],
-                       check=True, capture_output=True, cwd=ROOT)
-    return d
+    return tiny_universes(tmp_path_factory.mktemp("soak-universes"))
 
 
 def _command(data: Path, run: Path, restarts: int) -> list[str]:

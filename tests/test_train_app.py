@@ -16,7 +16,7 @@ import pytest
 from cosmoflow.config import ConfigError, load_config
 from hybridpar.checkpoint.faults import ENV
 
-from distributed import ROOT, train_script
+from distributed import ROOT, tiny_universes, train_script
 
 
 def test_unknown_key_suggests_nearest():
@@ -44,12 +44,7 @@ def test_overrides_reach_typed_fields():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("universes")
-    for split, n, seed in (("train", 4, 1), ("val", 2, 2)):
-        subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
-                        str(n), "--size", "16", "--seed", str(seed)],
-                       check=True, capture_output=True, cwd=ROOT)
-    return d
+    return tiny_universes(tmp_path_factory.mktemp("universes"))
 
 
 def _args(data: Path, run: Path, *extra: str) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 from hybridpar import memfmt
 from hybridpar.comm import background
 from hybridpar.comm.transport import Transport
+from hybridpar.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.profiling import range as prange
 
@@ -237,7 +238,7 @@ class HaloExchange(torch.autograd.Function):
         return ctx.exchanger.adjoint(memfmt.dense(g)), None
 
 
-@torch.compiler.disable
+@eager
 def halo_exchange(x: torch.Tensor, exchanger: HaloExchanger) -> torch.Tensor:
     """Differentiable halo exchange (see :class:`HaloExchanger`).
 

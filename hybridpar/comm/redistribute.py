@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hybridpar import memfmt
 from hybridpar.comm.transport import point_to_point
+from hybridpar.eager import eager
 from hybridpar.geometry import Range, shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange
@@ -33,7 +34,7 @@ def _coords(grid: ProcessGrid) -> list[tuple[int, int, int]]:
     return [(i // (sh * sw), (i // sw) % sh, i % sw) for i in range(grid.spatial_size)]
 
 
-@torch.compiler.disable
+@eager
 def infer_global_shape(x_local: torch.Tensor, grid: ProcessGrid) -> tuple[int, int, int]:
     """Global (D, H, W) of a split activation from every rank's local extents (one small collective).
 
@@ -140,14 +141,14 @@ def redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
     return _redistribute(x, src, dst, shape)
 
 
-@torch.compiler.disable
+@eager
 def _redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
                   shape: tuple[int, int, int] | None) -> torch.Tensor:
     shape = infer_global_shape(x, src) if shape is None else tuple(shape)
     return Redistribution.apply(x, shape, src, dst)
 
 
-@torch.compiler.disable
+@eager
 def scatter(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     """A global (N, C, D, H, W) tensor, the same on every rank -> this rank's shard (differentiable).
 

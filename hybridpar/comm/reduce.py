@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
+from hybridpar.eager import eager
 from hybridpar.profiling import range as prange
 from hybridpar.switch import Switch
 
@@ -82,7 +83,7 @@ class SyncGrads(torch.autograd.Function):
         return (None, *grads)
 
 
-@torch.compiler.disable  # communication in backward: runs eagerly under torch.compile
+@eager  # communication in backward: runs eagerly under torch.compile
 def _synced(group: dist.ProcessGroup, *live: torch.Tensor):
     return SyncGrads.apply(group, *live)
 
@@ -117,7 +118,7 @@ class SumToReplicated(torch.autograd.Function):
         return g, None
 
 
-@torch.compiler.disable
+@eager
 def sum_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all-reduce of partial sums (see :class:`SumToReplicated`)."""
     return SumToReplicated.apply(x, group)
@@ -182,7 +183,7 @@ class ReplicatedIntoShards(torch.autograd.Function):
         return g, None
 
 
-@torch.compiler.disable
+@eager
 def replicated_into_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` (replicated over ``group``) for use by split computations (see :class:`ReplicatedIntoShards`)."""
     if group is None or dist.get_world_size(group) == 1 or not x.requires_grad:

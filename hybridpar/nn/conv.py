@@ -19,6 +19,7 @@ from torch import nn
 from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
+from hybridpar.eager import eager
 from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
@@ -95,7 +96,7 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
                         self.groups)
 
 
-@torch.compiler.disable  # computes around its communication: runs eagerly under torch.compile
+@eager  # computes around its communication: runs eagerly under torch.compile
 def _overlapped(x, weight, bias, ex, stride, dilation, groups, group) -> torch.Tensor:
     return OverlappedConv3d.apply(x, weight, bias, ex, stride, dilation, groups, group)
 

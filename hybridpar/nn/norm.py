@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar import precision
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
@@ -61,7 +62,6 @@ _PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "group_norm": lambda z: F.group_norm(z, 1),
     "instance_norm": lambda z: F.instance_norm(z),
 }
-_RESULT_DTYPES: dict[tuple, torch.dtype] = {}
 
 
 def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
@@ -69,21 +69,9 @@ def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
 
     Without autocast, the input's. Under autocast it depends on the device's op lists: ``group_norm``
     is a float32 op under CUDA's autocast (float32 out for a bfloat16 input) and no listed op under
-    the CPU's (the input's dtype out). Rather than copy those lists, torch is asked once per device,
-    dtype and autocast dtype, with its own op on a two-element tensor.
+    the CPU's (the input's dtype out), so torch is asked (:func:`hybridpar.precision.result_dtype`).
     """
-    device = x.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device)
-    except RuntimeError:  # a device type autocast does not know (meta)
-        return x.dtype
-    if not enabled:
-        return x.dtype
-    key = (op, device, x.dtype, torch.get_autocast_dtype(device))
-    if key not in _RESULT_DTYPES:
-        probe = torch.zeros(1, 1, 2, dtype=x.dtype, device=x.device)
-        _RESULT_DTYPES[key] = _PROBES[op](probe).dtype
-    return _RESULT_DTYPES[key]
+    return precision.result_dtype(op, _PROBES[op], x)
 
 
 def _total(t: torch.Tensor, dims, group) -> torch.Tensor:

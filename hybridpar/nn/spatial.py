@@ -15,6 +15,7 @@ from torch import nn
 from hybridpar.comm.halo import DimExchange, HaloExchanger
 from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.transport import get_transport
+from hybridpar.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
@@ -68,7 +69,7 @@ class SpatialLayer(nn.Module):
         ex = self._exchangers.get(k)
         return ex if ex is not None else self._new_exchanger(k, shape, plans_of, fill)
 
-    @torch.compiler.disable  # built once per shape, eagerly (a compiled forward finds it memoised)
+    @eager  # built once per shape, eagerly (a compiled forward finds it memoised)
     def _new_exchanger(self, k: tuple, shape: tuple[int, int, int],
                        plans_of: Callable[[int, int, str], list[HaloPlan]], fill: float) -> HaloExchanger:
         if k not in self._exchangers:

@@ -88,6 +88,7 @@ def silent_ranks() -> list[int] | None:
 
 
 _TIMEOUT_TEXT = re.compile(r"timed out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
+_LOST_TEXT = re.compile(r"connection (closed|reset) by peer", re.IGNORECASE)
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -104,8 +105,12 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
     cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[file.cc:78] " prefix
     where = ", ".join(p for p in (doing, profiling.where(err)) if p)
     limit = _heart[0].timeout_s if _heart else None
-    silent = silent_ranks()
-    if silent is None:
+    # A closed connection is a peer whose process ended (killed, crashed): nothing to wait for, and a
+    # launcher that restarts the job (torchrun --max-restarts) is waiting for this rank to exit.
+    silent = None if _LOST_TEXT.search(str(err)) else silent_ranks()
+    if _LOST_TEXT.search(str(err)):
+        who = "a peer's process ended (its own error, if it could print one, comes first)"
+    elif silent is None:
         who = ("the rendezvous store does not answer either (rank 0 hosts it unless torchrun does): rank 0 "
                "has probably stopped")
     elif silent:

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -98,6 +99,23 @@ def report(line: str, code: int = RUNTIME_FAULT) -> int:
     else:
         _error_file(f"stopped because rank {root} failed (the root cause below)", max(stamp, root_stamp + 1))
     return code
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with ``code`` (a process entry point's last call).
+
+    After a failure, threads may still wait in a collective with a peer that died (a checkpoint
+    writer's all-gather): a normal exit joins them and hangs until the launcher kills the process,
+    and a peer waiting on this rank hangs with it, so a restart would wait out the launcher's grace
+    period (torchrun's 30 s) for nothing. A failed process therefore flushes its output and leaves at
+    once; checkpoints are unharmed (a version counts only once its manifest is renamed into place).
+    A successful one exits normally.
+    """
+    if code == 0:
+        sys.exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _keep_exit_code() -> None:

@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cosmoflow.trainer import main  # noqa: E402
+from hybridpar import failure  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    failure.leave(main())

@@ -279,8 +279,12 @@ def run(cfg: Config) -> dict[str, Any]:
     k_fundamental = mean_fundamental(val_ds.labels, S)
     try:
         while epoch < cfg.train.epochs and step < total:
-            loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
-            for x_local, y in loader:
+            # A save right after an epoch's last step (before its validation) leaves the loader at the
+            # next epoch: resumed from it, the epoch's steps are all done and must not run again.
+            finished = loader.epoch > epoch
+            if not finished:
+                loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
+            for x_local, y in ([] if finished else loader):
                 errors.note_skipped(loader.skipped, skipped)
                 set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
                 t0 = time.perf_counter()

@@ -38,6 +38,7 @@ Resuming from the newest checkpoint may help."""
 
 _KEY = "hybridpar/failure"
 _STORE_TIMEOUT = timedelta(seconds=10)  # a store that does not answer (its host is gone) must not hang us
+_QUIET_GRACE_S = 5.0  # how long a quiet rank waits, before any group exists, for rank 0 to speak
 
 
 def _store() -> dist.Store | None:
@@ -98,6 +99,10 @@ def report(line: str, code: int = RUNTIME_FAULT) -> int:
         _error_file(root_line, stamp)
     else:
         _error_file(f"stopped because rank {root} failed (the root cause below)", max(stamp, root_stamp + 1))
+        if store is None and dist.is_available() and not dist.is_initialized():
+            # Before any group: rank 0 meets the same error and speaks; a quiet rank that left at once
+            # would have the launcher stop rank 0 (torchrun's SIGTERM) before it printed the line.
+            time.sleep(_QUIET_GRACE_S)
     return code
 
 

@@ -62,28 +62,21 @@ def _steps(run: Path) -> list[int]:
         return []
 
 
-def _new_workers(agent: int) -> bool:
+def _workers(agent: int) -> dict[int, int]:
+    """torchrun agent ``agent``'s training processes now: pid -> restart attempt."""
+    found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent and \
-                        b"TORCHELASTIC_RESTART_COUNT=1\0" in (d / "environ").read_bytes():
-                    return True
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent:
+                    continue
+                env = [e for e in (d / "environ").read_bytes().split(b"\0")
+                       if e.startswith(b"TORCHELASTIC_RESTART_COUNT=")]
+                if env:
+                    found[int(d.name)] = int(env[0].split(b"=")[1])
             except (OSError, IndexError, ValueError):
                 continue
-    return False
-
-
-def _workers(agent: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return sorted(out)
+    return found
 
 
 def one_recovery(data: Path, work: Path, local: bool, kill_after: int, size: int) -> dict[str, float]:
@@ -108,11 +101,11 @@ def one_recovery(data: Path, work: Path, local: bool, kill_after: int, size: int
         if proc.poll() is not None:
             raise RuntimeError(f"the run ended before step {kill_after}")
         time.sleep(0.01)
-    workers = _workers(proc.pid)
+    workers = sorted(_workers(proc.pid))
     t0 = time.monotonic()
     os.kill(workers[-1], signal.SIGKILL)
     while "restart" not in marks and proc.poll() is None:
-        if _new_workers(proc.pid):
+        if 1 in _workers(proc.pid).values():
             marks["restart"] = time.monotonic()
         time.sleep(0.005)
     while proc.poll() is None and "first_step" not in marks:

@@ -78,7 +78,9 @@ def test_config_error_is_one_line_exit_2(data, tmp_path, capsys):
     assert "timeout_s: -1 is not a positive number of seconds" in capsys.readouterr().err
     res = train_script(_args(data, tmp_path / "run", "train.epochs=many"), timeout=120)
     assert "expected int, got 'many'" in _one_error(res, 2)
-    assert "stopped because rank 0 failed" in res.stderr
+    # Rank 1 either reached the same error (and points at rank 0) or was still starting when rank 0
+    # left and torchrun stopped it; which one depends on the machine's load, not on our code.
+    assert "stopped because rank 0 failed" in res.stderr or "Signal 15 (SIGTERM)" in res.stderr, res.stderr
 
 
 def test_resume_with_another_model_names_the_keys(data, tmp_path):

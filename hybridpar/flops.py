@@ -52,7 +52,8 @@ from torch import nn
 from hybridpar.geometry import HaloPlan, shard_range, transposed_plans, window_plans
 from hybridpar.nn import registry
 
-__all__ = ["FlopCount", "LayerFlops", "RankFlops", "ShardedFlops", "ShardedLayer", "count", "count_sharded"]
+__all__ = ["FlopCount", "LayerFlops", "RankFlops", "ShardedFlops", "ShardedLayer", "count", "count_sharded",
+           "received_halo"]
 
 _Geometry = registry.LayerGeometry  # window hyperparameters per spatial dim (kept per record)
 
@@ -420,13 +421,9 @@ def _shard_layer(layer: LayerFlops, split: tuple[int, ...], world: int, elem: in
         r.weight_grad = _scale(layer.weight_grad, part, whole)
         r.forward_other = _scale(layer.forward_other, part, whole)
         r.backward_other = _scale(layer.backward_other, part, whole)
-        for d in range(n):
-            if plans[d] is None:
-                continue
-            plan = plans[d][coord[d]]
-            width = max(plan.recv_lo, 0) + max(plan.recv_hi, 0)
-            face = math.prod(own_in[e] for e in range(n) if e != d)
-            r.halo_bytes_forward += width * face * batch_ch * elem
+        widths = [(plans[d][coord[d]].recv_lo, plans[d][coord[d]].recv_hi) if plans[d] else None
+                  for d in range(n)]
+        r.halo_bytes_forward = received_halo(own_in, widths, batch_ch * elem, corners=False)[0]
         r.halo_bytes_backward = r.halo_bytes_forward if layer.input_requires_grad else 0
         per_coord[coord] = r
     coords = list(per_coord)
@@ -436,6 +433,26 @@ def _shard_layer(layer: LayerFlops, split: tuple[int, ...], world: int, elem: in
         r.rank = rank
         ranks.append(r)
     return ranks
+
+
+def received_halo(extents: Sequence[int], widths: Sequence[tuple[int, int] | None], bytes_per_voxel: int,
+                  corners: bool) -> tuple[int, int]:
+    """Bytes and messages a rank receives to extend its shard of spatial ``extents`` by ``widths``
+    (low, high) per dim (None: not exchanged; negative widths receive nothing); ``bytes_per_voxel``
+    counts the batch and channels. Dims are exchanged in order; with ``corners`` each later face
+    includes the halos already received (as :class:`hybridpar.comm.halo.HaloExchanger` sends
+    them), without it each face is the shard's own."""
+    ext = list(extents)
+    total = msgs = 0
+    for d, width in enumerate(widths):
+        if width is None:
+            continue
+        lo, hi = max(width[0], 0), max(width[1], 0)
+        total += (lo + hi) * math.prod(ext[e] for e in range(len(ext)) if e != d) * bytes_per_voxel
+        msgs += (lo > 0) + (hi > 0)
+        if corners:
+            ext[d] += lo + hi
+    return total, msgs
 
 
 def count_sharded(model: nn.Module, input_shape: Sequence[int], splits: Mapping[str, Sequence[int]], *,

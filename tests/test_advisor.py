@@ -1,4 +1,4 @@
-"""The layout advisor (python -m hybridpar.plan) against what the performance model implies, no processes:
+"""The layout advisor (python -m hybridpar.advisor) against what the performance model implies, no processes:
 data parallelism when the model fits and the network is fast; a spatial split when a sample's
 activations do not fit one rank (data parallelism listed as too big); the YAML it writes loads with
 load_spec and plans on the model; an impossible memory limit fails with the smallest need and what
@@ -11,7 +11,7 @@ import pytest
 from cosmoflow.model import build_model
 from hybridpar import load_spec
 from hybridpar import perfmodel as pm
-from hybridpar.plan import advise, main, parse_bytes
+from hybridpar.advisor import advise, main, parse_bytes
 from hybridpar.spec import SpecError
 
 MODEL = f"{__file__}:cosmoflow_64"

@@ -106,7 +106,8 @@ def test_graph_models_four_ranks():
 def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
     """The plan carries every live tensor across a cut; each stage's module holds its layers only."""
     from hybridpar.spec import ParallelSpec
-    from hybridpar.spec.plan import analyse, live_across
+    from hybridpar.spec.analysis import analyse
+    from hybridpar.spec.stages import live_across
 
     a = analyse(graph_models.UNet3d(), SHAPE)
     index = a.graph.index()

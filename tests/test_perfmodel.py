@@ -2,7 +2,8 @@
 the pipeline step is (M + S - 1) stage times with bubble (S - 1)/(M + S - 1); alpha-beta links and
 their fits recover known coefficients; halo bytes equal hybridpar.flops.count_sharded's on one-dim
 splits (and add only corners on multi-dim ones); ring all-reduce volumes; redistribution to a
-replicated head; Workload.plan gives exactly spec.plan's records; a saved machine loads back equal;
+replicated head; the one planner resolving on a workload's memoised, terse analysis gives exactly
+spec.plan's records; the schedules' closed forms equal their op lists; a saved machine loads back equal;
 presets predict less time per rank when work is split."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 from hybridpar import flops
 from hybridpar import perfmodel as pm
+from hybridpar.perfmodel.pipeline import microbatches_in_flight
+from hybridpar.pipeline.schedule import SCHEDULES, in_flight, schedule
 from hybridpar.spec import ParallelSpec, SpecError
 
 GB = 1e9
@@ -41,6 +44,16 @@ def small_cnn() -> nn.Sequential:
 @pytest.mark.parametrize("stages,micro", [(1, 1), (2, 4), (4, 8), (4, 1)])
 def test_bubble_fraction_closed_form(stages, micro):
     assert pm.bubble_fraction(stages, micro) == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_in_flight_closed_form_equals_the_schedules_op_lists(name):
+    """The model's closed form of the micro-batches a stage holds is the engine's schedule's."""
+    for stages in range(1, 6):
+        for micro in range(1, 9):
+            for stage in range(stages):
+                assert microbatches_in_flight(name, stages, micro, stage) == \
+                    in_flight(schedule(name, stages, micro, stage)), (name, stages, micro, stage)
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (4, 4)])
@@ -182,9 +195,9 @@ def test_halo_bytes_on_multi_dim_splits_add_only_corners():
 def test_gather_before_a_replicated_head():
     """Split 2x1x1 -> replicated: a rank receives the other half in one message; the backward of a
     gather is local (each rank keeps its own part of the gradient)."""
-    assert pm._redistribute_volume((8, 8, 8), (2, 1, 1), (1, 1, 1), 2) == (256, 1)
-    assert pm._redistribute_volume((8, 8, 8), (1, 1, 1), (2, 1, 1), 2) == (0, 0)
-    assert pm._redistribute_volume((8, 8, 8), (2, 2, 1), (1, 1, 1), 4) == (384, 3)
+    assert pm.redistribute_volume((8, 8, 8), (2, 1, 1), (1, 1, 1), 2) == (256, 1)
+    assert pm.redistribute_volume((8, 8, 8), (1, 1, 1), (2, 1, 1), 2) == (0, 0)
+    assert pm.redistribute_volume((8, 8, 8), (2, 2, 1), (1, 1, 1), 4) == (384, 3)
 
 
 def test_halo_and_gather_appear_in_a_spatial_prediction():
@@ -210,11 +223,17 @@ def test_halo_and_gather_appear_in_a_spatial_prediction():
     {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 4, "stages": ["0", "3"]}},
     {"grid": {"spatial": [4, 1, 1]}, "layers": {"3": {"spatial": [2, 1, 1]}, "5": {"spatial": "replicate"}}},
 ])
-def test_workload_plan_equals_spec_plan(spec):
+def test_one_planner_on_a_reused_analysis(spec):
+    """A workload resolves every spec on one analysis whose halos are memoised per (node, split) and
+    whose errors are terse; the records must still be exactly those of a fresh spec.plan, also after
+    other specs filled the memo."""
     model, shape = small_cnn(), (8, 2, 16, 16, 16)
     s = ParallelSpec.from_dict(spec)
     world = math.prod(s.grid.sizes)
-    assert pm.Workload(model, shape).plan(s, world) == s.plan(model, shape, world)
+    w = pm.Workload(model, shape)
+    for other in ({"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [1, 2, 2]}}):
+        w.plan(ParallelSpec.from_dict(other), math.prod(ParallelSpec.from_dict(other).grid.sizes))
+    assert w.plan(s, world) == s.plan(model, shape, world)
 
 
 def test_workload_plan_rejects_what_spec_plan_rejects():

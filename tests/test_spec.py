@@ -31,8 +31,8 @@ from hybridpar.spec import (
     load_spec,
 )
 from hybridpar.spec.__main__ import main
+from hybridpar.spec.analysis import forward_flops, layer_flops, sequential_layers, trace_shapes
 from hybridpar.spec.explain import COLUMNS
-from hybridpar.spec.plan import forward_flops, layer_flops, sequential_layers, trace_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 COSMO = (1, 4, 128, 128, 128)

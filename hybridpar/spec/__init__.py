@@ -7,6 +7,9 @@ process starts, with a message that prints the arithmetic and says what would fi
 * :mod:`~hybridpar.spec.config`: YAML -> typed dataclasses (``GridSpec``, ``PipelineSpec``,
   ``LayerRule``, ``ParallelSpec``), validated when built.
 * :mod:`~hybridpar.spec.graph`: the model traced by torch.fx into nodes with their inputs.
+* :mod:`~hybridpar.spec.analysis`: a model on a global input analysed once (graph, shapes, FLOPs,
+  memoised halos), so that many specs can be resolved against it.
+* :mod:`~hybridpar.spec.stages`: where pipeline stages begin and what crosses each cut.
 * :mod:`~hybridpar.spec.plan`: the spec resolved against a model and a global input shape, one
   ``LayerPlan`` per graph node (split, stage, shapes, halos, FLOPs, activation bytes).
 * :mod:`~hybridpar.spec.explain`: that plan as a table; ``python -m hybridpar.spec explain`` prints it.
@@ -19,6 +22,7 @@ Example::
       "head.*": {spatial: replicate}
 """
 
+from hybridpar.spec.analysis import sequential_layers
 from hybridpar.spec.config import (
     REPLICATE,
     SCHEDULES,
@@ -30,7 +34,8 @@ from hybridpar.spec.config import (
     load_spec,
 )
 from hybridpar.spec.explain import explain, format_plan
-from hybridpar.spec.plan import LayerPlan, balance_stages, build_plan, sequential_layers
+from hybridpar.spec.plan import LayerPlan, build_plan
+from hybridpar.spec.stages import balance_stages
 
 __all__ = [
     "REPLICATE",

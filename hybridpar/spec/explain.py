@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from hybridpar.spec.config import ParallelSpec, Split
-from hybridpar.spec.plan import LayerPlan, build_plan, live_values
+from hybridpar.spec.plan import LayerPlan, build_plan
+from hybridpar.spec.stages import live_values
 
 COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
 

@@ -18,15 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
+from hybridpar.spec.analysis import leaf_flop_sums, node_halos
 from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.plan import (
-    BYTES_PER_ELEMENT,
-    REPLICATED,
-    LayerPlan,
-    leaf_flop_sums,
-    local_shape,
-    node_halos,
-)
+from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, local_shape
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,219 @@
+"""A model on a global input, analysed once: its traced graph, every node's shapes, FLOPs and halos.
+
+Why a module of its own: the plan (:mod:`hybridpar.spec.plan`) resolves a spec against this analysis,
+and a planner that tries thousands of specs for one model (the advisor, the performance model) must
+not trace, run the meta forward or count FLOPs again for each. Everything here depends on the model
+and the input shape only, never on a spec; halos depend on a split too, and are memoised per
+(node, split). Shapes come from one forward pass on the meta device (no memory, no FLOPs spent),
+FLOPs from :func:`hybridpar.flops.count` (one counting convention for the whole project), halos
+from the layer registry (:mod:`hybridpar.nn.registry`), the arithmetic the distributed layers run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridpar import flops as flop_count
+from hybridpar import geometry
+from hybridpar.nn import registry
+from hybridpar.spec.config import SpecError, Split
+from hybridpar.spec.graph import ModelGraph, trace, trace_values
+
+REPLICATED: Split = (1, 1, 1)
+
+Shapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+Halos = tuple[tuple[int, int], ...]
+
+
+def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
+    """``input_shape`` as a tuple, if it is a global batch N, C, D, H, W."""
+    shape = tuple(input_shape)
+    if len(shape) != 5 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        raise SpecError(f"input shape must be 5 positive integers N, C, D, H, W (the global batch), got "
+                        f"{list(shape)}")
+    return shape
+
+
+# ---------------------------------------------------------------------- the model's layers
+def sequential_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module | None]], dict[str, int]]:
+    """Nodes ``(name, module)`` in forward order (module None for a function), and each container's
+    first node index. Any model torch.fx can trace (see :mod:`hybridpar.spec.graph`)."""
+    graph = trace(model)
+    return [(n.name, n.module) for n in graph.nodes], graph.containers
+
+
+def trace_shapes(model: nn.Module, leaves: list[tuple[str, nn.Module | None]],
+                 input_shape: tuple[int, ...]) -> Shapes:
+    """(first tensor input, output) shape of every node from one forward on the meta device."""
+    graph = trace(model)
+    return node_shapes(graph, trace_values(graph, tuple(input_shape)))
+
+
+def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
+    """(first tensor input, output) shape of every node of ``graph`` from its traced ``values``."""
+    shapes = []
+    for n in graph.nodes:
+        out = values[n.name]
+        if not isinstance(out, torch.Tensor):
+            raise SpecError(f"{n.name} ({n.kind}): returns {type(out).__name__}, not a tensor: values "
+                            f"computed from shapes are not supported in a parallelized forward (the "
+                            f"shapes of split tensors are local); write sizes as constants or scale "
+                            f"factors")
+        first = next((values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)), None)
+        shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
+    return shapes
+
+
+# ---------------------------------------------------------------------- per-layer arithmetic
+def node_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None, in_shape: tuple[int, ...],
+               out_shape: tuple[int, ...], split: Split) -> Halos:
+    """Widest (low, high) halo per dim; a split too fine for the layer raises what would fit."""
+    if split == REPLICATED:
+        return ((0, 0),) * 3
+    try:
+        if entry is not None and m is not None:
+            return entry.halo_widths(m, name, in_shape, out_shape, split)
+        for i, parts in enumerate(split):  # an elementwise function: every shard must be non-empty
+            registry.check_extent(name, in_shape[2 + i], parts, i)
+        return ((0, 0),) * 3
+    except geometry.HaloError as err:
+        size = "x".join(map(str, in_shape[2:]))
+        kind = type(m).__name__ if m is not None else "function"
+        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
+                        f"voxels: {err}") from None
+
+
+def _terse_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None,
+                 in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split) -> Halos:
+    """:func:`node_halos` without geometry's search for what would fit (O(extent^2) per call, which
+    adds up at 512^3): a planner only needs to know that a split fails, so the message is shorter;
+    :meth:`ParallelSpec.plan` gives the full one."""
+    try:
+        return node_halos("", m, entry, in_shape, out_shape, split)
+    except SpecError:
+        size = "x".join(map(str, in_shape[2:]))
+        kind = type(m).__name__ if m is not None else "function"
+        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
+                        f"voxels (spec.plan says what would fit)") from None
+
+
+def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:
+    """Forward matmul FLOPs of one call, from the layer's registry entry (2 per multiply-accumulate, as
+    FlopCounterMode counts); for a model that cannot be copied to the meta device."""
+    entry = registry.lookup(m) if m is not None else None
+    if entry is None:
+        return 0
+    x, y = torch.empty(in_shape, device="meta"), torch.empty(out_shape, device="meta")
+    return entry.flops(m, x, y)[0].get("forward", 0)
+
+
+def leaf_flop_sums(counted: flop_count.FlopCount,
+                   leaves: Sequence[tuple[str, nn.Module | None]]) -> list[list[int]]:
+    """``[forward, input_grad, weight_grad, forward_other]`` per leaf, from one
+    :func:`hybridpar.flops.count`: a conv inside a custom module is credited to that module's leaf."""
+    index = {name: i for i, (name, _) in enumerate(leaves)}
+    sums = [[0, 0, 0, 0] for _ in leaves]
+    for rec in counted.per_layer:
+        parts = rec.name.split("#", 1)[0].split(".")
+        for k in range(len(parts), 0, -1):
+            leaf = index.get(".".join(parts[:k]))
+            if leaf is not None:
+                s = sums[leaf]
+                s[0] += rec.forward
+                s[1] += rec.input_grad
+                s[2] += rec.weight_grad
+                s[3] += rec.forward_other
+                break
+    return sums
+
+
+def _flop_costs(model: nn.Module, leaves: list[tuple[str, nn.Module | None]], input_shape: tuple[int, ...],
+                shapes: Shapes) -> tuple[list[int], list[int], flop_count.FlopCount | None]:
+    """Forward and training FLOPs per leaf, and the count they come from (None when the model
+    cannot be copied to the meta device: a training step then counts as 3x forward, 2x for the
+    first layer, which computes no input gradient)."""
+    try:
+        counted: flop_count.FlopCount | None = flop_count.count(model, input_shape)
+    except TypeError:
+        counted = None
+    if counted is None:
+        fwd = [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]
+        return fwd, [f * (2 if i == 0 else 3) for i, f in enumerate(fwd)], None
+    sums = leaf_flop_sums(counted, leaves)
+    return [s[0] for s in sums], [s[0] + s[1] + s[2] for s in sums], counted
+
+
+def layer_flops(model: nn.Module, leaves: list[tuple[str, nn.Module | None]], input_shape: tuple[int, ...],
+                shapes: Shapes) -> list[int]:
+    """Forward matmul FLOPs per leaf (see :func:`layer_flop_costs`)."""
+    return layer_flop_costs(model, leaves, input_shape, shapes)[0]
+
+
+def layer_flop_costs(model: nn.Module, leaves: list[tuple[str, nn.Module | None]],
+                     input_shape: tuple[int, ...], shapes: Shapes) -> tuple[list[int], list[int]]:
+    """Per leaf: forward matmul FLOPs, and training FLOPs (forward + input gradient + weight
+    gradient), from :func:`hybridpar.flops.count`.
+
+    Stages are balanced on the training FLOPs, since that is what a stage spends per micro-batch:
+    the first layer computes no input gradient, so balancing forward FLOPs leaves the first stage
+    light. Falls back to :func:`forward_flops` when the model cannot be copied to the meta device.
+    """
+    fwd, train, _ = _flop_costs(model, leaves, input_shape, shapes)
+    return fwd, train
+
+
+# ---------------------------------------------------------------------- the analysis
+@dataclass
+class Analysis:
+    """A model on a global input, analysed once: its graph, every node's shapes and FLOPs, and a
+    memo of halo widths per (node, split). Resolving a spec against it
+    (:func:`hybridpar.spec.plan.resolve`) costs no tracing, so a planner can try thousands of specs.
+    ``terse``: a split too fine for a layer raises a short error instead of searching for what
+    would fit (see :func:`node_halos`)."""
+
+    model: nn.Module
+    input_shape: tuple[int, ...]
+    graph: ModelGraph
+    leaves: list[tuple[str, nn.Module | None]]
+    shapes: Shapes
+    flops: list[int]
+    train_flops: list[int]
+    count: flop_count.FlopCount | None
+    terse: bool = False
+    halo_memo: dict[tuple[str, Split], Halos | SpecError] = field(default_factory=dict, repr=False)
+
+    @property
+    def containers(self) -> dict[str, int]:
+        return self.graph.containers
+
+    def halos(self, index: int, entry: registry.LayerEntry | None, split: Split) -> Halos:
+        """The widest (low, high) halo per dim of node ``index`` under ``split`` (memoised, errors
+        included)."""
+        node = self.graph.nodes[index]
+        key = (node.name, split)
+        if key not in self.halo_memo:
+            widths = _terse_halos if self.terse else node_halos
+            try:
+                self.halo_memo[key] = widths(node.name, node.module, entry, *self.shapes[index], split)
+            except SpecError as err:
+                self.halo_memo[key] = err
+        found = self.halo_memo[key]
+        if isinstance(found, SpecError):
+            raise found
+        return found
+
+
+def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | None = None, *,
+            terse: bool = False) -> Analysis:
+    """Trace ``model`` (unless its ``graph`` is given), its shapes on a global input of
+    ``input_shape`` (N, C, D, H, W) and its FLOPs."""
+    shape = check_input_shape(input_shape)
+    graph = trace(model) if graph is None else graph
+    shapes = node_shapes(graph, trace_values(graph, shape))
+    leaves = [(n.name, n.module) for n in graph.nodes]
+    fwd, train, counted = _flop_costs(model, leaves, shape, shapes)
+    return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted, terse)

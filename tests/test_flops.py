@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hybridpar import flops
+from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import HaloError
 
 
@@ -56,7 +57,7 @@ def lbann_cosmoflow(width: int = 512, batch_norm: bool = False) -> nn.Sequential
 
 def torch_counts(model: nn.Module, shape: tuple[int, ...], input_grad: bool = False) -> tuple[int, int]:
     """FlopCounterMode's forward and backward totals, run on a meta copy of ``model``."""
-    meta = flops._meta_copy(model)
+    meta = meta_copy(model)
     x = torch.empty(shape, device="meta", requires_grad=input_grad)
     with FlopCounterMode(display=False) as fwd:
         y = meta(x)

@@ -135,7 +135,7 @@ def _halve(split: Split) -> Split:
     i = max(range(3), key=lambda k: split[k])
     out = list(split)
     out[i] //= 2
-    return tuple(out)  # type: ignore[return-value]
+    return out[0], out[1], out[2]
 
 
 def _microbatches(per_replica: int, pipe: int) -> list[int]:

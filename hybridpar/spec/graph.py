@@ -199,24 +199,34 @@ class _Recorder(fx.Interpreter):
         return out
 
 
+class _Run(nn.Module):
+    """Runs ``gm`` through a recorder, so that ``functional_call`` can swap the meta state into ``gm``
+    (its parameters are this module's ``gm.*``) while the recorder interprets the graph."""
+
+    def __init__(self, gm: fx.GraphModule, rec: _Recorder) -> None:
+        super().__init__()
+        self.gm, self.rec = gm, rec
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.rec.run(x)
+
+
 def trace_values(graph: ModelGraph, input_shape: tuple[int, ...]) -> dict[str, Any]:
     """Every node's output on the meta device for a global input of ``input_shape``: tensors (meta,
     shapes only) and the non-tensor values computed from them. Nothing is allocated or copied."""
     gm = graph.gm
-    state = {k: torch.empty_like(v, device="meta") for k, v in [*gm.named_parameters(), *gm.named_buffers()]}
+    state = {f"gm.{k}": torch.empty_like(v, device="meta")
+             for k, v in [*gm.named_parameters(), *gm.named_buffers()]}
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
     names = {n.fx_node: n.name for n in graph.nodes}
     names.update({n: INPUT for n in gm.graph.nodes if n.op == "placeholder"})
     rec = _Recorder(gm, names)
     x = torch.empty(input_shape, device="meta", dtype=dtype)
-    gm.forward = rec.run  # type: ignore[method-assign] (functional_call swaps the meta state in)
     try:
-        torch.func.functional_call(gm, state, (x,))
+        torch.func.functional_call(_Run(gm, rec), state, (x,))
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where
         raise SpecError(f"the model does not run on input shape {list(input_shape)}: at layer "
                         f"{rec.current}: {type(err).__name__}: {err}") from err
-    finally:
-        del gm.forward
     return rec.values

@@ -13,6 +13,7 @@ process starts, with a message that prints the arithmetic and says what would fi
 * :mod:`~hybridpar.spec.plan`: the spec resolved against a model and a global input shape, one
   ``LayerPlan`` per graph node (split, stage, shapes, halos, FLOPs, activation bytes).
 * :mod:`~hybridpar.spec.explain`: that plan as a table; ``python -m hybridpar.spec explain`` prints it.
+* :mod:`~hybridpar.spec.cli_args`: the ``--model`` and ``--input-shape`` arguments the commands share.
 
 Example::
 

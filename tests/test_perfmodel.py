@@ -297,3 +297,17 @@ def test_presets_split_work_and_memory():
     assert split.memory["activations"] < 0.6 * one.memory["activations"]
     assert one.memory["weights"] == w.params * 2  # bf16 preset
     assert one.model_flops == flops.count(model, shape).total
+
+
+def test_the_model_sits_below_the_runtime():
+    """No module of the performance model imports the pipeline runtime when it is imported (the
+    calibration imports the engine inside the functions that time it)."""
+    import ast  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    package = Path(pm.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for stmt in ast.parse(path.read_text()).body:
+            names = [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else \
+                [stmt.module or ""] if isinstance(stmt, ast.ImportFrom) else []
+            assert not any(n.startswith("hybridpar.pipeline") for n in names), (path.name, names)

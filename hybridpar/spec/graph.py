@@ -199,6 +199,15 @@ class _Recorder(fx.Interpreter):
         return out
 
 
+def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """``module``'s parameters and buffers as meta tensors (for ``torch.func.functional_call``: a
+    forward that allocates nothing), and the floating dtype its input should have."""
+    state = {k: torch.empty_like(v, device="meta")
+             for k, v in [*module.named_parameters(), *module.named_buffers()]}
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    return state, dtype
+
+
 class _Run(nn.Module):
     """Runs ``gm`` through a recorder, so that ``functional_call`` can swap the meta state into ``gm``
     (its parameters are this module's ``gm.*``) while the recorder interprets the graph."""
@@ -215,15 +224,13 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...]) -> dict[str, A
     """Every node's output on the meta device for a global input of ``input_shape``: tensors (meta,
     shapes only) and the non-tensor values computed from them. Nothing is allocated or copied."""
     gm = graph.gm
-    state = {f"gm.{k}": torch.empty_like(v, device="meta")
-             for k, v in [*gm.named_parameters(), *gm.named_buffers()]}
-    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    state, dtype = meta_state(gm)
     names = {n.fx_node: n.name for n in graph.nodes}
     names.update({n: INPUT for n in gm.graph.nodes if n.op == "placeholder"})
     rec = _Recorder(gm, names)
     x = torch.empty(input_shape, device="meta", dtype=dtype)
     try:
-        torch.func.functional_call(_Run(gm, rec), state, (x,))
+        torch.func.functional_call(_Run(gm, rec), {f"gm.{k}": v for k, v in state.items()}, (x,))
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where

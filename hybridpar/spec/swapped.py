@@ -20,6 +20,7 @@ from hybridpar import flops as flop_count
 from hybridpar.nn import registry
 from hybridpar.spec.analysis import leaf_flop_sums, node_halos
 from hybridpar.spec.config import SpecError, Split
+from hybridpar.spec.graph import meta_state
 from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, local_shape
 
 
@@ -119,9 +120,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
 
     handles = [m.register_forward_pre_hook(enter) for m in names]
     handles += [m.register_forward_hook(hook) for m in names]
-    state = {k: torch.empty_like(v, device="meta")
-             for k, v in [*model.named_parameters(), *model.named_buffers()]}
-    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    state, dtype = meta_state(model)
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     try:
         with watch:

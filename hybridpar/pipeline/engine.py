@@ -44,8 +44,8 @@ from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import gather, local_box
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.comm.transport import StagedP2P
-from hybridpar.grid import ProcessGrid
-from hybridpar.launch import collective_timeout, init_distributed
+from hybridpar.grid import ProcessGrid, require_group
+from hybridpar.launch import collective_timeout
 from hybridpar.nn.layout import Redistribute
 from hybridpar.nn.norm import recomputing
 from hybridpar.nn.spatial import SpatialLayer
@@ -88,6 +88,7 @@ class Engine:
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                  local_p2p: bool | None = None,
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
+        require_group("parallelize")
         self.memory_format = memory_format
         try:
             self.graph: ModelGraph | None = trace_graph(model)  # an untraceable model fails here
@@ -98,8 +99,6 @@ class Engine:
             self.graph, self._untraced = None, str(err)  # run by module swapping (pipeline/swap.py)
         self._chain = self.graph is not None and self.graph.chain and \
             all(n.op == "module" for n in self.graph.nodes)
-        if not dist.is_initialized():
-            init_distributed()
         if all(p.device.type == "cpu" for p in model.parameters()):
             cpu_alloc.tune()  # GPipe frees all micro-batches' activations at once: keep that memory
         self.world = dist.get_world_size()
@@ -163,10 +162,10 @@ class Engine:
         # (activations forward, gradients backward, the loss).
         nccl = "nccl" in str(dist.get_backend()).lower()
         pipeline = lambda r: (r % self.grid.stage_size, r // (self.grid.stage_size * self.grid.pipe))  # noqa: E731
-        self.loss_group = self.grid._my_group(pipeline, world_ok=not nccl, purpose="loss" if nccl else "")
+        self.loss_group = self.grid.group_of(pipeline, world_ok=not nccl, purpose="loss" if nccl else "")
         self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
         if nccl and self.grid.pipe > 1:
-            self.p2p_groups = {d: self.grid._my_group(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
+            self.p2p_groups = {d: self.grid.group_of(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
         on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
         if (self.grid.pipe > 1 and not nccl and (on_cpu if self.local_p2p is None else self.local_p2p)
                 and os.environ.get("HYBRIDPAR_LOCAL_P2P", "1") != "0"):

@@ -2,14 +2,16 @@
 
 Why: a scientist writes an ``nn.Module`` (a sequence, a residual network, a U-Net) and a YAML file;
 the engine does the rest in a fixed order: (1) trace the model and resolve the spec against it and
-the input shape (one plan every rank computes alike), (2) create every process group any rank will
-use, in the same order everywhere, (3) build this rank's stage: Dist layers per the plan, weights
-copied, Redistributes where splits change (a sequence's stage is a list of layers; a graph's runs
-in :class:`~hybridpar.pipeline.stage_graph.StageGraph`), (4) run a training step as a pipeline
-schedule over micro-batches, activations and gradients moving shard to shard between stages, (5)
-reduce gradients once, bucketed and overlapped with the last backward, over the stage's data ×
-spatial ranks, and average norm layers' running statistics over the data-parallel replicas
-(:mod:`~hybridpar.pipeline.running_stats`), so that every rank holds the same state after a step.
+the input shape (one plan every rank computes alike, :mod:`hybridpar.spec.plan`), (2) create every
+process group any rank will use, in the same order everywhere, and the stage transport
+(:mod:`~hybridpar.pipeline.stage_transport`), (3) build this rank's stage: Dist layers per the plan,
+weights copied, Redistributes where splits change (:mod:`~hybridpar.pipeline.stage`), (4) run a
+training step as the schedule's action list over micro-batches (:mod:`~hybridpar.pipeline.schedule`
+says what, :mod:`~hybridpar.pipeline.runtime` does it), activations and gradients moving shard to
+shard between stages, (5) reduce gradients once, bucketed and overlapped with the last backward,
+over the stage's data × spatial ranks, and average norm layers' running statistics over the
+data-parallel replicas (:mod:`~hybridpar.pipeline.running_stats`), so that every rank holds the same
+state after a step. This module holds the user's API over those parts.
 
 The training step gives the same numbers as the single-process model on any layout: each
 micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
@@ -42,7 +44,8 @@ from hybridpar.comm.redistribute import gather
 from hybridpar.comm.transport import Work
 from hybridpar.grid import ProcessGrid, require_group
 from hybridpar.nn.norm import recomputing
-from hybridpar.pipeline import batch, deferred, state
+from hybridpar.pipeline import deferred, state
+from hybridpar.pipeline.batch import shard, split_sizes
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
@@ -195,8 +198,8 @@ class Engine:
         if not self.built:
             self._build(tuple(x.shape))
         out = self.output_record.output_shape
-        return batch.shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
-                           tuple(out[2:]) if len(out) == 5 else None, self.memory_format)
+        return shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
+                     tuple(out[2:]) if len(out) == 5 else None, self.memory_format)
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``loss_fn`` on this rank's output; on a split output, its share of the whole volume's mean
@@ -294,7 +297,7 @@ class Engine:
         self._require_built("train_step")
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
-        sizes = batch.split_sizes(y_local.shape[0], self.spec.pipeline.microbatches)
+        sizes = split_sizes(y_local.shape[0], self.spec.pipeline.microbatches)
         x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self._dtype_device(x_local)
@@ -316,7 +319,7 @@ class Engine:
         data-parallel replicas: call it on every replica alike."""
         self._require_built("predict")
         batch = x_local.shape[0] if batch is None else batch
-        sizes = batch.split_sizes(batch, self.spec.pipeline.microbatches)
+        sizes = split_sizes(batch, self.spec.pipeline.microbatches)
         x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self._dtype_device(x_local)
@@ -377,7 +380,10 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     runs every backward in one pass.
     ``local_p2p``: stage-to-stage transfers between CPU ranks of one host copy the sender's tensor
     directly (:mod:`hybridpar.comm.local_p2p`) instead of through gloo's TCP loopback; None (the
-    default) does so for a CPU model, False never (``HYBRIDPAR_LOCAL_P2P=0`` too).
+    default) does so for a CPU model where the host lets ranks read each other, True also where it
+    takes each rank allowing it (Yama ptrace scope 1: said in one line), False never
+    (``HYBRIDPAR_LOCAL_P2P=0`` too; ``=1`` counts as True). The job's process group must exist:
+    ``hybridpar.init_distributed()`` first (a plain process gets a one-rank group).
     ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
     activations received from the previous stage are in it; the layers keep it).
     """

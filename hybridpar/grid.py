@@ -50,9 +50,10 @@ def _self_group() -> dist.ProcessGroup:
 
     Why: a group of one rank moves no data, so nothing can interleave on it, yet each communicator
     costs every member threads and buffers (gloo: 3 threads and ~0.07 MiB per rank; NCCL: device
-    buffers). Layouts with a trivial axis (a pipeline without spatial splits, data parallelism alone)
-    used to create one per trivial group. Its name is hashed from the rank (local synchronization),
-    so creating it lazily on some ranks leaves the order of every collective ``new_group`` alone.
+    buffers), and layouts with a trivial axis (a pipeline without spatial splits, data parallelism
+    alone) would otherwise create one per trivial group. Its name is hashed from the rank (local
+    synchronization), so creating it lazily on some ranks leaves the order of every collective
+    ``new_group`` alone.
     """
     key = ("self", dist.get_rank())
     if key not in _GROUP_CACHE:

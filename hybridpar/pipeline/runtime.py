@@ -77,18 +77,12 @@ class StepRuntime:
         # the loss stays on the device: a .cpu() per micro-batch would stall a GPU pipeline
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_x = LossExchange(ctx.grid, ctx.transport, device)
-        self.handlers: dict[str, Callable[[int], None]] = {
-            sched.RECV_F: self.recv_f, sched.RECV_B: self.recv_b, sched.FORWARD: self.forward,
-            sched.LOSS: self.loss, sched.SEND_F: self.send_f, sched.SHARE_LOSS: self.share_loss,
-            sched.SYNC_STATS: self.sync_stats, sched.ARM_REDUCE: self.arm_reduce,
-            sched.FULL_BACKWARD: self.full_backward, sched.BACKWARD_INPUT: self.backward_input,
-            sched.SEND_B: self.send_b, sched.BACKWARD_WEIGHT: self.backward_weight}
 
     def run(self) -> torch.Tensor:
         """Every action, then the step's ends: sends, gradient reduction, running statistics, loss."""
         with no_grad_sync():
             for kind, m in self.actions:
-                self.handlers[kind](m)
+                _HANDLERS[kind](self, m)
         for w in self.sends:
             w.wait()
         if self.ctx.reducer is not None:
@@ -195,6 +189,17 @@ class StepRuntime:
     def arm_reduce(self, m: int) -> None:
         if self.ctx.reducer is not None:
             self.ctx.reducer.arm()
+
+
+# Action -> what does it. A table of plain functions, not of bound methods kept on the runtime: such
+# a reference cycle would keep the step's gloo work objects alive until a garbage collection, and
+# gloo work freed while the interpreter exits can abort the process (pytorch/pytorch#179291).
+_HANDLERS: dict[str, Callable[[StepRuntime, int], None]] = {
+    sched.RECV_F: StepRuntime.recv_f, sched.RECV_B: StepRuntime.recv_b, sched.FORWARD: StepRuntime.forward,
+    sched.LOSS: StepRuntime.loss, sched.SEND_F: StepRuntime.send_f, sched.SHARE_LOSS: StepRuntime.share_loss,
+    sched.SYNC_STATS: StepRuntime.sync_stats, sched.ARM_REDUCE: StepRuntime.arm_reduce,
+    sched.FULL_BACKWARD: StepRuntime.full_backward, sched.BACKWARD_INPUT: StepRuntime.backward_input,
+    sched.SEND_B: StepRuntime.send_b, sched.BACKWARD_WEIGHT: StepRuntime.backward_weight}
 
 
 class LossExchange:

@@ -17,13 +17,13 @@ replicas, each computing the same thing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
-from hybridpar.launch import collective_timeout, init_distributed
+from hybridpar.launch import collective_timeout
 
 AXES = ("d", "h", "w")
 _GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
@@ -50,9 +50,10 @@ def _self_group() -> dist.ProcessGroup:
 
     Why: a group of one rank moves no data, so nothing can interleave on it, yet each communicator
     costs every member threads and buffers (gloo: 3 threads and ~0.07 MiB per rank; NCCL: device
-    buffers). Layouts with a trivial axis (a pipeline without spatial splits, data parallelism alone)
-    used to create one per trivial group. Its name is hashed from the rank (local synchronization),
-    so creating it lazily on some ranks leaves the order of every collective ``new_group`` alone.
+    buffers), and layouts with a trivial axis (a pipeline without spatial splits, data parallelism
+    alone) would otherwise create one per trivial group. Its name is hashed from the rank (local
+    synchronization), so creating it lazily on some ranks leaves the order of every collective
+    ``new_group`` alone.
     """
     key = ("self", dist.get_rank())
     if key not in _GROUP_CACHE:
@@ -84,16 +85,25 @@ def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> tuple[
     return d, p, (sd, sh, sw)
 
 
+def require_group(who: str) -> None:
+    """Raise, naming ``who``, unless this process has joined the job's process group."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"hybridpar.{who}: no process group yet; call hybridpar.init_distributed() first "
+                           f"(a plain process gets a one-rank group) or start under a launcher "
+                           f"(torchrun, mpirun, srun) whose script calls it")
+
+
 class ProcessGrid:
     """data × pipe × (d, h, w) ranks, with the groups and neighbours each rank needs.
 
     ``ProcessGrid(spatial=(2, 2, 1))`` on 4 ranks splits every activation in two along depth and
-    height. Sizes may hold one ``-1``: the ranks left over.
+    height. Sizes may hold one ``-1``: the ranks left over. The job's process group must exist first
+    (:func:`require_group`): joining it is the program's decision, made once, not a side effect of
+    building a grid.
     """
 
     def __init__(self, data: int = 1, pipe: int = 1, spatial: Sequence[int] = (1, 1, 1)) -> None:
-        if not dist.is_initialized():
-            init_distributed()
+        require_group("ProcessGrid")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.data, self.pipe, self.stage_spatial = _resolve(data, pipe, spatial, self.world_size)
@@ -177,8 +187,10 @@ class ProcessGrid:
         return self.spatial_size == 1
 
     # ------------------------------------------------------------------ groups
-    def _my_group(self, key_of, world_ok: bool = False, purpose: str = "") -> dist.ProcessGroup:
-        """The group of ranks sharing ``key_of(rank)``, created on every rank in the same order.
+    def group_of(self, key_of: Callable[[int], Hashable], world_ok: bool = False,
+                 purpose: str = "") -> dist.ProcessGroup:
+        """The group of ranks sharing ``key_of(rank)`` (a global rank), created on every rank in the
+        same order: every rank must call it with the same ``key_of``.
 
         ``world_ok``: when that group is every rank, use the default group instead of a new one (a
         communicator costs each rank threads and buffers, ~0.75 MiB with gloo). Only for groups whose
@@ -186,7 +198,7 @@ class ProcessGrid:
         ``purpose``: a communicator distinct from other groups of the same ranks (see
         :func:`_partition_groups`).
         """
-        blocks: dict[tuple, list[int]] = {}
+        blocks: dict[Hashable, list[int]] = {}
         for r in range(self.world_size):
             blocks.setdefault(key_of(r), []).append(r)
         partition = sorted(blocks.values())
@@ -204,29 +216,29 @@ class ProcessGrid:
     @cached_property
     def spatial_group(self) -> dist.ProcessGroup:
         """Ranks that split one activation together (same data replica, stage and layout replica)."""
-        return self._my_group(lambda r: self._pos(r)[:3])
+        return self.group_of(lambda r: self._pos(r)[:3])
 
     @cached_property
     def halo_group(self) -> dist.ProcessGroup:
         """A second communicator over the spatial group, so halo traffic on a helper thread or stream
         never interleaves with collectives issued by the main thread."""
-        return self._my_group(lambda r: self._pos(r)[:3], purpose="halo")
+        return self.group_of(lambda r: self._pos(r)[:3], purpose="halo")
 
     @cached_property
     def stage_group(self) -> dist.ProcessGroup:
         """All ranks of this pipeline stage (data × spatial): where weight gradients are reduced."""
-        return self._my_group(lambda r: self._pos(r)[1])
+        return self.group_of(lambda r: self._pos(r)[1])
 
     @cached_property
     def data_group(self) -> dist.ProcessGroup:
         """Ranks at the same stage and spatial position in every data-parallel replica."""
-        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[1]))
+        return self.group_of(lambda r: (r % self.stage_size, self._pos(r)[1]))
 
     @cached_property
     def pipe_group(self) -> dist.ProcessGroup:
         """Ranks at the same spatial position of one replica, one per stage: a pipeline (its
         broadcasts and gathers run on the main thread, between steps)."""
-        return self._my_group(lambda r: (r % self.stage_size, self._pos(r)[0]), world_ok=True)
+        return self.group_of(lambda r: (r % self.stage_size, self._pos(r)[0]), world_ok=True)
 
     @cached_property
     def mesh(self):

@@ -15,7 +15,14 @@ import hybridpar as hp
 
 @pytest.fixture(scope="module", autouse=True)
 def grid():
-    """A one-rank group for this module only: later tests must not inherit an initialised group."""
+    """A one-rank group for this module only: later tests must not inherit an initialised group.
+    Before it exists, a grid or an engine is an error that says how to join one (never joined
+    behind the program's back)."""
+    if not torch.distributed.is_initialized():
+        for make in (hp.ProcessGrid, lambda: hp.parallelize(_model(), {"grid": {}}, loss_fn=F.mse_loss)):
+            with pytest.raises(RuntimeError, match=r"no process group yet; call hybridpar.init_distributed"):
+                make()
+    hp.init_distributed()
     yield hp.ProcessGrid()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -6,7 +6,8 @@ ring holds with receives posted in reverse (the stash path); a size mismatch is 
 both ranks; a send completes only once the receiver has copied; the pairs the transport covers
 are the ones both ranks asked for and could read (a failed probe drops the pair); a rank that
 dies is reported by its waiting peer; one engine step gives gloo's numbers bit for bit; the
-segment names are gone once set up.
+segment names are gone once set up; under Yama ptrace scope 1 no rank relaxes its ptrace protection
+unless asked (``allow_ptrace``), and without it no pair forms.
 """
 
 from __future__ import annotations
@@ -108,6 +109,19 @@ def _cases(rank: int, world: int) -> None:
     if rank == 2:
         local_p2p.read_remote = real
     assert t4.peers == ({1 - rank} if rank < 2 else set())
+
+    # 7. Yama scope 1 (faked): ptrace protection is relaxed only when asked, and then once per rank
+    others = [r for r in range(world) if r != rank]
+    calls: list[int] = []
+    real = local_p2p.ptrace_scope, local_p2p.set_ptracer_any
+    local_p2p.ptrace_scope, local_p2p.set_ptracer_any = (lambda: 1), (lambda: calls.append(rank))
+    try:
+        t5 = local_p2p.LocalP2P.create(others)
+        assert (t5.peers, calls) == (set(), []), "relaxed without being asked"
+        t6 = local_p2p.LocalP2P.create(others, allow_ptrace=True)
+        assert (t6.peers, calls) == (set(others), [rank]), "asked, yet no pair or no relaxing"
+    finally:
+        local_p2p.ptrace_scope, local_p2p.set_ptracer_any = real
 
 
 def test_local_p2p_cases():

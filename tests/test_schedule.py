@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hybridpar.pipeline.schedule import SCHEDULES, bubble_fraction, in_flight, makespan, schedule
+from hybridpar.pipeline.schedule import SCHEDULES, actions, bubble_fraction, in_flight, makespan, schedule
 
 GRID = list(itertools.product(SCHEDULES, range(1, 5), range(1, 9)))
 
@@ -74,3 +74,60 @@ def test_in_flight_is_the_micro_batches_a_stage_holds():
             for k in range(s):
                 assert in_flight(schedule("gpipe", s, m, k)) == m
                 assert in_flight(schedule("1f1b", s, m, k)) == min(m, s - k)
+
+
+def _run_all(lists: list[list[tuple[str, int]]]) -> None:
+    """Run every stage's action list with the runtime's rules: a receive completes once the peer's
+    send was posted, a compute waits for the receive of its micro-batch; sends never block. Fails
+    on a deadlock or on a compute whose receive was never posted."""
+    pos, sent, posted = [0] * len(lists), set(), [set() for _ in lists]
+    needs = {"F": ("RECV_F", "SEND_F", -1), "B": ("RECV_B", "SEND_B", 1), "I": ("RECV_B", "SEND_B", 1)}
+    while any(p < len(a) for p, a in zip(pos, lists)):
+        moved = False
+        for k, a in enumerate(lists):
+            while pos[k] < len(a):
+                kind, m = a[pos[k]]
+                if kind in needs and 0 <= k + needs[kind][2] < len(lists):
+                    recv, send, step = needs[kind]
+                    assert (recv, m) in posted[k], f"stage {k}: {kind} {m} before its receive was posted"
+                    if (k + step, send, m) not in sent:
+                        break
+                if kind.startswith("RECV"):
+                    posted[k].add((kind, m))
+                if kind.startswith("SEND"):
+                    sent.add((k, kind, m))
+                pos[k] += 1
+                moved = True
+        assert moved, f"deadlock at {pos}"
+
+
+@pytest.mark.parametrize("name,stages,micro", GRID)
+@pytest.mark.parametrize("split", [False, True])
+def test_action_lists_run_every_op_once_and_never_deadlock(name, stages, micro, split):
+    """Each stage's actions: its op list in order, a receive before each compute that needs one, a
+    send after each that feeds another stage, the loss on the last stage, the step events once;
+    with the B/W split the last backward becomes input pass, send, weight pass, at the very end."""
+    lists = [actions(name, stages, micro, k, split_last=split and k > 0) for k in range(stages)]
+    for k, a in enumerate(lists):
+        first, last = k == 0, k == stages - 1
+        compute = [(kind, m) for kind, m in a if kind in ("F", "B", "I")]
+        assert [("B" if kind == "I" else kind, m) for kind, m in compute] == schedule(name, stages, micro, k)
+        kinds = ("RECV_F", "SEND_F", "RECV_B", "SEND_B", "LOSS", "W", "SHARE_LOSS", "SYNC_STATS",
+                 "ARM_REDUCE")
+        count = {kind: sum(1 for x, _ in a if x == kind) for kind in kinds}
+        assert count == {"RECV_F": 0 if first else micro, "SEND_F": 0 if last else micro,
+                         "RECV_B": 0 if last else micro, "SEND_B": 0 if first else micro,
+                         "LOSS": micro if last else 0, "W": 1 if split and k > 0 else 0,
+                         "SHARE_LOSS": 1 if last else 0, "SYNC_STATS": 1, "ARM_REDUCE": 1}
+        if split and k > 0:
+            m = compute[-1][1]
+            assert a[-4:] == [("ARM_REDUCE", -1), ("I", m), ("SEND_B", m), ("W", m)]
+    _run_all(lists)
+
+
+def test_actions_example_in_docstring():
+    """The action list drawn in ``actions``' docstring is the one it returns."""
+    doc = " ".join(actions.__doc__.split("::")[1].split())
+    got = actions("gpipe", 2, 2, 1, split_last=True)
+    got = ", ".join(f"{kind} {m}" if m >= 0 else kind for kind, m in got)
+    assert doc == got

@@ -1,9 +1,11 @@
-"""Point-to-point transports for halo and redistribution traffic.
+"""Point-to-point transports for halo, redistribution and pipeline traffic.
 
 Why: halos move over whatever the cluster does best (NCCL between GPUs, gloo on CPU, MPI where a
 site's MPI is CUDA-aware or faster than TCP, pinned host memory over gloo where ranks share a GPU).
 Everything above this module sees one call: post these sends and receives, then wait for all of
-them. Peers are global ranks.
+them (:class:`Transport`). A pipeline moves one message at a time and overlaps it with compute:
+those transports also post single non-blocking sends and receives (:class:`PointToPoint`), as does
+the same-host one (:class:`hybridpar.comm.local_p2p.LocalP2P`). Peers are global ranks.
 """
 
 from __future__ import annotations
@@ -29,8 +31,27 @@ class Transport(Protocol):
         tensors in place (a ``channels_last_3d`` buffer receives NDHWC bytes: :func:`memfmt.wire`)."""
 
 
+class Work(Protocol):
+    """A pending transfer (torch's ``Work`` is one)."""
+
+    def wait(self) -> bool: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class PointToPoint(Protocol):
+    """Posts single non-blocking sends and receives (of tensors dense in their memory format)."""
+
+    name: str
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Work: ...
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Work: ...
+
+
 class TorchP2P:
-    """torch.distributed ``batch_isend_irecv`` on a process group (NCCL or gloo)."""
+    """torch.distributed ``batch_isend_irecv`` (``isend``/``irecv`` for single messages) on a process
+    group (NCCL or gloo)."""
 
     name = "torch"
 
@@ -44,6 +65,12 @@ class TorchP2P:
             return
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Work:
+        return dist.isend(wire(t), peer, group=self.group, tag=tag)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Work:
+        return dist.irecv(wire(t), peer, group=self.group, tag=tag)
 
 
 class MPIP2P:
@@ -121,13 +148,13 @@ class StagedP2P:
             if t.is_cuda:
                 wire(t).copy_(h, non_blocking=True)
 
-    def isend(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int):
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Work:
         ((_, h, _),) = self._staged_sends([(peer, t, tag)])
-        return dist.isend(h, peer, group=group, tag=tag)
+        return dist.isend(h, peer, group=self.group, tag=tag)
 
-    def irecv(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int):
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Work:
         h = self._host(t)
-        work = dist.irecv(h, peer, group=group, tag=tag)
+        work = dist.irecv(h, peer, group=self.group, tag=tag)
         return _StagedRecv(work, h, t) if t.is_cuda else work
 
 

@@ -84,6 +84,15 @@ def prefix_end(modules: Sequence[nn.Module], defer: Sequence[bool]) -> int | Non
     return end
 
 
+def split_end(modules: Sequence[nn.Module], defer: Sequence[bool], in_flight: int) -> int | None:
+    """End of the part of a stage whose last backward runs in two passes, or None (see module doc):
+    the whole stage where the schedule holds ``in_flight`` >= 2 micro-batches on it, else the prefix
+    up to its first deferrable layer (:func:`prefix_end`)."""
+    if not any(defer):
+        return None
+    return len(modules) if in_flight >= 2 else prefix_end(modules, defer)
+
+
 def run_keeping(modules: Sequence[nn.Module], defer: Sequence[bool], x: torch.Tensor,
                 upto: int | None = None) -> tuple[torch.Tensor, Kept, Prefix | None]:
     """Run the modules in turn; keep each deferred module's output in the split prefix (the first

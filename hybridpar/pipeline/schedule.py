@@ -109,3 +109,67 @@ def makespan(name: str, stages: int, microbatches: int, forward: Sequence[float]
         if not progressed:  # pragma: no cover (the schedules above never deadlock)
             raise RuntimeError(f"makespan: schedule {name!r} deadlocks at S={stages}, M={microbatches}")
     return max(free)
+
+
+# ---------------------------------------------------------------------- actions
+# What a stage's runtime (:mod:`hybridpar.pipeline.runtime`) does, in order. Compute: FORWARD, LOSS
+# (last stage), FULL_BACKWARD, or BACKWARD_INPUT then BACKWARD_WEIGHT (the B/W split of
+# :mod:`hybridpar.pipeline.deferred`). Transfers: RECV_F / RECV_B post a receive (they run ahead of
+# the compute that needs it, so that data moves while the stage computes), SEND_F / SEND_B post a
+# send. Step events: SHARE_LOSS (the last stage's replica loss is complete), SYNC_STATS (the last
+# update of running statistics is done), ARM_REDUCE (the next backward is the last: start reducing
+# gradients as they are accumulated). Events carry micro-batch -1.
+FORWARD, LOSS, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "LOSS", "B", "I", "W"
+RECV_F, SEND_F, RECV_B, SEND_B = "RECV_F", "SEND_F", "RECV_B", "SEND_B"
+SHARE_LOSS, SYNC_STATS, ARM_REDUCE = "SHARE_LOSS", "SYNC_STATS", "ARM_REDUCE"
+Action = tuple[str, int]
+
+
+def actions(name: str, stages: int, microbatches: int, stage: int, split_last: bool = False) -> list[Action]:
+    """The action list of ``stage``: its op list (:func:`schedule`) with the transfers and step
+    events in place, and, with ``split_last``, its last backward as input pass, send, weight pass.
+
+    A receive is posted one op ahead (before the op before the one that needs it), except a
+    gradient's, which can be posted only once the forward of its micro-batch has run (its shape is
+    known then). GPipe, the second of 2 stages, M = 2, ``split_last``::
+
+        RECV_F 0, RECV_F 1, F 0, LOSS 0, F 1, LOSS 1, SHARE_LOSS, SYNC_STATS,
+        B 1, SEND_B 1, ARM_REDUCE, I 0, SEND_B 0, W 0
+    """
+    ops = schedule(name, stages, microbatches, stage)
+    first, last = stage == 0, stage == stages - 1
+    last_f = max(i for i, (op, _) in enumerate(ops) if op == "F")
+    last_b = max(i for i, (op, _) in enumerate(ops) if op == "B")
+    forward_at = {m: i for i, (op, m) in enumerate(ops) if op == "F"}
+
+    def recv(j: int) -> list[Action]:
+        op, m = ops[j]
+        if op == "F":
+            return [] if first else [(RECV_F, m)]
+        return [] if last else [(RECV_B, m)]
+
+    def early(j: int) -> bool:  # may op j's receive be posted before op j - 1 runs?
+        op, m = ops[j]
+        return op == "F" or forward_at[m] < j - 1
+
+    out: list[Action] = recv(0) if ops else []
+    for i, (op, m) in enumerate(ops):
+        ahead = i + 1 < len(ops)
+        if ahead and early(i + 1):
+            out += recv(i + 1)
+        if op == "F":
+            out += [(FORWARD, m), (LOSS, m) if last else (SEND_F, m)]
+            if i == last_f:
+                out += [(SHARE_LOSS, -1)] if last else []
+                out.append((SYNC_STATS, -1))
+        else:
+            send = [] if first else [(SEND_B, m)]
+            if i == last_b:
+                out.append((ARM_REDUCE, -1))
+            if i == last_b and split_last:
+                out += [(BACKWARD_INPUT, m), *send, (BACKWARD_WEIGHT, m)]
+            else:
+                out += [(FULL_BACKWARD, m), *send]
+        if ahead and not early(i + 1):
+            out += recv(i + 1)
+    return out

@@ -1,0 +1,160 @@
+"""This rank's stage, built from the plan: its layers as Dist layers, the groups they use, and what
+the engine needs to know about its ends (the input's split, the output's).
+
+Why a module of its own: building a stage is done once and is pure bookkeeping over the plan (which
+layers run here, in which split, where a Redistribute goes); running it is the runtime's business
+(:mod:`hybridpar.pipeline.runtime`). A sequence's stage is a list of layers; a graph's runs in
+:class:`~hybridpar.pipeline.stage_graph.StageGraph`; an untraceable model (no pipeline) runs by
+module swapping (:mod:`hybridpar.pipeline.swap`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.comm.redistribute import local_box
+from hybridpar.grid import ProcessGrid
+from hybridpar.nn.layout import Redistribute
+from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.pipeline import deferred
+from hybridpar.pipeline.convert import to_distributed
+from hybridpar.pipeline.stage_graph import StageGraph
+from hybridpar.pipeline.swap import swap
+from hybridpar.spec import ParallelSpec
+from hybridpar.spec.graph import INPUT, ModelGraph
+
+REPLICATED = (1, 1, 1)
+Layers = list[tuple[str | None, nn.Module]]  # (name in the original model or None, module)
+
+
+@dataclass
+class Stage:
+    """This rank's part of the model (see module doc)."""
+
+    layers: Layers  # the name is "" for one module that stands for a whole stage (graph, swapped)
+    stage_graph: StageGraph | None
+    defer: list[bool]  # per layer: may its weight gradients wait (deferred.deferrable)
+    first_layer: Any  # the plan rows of the stage's first and last layers
+    last_layer: Any
+    input_split: tuple[int, int, int]  # the split of the model input (of its first reader)
+    output_record: Any  # the plan row of the model's output
+    output_split: tuple[int, int, int]
+
+    def recv_shape(self, b: int, layout: Callable[[tuple[int, int, int]], ProcessGrid]) -> tuple[int, ...]:
+        """The shape of the activation of ``b`` samples this stage receives (a stage after the first):
+        a graph's cut carries its live values flat; a sequence's, its first layer's input shard."""
+        if self.stage_graph is not None:
+            return (self.stage_graph.recv_numel(b),)
+        shape = self.first_layer.input_shape
+        if len(shape) == 5:
+            box = local_box(tuple(shape[2:]), layout(self.first_layer.split))
+            return (b, shape[1], *(hi - lo for lo, hi in box))
+        return (b, *shape[1:])
+
+
+def make_groups(plan: list[Any], grid: ProcessGrid) -> None:
+    """Every group the stage's layers and gradient reduction may use, created on every rank in one
+    order (``new_group`` requires it). Groups of one rank are local and lazy (grid's ``_self_group``)."""
+    for split in sorted({lp.split for lp in plan} | {grid.stage_spatial}):
+        layout = grid.with_spatial(split)
+        if layout.spatial_size > 1:
+            layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
+    for size, name in ((grid.data * grid.stage_size, "stage_group"), (grid.data, "data_group"),
+                       (grid.pipe, "pipe_group")):
+        if size > 1:
+            getattr(grid, name)
+
+
+class StageBuilder:
+    """Builds :class:`Stage` from ``model`` (traced as ``graph``, or None: untraceable, for the
+    reason ``untraced``) under the resolved ``spec`` on ``grid``."""
+
+    def __init__(self, model: nn.Module, graph: ModelGraph | None, spec: ParallelSpec, grid: ProcessGrid,
+                 overlap: bool, untraced: str = "") -> None:
+        self.model, self.graph, self.spec, self.grid = model, graph, spec, grid
+        self.overlap, self.untraced = overlap, untraced
+
+    def layout(self, split: tuple[int, int, int]) -> ProcessGrid:
+        return self.grid.with_spatial(split)
+
+    def build(self, plan: list[Any], input_shape: tuple[int, ...]) -> Stage:
+        stage = self.grid.pipe_index
+        rows = [i for i, lp in enumerate(plan) if lp.stage == stage]
+        lo, hi = rows[0], rows[-1] + 1
+        mine = plan[lo:hi]
+        reader = next(lp for lp in plan if INPUT in lp.inputs)
+        input_split = reader.split if len(reader.input_shape) == 5 else REPLICATED
+        graph = self.graph
+        out = plan[-1] if graph is None else next(lp for lp in plan if lp.name == graph.output)
+        output_split = out.output_split if len(out.output_shape) == 5 else REPLICATED
+        stage_graph = None
+        if graph is None:
+            layers: Layers = [("", self._swapped(plan))]
+        elif graph.chain and all(n.op == "module" for n in graph.nodes):
+            layers = self._chain_layers(plan, mine, stage, output_split)
+        else:  # a graph: this stage's nodes run by one module, every live value carried across cuts
+            stage_graph = StageGraph(graph, plan, lo, hi, input_shape, input_split, self.layout, self.convert)
+            layers = [("", stage_graph)]
+        self._warn_gathers(plan)
+        return Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
+                     input_split, out, output_split)
+
+    def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
+        """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split."""
+        m = to_distributed(module, self.layout(lp.split), self.overlap)
+        if isinstance(m, SpatialLayer):
+            m.global_input_shape = tuple(lp.input_shape[2:])
+            m.layer_name = f"{type(m).__name__}({name})"
+        return m
+
+    def _swapped(self, plan: list[Any]) -> nn.Module:
+        """The untraceable model with its layers swapped for their split versions (said once)."""
+        if dist.get_rank() == 0:
+            warnings.warn(f"hybridpar.parallelize: {self.untraced}. Running it by module swapping: its "
+                          f"own forward on shards, every registered layer split "
+                          f"{list(self.spec.grid.spatial)}", stacklevel=5)
+        first = {lp.name: lp for lp in reversed(plan)}
+
+        def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
+            if name in first:
+                return self.convert(name, m, first[name])
+            return to_distributed(m, grid, self.overlap)  # never called on this input
+
+        return swap(self.model, self.layout(self.spec.grid.spatial), convert)
+
+    def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
+                      output_split: tuple[int, int, int]) -> Layers:
+        """A sequence's stage: its layers in order, Redistributes where the split changes, and one at
+        the end into the next stage's split (the last stage keeps the output's)."""
+        layers: Layers = []
+        for i, lp in enumerate(mine):
+            if i > 0 and mine[i - 1].output_split != lp.split:
+                layers.append((None, Redistribute(self.layout(mine[i - 1].output_split),
+                                                  self.layout(lp.split), tuple(lp.input_shape[2:]))))
+            path = lp.name.split("#")[0]  # a module without weights called again: "act#1"
+            layers.append((None if path != lp.name else lp.name,
+                           self.convert(lp.name, self.model.get_submodule(path), lp)))
+        following = [lp for lp in plan if lp.stage == stage + 1]
+        out_split = mine[-1].output_split
+        target = following[0].split if following else output_split
+        if target != out_split:  # hand over in the next stage's split (or the output's for the loss)
+            layers.append((None, Redistribute(self.layout(out_split), self.layout(target),
+                                              tuple(mine[-1].output_shape[2:]))))
+        return layers
+
+    @staticmethod
+    def _warn_gathers(plan: list[Any]) -> None:
+        """Never replicate silently: a gather inside a split region is said once per job (rank 0)."""
+        gathers = [lp for lp in plan if lp.gather]
+        if gathers and dist.get_rank() == 0:
+            names = ", ".join(f"{lp.name} ({lp.kind})" for lp in gathers[:6])
+            warnings.warn(f"hybridpar.parallelize: {len(gathers)} layer(s) gather a split activation onto "
+                          f"every rank inside a split region: {names}; each holds the whole volume. Register "
+                          f"the layer type (hybridpar.nn.register) to run it split, or say spatial: "
+                          f"replicate for it in the spec to silence this", stacklevel=4)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from hybridpar.pipeline.schedule import SCHEDULES, actions, bubble_fraction, in_flight, makespan, schedule
+from hybridpar.perfmodel.pipeline import bubble_fraction
+from hybridpar.pipeline.schedule import SCHEDULES, actions, in_flight, makespan, schedule
 
 GRID = list(itertools.product(SCHEDULES, range(1, 5), range(1, 9)))
 

@@ -63,11 +63,6 @@ def in_flight(ops: Sequence[Op]) -> int:
     return most
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of a synchronous pipeline step: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
 def makespan(name: str, stages: int, microbatches: int, forward: Sequence[float],
              backward: Sequence[float], transfer: float = 0.0) -> float:
     """Length of one step of schedule ``name`` when stage k's forward of a micro-batch takes

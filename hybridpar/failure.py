@@ -29,6 +29,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from hybridpar.comm.store import default_store
+
 CONFIG_ERROR = 2
 """The job cannot run as configured: a bad key or value, a missing file, a spec that does not fit, a
 checkpoint of another model. Fix the command line or the config; running it again will not help."""
@@ -45,7 +47,7 @@ def _store() -> dist.Store | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (RuntimeError, ValueError):
         return None
 

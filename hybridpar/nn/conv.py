@@ -20,11 +20,11 @@ from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.eager import eager
-from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, ntuple, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
-from hybridpar.nn.spatial import SpatialLayer, _triple
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.precision import narrowed, result_dtype
 
 
@@ -55,7 +55,7 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             return [(0, 0)] * 3
         if self.padding == "same":
             return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
-        return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
+        return [(p, p) for p in ntuple(self.padding, what="padding", layer=self.layer_name)]
 
     def _native_pads(self) -> tuple[int, int, int]:
         """Padding torch's kernel can apply itself: symmetric zero padding along dims that are not

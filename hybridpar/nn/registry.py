@@ -31,7 +31,7 @@ Register a layer of your own::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridpar import geometry
+from hybridpar.geometry import ntuple
 
 ROLES = ("window", "transposed", "pointwise", "resample", "reduce", "dense")
 OPS = ("conv", "linear", "pool", "norm", "pointwise", "free")
@@ -191,24 +192,15 @@ def function_role(fn: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------- helpers for entries
-def triple(v: Any) -> tuple[int, int, int]:
-    """An int or 3 ints as 3 ints."""
-    return tuple(v) if isinstance(v, tuple | list) else (v, v, v)  # type: ignore[return-value]
-
-
-def ntuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-
-
 def conv_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.window_plans`` for a Conv3d-like module."""
-    k, s, d = triple(m.kernel_size), triple(m.stride), triple(m.dilation)
+    k, s, d = ntuple(m.kernel_size), ntuple(m.stride), ntuple(m.dilation)
     if m.padding == "same":
         lohi = [geometry.same_padding(k[i], d[i]) for i in range(3)]
     elif m.padding == "valid":
         lohi = [(0, 0)] * 3
     else:
-        lohi = [(p, p) for p in triple(m.padding)]
+        lohi = [(p, p) for p in ntuple(m.padding)]
     periodic = getattr(m, "padding_mode", "zeros") == "circular"
     return [dict(kernel=k[i], stride=s[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=d[i],
                  ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(3)]
@@ -216,16 +208,16 @@ def conv_window_args(m: nn.Module) -> list[dict]:
 
 def pool_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.window_plans`` for a MaxPool3d / AvgPool3d."""
-    k = triple(m.kernel_size)
-    s = triple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
-    d, p = triple(getattr(m, "dilation", 1)), triple(m.padding)
+    k = ntuple(m.kernel_size)
+    s = ntuple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
+    d, p = ntuple(getattr(m, "dilation", 1)), ntuple(m.padding)
     return [dict(kernel=k[i], stride=s[i], pad_lo=p[i], pad_hi=p[i], dilation=d[i],
                  ceil_mode=bool(m.ceil_mode)) for i in range(3)]
 
 
 def transposed_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.transposed_plans`` for a ConvTranspose3d."""
-    k, s, p, d, op = (triple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
+    k, s, p, d, op = (ntuple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
     return [dict(kernel=k[i], stride=s[i], padding=p[i], dilation=d[i], output_padding=op[i])
             for i in range(3)]
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
-from hybridpar.geometry import HaloError, HaloPlan, Range, _check_nonempty, _link, shard_ranges
+from hybridpar.geometry import HaloError, HaloPlan, Range, check_split, plans_from_needs
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
@@ -137,20 +137,18 @@ def resample_plans(n: int, m: int, parts: int, taps: DimTaps, layer: str = "laye
     Raises :class:`HaloError` when an output shard reads beyond its rank's immediate neighbours (a
     strong downsampling split too finely), naming the largest split that fits.
     """
-    _check_nonempty(n, m, parts, layer, dim)
-    outs = shard_ranges(m, parts)
+    check_split(n, m, parts, layer, dim)  # its own advice, not the reach's below
     try:
-        return _link(n, shard_ranges(n, parts), outs, _needs(taps, outs), layer, dim, "")
+        return plans_from_needs(n, m, parts, lambda outs: _needs(taps, outs), layer, dim)
     except HaloError as err:
         raise HaloError(f"{err}use a split of at most {_max_parts(n, m, taps)} along {dim}") from None
 
 
 def _max_parts(n: int, m: int, taps: DimTaps) -> int:
     best = 1
-    for parts in range(2, min(n, m) + 1):
-        outs = shard_ranges(m, parts)
+    for parts in range(2, min(n, m) + 1):  # never an empty shard: only the reach can fail
         try:
-            _link(n, shard_ranges(n, parts), outs, _needs(taps, outs), "", "", "")
+            plans_from_needs(n, m, parts, lambda outs: _needs(taps, outs), "", "")
         except HaloError:
             continue
         best = parts

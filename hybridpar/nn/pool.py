@@ -113,7 +113,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
         shape = self.global_shape(x)
         ex = self.halo_exchanger(shape)
         sums = F.avg_pool3d(exchange(x, ex), self.k, self.s, 0, divisor_override=1)
-        outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
+        outs = [d.plan.out for d in ex.all_dims]
         return sums / self._divisor(shape, outs, sums)
 
 

@@ -74,7 +74,6 @@ class SpatialLayer(nn.Module):
             # one rank has no neighbour to talk to: no communicator for it (see grid._self_group)
             group = self.grid.halo_group if self.grid.spatial_size > 1 else None
             ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill, rank=self.grid.rank)
-            ex.all_dims = dims  # type: ignore[attr-defined]
             self._exchangers[k] = ex
         return self._exchangers[k]
 

@@ -37,7 +37,7 @@ from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.geometry import HaloError, HaloPlan, Range, check_split, plans_from_needs
 from hybridpar.grid import ProcessGrid
-from hybridpar.nn import registry
+from hybridpar.nn import formulas, registry
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
 from hybridpar.precision import narrowed, result_dtype, widened
 
@@ -268,7 +268,7 @@ class DistUpsample(SpatialLayer, nn.Upsample):
         if key not in self._taps:
             r = self.resampling(shape)
             op = _opmath(x.dtype)
-            plans = [d.plan for d in ex.all_dims]  # type: ignore[attr-defined]
+            plans = [d.plan for d in ex.all_dims]
             self._taps[key] = [_local(self._dim_taps(shape[i], r, i, op), plans[i], x.dtype, x.device)
                                for i in range(3)]
         return self._taps[key]
@@ -340,7 +340,7 @@ def _upsample_halos(m: nn.Upsample, name: str, in_shape: tuple[int, ...], out_sh
     return tuple(halos)
 
 
-registry.register(nn.Upsample, role="resample", op="pointwise", flops=registry.resample_flops,
+registry.register(nn.Upsample, role="resample", op="pointwise", flops=formulas.resample_flops,
                   to_dist=_upsample, halos=_upsample_halos)
 
 __all__ = ["DistUpsample", "dist_interpolate", "dim_taps", "resample_plans", "resampling"]

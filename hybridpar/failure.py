@@ -1,7 +1,7 @@
 """One line per failure: the first rank that fails speaks, the others stay quiet.
 
-Why: an error raised on every rank (a bad config, a missing file) used to print once per rank, and a
-fault on one rank made every other rank print its own secondary error (a closed connection, a
+Why: an error raised on every rank (a bad config, a missing file) would print once per rank, and a
+fault on one rank would make every other rank print its own secondary error (a closed connection, a
 timeout) on top. The ranks agree through the rendezvous store, which every launcher provides and
 which stays usable after a collective has failed: the first rank to claim the failure prints its line;
 the others print nothing.

@@ -26,11 +26,8 @@ Range = tuple[int, int]
 
 def ntuple(value: int | Sequence[int], n: int = 3, *, what: str | None = None,
            layer: str = "layer") -> tuple[int, ...]:
-    """A per-dim layer argument (kernel size, stride, padding...), given as one int or ``n``, as ``n`` ints.
-
-    With ``what`` (the argument's name) it is also checked, and a bad value raises one line naming
-    ``layer``; without, it is taken as torch stored it on a module (already checked by torch).
-    """
+    """A per-dim layer argument (kernel size, stride...) given as one int or ``n``, as ``n`` ints; with
+    ``what`` (its name) checked, a bad value raising one line naming ``layer``."""
     t = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
     if what is not None and (len(t) != n or not all(isinstance(i, int) for i in t)):
         raise ValueError(f"{layer}: {what} must be an int or {n} ints, got {value!r}")
@@ -283,13 +280,10 @@ def _link(extent: int, ins: list[Range], outs: list[Range], needs: list[Range], 
 
 def plans_from_needs(extent: int, n_out: int, parts: int, needs: Callable[[list[Range]], list[Range]],
                      layer: str = "layer", dim: str = "dim", fits: str = "") -> list[HaloPlan]:
-    """Halo plans of every rank for a layer described only by what it reads: ``needs(outs)`` gives, for
-    the balanced output shards ``outs`` (an output extent of ``n_out`` split ``parts`` ways), the global
-    input range each one reads (e.g. an interpolation's taps). No padding voxels: reads stay inside.
-
-    Raises :class:`HaloError` (``fits`` appended) when a shard would read beyond its neighbours, or when
-    a shard would be empty (:func:`check_split`).
-    """
+    """Halo plans of every rank for a layer known only by what it reads (an interpolation's taps):
+    ``needs(outs)`` is the global input range each balanced output shard in ``outs`` reads, inside the
+    volume. Raises :class:`HaloError` (``fits`` appended) when a shard would read beyond its neighbours,
+    or would be empty (:func:`check_split`)."""
     check_split(extent, n_out, parts, layer, dim)
     outs = shard_ranges(n_out, parts)
     return _link(extent, shard_ranges(extent, parts), outs, needs(outs), layer, dim, fits)

@@ -7,7 +7,6 @@ an hour later. The config is also copied into the run directory, so a run can be
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hybridpar.spec.config import check_keys
 
 
 class ConfigError(ValueError):
@@ -169,13 +170,10 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    check_keys(where or "config", data, list(fields), ConfigError)
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"unknown config key {path!r}{hint} (valid: {', '.join(fields)})")
         f = fields[key]
         if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
             kwargs[key] = _build(f.type, value, path)

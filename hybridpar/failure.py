@@ -1,7 +1,7 @@
 """One line per failure: the first rank that fails speaks, the others stay quiet.
 
-Why: an error raised on every rank (a bad config, a missing file) used to print once per rank, and a
-fault on one rank made every other rank print its own secondary error (a closed connection, a
+Why: an error raised on every rank (a bad config, a missing file) would print once per rank, and a
+fault on one rank would make every other rank print its own secondary error (a closed connection, a
 timeout) on top. The ranks agree through the rendezvous store, which every launcher provides and
 which stays usable after a collective has failed: the first rank to claim the failure prints its line;
 the others print nothing.
@@ -29,6 +29,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from hybridpar.comm.store import default_store
+
 CONFIG_ERROR = 2
 """The job cannot run as configured: a bad key or value, a missing file, a spec that does not fit, a
 checkpoint of another model. Fix the command line or the config; running it again will not help."""
@@ -45,7 +47,7 @@ def _store() -> dist.Store | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (RuntimeError, ValueError):
         return None
 

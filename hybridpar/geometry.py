@@ -18,9 +18,20 @@ Conventions
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 Range = tuple[int, int]
+
+
+def ntuple(value: int | Sequence[int], n: int = 3, *, what: str | None = None,
+           layer: str = "layer") -> tuple[int, ...]:
+    """A per-dim layer argument (kernel size, stride...) given as one int or ``n``, as ``n`` ints; with
+    ``what`` (its name) checked, a bad value raising one line naming ``layer``."""
+    t = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    if what is not None and (len(t) != n or not all(isinstance(i, int) for i in t)):
+        raise ValueError(f"{layer}: {what} must be an int or {n} ints, got {value!r}")
+    return t
 
 
 def shard_range(extent: int, parts: int, index: int) -> Range:
@@ -267,7 +278,20 @@ def _link(extent: int, ins: list[Range], outs: list[Range], needs: list[Range], 
                      sends[i][0], sends[i][1], p.mode, p.index) for i, (p, _, _) in enumerate(local)]
 
 
-def _check_nonempty(extent: int, n_out: int, parts: int, layer: str, dim: str) -> None:
+def plans_from_needs(extent: int, n_out: int, parts: int, needs: Callable[[list[Range]], list[Range]],
+                     layer: str = "layer", dim: str = "dim", fits: str = "") -> list[HaloPlan]:
+    """Halo plans of every rank for a layer known only by what it reads (an interpolation's taps):
+    ``needs(outs)`` is the global input range each balanced output shard in ``outs`` reads, inside the
+    volume. Raises :class:`HaloError` (``fits`` appended) when a shard would read beyond its neighbours,
+    or would be empty (:func:`check_split`)."""
+    check_split(extent, n_out, parts, layer, dim)
+    outs = shard_ranges(n_out, parts)
+    return _link(extent, shard_ranges(extent, parts), outs, needs(outs), layer, dim, fits)
+
+
+def check_split(extent: int, n_out: int, parts: int, layer: str, dim: str) -> None:
+    """Every shard of the input and of the output needs a voxel: raises :class:`HaloError` naming the
+    largest split that fits."""
     if parts > 1 and (extent < parts or n_out < parts):
         raise HaloError(
             f"{layer}: dim {dim} has input extent {extent} and output extent {n_out}, too small to split "
@@ -308,7 +332,7 @@ def window_plans(extent: int, parts: int, kernel: int, stride: int = 1, pad_lo: 
     mode = padding_mode(mode, periodic)
     n_out = conv_output_extent(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode) \
         if out_extent is None else out_extent
-    _check_nonempty(extent, n_out, parts, layer, dim)
+    check_split(extent, n_out, parts, layer, dim)
     _check_reach(extent, mode, (pad_lo, pad_hi), layer, dim)
     ins, outs = shard_ranges(extent, parts), shard_ranges(n_out, parts)
     needs = [_need(o, kernel, stride, pad_lo, dilation) for o in outs]
@@ -349,7 +373,7 @@ def transposed_plans(extent: int, parts: int, kernel: int, stride: int = 1, padd
     outputs ``[a, b)`` are ``[ceil((a + p - d(k-1))/s), floor((b - 1 + p)/s) + 1)``.
     """
     n_out = transposed_output_extent(extent, kernel, stride, padding, dilation, output_padding)
-    _check_nonempty(extent, n_out, parts, layer, dim)
+    check_split(extent, n_out, parts, layer, dim)
     ins, outs = shard_ranges(extent, parts), shard_ranges(n_out, parts)
     span = dilation * (kernel - 1)
     needs, origins = [], []

@@ -15,6 +15,8 @@ from hybridpar.geometry import (
     conv_output_extent,
     interior,
     max_parts,
+    ntuple,
+    plans_from_needs,
     same_padding,
     shard_range,
     shard_ranges,
@@ -170,6 +172,28 @@ def test_halo_wider_than_neighbour_is_a_clear_error():
 def test_too_small_to_split_names_what_fits():
     with pytest.raises(HaloError, match="at most 2 along W"):
         window_plans(4, 4, 2, 2, layer="DistMaxPool3d", dim="W")
+
+
+@pytest.mark.parametrize("n,parts,k,s", [(16, 4, 3, 1), (17, 3, 4, 2), (9, 2, 3, 3), (12, 5, 2, 1)])
+def test_plans_from_needs_match_window_plans(n, parts, k, s):
+    """A window layer without padding, described only by the input range each output shard reads,
+    gets the plans window_plans gives it."""
+    n_out = conv_output_extent(n, k, s)
+    needs = lambda outs: [(a * s, (b - 1) * s + k) if b > a else (0, 0) for a, b in outs]  # noqa: E731
+    assert plans_from_needs(n, n_out, parts, needs) == window_plans(n, parts, k, s)
+
+
+def test_plans_from_needs_refuse_empty_shards():
+    with pytest.raises(HaloError, match="at most 2 along H"):
+        plans_from_needs(2, 2, 3, lambda outs: outs, layer="Up", dim="H")
+
+
+def test_ntuple_expands_and_checks():
+    assert ntuple(3) == (3, 3, 3) and ntuple([1, 2, 3]) == (1, 2, 3) and ntuple(2, 2) == (2, 2)
+    with pytest.raises(ValueError, match=r"DistMaxPool3d: stride must be an int or 3 ints, got \(1, 2\)"):
+        ntuple((1, 2), what="stride", layer="DistMaxPool3d")
+    with pytest.raises(ValueError, match="kernel_size must be an int or 3 ints"):
+        ntuple(1.5, what="kernel_size")
 
 
 def test_max_parts():

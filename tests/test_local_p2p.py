@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.comm import local_p2p
+from hybridpar.comm.local_channel import RING
 from tests.distributed import run
 
 pytestmark = pytest.mark.skipif(not local_p2p.available(), reason="needs Linux cross-memory attach")
@@ -57,7 +58,7 @@ def _cases(rank: int, world: int) -> None:
 
     # 2. same tag many times: oldest first (non-overtaking); 3x the ring's descriptors outstanding
     # with receives posted newest tag first (the receiver must stash to let the sender go on)
-    count = 3 * local_p2p._RING
+    count = 3 * RING
     if rank == 0:
         sends = [t.isend(torch.full((3,), float(k)), 1, tag=k % 7) for k in range(count)]
         for w in sends:

@@ -135,3 +135,20 @@ def _user_layer(rank: int, world: int) -> None:
 
 def test_user_registered_layer_end_to_end():
     distributed.run(_user_layer, 2, timeout=120)
+
+
+def test_grad_split_marks_leave_the_parameter_alone():
+    """A parameter's split is kept beside it: no attribute on the tensor, nothing in the state dict,
+    and a deep copy (a new parameter) starts unmarked."""
+    import copy
+
+    from hybridpar.comm.reduce import grad_split, mark_grad_split
+
+    lin = nn.Linear(2, 2)
+    before = dict(vars(lin.weight))
+    mark_grad_split(lin.parameters(), 4)
+    assert (grad_split(lin.weight), grad_split(lin.bias)) == (4, 4)
+    assert dict(vars(lin.weight)) == before
+    assert list(lin.state_dict()) == ["weight", "bias"]
+    assert grad_split(copy.deepcopy(lin).weight) == 1
+    assert grad_split(nn.Linear(2, 2).weight) == 1

@@ -5,6 +5,8 @@ checkpoint often without slowing down, restart from the newest step that really 
 keep a browsable history of models. The package, one idea per module:
 
 * :mod:`.checkpointer` the :class:`Checkpointer` (save / before_update / wait / latest / versions / load);
+* :mod:`.writer` its background threads (files, partner copies, manifest, L3 flush, retention);
+* :mod:`.version` the :class:`Version` record and the lineage stamped into every save;
 * :mod:`.snapshot` host buffers and the copy that may overlap the next forward/backward;
 * :mod:`.format` the per-rank file (raw tensor bytes, header, footer, crc32 per piece);
 * :mod:`.manifest` the manifest written last and atomically: a version exists once it is there;
@@ -42,10 +44,11 @@ stage holding layers 3-4 has ``layers.3.weight``, not ``0.weight``), so that the
 into one model and any other split picks its own part back out.
 """
 
-from hybridpar.checkpoint.checkpointer import Checkpointer, Version
+from hybridpar.checkpoint.checkpointer import Checkpointer
 from hybridpar.checkpoint.format import CheckpointError, CorruptFile
 from hybridpar.checkpoint.state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.checkpoint.tree import keys_for, keys_of
+from hybridpar.checkpoint.version import Version
 
 __all__ = [
     "CheckpointError",

@@ -4,18 +4,9 @@ newest intact version at any level.
 Why this shape: the training loop must lose as little time as possible per checkpoint, and a killed job
 must never lose more than the steps since the last *complete* version. So ``save`` only copies the state
 into reused host buffers (or, with ``overlap=True``, not even that: see :mod:`.snapshot`) and hands the
-rest to a writer thread, which per save:
-
-1. writes this rank's files to L1 (or straight to the root), each fsynced;
-2. agrees with all ranks that every file landed, then makes the L2 partner copies (see :mod:`.placement`);
-3. agrees again, and publishes the manifest (temp, fsync, rename, directory fsync) in each level
-   directory; only now does the version exist for ``latest``/``load``;
-4. applies retention, and queues the L3 flush, which a second thread runs (copy L1 to the root, agree,
-   publish the root's manifest, apply the retention policy there).
-
-A second ``save`` waits only for step 1-3 of the previous one (its host buffers are reused); the L3
-flush runs on. The agreement steps use private gloo groups (:mod:`.group`), so they never interleave with
-the training loop's own collectives.
+rest to the writer threads of :mod:`.writer` (files, partner copies, manifest, L3 flush, retention).
+Reading back (``versions``, ``latest``, ``load``) needs no thread: it scans the levels and reads the
+newest version whose every file has an intact copy somewhere (:mod:`.restore`).
 
 Typical loop (the DataStates mode; ``attach`` makes every ``optimizer.step()`` wait for the copy)::
 
@@ -34,18 +25,13 @@ Typical loop (the DataStates mode; ``attach`` makes every ``optimizer.step()`` w
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import secrets
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,113 +39,18 @@ import torch
 
 from hybridpar.checkpoint import faults
 from hybridpar.checkpoint import manifest as mf
-from hybridpar.checkpoint.format import (
-    FOOTER,
-    CheckpointError,
-    CorruptFile,
-    fsync_dir,
-    make_dirs,
-    pack_tree,
-    write_bytes,
-    write_file,
-)
+from hybridpar.checkpoint.format import CheckpointError, CorruptFile, pack_tree
 from hybridpar.checkpoint.group import Group
-from hybridpar.checkpoint.levels import (
-    L1,
-    L2,
-    Found,
-    Levels,
-    available,
-    complete_levels,
-    copy_durable,
-    remove_version,
-    scan,
-    scan_dir,
-)
-from hybridpar.checkpoint.placement import GLOBAL, RANK, STAGE, Copy, FileRole, Placement
+from hybridpar.checkpoint.levels import Found, Levels, available, complete_levels, scan
+from hybridpar.checkpoint.placement import GLOBAL, RANK, STAGE, Placement
 from hybridpar.checkpoint.restore import read_version
-from hybridpar.checkpoint.retention import Policy, Record, keep
+from hybridpar.checkpoint.retention import Policy
 from hybridpar.checkpoint.snapshot import HostBuffers, Snapshot
 from hybridpar.checkpoint.tree import flatten, key_filter, unflatten
+from hybridpar.checkpoint.version import Version, code_version, config_hash
+from hybridpar.checkpoint.writer import Job, Writer
 
-
-@dataclass(frozen=True)
-class Version:
-    """One complete version as this process sees it.
-
-    ``metadata`` holds what ``save`` was given (e.g. ``epoch``, ``metrics``) plus ``config_hash``,
-    ``code_version`` and ``parent`` (the version this run resumed from or saved before: its lineage).
-    ``levels`` are the levels at which this process sees every file of the version.
-    """
-
-    name: str
-    step: int
-    time: float
-    bytes: int
-    levels: tuple[str, ...]
-    metadata: dict[str, Any]
-
-    @property
-    def epoch(self) -> int | None:
-        return self.metadata.get("epoch")
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.metadata.get("metrics", {})
-
-    @property
-    def parent(self) -> str | None:
-        return self.metadata.get("parent")
-
-
-@dataclass
-class _Job:
-    """One save on its way to disk."""
-
-    name: str
-    step: int
-    seq: int
-    time: float
-    metadata: dict[str, Any]
-    files: list[FileRole]
-    self_made: list[Copy]
-    trees: dict[str, bytes]
-    entries: dict[str, list[str]]
-    order: list[str]
-    snap: Snapshot
-    done: list[str] = field(default_factory=list)
-
-
-def _code_version() -> str:
-    """hybridpar's version, plus the git commit of the checkout it runs from, read without running git."""
-    import hybridpar  # noqa: PLC0415 (avoid an import cycle at module load)
-
-    version = getattr(hybridpar, "__version__", "unknown")
-    here = Path(__file__).resolve()
-    for d in here.parents:
-        git = d / ".git"
-        if git.is_dir():
-            try:
-                head = (git / "HEAD").read_text().strip()
-                if head.startswith("ref:"):
-                    ref = head[4:].strip()
-                    p = git / ref
-                    if p.exists():
-                        head = p.read_text().strip()
-                    else:
-                        packed = (git / "packed-refs").read_text().splitlines()
-                        head = next(line.split()[0] for line in packed if line.endswith(" " + ref))
-                return f"{version}+g{head[:12]}"
-            except (OSError, StopIteration):
-                return version
-    return version
-
-
-def _config_hash(config: Mapping[str, Any] | None) -> str | None:
-    if config is None:
-        return None
-    text = json.dumps(config, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+__all__ = ["Checkpointer", "Version"]
 
 
 class Checkpointer:
@@ -212,7 +103,7 @@ class Checkpointer:
         self.keep_local = keep_local
         self.overlap_min_bytes = overlap_min_bytes
         self.config = json.loads(json.dumps(config, default=str)) if config is not None else None
-        self._meta_auto = {"config_hash": _config_hash(config), "code_version": _code_version()}
+        self._meta_auto = {"config_hash": config_hash(config), "code_version": code_version()}
         local = None if local_dir is None else str(local_dir)
 
         self._persist_group = Group(timeout_s)
@@ -239,15 +130,21 @@ class Checkpointer:
         self.grid = grid
         self.levels = Levels(self.root, local, node_of[self.rank], self.placement.nodes)
         self._copies = self.placement.copies() if (partner and local is not None) else []
-        self._leader = self.rank == min(r for r in range(self.world) if node_of[r] == node_of[self.rank])
+        scopes = {"replicated": list(self.replicated), "per_rank": list(self.per_rank)}
+        layout = {"world": self.world, "local": self.levels.local is not None,
+                  "stage_of": list(self.placement.stage_of), "node_of": list(self.placement.node_of),
+                  "data": grid.data if grid is not None else self.world,
+                  "pipe": grid.pipe if grid is not None else 1,
+                  "spatial": list(grid.stage_spatial) if grid is not None else [1, 1, 1]}
+        self._writer = Writer(
+            rank=self.rank, levels=self.levels, placement=self.placement, copies=self._copies,
+            leader=self.rank == min(r for r in range(self.world) if node_of[r] == node_of[self.rank]),
+            policy=self.policy, keep_local=keep_local, session=self.session,
+            manifest_fields={"session": self.session, "config": self.config, "layout": layout,
+                             "scopes": scopes},
+            persist_group=self._persist_group, flush_group=self._flush_group, flush=bool(local))
 
         self._buffers = HostBuffers()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
-        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-flush") if local else None
-        self._pending: Future | None = None
-        self._flushes: list[Future] = []
-        self._unflushed: set[str] = set()
-        self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
         self._seq = 0
         self._parent: str | None = None
@@ -271,7 +168,7 @@ class Checkpointer:
         except CheckpointError as e:
             warnings.warn(str(e), stacklevel=2)
         faults.hit("snapshot", step, self.rank)
-        self._check_flushes(raise_errors=False)
+        self._writer.check_flushes(raise_errors=False)
         meta = mf.jsonable(dict(metadata or {}))
         for k, v in self._meta_auto.items():
             meta.setdefault(k, v)
@@ -293,9 +190,9 @@ class Checkpointer:
             items += [(role.name, k, t) for k, t in flat.tensors.items()]
         snap = Snapshot(items, self._buffers, overlap=overlap, overlap_min_bytes=self.overlap_min_bytes)
         self._snapshot = snap if snap.pending else None
-        job = _Job(name, step, self._seq - 1, time.time(), meta, files, self_made, trees, entries,
-                   list(state), snap)
-        self._pending = self._writer.submit(self._persist, job)
+        job = Job(name, step, self._seq - 1, time.time(), meta, files, self_made, trees, entries,
+                  list(state), snap)
+        self._writer.submit(job)
 
     def _split(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """This rank's share of ``state``, by file kind."""
@@ -336,7 +233,7 @@ class Checkpointer:
         Raises the error of a failed save or flush.
         """
         self._wait_persist()
-        self._check_flushes(raise_errors=True, block=True)
+        self._writer.check_flushes(raise_errors=True, block=True)
 
     def close(self) -> None:
         """Wait for everything, then stop the writer threads."""
@@ -347,11 +244,6 @@ class Checkpointer:
         finally:
             self._closed = True
             self._writer.shutdown()
-            if self._flusher is not None:
-                self._flusher.shutdown()
-            for g in (self._persist_group, self._flush_group):
-                if g is not None:
-                    g.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -360,227 +252,9 @@ class Checkpointer:
         self.close()
 
     def _wait_persist(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def _check_flushes(self, raise_errors: bool, block: bool = False) -> None:
-        keep_running: list[Future] = []
-        errors = []
-        with self._lock:
-            flushes, self._flushes = self._flushes, []
-        for f in flushes:
-            if not block and not f.done():
-                keep_running.append(f)
-                continue
-            try:
-                f.result()
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-        with self._lock:
-            self._flushes[:0] = keep_running
-        if errors and raise_errors:
-            raise errors[0]
-        for e in errors:
-            warnings.warn(f"L3 flush failed (the version stays at L1/L2): {e}", stacklevel=3)
-
-    # ------------------------------------------------------------------------------------ writer thread
-    def _persist(self, job: _Job) -> None:
-        g = self._persist_group
-        vdir = self.levels.write_dir() / job.name
-        written: dict[str, dict[str, int]] = {}
-        copies: dict[str, dict[str, int]] = {}
-        err = ""
-        try:
-            faults.hit("copy", job.step, self.rank)
-            job.snap.finish()
-            make_dirs(vdir)
-            first = lambda: faults.hit("persist", job.step, self.rank)
-            for role in job.files:
-                host = job.snap.host.get(role.name, [])
-                w = write_file(vdir / role.name, host, job.trees[role.name], first)
-                written[role.name] = {"size": w.size, "header_crc": w.header_crc}
-                job.done.append(str(vdir / role.name))
-            fsync_dir(vdir)
-        except Exception as e:  # noqa: BLE001 (every rank must learn of it, or the others would hang)
-            err = f"{type(e).__name__}: {e}"
-        finally:
-            job.snap.release()  # never leave before_update() waiting on a copy that will not come
-        self._agree(g, job, err, "writing its files")
-        if self._copies:
-            try:
-                copies = self._partner_copies(job, vdir)
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: {e}"
-        results = g.all_gather({"err": err, "written": written, "copies": copies, "entries": job.entries,
-                                "time": job.time, "metadata": job.metadata, "order": job.order})
-        self._fail_if(job, [(r, res["err"]) for r, res in enumerate(results)], "making partner copies")
-        body = self._manifest(job, results)
-        err = ""
-        try:
-            before = lambda: faults.hit("manifest", job.step, self.rank)
-            if self.levels.local is None:
-                if self.rank == 0:
-                    mf.write(vdir, body, f"r{self.rank}", before)
-            elif self._leader:
-                mf.write(vdir, body, f"r{self.rank}", before)
-                l2 = self.levels.local_dir(L2) / job.name
-                if l2.is_dir():
-                    mf.write(l2, body, f"r{self.rank}")
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        self._agree(g, job, err, "publishing the manifest")
-        if self.levels.local is None:
-            if self.rank == 0:
-                self._retain(self.root, job.seq, self.policy)
-        else:
-            if self._leader:
-                self._retain(self.levels.local_dir(L1), job.seq, None)
-                self._retain(self.levels.local_dir(L2), job.seq, None)
-            assert self._flusher is not None
-            with self._lock:
-                self._unflushed.add(job.name)
-                self._flushes.append(self._flusher.submit(self._flush, job.name, job.step, job.seq, body))
-        g.all_gather(None)  # retention done everywhere: after wait(), every rank sees the same versions
-        self._parent = job.name  # the lineage of the next save (read only once this job is done)
-
-    def _agree(self, g: Group, job: _Job, err: str, doing: str) -> None:
-        self._fail_if(job, list(enumerate(g.all_gather(err))), doing)
-
-    def _fail_if(self, job: _Job, errs: list[tuple[int, str]], doing: str) -> None:
-        bad = [(r, e) for r, e in errs if e]
-        if not bad:
-            return
-        for p in job.done:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        detail = "; ".join(f"rank {r}: {e}" for r, e in bad[:4])
-        raise CheckpointError(f"save of step {job.step} ({job.name}) failed while {doing} ({detail}); the "
-                              f"previous version is intact")
-
-    def _partner_copies(self, job: _Job, l1dir: Path) -> dict[str, dict[str, int]]:
-        """L2: write self-made stage copies from our own snapshot; exchange the other files' bytes."""
-        g = self._persist_group
-        l2 = self.levels.local_dir(L2) / job.name
-        out: dict[str, dict[str, int]] = {}
-        mine = [c for c in self._copies if c.holder == self.rank]
-        sends = []  # posted first, so that a failure here cannot leave a partner waiting for them
-        for c in self._copies:
-            if not c.self_made and c.file.writer == self.rank:
-                data = torch.from_file(str(l1dir / c.file.name), shared=False,
-                                       size=(l1dir / c.file.name).stat().st_size, dtype=torch.uint8)
-                sends += g.send(data, c.holder)
-        if mine:
-            make_dirs(l2)
-        for c in job.self_made:
-            w = write_file(l2 / c.file.name, job.snap.host.get(c.file.name, []), job.trees[c.file.name])
-            out[c.file.name] = {"size": w.size, "header_crc": w.header_crc}
-        for c in mine:
-            if c.self_made:
-                continue
-            data = g.recv(c.file.writer)
-            path = l2 / c.file.name
-            write_bytes(path, memoryview(data.numpy()))
-            _, hcrc, _ = FOOTER.unpack(data[-FOOTER.size:].numpy().tobytes())
-            out[c.file.name] = {"size": data.numel(), "header_crc": hcrc}
-        for work, _ in sends:
-            work.wait()
-        if mine:
-            fsync_dir(l2)
-        return out
-
-    def _manifest(self, job: _Job, results: list[dict[str, Any]]) -> dict[str, Any]:
-        files: dict[str, dict[str, Any]] = {}
-        for role in self.placement.files():
-            res = results[role.writer]
-            files[role.name] = {"kind": role.kind, "stage": role.stage, "rank": role.writer,
-                                "entries": res["entries"][role.name], "copies": [],
-                                **res["written"][role.name]}
-        for r, res in enumerate(results):
-            for fname, rec in res["copies"].items():
-                files[fname]["copies"].append({"level": L2, "holder": r, **rec})
-        grid = self.grid
-        layout = {"world": self.world, "local": self.levels.local is not None,
-                  "stage_of": list(self.placement.stage_of), "node_of": list(self.placement.node_of),
-                  "data": grid.data if grid is not None else self.world,
-                  "pipe": grid.pipe if grid is not None else 1,
-                  "spatial": list(grid.stage_spatial) if grid is not None else [1, 1, 1]}
-        return {"format": mf.FORMAT, "name": job.name, "step": job.step, "time": results[0]["time"],
-                "session": self.session, "metadata": results[0]["metadata"], "config": self.config,
-                "order": results[0]["order"],
-                "layout": layout, "files": files,
-                "scopes": {"replicated": list(self.replicated), "per_rank": list(self.per_rank)},
-                "bytes": sum(f["size"] for f in files.values())}
-
-    def _flush(self, name: str, step: int, seq: int, body: dict[str, Any]) -> None:
-        """L3: copy this rank's L1 files to the root, agree, publish the root's manifest, retain."""
-        g = self._flush_group
-        assert g is not None
-        dst = self.root / name
-        err = ""
-        try:
-            make_dirs(dst)
-            src = self.levels.local_dir(L1) / name
-            for i, role in enumerate(self.placement.writes(self.rank)):
-                copy_durable(src / role.name, dst / role.name)
-                if i == 0:
-                    faults.hit("flush", step, self.rank)
-            fsync_dir(dst)
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        try:
-            bad = [(r, e) for r, e in enumerate(g.all_gather(err)) if e]
-            if bad:
-                raise CheckpointError(f"L3 flush of {name} failed: " +
-                                      "; ".join(f"rank {r}: {e}" for r, e in bad[:4]))
-            err = ""
-            if self.rank == 0:
-                try:
-                    mf.write(dst, body, "r0")
-                except Exception as e:  # noqa: BLE001
-                    err = f"{type(e).__name__}: {e}"
-            bad = [(r, e) for r, e in enumerate(g.all_gather(err)) if e]
-            if bad:
-                raise CheckpointError(f"publishing {name} at L3 failed: rank {bad[0][0]}: {bad[0][1]}")
-        finally:
-            with self._lock:
-                self._unflushed.discard(name)
-        if self.rank == 0:
-            self._retain(self.root, seq, self.policy)
-        if self._leader:  # what waited for this flush may go now
-            self._retain(self.levels.local_dir(L1), seq, None)
-            self._retain(self.levels.local_dir(L2), seq, None)
-        g.all_gather(None)  # retention done everywhere
-
-    def _retain(self, d: Path, seq: int, policy: Policy | None) -> None:
-        """Apply retention in one level directory (``policy`` None: the newest ``keep_local``).
-
-        Deletes complete versions the policy drops, and incomplete ones left by other runs or by failed
-        saves of this run; never one still being written or waiting for its L3 flush.
-        """
-        try:
-            self._retain_in(d, seq, policy)
-        except OSError as e:  # a version left behind costs space, not correctness: never fail a save
-            warnings.warn(f"checkpoint retention in {d} failed: {e}", stacklevel=2)
-
-    def _retain_in(self, d: Path, seq: int, policy: Policy | None) -> None:
-        entries = scan_dir(d)
-        with self._lock:
-            protected = set(self._unflushed)
-        complete = [Record(n, b["step"], b["time"], b["metadata"]) for n, b, _ in entries if b is not None]
-        if policy is None:
-            newest = sorted(complete, key=lambda v: (v.time, v.name))[-self.keep_local:]
-            kept = {v.name for v in newest}
-        else:
-            kept = keep(policy, complete)
-        for name, body, problem in entries:
-            if name in kept or name in protected or problem is not None:
-                continue
-            parsed = mf.parse_name(name)
-            assert parsed is not None
-            if body is None and parsed[1] == self.session and parsed[2] >= seq:
-                continue  # ours, and possibly still being written by another rank
-            remove_version(d / name)
+        name = self._writer.wait_persist()
+        if name is not None:
+            self._parent = name  # the lineage of the next save
 
     # ------------------------------------------------------------------------------------------- read
     def _found(self) -> list[Found]:

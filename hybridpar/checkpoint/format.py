@@ -2,8 +2,8 @@
 
 Why not ``torch.save``: it pickles the tensors through a zip writer, while here the bytes of each
 host buffer go straight to the file (no extra copy), a reader can fetch one tensor by seeking (a pipeline
-stage reads only its own layers), and each piece carries a crc32 (zlib's runs at several GB/s, far
-below the cost of the write). Layout::
+stage reads only its own layers), and each piece carries a crc32 (zlib's, cheap beside the write
+itself). Layout::
 
     b"HPCKPT01" | tensor bytes, back to back | header (pickle) | footer: <u64 header length,
                                                                          u32 header crc32, b"HPCKEND1">

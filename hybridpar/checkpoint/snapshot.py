@@ -54,6 +54,12 @@ class HostBuffers:
         return sum(b.nbytes for b in self._bufs.values())
 
 
+def _version(t: torch.Tensor) -> int:
+    """torch's in-place write counter of ``t`` (what autograd checks saved tensors with): a different
+    value later means the tensor was written to. The one reach into this private torch attribute."""
+    return t._version
+
+
 def _check(key: str, t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"state entry {key!r} is a {type(t).__name__}: store plain tensors (a DTensor: "
@@ -95,9 +101,9 @@ class Snapshot:
             self.nbytes += buf.nbytes
             big = overlap and src.nbytes >= overlap_min_bytes
             if src.is_cuda:
-                (later_cuda.append((key, src, buf, src._version)) if big else now_cuda.append((src, buf)))
+                (later_cuda.append((key, src, buf, _version(src))) if big else now_cuda.append((src, buf)))
             elif big:
-                self._deferred.append((key, src, buf, src._version))
+                self._deferred.append((key, src, buf, _version(src)))
             else:
                 buf.copy_(src)
         buffers.retain(slots)
@@ -143,7 +149,7 @@ class Snapshot:
         """
         if self._cuda_done:
             for key, src, _, version in self._cuda_later:
-                if src._version != version and self._error is None:
+                if _version(src) != version and self._error is None:
                     self._error = self._torn(key, "before ckpt.before_update()")
             for ev in self._cuda_done:
                 torch.cuda.current_stream(self._device).wait_event(ev)
@@ -166,13 +172,13 @@ class Snapshot:
             for _, src, buf, _ in self._deferred:
                 buf.copy_(src)
             for key, src, _, version in self._deferred:
-                if src._version != version:
+                if _version(src) != version:
                     self._error = self._error or self._torn(key, "during the copy")
             for ev in self._cuda_done:
                 ev.synchronize()
             if self._cuda_done and not self._guarded:
                 for key, src, _, version in self._cuda_later:
-                    if src._version != version:
+                    if _version(src) != version:
                         self._error = self._error or self._torn(key, "before ckpt.before_update()")
         finally:
             self._deferred = []

@@ -114,11 +114,13 @@ class HaloExchanger:
 
     ``rank``: this process's global rank. A periodic dim split once makes the rank its own neighbour
     across both faces: its messages to itself are handed over in memory (torch.distributed refuses
-    to send to oneself).
+    to send to oneself). :attr:`dims` are the dims that exchange anything, :attr:`all_dims` every dim
+    given, in order (a layer reads its per-dim plans there).
     """
 
     def __init__(self, dims: list[DimExchange], transport: Transport, fill: float = 0.0,
                  rank: int | None = None) -> None:
+        self.all_dims = list(dims)
         self.dims = [d for d in dims if not d.trivial]
         self.transport = transport
         self.fill = fill

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hybridpar import profiling
+from hybridpar.comm.store import default_store
 
 _PREFIX = "hybridpar/beat/"
 
@@ -50,7 +51,7 @@ def start(timeout_s: float) -> None:
     """Beat this rank's counter in the default group's store until the process ends (once per group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     if _heart and _heart[0].store is store:
         return
     _heart.clear()  # a new default group: the old beat ends with its store

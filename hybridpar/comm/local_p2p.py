@@ -32,8 +32,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from hybridpar.comm.local_channel import RING as _RING  # noqa: F401 (the ring size, for tests)
 from hybridpar.comm.local_channel import Channel, Work, can_read_memory, map_segment, read_remote
+from hybridpar.comm.store import default_store
 
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1).value
 
@@ -104,7 +104,7 @@ class _Board:
     _count = itertools.count()
 
     def __init__(self) -> None:
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = default_store()
         self.prefix = f"hybridpar/local_p2p/{next(self._count)}/"
         self.rank = dist.get_rank()
 

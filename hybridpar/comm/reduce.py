@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.eager import eager
 from hybridpar.profiling import range as prange
@@ -124,9 +125,21 @@ def sum_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return SumToReplicated.apply(x, group)
 
 
+# The split of each marked parameter, kept beside the parameter rather than on it: no attribute bolted onto
+# a torch object, nothing added to its state_dict, the optimizer's view or a pickle; a parameter that goes
+# away takes its entry with it (a deep copy is a new, unmarked parameter).
+_SPLIT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_grad_split(params: Iterable[torch.Tensor], split: int) -> None:
+    """Record that ``split`` shards each contribute a partial gradient to every one of ``params``."""
+    for p in params:
+        _SPLIT[p] = split
+
+
 def grad_split(param: torch.Tensor) -> int:
     """How many shards contribute partial gradients to ``param`` (1 for replicated computation)."""
-    return getattr(param, "_hp_split", 1)
+    return _SPLIT.get(param, 1)
 
 
 def reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None,

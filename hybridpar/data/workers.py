@@ -13,8 +13,8 @@ the parent process disappears, so a crashed trainer leaves no orphans.
 
 A receiver thread in the trainer takes results off the queue as they arrive. Rebuilding a batch
 from shared memory (receiving its file descriptors, mapping the storage) is work of the trainer's
-process, a few milliseconds a batch on a busy 2-core machine; done when asked for, it counted as
-data wait. The thread does it while the main thread computes or waits for the network.
+process; done when asked for, it would count as data wait. The thread does it while the main thread
+computes or waits for the network.
 """
 
 from __future__ import annotations

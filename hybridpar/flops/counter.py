@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridpar.nn import registry
+from hybridpar.nn.families import BATCH_NORM
 
 __all__ = ["FlopCount", "LayerFlops", "TrainingTotals", "count", "meta_copy"]
 
@@ -200,7 +201,7 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     meta = meta_copy(model)
     for mod in meta.modules():  # same FLOPs either way, and training mode refuses a batch of one
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+        if isinstance(mod, BATCH_NORM):
             mod.eval()
     chosen, unsupported = _select(meta)
     records: list[LayerFlops] = []

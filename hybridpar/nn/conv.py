@@ -20,11 +20,11 @@ from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.eager import eager
-from hybridpar.geometry import HaloPlan, same_padding, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, ntuple, same_padding, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
-from hybridpar.nn.spatial import SpatialLayer, _triple
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.precision import narrowed, result_dtype
 
 
@@ -55,7 +55,7 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
             return [(0, 0)] * 3
         if self.padding == "same":
             return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
-        return [(p, p) for p in _triple(self.padding, "padding", self.layer_name)]
+        return [(p, p) for p in ntuple(self.padding, what="padding", layer=self.layer_name)]
 
     def _native_pads(self) -> tuple[int, int, int]:
         """Padding torch's kernel can apply itself: symmetric zero padding along dims that are not
@@ -129,33 +129,40 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
                                     output_padding, groups, bias, dilation, padding_mode, device, dtype)
         self._init_spatial(grid, transport)
         self._mark_params(self.grid.spatial_size)
+        self._origins: dict[tuple[int, ...], list[int]] = {}
+
+    def _plans(self, n: int, parts: int, dim: str) -> tuple[list[HaloPlan], list[int]]:
+        i = dim_i(dim)
+        return transposed_plans(n, parts, self.kernel_size[i], self.stride[i], self.padding[i],
+                                self.dilation[i], self.output_padding[i], layer=self.layer_name, dim=dim)
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
-        geo = {}
+        return self.exchanger(shape, lambda n, parts, dim: self._plans(n, parts, dim)[0], key=("T",))
 
-        def plans_of(n, parts, dim):
-            i = dim_i(dim)
-            plans, origins = transposed_plans(n, parts, self.kernel_size[i], self.stride[i], self.padding[i],
-                                              self.dilation[i], self.output_padding[i],
-                                              layer=self.layer_name, dim=dim)
-            geo[i] = origins
-            return plans
+    def origins(self, shape: tuple[int, int, int]) -> list[int]:
+        """Per dim, where the kernel's result on this rank's extended input starts in the global output
+        (memoised per global input ``shape``)."""
+        found = self._origins.get(tuple(shape))
+        return found if found is not None else self._new_origins(tuple(shape))
 
-        ex = self.exchanger(shape, plans_of, key=("T",))
-        if not hasattr(ex, "origins"):
-            ex.origins = [geo[i][self.grid.spatial_coord[i]] for i in range(3)]  # type: ignore[attr-defined]
-        return ex
+    @eager  # computed once per shape, eagerly (a compiled forward finds it memoised)
+    def _new_origins(self, shape: tuple[int, ...]) -> list[int]:
+        self._origins[shape] = [self._plans(shape[i], self.grid.spatial_shape[i], "DHW"[i])[1]
+                                [self.grid.spatial_coord[i]] for i in range(3)]
+        return self._origins[shape]
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
         if output_size is not None:
             raise NotImplementedError("DistConvTranspose3d: output_size is not supported; set "
                                       "output_padding instead")
-        ex = self.halo_exchanger(self.global_shape(x))
+        shape = self.global_shape(x)
+        ex = self.halo_exchanger(shape)
+        origins = self.origins(shape)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         weight, bias = sync_grads(group, self.weight, self.bias)
         ext = exchange(narrowed(x, result_dtype("conv_transpose3d", _conv_transpose_probe, x)), ex)
-        outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
+        outs = [d.plan.out for d in ex.all_dims]
         if all(s > 0 for s in ext.shape[2:]):
             y = F.conv_transpose3d(ext, weight, None, self.stride, 0, 0, self.groups, self.dilation)
         else:  # the dtype the kernel would give (autocast)
@@ -163,7 +170,7 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
                 result_dtype("conv_transpose3d", _conv_transpose_probe, ext))
         pad = []
         for i in (2, 1, 0):  # F.pad lists the last dim first; negative values crop
-            origin, (a, b) = ex.origins[i], outs[i]
+            origin, (a, b) = origins[i], outs[i]
             pad += [origin - a, b - (origin + y.shape[2 + i])]
         y = F.pad(y, pad) if y.numel() else memfmt.zeros((y.shape[0], self.out_channels,
                                                           *(b - a for a, b in outs)), y)

@@ -257,6 +257,20 @@ class _SyncGroupNorm(torch.autograd.Function):
 class _PerSampleNorm(SpatialLayer):
     """What DistGroupNorm and DistInstanceNorm3d share: the spatial group and the Function call."""
 
+    def _init_per_sample(self, grid: ProcessGrid | None) -> None:
+        self._init_spatial(grid, None)
+        self._mark_params(1)  # the Function returns the weights' gradients already summed over shards
+
+    def _split_shape(self, x: torch.Tensor, channels: int) -> tuple[int, int, int] | None:
+        """Global (D, H, W) of ``x``, its channels checked; None where torch's own layer runs instead
+        (an input that is not 5-D, on an unsplit grid)."""
+        if x.dim() != 5 and self.grid.spatial_size == 1:
+            return None
+        shape = self.global_shape(x)
+        if x.shape[1] != channels and self.affine:
+            raise ValueError(f"{self.layer_name}: expected {channels} channels, got {x.shape[1]}")
+        return shape
+
     def _spatial_group(self):
         return self.grid.spatial_group if self.grid.spatial_size > 1 else None
 
@@ -282,15 +296,12 @@ class DistGroupNorm(_PerSampleNorm, nn.GroupNorm):
                  device=None, dtype=None, *, bias: bool = True, grid: ProcessGrid | None = None) -> None:
         nn.GroupNorm.__init__(self, num_groups, num_channels, eps, affine, device, dtype,
                               **_bias_kwarg(nn.GroupNorm, bias, "DistGroupNorm"))
-        self._init_spatial(grid, None)
-        self._mark_params(1)
+        self._init_per_sample(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 5 and self.grid.spatial_size == 1:
+        shape = self._split_shape(x, self.num_channels)
+        if shape is None:
             return nn.GroupNorm.forward(self, x)
-        shape = self.global_shape(x)
-        if x.shape[1] != self.num_channels and self.affine:
-            raise ValueError(f"{self.layer_name}: expected {self.num_channels} channels, got {x.shape[1]}")
         if x.shape[0] * (x.shape[1] // self.num_groups) * math.prod(shape) == 1:
             raise ValueError(f"{self.layer_name}: expected more than 1 value per channel, got input of "
                              f"global size {(x.shape[0], x.shape[1], *shape)}")
@@ -310,15 +321,12 @@ class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
                  bias: bool = True, grid: ProcessGrid | None = None) -> None:
         nn.InstanceNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device,
                                    dtype, **_bias_kwarg(nn.InstanceNorm3d, bias, "DistInstanceNorm3d"))
-        self._init_spatial(grid, None)
-        self._mark_params(1)
+        self._init_per_sample(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 5 and self.grid.spatial_size == 1:
+        shape = self._split_shape(x, self.num_features)
+        if shape is None:
             return nn.InstanceNorm3d.forward(self, x)
-        shape = self.global_shape(x)
-        if x.shape[1] != self.num_features and self.affine:
-            raise ValueError(f"{self.layer_name}: expected {self.num_features} channels, got {x.shape[1]}")
         if not (self.training or not self.track_running_stats):
             weight, bias = sync_grads(self._spatial_group(), self.weight, self.bias)
             return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)

@@ -35,7 +35,7 @@ Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 def _available(x: torch.Tensor, ex: HaloExchanger) -> tuple[torch.Tensor, list[int]]:
     """Locally held part of the extended input, and its offset in extended coordinates per dim."""
     offsets = []
-    for d in ex.all_dims:  # type: ignore[attr-defined]
+    for d in ex.all_dims:
         p, dim = d.plan, d.dim
         own = x.shape[dim] - p.trim_lo - p.trim_hi
         pieces = []

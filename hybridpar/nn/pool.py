@@ -24,10 +24,10 @@ from torch import nn
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import sum_to_replicated
-from hybridpar.geometry import Range, window_plans
+from hybridpar.geometry import Range, ntuple, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
-from hybridpar.nn.spatial import SpatialLayer, _triple
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.precision import no_autocast, result_dtype, widened
 
 
@@ -48,10 +48,10 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
         self._init_spatial(grid, transport)
         if return_indices:
             raise NotImplementedError("DistMaxPool3d: return_indices=True is not supported")
-        self.k = _triple(kernel_size, "kernel_size", self.layer_name)
-        self.s = _triple(stride if stride is not None else kernel_size, "stride", self.layer_name)
-        self.p = _triple(padding, "padding", self.layer_name)
-        self.d = _triple(dilation, "dilation", self.layer_name)
+        self.k = ntuple(kernel_size, what="kernel_size", layer=self.layer_name)
+        self.s = ntuple(stride if stride is not None else kernel_size, what="stride", layer=self.layer_name)
+        self.p = ntuple(padding, what="padding", layer=self.layer_name)
+        self.d = ntuple(dilation, what="dilation", layer=self.layer_name)
         _check_pad(self.layer_name, self.k, self.p, self.d)
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
@@ -75,9 +75,9 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
         nn.AvgPool3d.__init__(self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                               divisor_override)
         self._init_spatial(grid, transport)
-        self.k = _triple(kernel_size, "kernel_size", self.layer_name)
-        self.s = _triple(stride if stride is not None else kernel_size, "stride", self.layer_name)
-        self.p = _triple(padding, "padding", self.layer_name)
+        self.k = ntuple(kernel_size, what="kernel_size", layer=self.layer_name)
+        self.s = ntuple(stride if stride is not None else kernel_size, what="stride", layer=self.layer_name)
+        self.p = ntuple(padding, what="padding", layer=self.layer_name)
         _check_pad(self.layer_name, self.k, self.p)
         self._divisors: dict[tuple, torch.Tensor] = {}
 
@@ -113,7 +113,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
         shape = self.global_shape(x)
         ex = self.halo_exchanger(shape)
         sums = F.avg_pool3d(exchange(x, ex), self.k, self.s, 0, divisor_override=1)
-        outs = [d.plan.out for d in ex.all_dims]  # type: ignore[attr-defined]
+        outs = [d.plan.out for d in ex.all_dims]
         return sums / self._divisor(shape, outs, sums)
 
 
@@ -168,7 +168,7 @@ class _AdaptivePool(SpatialLayer):
 
     def out_extents(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
         """The output (D, H, W) for a global input ``shape`` (None in ``output_size``: kept)."""
-        ks = registry.triple(self.output_size)
+        ks = ntuple(self.output_size)
         return tuple(shape[i] if ks[i] is None else int(ks[i]) for i in range(3))  # type: ignore[return-value]
 
     def _geometry(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], list, list]:

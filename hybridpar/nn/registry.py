@@ -17,6 +17,9 @@ Roles (how a layer meets a spatially split input):
 * ``"reduce"``: reduces the whole volume (global and adaptive pooling): split input, replicated output.
 * ``"dense"``: needs the whole tensor (Linear, Flatten): runs replicated, after a planned gather.
 
+The formulas themselves (FLOPs, window geometry, saved bytes) live in :mod:`hybridpar.nn.formulas`;
+an entry only names which of them its layer type uses.
+
 Lookup walks the type's MRO, so a subclass (a distributed layer, a user's Conv3d subclass) finds its
 base's entry unless it registers its own.
 
@@ -30,8 +33,7 @@ Register a layer of your own::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,29 +41,27 @@ import torch
 from torch import nn
 
 from hybridpar import geometry
+from hybridpar.geometry import ntuple
+from hybridpar.nn import families
+from hybridpar.nn.formulas import (
+    LayerGeometry,
+    Work,
+    conv_flops,
+    elementwise_flops,
+    linear_flops,
+    no_flops,
+    no_flops_pointwise,
+    norm_flops,
+    per_input_flops,
+    pool_flops,
+    saved_window,
+)
 
 ROLES = ("window", "transposed", "pointwise", "resample", "reduce", "dense")
 OPS = ("conv", "linear", "pool", "norm", "pointwise", "free")
-NORM_FLOPS = 4  # nominal per element and direction: statistics, normalise, scale, shift
 AXES = ("d", "h", "w")
 
-Work = dict[str, int]
 Halos = tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class LayerGeometry:
-    """Window hyperparameters per spatial dim, kept so that work and halos can be split per rank."""
-
-    kind: str  # "conv", "conv_transposed", "window" (pooling), "pointwise", "adaptive"
-    kernel: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    pad_lo: tuple[int, ...] = ()
-    pad_hi: tuple[int, ...] = ()
-    dilation: tuple[int, ...] = ()
-    output_padding: tuple[int, ...] = ()
-    ceil_mode: bool = False
-    mode: str | None = None  # padding beyond the faces, as geometry names it (None: zeros)
 
 
 FlopFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Work, LayerGeometry | None]]
@@ -191,24 +191,15 @@ def function_role(fn: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------- helpers for entries
-def triple(v: Any) -> tuple[int, int, int]:
-    """An int or 3 ints as 3 ints."""
-    return tuple(v) if isinstance(v, tuple | list) else (v, v, v)  # type: ignore[return-value]
-
-
-def ntuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-
-
 def conv_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.window_plans`` for a Conv3d-like module."""
-    k, s, d = triple(m.kernel_size), triple(m.stride), triple(m.dilation)
+    k, s, d = ntuple(m.kernel_size), ntuple(m.stride), ntuple(m.dilation)
     if m.padding == "same":
         lohi = [geometry.same_padding(k[i], d[i]) for i in range(3)]
     elif m.padding == "valid":
         lohi = [(0, 0)] * 3
     else:
-        lohi = [(p, p) for p in triple(m.padding)]
+        lohi = [(p, p) for p in ntuple(m.padding)]
     periodic = getattr(m, "padding_mode", "zeros") == "circular"
     return [dict(kernel=k[i], stride=s[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=d[i],
                  ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(3)]
@@ -216,16 +207,16 @@ def conv_window_args(m: nn.Module) -> list[dict]:
 
 def pool_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.window_plans`` for a MaxPool3d / AvgPool3d."""
-    k = triple(m.kernel_size)
-    s = triple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
-    d, p = triple(getattr(m, "dilation", 1)), triple(m.padding)
+    k = ntuple(m.kernel_size)
+    s = ntuple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
+    d, p = ntuple(getattr(m, "dilation", 1)), ntuple(m.padding)
     return [dict(kernel=k[i], stride=s[i], pad_lo=p[i], pad_hi=p[i], dilation=d[i],
                  ceil_mode=bool(m.ceil_mode)) for i in range(3)]
 
 
 def transposed_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.transposed_plans`` for a ConvTranspose3d."""
-    k, s, p, d, op = (triple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
+    k, s, p, d, op = (ntuple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
     return [dict(kernel=k[i], stride=s[i], padding=p[i], dilation=d[i], output_padding=op[i])
             for i in range(3)]
 
@@ -258,117 +249,18 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
     return tuple(halo)
 
 
-# ---------------------------------------------------------------------- FLOP formulas (see hybridpar.flops)
-def conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
-    n = len(m.kernel_size)
-    batch = math.prod(x.shape[:-(n + 1)])
-    spatial = x.shape[-n:] if m.transposed else y.shape[-n:]
-    fwd = 2 * batch * math.prod(spatial) * math.prod(m.weight.shape)
-    if isinstance(m.padding, str):
-        pads = [geometry.same_padding(k, d) if m.padding == "same" else (0, 0)
-                for k, d in zip(m.kernel_size, m.dilation, strict=True)]
-    else:
-        pads = [(p, p) for p in m.padding]
-    geom = LayerGeometry("conv_transposed" if m.transposed else "conv", tuple(m.kernel_size),
-                         tuple(m.stride), tuple(p[0] for p in pads), tuple(p[1] for p in pads),
-                         tuple(m.dilation), tuple(m.output_padding) if m.transposed else (),
-                         mode=None if getattr(m, "padding_mode", "zeros") == "zeros" else m.padding_mode)
-    bias = m.bias is not None
-    work = {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
-            "weight_grad": fwd if m.weight.requires_grad else 0,
-            "forward_other": y.numel() if bias else 0,
-            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}
-    return work, geom
-
-
-def linear_flops(m: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, None]:
-    fwd = 2 * (x.numel() // m.in_features) * m.in_features * m.out_features
-    bias = m.bias is not None
-    return {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
-            "weight_grad": fwd if m.weight.requires_grad else 0,
-            "forward_other": y.numel() if bias else 0,
-            "backward_other": y.numel() if bias and m.bias.requires_grad else 0}, None
-
-
-_POOL_DIMS = {"1d": 1, "2d": 2, "3d": 3}  # by class name suffix: unbatched inputs lack the N dim
-
-
-def pool_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
-    n = _POOL_DIMS.get(type(m).__name__[-2:], x.dim() - 2)
-    kernel = ntuple(m.kernel_size, n)
-    stride = ntuple(m.stride if m.stride else m.kernel_size, n)
-    pad = ntuple(m.padding, n)
-    dilation = ntuple(getattr(m, "dilation", 1), n)
-    taps = math.prod(kernel)
-    geom = LayerGeometry("window", kernel, stride, pad, pad, dilation, (), bool(m.ceil_mode))
-    is_max = isinstance(m, nn.modules.pooling._MaxPoolNd)
-    back = (x.numel() if is_max else y.numel() * taps) if x.requires_grad else 0
-    return {"forward_other": y.numel() * taps, "backward_other": back}, geom
-
-
-def _spatial(kind: str, x: torch.Tensor) -> LayerGeometry | None:
-    return LayerGeometry(kind) if x.dim() > 2 else None  # (N, C) tensors have no spatial dims to split
-
-
-def per_input_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    """One nominal FLOP per input element each way (adaptive pooling)."""
-    return {"forward_other": x.numel(), "backward_other": x.numel() if x.requires_grad else 0}, \
-        _spatial("adaptive", x)
-
-
-def norm_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    trainable = any(p.requires_grad for p in m.parameters())
-    back = NORM_FLOPS * x.numel() if (x.requires_grad or trainable) else 0
-    return {"forward_other": NORM_FLOPS * x.numel(), "backward_other": back}, _spatial("pointwise", x)
-
-
-def elementwise_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    """One nominal FLOP per output element each way (activations; dropout while training)."""
-    if isinstance(m, nn.modules.dropout._DropoutNd) and not m.training:
-        return {}, _spatial("pointwise", x)
-    trainable = any(p.requires_grad for p in m.parameters())
-    back = y.numel() if (x.requires_grad or trainable) else 0
-    return {"forward_other": y.numel(), "backward_other": back}, _spatial("pointwise", x)
-
-
-def no_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    return {}, None
-
-
-def no_flops_pointwise(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    return {}, _spatial("pointwise", x)
-
-
-def resample_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
-    """Interpolation: nominal FLOPs per output element, ``2**dims`` taps for (tri)linear, 1 for nearest."""
-    taps = 1 if getattr(m, "mode", "nearest").startswith("nearest") else 2 ** max(x.dim() - 2, 1)
-    back = y.numel() * taps if x.requires_grad else 0
-    return {"forward_other": y.numel() * taps, "backward_other": back}, _spatial("adaptive", x)
-
-
-# ---------------------------------------------------------------------- saved-for-backward estimates
-def saved_window(m: nn.Module, elem: int, out_n: int, ext_n: int) -> int:
-    """A conv keeps its (extended) input and passes its output on; pooling its output, and max
-    pooling its indices (int64)."""
-    indices = 8 * out_n if isinstance(m, nn.modules.pooling._MaxPoolNd) else 0
-    return elem * ext_n + elem * out_n + indices
-
-
 # ---------------------------------------------------------------------- torch types without a Dist class
 def _register_builtins() -> None:
     """Entries of torch types that have no Dist class: 1D/2D layers and dense layers run replicated,
     activations and dropout as copies on shards. The 3D layers with Dist classes register in the
     files of those classes (:mod:`hybridpar.nn.conv`, ``pool``, ``norm``, ...)."""
-    pooling = nn.modules.pooling
-    conv_nd, max_nd, avg_nd = nn.modules.conv._ConvNd, pooling._MaxPoolNd, pooling._AvgPoolNd
-    register(conv_nd, role="dense", op="conv", flops=conv_flops)  # 1d/2d: not split (3D volumes only)
-    register(max_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)
-    register(avg_nd, role="dense", op="pool", flops=pool_flops, saved=saved_window)
-    for t in (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd):
+    register(families.CONV_ND, role="dense", op="conv", flops=conv_flops)  # 1d/2d: not split (3D only)
+    register(families.MAX_POOL_ND, role="dense", op="pool", flops=pool_flops, saved=saved_window)
+    register(families.AVG_POOL_ND, role="dense", op="pool", flops=pool_flops, saved=saved_window)
+    for t in families.ADAPTIVE_POOL_ND:
         register(t, role="dense", op="pool", flops=per_input_flops)
     register(nn.Linear, role="dense", op="linear", flops=linear_flops)
-    for t in (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
-              nn.LayerNorm):
+    for t in (families.BATCH_NORM, nn.GroupNorm, families.INSTANCE_NORM, nn.LayerNorm):
         register(t, role="dense", op="norm", flops=norm_flops)
     for t in (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
               nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
@@ -376,7 +268,7 @@ def _register_builtins() -> None:
         register(t, role="pointwise", op="pointwise", flops=elementwise_flops)
     for t in (nn.Softmax, nn.LogSoftmax, nn.GLU):  # along a dim that may be spatial: not split
         register(t, role="dense", op="pointwise", flops=elementwise_flops)
-    register(nn.modules.dropout._DropoutNd, role="pointwise", op="pointwise", flops=elementwise_flops)
+    register(families.DROPOUT_ND, role="pointwise", op="pointwise", flops=elementwise_flops)
     register(nn.Identity, role="pointwise", op="free", flops=no_flops_pointwise)
     for t in (nn.Flatten, nn.Unflatten):
         register(t, role="dense", op="free", flops=no_flops)

@@ -14,21 +14,13 @@ from torch import nn
 
 from hybridpar.comm.halo import DimExchange, HaloExchanger
 from hybridpar.comm.redistribute import infer_global_shape
+from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.comm.transport import get_transport
 from hybridpar.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
-from hybridpar.nn import registry
 
 DIM_NAMES = ("D", "H", "W")
-
-
-def _triple(v, what: str, layer: str) -> tuple[int, int, int]:
-    """:func:`registry.triple`, checked: a layer's argument error names the layer."""
-    t = registry.triple(v)
-    if len(t) != 3 or not all(isinstance(i, int) for i in t):
-        raise ValueError(f"{layer}: {what} must be an int or 3 ints, got {v!r}")
-    return t  # type: ignore[return-value]
 
 
 class SpatialLayer(nn.Module):
@@ -82,14 +74,12 @@ class SpatialLayer(nn.Module):
             # one rank has no neighbour to talk to: no communicator for it (see grid._self_group)
             group = self.grid.halo_group if self.grid.spatial_size > 1 else None
             ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill, rank=self.grid.rank)
-            ex.all_dims = dims  # type: ignore[attr-defined]
             self._exchangers[k] = ex
         return self._exchangers[k]
 
     def _mark_params(self, split: int) -> None:
         """Tell the engine's bucketed reduction how many shards contribute to each parameter."""
-        for p in self.parameters(recurse=False):
-            p._hp_split = split  # type: ignore[attr-defined]
+        mark_grad_split(self.parameters(recurse=False), split)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, split={self.grid.spatial_shape}"

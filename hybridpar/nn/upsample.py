@@ -35,9 +35,9 @@ from torch import nn
 
 from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
-from hybridpar.geometry import HaloError, HaloPlan, Range, _check_nonempty, _link, shard_ranges
+from hybridpar.geometry import HaloError, HaloPlan, Range, check_split, plans_from_needs
 from hybridpar.grid import ProcessGrid
-from hybridpar.nn import registry
+from hybridpar.nn import formulas, registry
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
 from hybridpar.precision import narrowed, result_dtype, widened
 
@@ -137,20 +137,18 @@ def resample_plans(n: int, m: int, parts: int, taps: DimTaps, layer: str = "laye
     Raises :class:`HaloError` when an output shard reads beyond its rank's immediate neighbours (a
     strong downsampling split too finely), naming the largest split that fits.
     """
-    _check_nonempty(n, m, parts, layer, dim)
-    outs = shard_ranges(m, parts)
+    check_split(n, m, parts, layer, dim)  # its own advice, not the reach's below
     try:
-        return _link(n, shard_ranges(n, parts), outs, _needs(taps, outs), layer, dim, "")
+        return plans_from_needs(n, m, parts, lambda outs: _needs(taps, outs), layer, dim)
     except HaloError as err:
         raise HaloError(f"{err}use a split of at most {_max_parts(n, m, taps)} along {dim}") from None
 
 
 def _max_parts(n: int, m: int, taps: DimTaps) -> int:
     best = 1
-    for parts in range(2, min(n, m) + 1):
-        outs = shard_ranges(m, parts)
+    for parts in range(2, min(n, m) + 1):  # never an empty shard: only the reach can fail
         try:
-            _link(n, shard_ranges(n, parts), outs, _needs(taps, outs), "", "", "")
+            plans_from_needs(n, m, parts, lambda outs: _needs(taps, outs), "", "")
         except HaloError:
             continue
         best = parts
@@ -270,7 +268,7 @@ class DistUpsample(SpatialLayer, nn.Upsample):
         if key not in self._taps:
             r = self.resampling(shape)
             op = _opmath(x.dtype)
-            plans = [d.plan for d in ex.all_dims]  # type: ignore[attr-defined]
+            plans = [d.plan for d in ex.all_dims]
             self._taps[key] = [_local(self._dim_taps(shape[i], r, i, op), plans[i], x.dtype, x.device)
                                for i in range(3)]
         return self._taps[key]
@@ -342,7 +340,7 @@ def _upsample_halos(m: nn.Upsample, name: str, in_shape: tuple[int, ...], out_sh
     return tuple(halos)
 
 
-registry.register(nn.Upsample, role="resample", op="pointwise", flops=registry.resample_flops,
+registry.register(nn.Upsample, role="resample", op="pointwise", flops=formulas.resample_flops,
                   to_dist=_upsample, halos=_upsample_halos)
 
 __all__ = ["DistUpsample", "dist_interpolate", "dim_taps", "resample_plans", "resampling"]

@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
+from hybridpar.nn.families import AVG_POOL_ND, CONV_ND, MAX_POOL_ND
 from hybridpar.spec.analysis import analyse, leaf_flop_sums
 from hybridpar.spec.config import ParallelSpec
 from hybridpar.spec.plan import LayerPlan, resolve
@@ -110,10 +111,10 @@ def input_grads(plan: list[LayerPlan], workload: Workload) -> list[bool]:
 
 def _signature(m: nn.Module) -> str:
     """The hyperparameters that decide a layer's kernel (not its weights)."""
-    if isinstance(m, nn.modules.conv._ConvNd):
+    if isinstance(m, CONV_ND):
         return (f"{type(m).__name__}({m.in_channels},{m.out_channels},k{m.kernel_size},s{m.stride},"
                 f"d{m.dilation},g{m.groups},b{int(m.bias is not None)})")
-    if isinstance(m, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
+    if isinstance(m, MAX_POOL_ND | AVG_POOL_ND):
         return f"{type(m).__name__}(k{m.kernel_size},s{m.stride},d{getattr(m, 'dilation', 1)})"
     if isinstance(m, nn.Linear):
         return f"Linear({m.in_features},{m.out_features},b{int(m.bias is not None)})"

@@ -12,6 +12,7 @@ import copy
 
 from torch import nn
 
+from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 
@@ -26,8 +27,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn
     if entry is None or entry.to_dist is None:
         d = copy.deepcopy(m)
         if grid.spatial_size > 1 and entry is not None and entry.role == "pointwise":
-            for p in d.parameters():
-                p._hp_split = grid.spatial_size  # type: ignore[attr-defined]
+            mark_grad_split(d.parameters(), grid.spatial_size)
         return d
     d = entry.to_dist(m, grid, overlap)
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)

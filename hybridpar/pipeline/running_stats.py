@@ -34,12 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+
+from hybridpar.nn.families import NORM_BASE
 
 
 def _per_replica(m: nn.Module) -> bool:
     """A norm layer whose running statistics each replica tracks from its own batch."""
-    return (isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
+    return (isinstance(m, NORM_BASE) and m.track_running_stats and m.running_mean is not None
             and not isinstance(m, nn.SyncBatchNorm) and getattr(m, "stats", "spatial") != "stage")
 
 

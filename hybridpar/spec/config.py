@@ -42,12 +42,17 @@ def did_you_mean(word: Any, choices: Sequence[str]) -> str:
     return f" (did you mean {lower[near[0]]!r}?)" if near else ""
 
 
-def check_keys(where: str, given: Mapping[Any, Any], valid: Sequence[str]) -> None:
-    """Reject keys not in ``valid``, suggesting the nearest one (typos are the common case)."""
+def check_keys(where: str, given: Mapping[Any, Any], valid: Sequence[str],
+               error: type[ValueError] = SpecError) -> None:
+    """Reject keys not in ``valid``, suggesting the nearest one (typos are the common case).
+
+    Every YAML-to-dataclass reader checks its keys here (the spec's, the application's config with its
+    own ``error`` type), so a typo reads the same wherever it is made.
+    """
     for key in given:
         if key not in valid:
             hint = did_you_mean(key, valid)
-            raise SpecError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(valid)}")
+            raise error(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(valid)}")
 
 
 def _mapping(where: str, value: Any) -> Mapping[Any, Any]:

@@ -1,26 +1,8 @@
-"""Where the time of a training step goes: NVTX ranges, light per-category timers and chrome traces.
+"""The per-step time breakdown: a :class:`StepTimer` charges each category the time its ranges held.
 
-Why a module of its own: every part of the engine (layers, halo exchange, pipeline schedule, gradient
-reduction, data loader, checkpointer) marks its work with the same :class:`range`, and three consumers
-read those marks: Nsight Systems (through NVTX, the ``nvtx`` package: ~0.1 us a range when no tool
-listens, and unlike ``torch.cuda.nvtx`` it works on CPU-only builds), the per-step breakdown of a
-:class:`StepTimer` (cheap enough to leave on), and torch.profiler chrome traces (:func:`trace`, on
-request). ``python -m hybridpar.timeline`` merges the per-rank outputs.
-
-Accounting rules
-----------------
-* A range has a name and optionally one of :data:`CATEGORIES`. Time goes to the **innermost**
-  category: entering ``halo`` inside ``compute`` pauses ``compute``; nothing is counted twice. A
-  range without a category (e.g. one per layer) inherits the enclosing one.
-* ``other`` is the step time not inside any categorised range, so a breakdown always sums to the
-  step time.
-* A timer is active in the thread that runs its step only; ranges on other threads (an async
-  checkpoint writer) emit NVTX but are not timed, since their time overlaps the step's.
-* Clocks: ``"cpu"`` reads ``time.perf_counter`` (host time: on a GPU it measures launches unless the
-  code synchronises or ``sync=True``); ``"cuda"`` records a ``torch.cuda.Event`` at each category change
-  and reads the device stream's timeline when the step is resolved: without ``sync`` that happens
-  at a later step, when the events have completed (``poll``), or when :meth:`StepTimer.breakdown` is
-  asked, which waits. ``"auto"`` picks ``"cuda"`` when CUDA is initialised.
+Why apart from the ranges: the accounting (which category holds the clock, CUDA events resolved when
+they complete, the JSON-lines log) is needed only where a step is timed, while ranges are everywhere.
+The rules it follows are in :mod:`hybridpar.profiling`.
 """
 
 from __future__ import annotations
@@ -28,147 +10,19 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
-import functools
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nvtx
 import torch
 
-__all__ = ["CATEGORIES", "StepRecord", "StepTimer", "range", "trace", "current_timer", "where"]
+from hybridpar.profiling.ranges import CATEGORIES, default_rank, set_current_timer, tag_error, tracing
 
-CATEGORIES: tuple[str, ...] = ("compute", "halo", "pipeline", "bubble", "grad_reduce", "data_wait",
-                               "checkpoint")
-_CATEGORY_SET = frozenset(CATEGORIES)
-_COLORS = {"compute": "green", "halo": "orange", "pipeline": "blue", "bubble": "grey",
-           "grad_reduce": "red", "data_wait": "yellow", "checkpoint": "purple", None: "white"}
-_DOMAIN = nvtx.get_domain("hybridpar")
-_NVTX_ON = type(_DOMAIN).__name__ != "DummyDomain"  # a dummy domain: no tool listens (decided at start)
-_ATTRIBUTES: dict[tuple[str, str | None], Any] = {}
-
-
-class _ThreadState(threading.local):
-    """Per-thread state with defaults, so that reads never take the (slow) missing-attribute path."""
-
-    def __init__(self) -> None:
-        self.timer: StepTimer | None = None
-        self.stack: list[tuple] = []  # (range, timer, pending step, start stamp, trace annotation)
-
-
-_local = _ThreadState()
-_tracing = 0  # how many trace() contexts are open: ranges then also emit torch.profiler annotations
 _irange = builtins.range
-
-
-def _attributes(name: str, category: str | None) -> Any:
-    """NVTX event attributes, built once per (name, category): registration is the slow part."""
-    key = (name, category)
-    attrs = _ATTRIBUTES.get(key)
-    if attrs is None:
-        attrs = _DOMAIN.get_event_attributes(message=name, color=_COLORS[category])
-        _ATTRIBUTES[key] = attrs
-    return attrs
-
-
-def _tag(err: object, key: str, value: object) -> None:
-    try:
-        setattr(err, key, value)
-    except AttributeError:  # an exception type without a __dict__
-        pass
-
-
-def where(err: BaseException) -> str:
-    """Where ``err`` was raised, as far as the ranges it left say: ``"in halo_exchange, step 5"`` (or "").
-
-    Why: an error from deep inside a collective (a gloo timeout) names neither the operation nor the
-    step; the range it passed through on its way out, and the timed step, do.
-    """
-    parts = []
-    if getattr(err, "hybridpar_range", None):
-        parts.append(f"in {err.hybridpar_range}")  # type: ignore[attr-defined]
-    if getattr(err, "hybridpar_step", None) is not None:
-        parts.append(f"step {err.hybridpar_step}")  # type: ignore[attr-defined]
-    return ", ".join(parts)
-
-
-def current_timer() -> StepTimer | None:
-    """The timer whose step is running in this thread, if any."""
-    return _local.timer
-
-
-class range:  # named like the builtin on purpose: ``with profiling.range("conv1"):``
-    """Mark a region: an NVTX range, time for the active :class:`StepTimer`, a chrome-trace annotation.
-
-    Use as ``with range("conv1", "compute"):`` or as a decorator ``@range("all_reduce", "grad_reduce")``.
-    ``category`` is one of :data:`CATEGORIES` or None (inherit the enclosing range's category).
-    """
-
-    __slots__ = ("name", "category")
-
-    def __init__(self, name: str, category: str | None = None) -> None:
-        if category is not None and category not in _CATEGORY_SET:
-            raise ValueError(f"unknown profiling category {category!r}; use one of {', '.join(CATEGORIES)}")
-        self.name = name
-        self.category = category
-
-    def __enter__(self) -> range:
-        if _NVTX_ON:
-            _DOMAIN.push_range(_attributes(self.name, self.category))
-        annotation = None
-        if _tracing:
-            label = f"{self.category}/{self.name}" if self.category else self.name
-            annotation = torch.autograd.profiler.record_function(label)
-            annotation.__enter__()
-        timer = _local.timer
-        if timer is None:
-            _local.stack.append((self, None, None, None, None, annotation))
-            return self
-        pending = timer._current
-        category = self.category
-        if category is None and not timer.record_ranges:  # nothing to charge or log: no clock read
-            _local.stack.append((self, timer, pending, None, None, annotation))
-            return self
-        now = timer._now()
-        parent = pending.marks[-1][1]  # the category in force until now
-        if category is not None:
-            pending.marks.append((now, category))
-        _local.stack.append((self, timer, pending, now, parent, annotation))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[1] is not None and not hasattr(exc[1], "hybridpar_range"):
-            _tag(exc[1], "hybridpar_range", self.name)  # the innermost range an error left
-        stack = _local.stack
-        frame = stack.pop()
-        while frame[0] is not self and stack:  # a range left open by an exception: close it too
-            frame = stack.pop()
-        _, timer, pending, start, parent, annotation = frame
-        if start is not None and timer._current is pending:  # the same step is still running
-            now = timer._now()
-            if self.category is not None:
-                pending.marks.append((now, parent))
-            if timer.record_ranges:
-                pending.ranges.append((self.name, self.category, start, now))
-        if annotation is not None:
-            annotation.__exit__(None, None, None)
-        if _NVTX_ON:
-            _DOMAIN.pop_range()
-
-    def __call__(self, fn: Callable) -> Callable:
-        name, category = self.name, self.category
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with range(name, category):
-                return fn(*args, **kwargs)
-
-        return wrapper
 
 
 @dataclass
@@ -216,13 +70,15 @@ class StepTimer:
         if clock not in ("cpu", "cuda"):
             raise ValueError(f"clock must be 'auto', 'cpu', 'cuda' or a callable, not {clock!r}")
         self.clock = clock
-        self._now = self._cuda_now if clock == "cuda" else now
+        self.now: Callable[[], Any] = self._cuda_now if clock == "cuda" else now
+        """The timer's clock: seconds (``cpu``) or a recorded CUDA event; ranges stamp with it."""
         self.sync = sync
-        self.rank = _default_rank() if rank is None else rank
+        self.rank = default_rank() if rank is None else rank
         self.record_ranges = record_ranges
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._current: _Pending | None = None
+        self.running: _Pending | None = None
+        """The step being timed, which the ranges inside it charge."""
         self._active = False
         self._previous: StepTimer | None = None
         self._next_step = 0
@@ -260,25 +116,26 @@ class StepTimer:
         self._next_step = step + 1
         if self.sync:
             _synchronize()
-        if _tracing:
+        if tracing():
             self._annotation = torch.autograd.profiler.record_function(f"hybridpar.step#{step}")
             self._annotation.__enter__()
-        self._current = _Pending(step, time.time(), self._now())
-        self._previous, _local.timer = _local.timer, self
+        self.running = _Pending(step, time.time(), self.now())
+        self._previous = set_current_timer(self)
         self._active = True
 
     def stop(self) -> StepRecord | None:
         """End the step; returns its record when it can be resolved now (CPU clock or ``sync``)."""
         if not self._active:
             raise RuntimeError("StepTimer.stop: no step is running")
-        pending = self._current
-        pending.end = self._now()
+        pending = self.running
+        pending.end = self.now()
         self._active = False
-        _local.timer, self._previous = self._previous, None
+        set_current_timer(self._previous)
+        self._previous = None
         if self._annotation is not None:
             self._annotation.__exit__(None, None, None)
             self._annotation = None
-        self._current = None
+        self.running = None
         self._pending.append(pending)
         if self.clock == "cpu" or self.sync:
             if self.sync:
@@ -294,7 +151,7 @@ class StepTimer:
         try:
             yield self
         except BaseException as err:
-            _tag(err, "hybridpar_step", step)
+            tag_error(err, "hybridpar_step", step)
             raise
         finally:
             self.stop()
@@ -383,39 +240,3 @@ class StepTimer:
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def _default_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-@contextlib.contextmanager
-def trace(path: str | os.PathLike, *, rank: int | None = None, activities: list | None = None,
-          **profiler_kwargs: Any) -> Iterator[torch.profiler.profile]:
-    """Run torch.profiler inside the block and export a chrome trace on exit.
-
-    ``path`` is a ``.json`` file, or a directory that receives ``rank{rank}.trace.json`` (the layout
-    ``python -m hybridpar.timeline`` reads). While it runs, :class:`range` and :class:`StepTimer`
-    also emit ``record_function`` annotations (``category/name``, ``hybridpar.step#N``), so the trace
-    alone is enough for the timeline's breakdown. Extra keyword arguments go to
-    ``torch.profiler.profile`` (``schedule``, ``record_shapes``, ``with_stack``...).
-    """
-    global _tracing
-    rank = _default_rank() if rank is None else rank
-    target = Path(path)
-    if target.suffix != ".json":
-        target.mkdir(parents=True, exist_ok=True)
-        target = target / f"rank{rank}.trace.json"
-    if activities is None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _tracing += 1
-    try:
-        with torch.profiler.profile(activities=activities, **profiler_kwargs) as prof:
-            yield prof
-    finally:
-        _tracing -= 1
-    prof.export_chrome_trace(str(target))

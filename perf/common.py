@@ -84,8 +84,7 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None,
     """Parse ``argv``; with ``--tiny``, ``tiny``'s values replace the defaults (flags given still win)."""
     args = ap.parse_args(argv)
     if args.tiny:
-        known = {a.dest for a in ap._actions}
-        ap.set_defaults(**tiny, **({"no_wait": True} if "no_wait" in known else {}))
+        ap.set_defaults(**tiny, **({"no_wait": True} if "no_wait" in vars(args) else {}))
         args = ap.parse_args(argv)
     if getattr(args, "out", "") is None:
         args.out = (TINY_RESULTS if args.tiny else RESULTS) / f"{args.benchmark}.json"

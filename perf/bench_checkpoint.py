@@ -198,7 +198,8 @@ TINY = {"gib": 1 / 1024, "tensor_mib": 0.25, "step_s": 0.01, "steps": 4, "every"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = common.parser("checkpoint", __doc__, steps=30)
+    ap = common.parser("checkpoint", __doc__)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per mode")
     ap.add_argument("--gib", type=float, default=1.0, help="state size")
     ap.add_argument("--tensor-mib", type=float, default=TENSOR_MIB, help="size of each state tensor")
     ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step")

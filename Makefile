@@ -19,7 +19,7 @@ RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
 RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
-.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study lint clean gpu-check
+.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study lint clean gpu-check perf-tiny
 
 venv: $(STAMP)
 
@@ -62,7 +62,15 @@ reconstruct: $(APP_STAMP) reconstruct-data
 # The GPU suite (CUDA tests and accelerator benchmarks, < 20 min) with the python at hand: a GPU image
 # has its own torch and no package registry. Writes perf/results/gpu/gpu_check.{md,json}.
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) perf/gpu_check.py
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m perf gpu_check
+
+# Benchmarks (perf/README.md): make perf-NAME [ARGS="--rounds 1"] runs `python -m perf NAME`;
+# make perf-list names them; make perf-tiny runs every one at its tiny size (what the tests do).
+perf-tiny: $(STAMP)
+	$(PY) -m pytest -q tests/test_perf_suite.py
+
+perf-%: $(STAMP)
+	$(PY) -m perf $* $(ARGS)
 
 # Issue 15: the same universes trained on as 32^3 crops, 64^3 crops and whole 128^3 universes (4 ranks),
 # 2 seeds each; universes and finished runs are reused. About 65 min on 2 cores; writes

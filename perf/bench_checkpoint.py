@@ -1,8 +1,8 @@
 """How much training time a checkpoint costs: torch.save vs torch.distributed.checkpoint.async_save vs
 hybridpar's Checkpointer (plain snapshot, overlapped snapshot, and L1 + L3), and how long a restart takes.
 
-    .venv/bin/python perf/bench_checkpoint.py                # 1 GiB state, 1 s steps, a save every 5
-    .venv/bin/python perf/bench_checkpoint.py --gib 0.25 --steps 12 --every 3   # quick look
+    python -m perf checkpoint                # 1 GiB state, 1 s steps, a save every 5
+    python -m perf checkpoint --gib 0.25 --steps 12 --every 3   # quick look
 
 The state is a model and its momentum (float32, 64 MiB tensors) that every step updates in place, as an
 optimizer would; a step is ``--step-s`` of simulated compute (``--compute sleep``: the host idles as it
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,13 +32,14 @@ import torch.distributed.checkpoint as dcp
 import hybridpar
 from hybridpar.checkpoint import Checkpointer
 from hybridpar.checkpoint.format import evict
+from perf import common
 
 TENSOR_MIB = 64
 
 
-def make_state(gib: float) -> dict:
-    n = max(2, round(gib * 1024 / TENSOR_MIB))
-    numel = TENSOR_MIB * (1 << 20) // 4
+def make_state(gib: float, tensor_mib: float = TENSOR_MIB) -> dict:
+    n = max(2, round(gib * 1024 / tensor_mib))
+    numel = int(tensor_mib * (1 << 20)) // 4
     g = torch.Generator().manual_seed(0)
     model = {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n // 2)}
     mom = {f"layers.{i}.weight": {"momentum_buffer": torch.zeros(numel)} for i in range(n - n // 2)}
@@ -196,35 +194,25 @@ def restart_times(d: Path, state: dict) -> dict:
     return out
 
 
-def machine() -> dict:
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "hybridpar": hybridpar.__version__,
-            "platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    try:
-        cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
-        info["cpu"] = cpu.split(":", 1)[1].strip()
-        mem = next(line for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-        info["mem_gib"] = round(int(mem.split()[1]) / (1 << 20), 1)
-    except (OSError, StopIteration):
-        pass
-    info["loadavg_start"] = os.getloadavg()
-    return info
+TINY = {"gib": 1 / 1024, "tensor_mib": 0.25, "step_s": 0.01, "steps": 4, "every": 2}  # --tiny: seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("checkpoint", __doc__)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per mode")
     ap.add_argument("--gib", type=float, default=1.0, help="state size")
+    ap.add_argument("--tensor-mib", type=float, default=TENSOR_MIB, help="size of each state tensor")
     ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step")
     ap.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--every", type=int, default=5, help="a checkpoint every this many steps")
     ap.add_argument("--dir", default="/tmp/hybridpar_bench_checkpoint")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     hybridpar.init_distributed()  # a 1-rank gloo group: DCP wants one; ours does not need it
     d = Path(args.dir)
     shutil.rmtree(d, ignore_errors=True)
-    info = machine()
-    state = make_state(args.gib)
+    info = {"hybridpar": hybridpar.__version__, "torch_threads": torch.get_num_threads(),
+            "loadavg_start": os.getloadavg()}
+    state = make_state(args.gib, args.tensor_mib)
     nbytes = sum(t.nbytes for t in state["model"].values()) + \
         sum(s["momentum_buffer"].nbytes for s in state["optimizer"]["state"].values())
     compute = compute_fn(args.compute, args.step_s)
@@ -275,7 +263,7 @@ def main() -> None:
     for k, v in restart.items():
         print(f"restart {k:14s} {v:6.2f} s (cold page cache)")
     info["loadavg_end"] = os.getloadavg()
-    out = {"machine": info, "config": {**vars(args), "state_bytes": nbytes, "tensor_mib": TENSOR_MIB},
+    out = {"run": info, "config": {"state_bytes": nbytes, "tensor_mib": args.tensor_mib},
            "baseline_loop_s": base, "modes": rows, "raw": results,
            "restart_s": {k: round(v, 3) for k, v in restart.items()},
            "goals": {"ours_overlap_stall_le_10pct_of_torch_save":
@@ -286,9 +274,7 @@ def main() -> None:
                      results["ours"]["stall_median_s"] <= 0.1 * ref,
                      "ours_overlap_slowdown_le_2pct":
                      results["ours-overlap"]["loop_s"] / base - 1 <= 0.02}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {args.out}")
+    common.write_json(args, out)
 
 
 if __name__ == "__main__":

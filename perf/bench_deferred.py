@@ -15,22 +15,20 @@ stage's peak memory. Both are measured here against the same engine with the spl
 Same model, split and data as ``bench_pipeline`` (S = 2, GPipe, micro-batches of 2 samples).
 ``--option`` compares another boolean option of ``parallelize`` the same way (``bench_local_p2p``).
 
-    .venv/bin/python perf/bench_deferred.py                       # M = 1, 2, 4, 8; 3 rounds
-    .venv/bin/python perf/bench_deferred.py --size 12 --rounds 1 --pairs 4 --no-wait --out-dir /tmp
+    python -m perf deferred                       # M = 1, 2, 4, 8; 3 rounds
+    python -m perf deferred --size 12 --rounds 1 --pairs 4 --no-wait --out /tmp/deferred.json
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
-import bench_pipeline as bp
-import common
-import heapcount
 import torch.nn.functional as F
+
+from perf import bench_pipeline as bp
+from perf import common, heapcount
 
 VARIANTS = ("on", "off")
 
@@ -86,29 +84,26 @@ def memory_job(rank: int, world: int, cfg: dict, m: int, variant: str) -> list[d
     return everyone
 
 
-def main(option: str = "defer_weight_grads", out: str = "deferred", what: str = "B/W split of the last "
-         "backward", doc: str | None = None) -> None:
-    ap = argparse.ArgumentParser(description=(doc or __doc__).split("\n\n")[0])
+TINY = {"size": 8, "channels": 4, "microbatches": "2", "rounds": 1, "pairs": 2, "memory": False}  # seconds
+
+
+def main(argv: list[str] | None = None, option: str = "defer_weight_grads", name: str = "deferred",
+         what: str = "B/W split of the last backward", doc: str | None = None) -> None:
+    ap = common.parser(name, doc or __doc__, rounds=3, max_load=0.6)
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
     ap.add_argument("--microbatches", default="1,2,4,8")
     ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
-    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
     ap.add_argument("--pairs", type=int, default=16, help="on/off step pairs per M and round (default 16)")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
-    ap.add_argument("--max-load", type=float, default=0.6)
-    ap.add_argument("--max-wait", type=float, default=1200)
-    ap.add_argument("--no-wait", action="store_true")
-    ap.add_argument("--out", default=out)
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS)
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
            "micro": args.micro, "batch": 0, "schedule": args.schedule, "option": option}
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     samples: dict = {}
     for r in range(args.rounds):
@@ -157,9 +152,8 @@ def main(option: str = "defer_weight_grads", out: str = "deferred", what: str = 
               f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")
     config = {**cfg, "microbatches": ms, "rounds": args.rounds, "pairs": args.pairs, "threads_per_process": 1,
               "backend": "gloo", "dtype": "float32"}
-    common.write_json(args.out, {"config": config, "load": {**load, "load_at_end": load_end},
-                                 "result": result, "samples_s": samples, "memory": memory, "table": table},
-                      args.out_dir)
+    common.write_json(args, {"config": config, "load": {**load, "load_at_end": load_end},
+                                 "result": result, "samples_s": samples, "memory": memory, "table": table})
 
 
 if __name__ == "__main__":

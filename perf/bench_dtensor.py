@@ -22,22 +22,21 @@ questions on 2 ranks (gloo, CPU, 1 thread each):
    output, input, weight and bias gradients). Each DTensor case runs in a fresh process group, since a
    failed ring exchange can leave unmatched messages behind.
 
-    .venv/bin/python perf/bench_dtensor.py                       # 3 shapes, 3 rounds x 5 steps, cases
-    .venv/bin/python perf/bench_dtensor.py --scale 0.25 --rounds 2 --steps 2 --no-wait --out-dir /tmp
+    python -m perf dtensor                       # 3 shapes, 3 rounds x 5 steps, cases
+    python -m perf dtensor --scale 0.25 --rounds 2 --steps 2 --no-wait --out /tmp/dtensor.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import common
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from perf import common
 
 RANKS = 2
 # (C_in, C_out, (D, H, W)) of the timed Conv3d k3 p1: the first three CosmoFlow layers at 128 wide.
@@ -340,14 +339,16 @@ def _dtensor_verdict(per_rank: list[dict]) -> str:
     return verdict + "; gradients right"
 
 
-def cases_run(timeout: float) -> list[dict]:
-    small = [i for i, c in enumerate(CASES) if c[4].count(1) == 2]
+def cases_run(timeout: float, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` cases (all by default), ours and DTensor's, each DTensor case in fresh ranks."""
+    cases = CASES[:limit]
+    small = [i for i, c in enumerate(cases) if c[4].count(1) == 2]
     rows = []
     ours = common.launch(ours_job, RANKS, small, timeout=timeout)
-    big = [i for i in range(len(CASES)) if i not in small]
+    big = [i for i in range(len(cases)) if i not in small]
     if big:
         ours.update(common.launch(ours_job, 4, big, timeout=timeout))
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(cases):
         world = 4 if i in big else RANKS
         try:
             per_rank = common.launch(dtensor_job, world, i, timeout=timeout, every_rank=True)
@@ -363,21 +364,17 @@ def cases_run(timeout: float) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- main
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"scale": 0.25, "rounds": 1, "steps": 1, "warmup": 1, "cases": 1}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("dtensor", __doc__, rounds=3, steps=5, warmup=2, max_load=0.5)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every timed volume's edges")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over the implementations (default 3)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per implementation and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--skip-timing", action="store_true", help="only the cases")
     ap.add_argument("--skip-cases", action="store_true", help="only the timing")
+    ap.add_argument("--cases", type=int, default=None, help="only the first N cases (default: all)")
     ap.add_argument("--case-timeout", type=float, default=120, help="seconds before a case counts as hung")
-    ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="dtensor", help="name of the JSON file (default dtensor)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     shapes = [(ci, co, tuple(max(4, int(round(e * args.scale))) for e in vol)) for ci, co, vol in SHAPES]
     cfg = {"shapes": shapes, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
     payload: dict = {"config": {**cfg, "ranks": RANKS, "split": [1, 1, RANKS], "dtype_timing": "float32",
@@ -386,7 +383,7 @@ def main() -> None:
                                 "conv": "Conv3d k3 p1 with bias; input needs no gradient (timing)"}}
     tables = []
     if not args.skip_timing:
-        load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+        load = common.wait(args)
         print(f"load average at start: {load['load_at_start']}", flush=True)
         t0 = time.monotonic()
         timing = common.launch(timing_job, RANKS, cfg, threads=1)
@@ -414,13 +411,13 @@ def main() -> None:
                                             "disturbed": noisy})
     if not args.skip_cases:
         print("cases (float64, checked against torch.nn):", flush=True)
-        cases = cases_run(args.case_timeout)
+        cases = cases_run(args.case_timeout, args.cases)
         tables.append(common.print_table(["case", "ranks", "DTensor (torch " + torch.__version__ + ")",
                                           "hybridpar"],
                                          [[c["case"], c["ranks"], c["dtensor"], c["ours"]] for c in cases]))
         payload["cases"] = cases
     payload["tables"] = tables
-    common.write_json(args.out, payload, args.out_dir)
+    common.write_json(args, payload)
 
 
 if __name__ == "__main__":

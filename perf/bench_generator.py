@@ -4,17 +4,14 @@ Why: ``make demo`` and any synthetic training set are bounded by the generator, 
 universe is what sizes them (a real-size 512³ universe costs about 64× a 128³ one: the FFTs are
 N³ log N, the particle binning N³). One process, one thread: ``--workers K`` scales it by K processes.
 
-    python perf/bench_generator.py [--size 128] [--repeats 5]
+    python -m perf generator [--size 128] [--repeats 5]
 
 Prints a table and writes ``perf/results/generator.json`` (machine, versions, config, medians).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +33,7 @@ from cosmoflow.universe import (
     ngp_counts,
     zeldovich_displacement,
 )
+from perf import common
 
 
 def _time_stages(size: int, seed: int) -> dict[str, float]:
@@ -54,12 +52,14 @@ def _time_stages(size: int, seed: int) -> dict[str, float]:
             "total": t[3] - t[0]}
 
 
+TINY = {"size": 16, "repeats": 1}  # --tiny: seconds
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = common.parser("generator", __doc__)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "generator.json"))
-    args = parser.parse_args(argv)
+    args = common.parse(parser, argv, TINY)
     torch.set_num_threads(1)
 
     _time_stages(args.size, seed=999)  # warm-up: imports, FFT plans, page faults
@@ -83,24 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<24} {sec:>8.3f}")
 
     result = {
-        "benchmark": "generator",
         "metric": "seconds per universe (median)",
         "seconds_per_universe": medians["total"],
         "seconds_per_universe_with_write": medians["generate + write HDF5"],
         "stages_median_s": medians,
         "runs": {"stages": stages, "generate_and_write_s": written},
         "config": {"size": args.size, "channels": len(REDSHIFTS), "redshifts": list(REDSHIFTS),
-                   "repeats": args.repeats, "processes": 1, "smoothing_mpc_h": 2.0, "file_mib": file_mib,
-                   "command": " ".join(["python perf/bench_generator.py", *(argv or sys.argv[1:])])},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "numpy": np.__version__, "torch": torch.__version__, "h5py": h5py.__version__,
-                    "load_avg_1m_at_end": os.getloadavg()[0]},
+                   "repeats": args.repeats, "processes": 1, "smoothing_mpc_h": 2.0, "file_mib": file_mib},
+        "libraries": {"numpy": np.__version__, "h5py": h5py.__version__},
+        "load_avg_1m_at_end": os.getloadavg()[0],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    common.write_json(args, result)
     return 0
 
 

@@ -26,19 +26,18 @@ shapes inferred by an all-gather in every layer call, and both ranks running the
 shards at once with no communication: what two ranks pay for sharing the machine's cores, memory
 bandwidth and caches, apart from any halo ("vs concurrent" divides by it).
 
-    .venv/bin/python perf/bench_halo.py --diagnose            # S=64, 3 rounds x 2 reps x 6 steps
-    .venv/bin/python perf/bench_halo.py --size 32 --rounds 2 --steps 3 --no-wait --out-dir /tmp
+    python -m perf halo --diagnose            # S=64, 3 rounds x 2 reps x 6 steps
+    python -m perf halo --size 32 --rounds 2 --steps 3 --no-wait --out /tmp/halo.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import common
 import torch
+
+from perf import common
 
 RANKS = 2
 LOCAL = ["local", "local pre-padded"]
@@ -110,31 +109,25 @@ def halo_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"size": 8, "rounds": 1, "reps": 1, "steps": 1, "warmup": 1}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("halo", __doc__, rounds=3, steps=6, warmup=2, max_load=0.5, pin=True)
     ap.add_argument("--size", type=int, default=64, help="edge S of each rank's cubic shard (default 64)")
-    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
     ap.add_argument("--reps", type=int, default=2,
                     help="alternations of all configurations inside each pair (default 2)")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round (default 6)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    ap.add_argument("--pin", action="store_true", help="bind rank r (and the baseline) to core r")
     ap.add_argument("--diagnose", action="store_true",
                     help="also time the per-call shape inference and the concurrent baseline")
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the check of the split stack against torch.nn")
-    ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="halo", help="name of the JSON file (default halo)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     cfg = {"size": args.size, "warmup": args.warmup, "steps": args.steps, "check": args.check,
            "diagnose": args.diagnose, "reps": args.reps}
     names = LOCAL + DIST + ((VARIANTS + [CONCURRENT]) if args.diagnose else [])
     jobs = [lambda r: common.launch(halo_job, RANKS, cfg, _swap(names, r), threads=1, pin=args.pin)]
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     t0 = time.monotonic()
     samples, rounds = common.alternate(args.rounds, jobs)
@@ -181,7 +174,7 @@ def main() -> None:
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f}, the benchmark's own 2 processes included)"
               f"{'; DISTURBED by other work' if noisy else ''}")
-    common.write_json(args.out, {
+    common.write_json(args, {
         "config": {**cfg, "rounds": args.rounds, "ranks": RANKS, "split": [RANKS, 1, 1],
                    "global_volume": [RANKS * s, s, s], "local_volume": [s, s, s], "channels": 4,
                    "batch": 1, "dtype": "float32", "threads_per_process": 1, "pin": args.pin,
@@ -190,7 +183,7 @@ def main() -> None:
                    "step": "zero grads, forward, sum of outputs, backward; input needs no gradient"},
         "load": {**load, "load_at_end": load_end, "run_s": run_s, "max_round_load": max(round_loads),
                  "disturbed": noisy},
-        "stats": stats, "result": result, "rounds": rounds, "table": table}, args.out_dir)
+        "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 
 if __name__ == "__main__":

@@ -20,22 +20,20 @@ Layouts (all 2 ranks x 1 thread, gloo, except the reference), same global batch 
 Reported per layout: step time (median, slowest rank), samples/s, speedup over 1 rank, and the peak of
 activations autograd holds per rank (``SavedActivations``, one extra untimed step).
 
-    .venv/bin/python perf/bench_hybrid_vs_dp.py                    # V = 32, 64; B = 4, 8; 2 rounds
-    .venv/bin/python perf/bench_hybrid_vs_dp.py --sizes 16 --batches 4 --rounds 1 --steps 2 --no-wait \\
-        --out-dir /tmp
+    python -m perf hybrid_vs_dp                    # V = 32, 64; B = 4, 8; 2 rounds
+    python -m perf hybrid_vs_dp --sizes 32 --batches 4 --rounds 1 --steps 2 --no-wait \\
+        --out /tmp/hybrid_vs_dp.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
-import common
 import torch
 import torch.nn.functional as F
 
 from hybridpar.memory import SavedActivations
+from perf import common
 
 RANKS = 2
 
@@ -120,21 +118,15 @@ def dist_job(rank: int, world: int, cfg: dict, runs: list[tuple[int, int, str, d
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"sizes": "32", "batches": "4", "microbatches": "2", "rounds": 1, "steps": 1, "warmup": 1}  # seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("hybrid_vs_dp", __doc__, rounds=2, steps=4, warmup=1, max_load=0.6, pin=True)
     ap.add_argument("--sizes", default="32,64", help="volume edges V (default 32,64)")
     ap.add_argument("--batches", default="4,8", help="global batches B (default 4,8)")
     ap.add_argument("--microbatches", default="2,4", help="pipeline M values (default 2,4)")
-    ap.add_argument("--rounds", type=int, default=2, help="single/2-rank alternations (default 2)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per config and round (default 4)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    ap.add_argument("--pin", action="store_true", help="bind rank r (and the single process) to core r")
-    ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="hybrid_vs_dp", help="name of the JSON file (default hybrid_vs_dp)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     sizes = [int(v) for v in args.sizes.split(",")]
     batches = [int(v) for v in args.batches.split(",")]
     ms = [int(v) for v in args.microbatches.split(",")]
@@ -142,7 +134,7 @@ def main() -> None:
     single_runs = [(v, b) for v in sizes for b in batches]
     dist_runs = [(v, b, name, spec) for v, b in single_runs for name, spec in layouts(b, ms).items()]
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     samples, rounds = common.alternate(args.rounds, [
         lambda r: common.launch(single_job, 1, cfg, single_runs if r % 2 == 0 else single_runs[::-1],
@@ -185,7 +177,7 @@ def main() -> None:
               f"(4 conv, 16-128 ch, dense 128-64-4), float32, global batch B; * = fastest 2-rank layout "
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f})")
-    common.write_json(args.out, {
+    common.write_json(args, {
         "config": {**cfg, "sizes": sizes, "batches": batches, "microbatches": ms, "rounds": args.rounds,
                    "ranks": RANKS,
                    "layouts": {n: s for _, b in single_runs for n, s in layouts(b, ms).items()},
@@ -195,7 +187,7 @@ def main() -> None:
                    "saved_activations": "peak distinct storage bytes held by autograd for backward "
                                         "(saved_tensors_hooks), weights excluded, per rank"},
         "load": {**load, "load_at_end": load_end},
-        "stats": stats, "result": result, "rounds": rounds, "table": table}, args.out_dir)
+        "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 
 if __name__ == "__main__":

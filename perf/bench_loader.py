@@ -14,16 +14,12 @@ in the page cache after a warm-up epoch, so MB/s is decode-and-copy speed, not d
 The second table runs a loop whose "step" sleeps (like waiting on a GPU) for ``--step-ratio`` times
 the synchronous read of a batch, and reports the share of its time spent waiting for data.
 
-    .venv/bin/python perf/bench_loader.py                      # S=128, N=16, 5 repeats
-    .venv/bin/python perf/bench_loader.py --size 64 --samples 32 --repeats 3
+    python -m perf loader                      # S=128, N=16, 5 repeats
+    python -m perf loader --size 64 --samples 32 --repeats 3
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +31,7 @@ import numpy as np
 import torch
 
 from hybridpar.data import Placement, VolumeLoader
+from perf import common
 
 CHANNELS = 4
 # (label, spatial split): the chunks are cut for --chunk-split (default 2,2,1), so (2,1,1) and
@@ -172,23 +169,15 @@ def bench_wait(ds, split, batch: int, workers: int, step_s: float, epochs: int, 
             "samples_per_s": statistics.median(rates)}
 
 
-def machine() -> dict:
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "python": platform.python_version(), "torch": torch.__version__, "h5py": h5py.__version__,
-            "hdf5": h5py.version.hdf5_version, "numpy": np.__version__, "platform": platform.platform()}
-
-
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+TINY = {"size": 16, "samples": 4, "batch": 2, "repeats": 1, "wait_epochs": 1, "wait_repeats": 1}  # seconds
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser("loader", __doc__)
     ap.add_argument("--size", type=int, default=128, help="sample side S (default 128)")
     ap.add_argument("--samples", type=int, default=16, help="samples in the file (default 16)")
     ap.add_argument("--batch", type=int, default=4)
@@ -200,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-repeats", type=int, default=3, help="data-wait runs (median; default 3)")
     ap.add_argument("--chunk-split", default="2,2,1", help="shards the file's chunks align to")
     ap.add_argument("--dir", default=None, help="where to write the file (default: a temp dir)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "loader.json"))
-    args = ap.parse_args(argv)
+    args = common.parse(ap, argv, TINY)
     split = tuple(int(p) for p in args.chunk_split.split(","))
     torch.set_num_threads(1)
 
@@ -254,13 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['layout']:<8} {'x'.join(map(str, r['split'])):<9} {r['workers']:>2} "
               f"{r['step_ms']:>8.1f} {r['wait_share']:>10.1%} {r['samples_per_s']:>7.1f}")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "benchmark": "perf/bench_loader.py",
-        "command": "python perf/bench_loader.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
+        "libraries": {"h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "numpy": np.__version__},
         "config": {"size": args.size, "samples": args.samples, "channels": CHANNELS,
                    "batch": args.batch, "repeats": args.repeats, "chunks": list(chunks),
                    "chunk_split": list(split), "sample_bytes": ds.sample_nbytes, "reader": reader,
@@ -271,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "wait": waits,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    common.write_json(args, result)
     return 0
 
 

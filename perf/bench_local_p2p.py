@@ -7,14 +7,19 @@ the B/W split: two engines (local p2p on, off) in the same 2 processes, stepped 
 median of per-pair ratios off / on over fresh pairs of processes; then each variant's peak heap
 per stage over one step, in fresh processes.
 
-    .venv/bin/python perf/bench_local_p2p.py                       # M = 1, 2, 4, 8; 3 rounds
-    .venv/bin/python perf/bench_local_p2p.py --size 12 --rounds 1 --pairs 4 --no-wait --out-dir /tmp
+    python -m perf local_p2p                       # M = 1, 2, 4, 8; 3 rounds
+    python -m perf local_p2p --size 12 --rounds 1 --pairs 4 --no-wait --out /tmp/local_p2p.json
 """
 
 from __future__ import annotations
 
-import bench_deferred
+from perf import bench_deferred
+
+
+def main(argv: list[str] | None = None) -> None:
+    bench_deferred.main(argv, option="local_p2p", name="local_p2p", what="Same-host transfers by "
+                        "cross-memory attach (local p2p)", doc=__doc__)
+
 
 if __name__ == "__main__":
-    bench_deferred.main(option="local_p2p", out="local_p2p", what="Same-host transfers by cross-memory "
-                        "attach (local p2p)", doc=__doc__)
+    main()

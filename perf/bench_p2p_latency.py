@@ -5,17 +5,15 @@ hand-over costs (a ping-pong, half the round trip), without the compute around i
 loopback and for ``hybridpar.comm.local_p2p``'s cross-memory attach, alternated in the same pair
 of processes.
 
-    .venv/bin/python perf/bench_p2p_latency.py     # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
+    python -m perf p2p_latency     # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import common
+from perf import common
 
 
 def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int) -> dict:
@@ -46,17 +44,16 @@ def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int) -> dict
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"sizes": "8,4096", "reps": 5, "rounds": 2}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("p2p_latency", __doc__, rounds=6, max_load=1.0)
     ap.add_argument("--sizes", default="8,1769472", help="message bytes (comma list)")
     ap.add_argument("--reps", type=int, default=200, help="round trips per sample")
-    ap.add_argument("--rounds", type=int, default=6, help="samples per way and size, alternated")
-    ap.add_argument("--max-load", type=float, default=1.0)
-    ap.add_argument("--no-wait", action="store_true")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS)
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     sizes = [int(v) for v in args.sizes.split(",")]
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else 1200)
+    load = common.wait(args)
     samples = common.launch(job, 2, sizes, args.reps, args.rounds, threads=1)
     rows, result = [], {}
     for n in sizes:
@@ -66,9 +63,7 @@ def main() -> None:
     table = common.print_table(["bytes", "gloo us", "local p2p us", "gloo / local"], rows,
                                title=f"One-way message time, 2 ranks of one host, ping-pong ({args.rounds} "
                                      f"alternated samples x {args.reps} round trips, medians)")
-    common.write_json("p2p_latency", {"config": vars(args) | {"out_dir": str(args.out_dir)},
-                                      "load": load, "result": result, "samples_s": samples,
-                                      "table": table}, args.out_dir)
+    common.write_json(args, {"load": load, "result": result, "samples_s": samples, "table": table})
 
 
 if __name__ == "__main__":

@@ -50,24 +50,22 @@ c the machine's.
 ``--rounds`` pairs of fresh processes; the order of (schedule, M) reverses every round, the order of
 configurations every rep.
 
-    .venv/bin/python perf/bench_pipeline.py                   # V=24, C=16, micro 2, 3 rounds x 8 steps
-    .venv/bin/python perf/bench_pipeline.py --size 12 --rounds 1 --steps 3 --no-wait --out-dir /tmp
+    python -m perf pipeline                   # V=24, C=16, micro 2, 3 rounds x 8 steps
+    python -m perf pipeline --size 12 --rounds 1 --steps 3 --no-wait --out /tmp/pipeline.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import common
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.pipeline.schedule import makespan
 from hybridpar.pipeline.schedule import schedule as schedule_ops
+from perf import common
 
 STAGES = 2
 GOAL = 0.90
@@ -254,8 +252,12 @@ def phases(samples: dict, name: str, m: int, k: int) -> tuple[float, float]:
     return 1e3 * f / m, 1e3 * (statistics.median(step) - f) / m
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"size": 8, "channels": 4, "microbatches": "1,2", "rounds": 1, "reps": 1, "steps": 1,  # seconds
+        "warmup": 1}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("pipeline", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16, help="conv channels C (default 16)")
     ap.add_argument("--depth", type=int, default=4, help="conv layers (default 4)")
@@ -265,18 +267,9 @@ def main() -> None:
                     help="fix the per-replica batch instead of the micro-batch size (0: off)")
     ap.add_argument("--microbatches", default="1,2,4,8", help="M values (default 1,2,4,8)")
     ap.add_argument("--schedules", default="gpipe", help="engine schedules: gpipe and/or 1f1b (comma list)")
-    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
     ap.add_argument("--reps", type=int, default=2,
                     help="alternations of all configurations inside each pair of processes (default 2)")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    ap.add_argument("--pin", action="store_true", help="bind rank r (and the single process) to core r")
-    ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="pipeline", help="name of the JSON file (default pipeline)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
     schedules = args.schedules.split(",")
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
@@ -286,7 +279,7 @@ def main() -> None:
         if args.batch and args.batch % m:
             ap.error(f"--batch {args.batch} is not divisible by M={m}")
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     runs = [(s, m) for s in schedules for m in ms]
     samples, rounds = common.alternate(args.rounds, [
@@ -360,7 +353,7 @@ def main() -> None:
               f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {v}^3, {what}, float32 "
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f}); goal pipeline efficiency >= {100 * GOAL:.0f} %")
-    common.write_json(args.out, {
+    common.write_json(args, {
         "config": {**cfg, "microbatches": ms, "schedules": schedules, "rounds": args.rounds,
                    "stages": STAGES, "stage_starts": ["0", str(split_layer(cfg))],
                    "batch_mode": "fixed per-replica batch" if args.batch else "fixed micro-batch size",
@@ -391,7 +384,7 @@ def main() -> None:
         "load": {**load, "load_at_end": load_end,
                  "disturbed_rounds": [i for i, rd in enumerate(rounds)
                                       if common.disturbed([rd["load"][0]], STAGES)]},
-        "stats": stats, "result": result, "rounds": rounds, "table": table}, args.out_dir)
+        "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ it has taken ``--kill-after`` steps, one worker is SIGKILLed from outside. Measu
 Configurations, alternated round by round: checkpoints straight to the run directory (L3) or first to
 node-local storage (``checkpoint.local_dir``, L1, which the restart reads first). Medians over rounds.
 
-    python perf/bench_recovery.py [--rounds 3] [--kill-after 6]
+    python -m perf recovery [--rounds 3] [--kill-after 6]
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import signal
@@ -28,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, print_table, write_json
+from perf.common import ROOT, parse, parser, print_table, write_json
 
 PHASES = ("restart", "resumed", "first_step")
 
@@ -119,12 +118,14 @@ def one_recovery(data: Path, work: Path, local: bool, kill_after: int, size: int
     return {k: marks[k] - t0 for k in PHASES}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+TINY = {"rounds": 1}  # --tiny: one recovery of each kind (the run is tiny already)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("recovery", __doc__, rounds=3)
     ap.add_argument("--kill-after", type=int, default=5, help="steps taken before the kill")
     ap.add_argument("--size", type=int, default=16, help="universe edge (voxels); samples are half of it")
-    args = ap.parse_args()
+    args = parse(ap, argv, TINY)
     configs = {"L3 (run directory)": False, "L1 (checkpoint.local_dir)": True}
     samples: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +140,7 @@ def main() -> None:
     print_table(["checkpoints", *(f"{p} (s)" for p in PHASES)],
                 [[c, *(round(m[p], 2) for p in PHASES)] for c, m in medians.items()],
                 title=f"kill -> recovery, 4 ranks under torchrun --max-restarts 1, medians of {args.rounds}")
-    write_json("recovery", {"config": vars(args), "medians_s": medians, "samples_s": samples})
+    write_json(args, {"medians_s": medians, "samples_s": samples})
 
 
 if __name__ == "__main__":

@@ -15,19 +15,18 @@ speedup = T(1 process x 2 threads) / T(2 ranks) on step-time medians; goal of is
 machine (it only ever adds time) distorts least. The jobs run one after another (never at the same
 time) and alternate for ``--rounds`` rounds.
 
-    .venv/bin/python perf/bench_scaling.py                      # S=128, 3 rounds x 4 steps
-    .venv/bin/python perf/bench_scaling.py --size 32 --rounds 2 --steps 2 --no-wait --out-dir /tmp
+    python -m perf scaling                      # S=128, 3 rounds x 4 steps
+    python -m perf scaling --size 32 --rounds 2 --steps 2 --no-wait --out /tmp/scaling.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import common
 import torch
+
+from perf import common
 
 RANKS = 2
 BASE = ["1 proc x 2 threads", "1 proc x 2 threads pre-padded"]
@@ -78,25 +77,19 @@ def dist_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"size": 16, "rounds": 1, "steps": 1, "warmup": 1}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("scaling", __doc__, rounds=3, steps=4, warmup=1, max_load=0.5, pin=True)
     ap.add_argument("--size", type=int, default=128, help="edge S of the cubic volume (default 128)")
     ap.add_argument("--threads", type=int, default=2, help="threads of the 1-process baseline (default 2)")
-    ap.add_argument("--rounds", type=int, default=3, help="baseline/dist alternations (default 3)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per config and round (default 4)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    ap.add_argument("--pin", action="store_true", help="bind rank r to core r, the baseline to cores 0-1")
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the check of the split stack against torch.nn")
-    ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="scaling", help="name of the JSON file (default scaling)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     cfg = {"size": args.size, "warmup": args.warmup, "steps": args.steps, "check": args.check}
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     t0 = time.monotonic()
     samples, rounds = common.alternate(args.rounds, [
@@ -137,7 +130,7 @@ def main() -> None:
               f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
               f"{load_end[0]:.2f}, the benchmark's own processes included)"
               f"{'; DISTURBED by other work' if noisy else ''}")
-    common.write_json(args.out, {
+    common.write_json(args, {
         "config": {**cfg, "rounds": args.rounds, "ranks": RANKS, "split": [RANKS, 1, 1],
                    "global_volume": [s, s, s], "local_volume": [s // RANKS, s, s], "channels": 4,
                    "batch": 1, "dtype": "float32", "threads_per_rank": 1,
@@ -147,7 +140,7 @@ def main() -> None:
                    "step": "zero grads, forward, sum of outputs, backward; input needs no gradient"},
         "load": {**load, "load_at_end": load_end, "run_s": run_s, "max_round_load": max(round_loads),
                  "disturbed": noisy},
-        "stats": stats, "result": result, "rounds": rounds, "table": table}, args.out_dir)
+        "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 
 if __name__ == "__main__":

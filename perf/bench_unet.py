@@ -11,22 +11,20 @@ the same counter for the baseline and the ranks. Times are step-time medians; a 
 lasts as long as its slowest rank. The jobs alternate, round after round, so that the VM's drift
 spreads over all of them.
 
-    .venv/bin/python perf/bench_unet.py                       # 64^3 and 128^3, 1/2/4 ranks
-    .venv/bin/python perf/bench_unet.py --sizes 32 --rounds 1 --steps 1 --no-wait --out-dir /tmp
+    python -m perf unet                       # 64^3 and 128^3, 1/2/4 ranks
+    python -m perf unet --sizes 32 --rounds 1 --steps 1 --no-wait --out /tmp/unet.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 
-import common
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(common.ROOT / "tests"))
-import graph_models  # noqa: E402
+from perf import common
+
+graph_models = common.test_module("graph_models")  # the U-Net the graph tests check against torch
 
 WIDTH = 8
 
@@ -84,17 +82,15 @@ def dist_job(rank: int, world: int, cfg: dict) -> dict:
     return {f"{world} ranks": times, f"mem {world} ranks": int(peak.item()), f"gathers {world}": gathers}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"sizes": [16], "ranks": [2], "rounds": 1, "steps": 1, "warmup": 1}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("unet", __doc__, rounds=2, steps=3, warmup=1, max_load=0.5, max_wait=600)
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
-    ap.add_argument("--out-dir", type=common.Path, default=None)
-    args = ap.parse_args()
-    load = {} if args.no_wait else common.wait_for_quiet(0.5, 600)
+    args = common.parse(ap, argv, TINY)
+    load = common.wait(args)
     rows, results = [], {}
     for size in args.sizes:
         cfg = {"size": size, "steps": args.steps, "warmup": args.warmup}
@@ -117,8 +113,7 @@ def main() -> None:
     table = common.print_table(["volume", "ranks", "step ms (median)", "speedup", "act MiB/rank (peak)",
                                 "act vs 1 proc", "1/P", "gathers"], rows,
                                title=f"3D U-Net (width {WIDTH}, 3 levels), batch 1, fwd+bwd, float32")
-    common.write_json("unet", {"config": vars(args) | {"out_dir": str(args.out_dir), "width": WIDTH},
-                               "load": load, "results": results, "table": table}, args.out_dir)
+    common.write_json(args, {"config": {"width": WIDTH}, "load": load, "results": results, "table": table})
 
 
 if __name__ == "__main__":

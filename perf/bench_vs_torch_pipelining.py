@@ -45,27 +45,24 @@ the default in torch 2.13), and torch with ``scale_grads=False`` (torch's behavi
 (A batch that M does not divide is not compared: hybridpar's spec refuses it, and torch's stage 1
 receives every micro-batch into buffers shaped like the first one, so its loss fails on the shape.)
 
-    .venv/bin/python perf/bench_vs_torch_pipelining.py                 # V=24, M = 2, 4, 8, 3 rounds
-    .venv/bin/python perf/bench_vs_torch_pipelining.py --size 12 --rounds 1 --steps 3 --no-wait \\
-        --out-dir /tmp
+    python -m perf vs_torch_pipelining                 # V=24, M = 2, 4, 8, 3 rounds
+    python -m perf vs_torch_pipelining --size 12 --rounds 1 --steps 3 --no-wait \\
+        --out /tmp/vs_torch_pipelining.json
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from collections import OrderedDict
-from pathlib import Path
 
-import common
-import heapcount
 import torch
 import torch.nn.functional as F
-from bench_pipeline import make_stack, split_layer, stack_data
 from torch import nn
 
 from hybridpar.memory import SavedActivations
+from perf import common, heapcount
+from perf.bench_pipeline import make_stack, split_layer, stack_data
 
 RANKS = 2
 IMPLS = ["hybridpar", "torch"]
@@ -271,36 +268,31 @@ def _no_worse(ours: dict, theirs: dict, key: str, rel: float, slack: float) -> l
     return [a <= t * (1 + rel) + slack for a, t in zip(ours[key], theirs[key])]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"size": 8, "channels": 4, "microbatches": "2", "rounds": 1, "reps": 1, "steps": 1, "warmup": 1,
+        "memory": False}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("vs_torch_pipelining", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16, help="conv channels C (default 16)")
     ap.add_argument("--depth", type=int, default=4, help="conv layers (default 4)")
     ap.add_argument("--split", type=int, default=None, help="conv where stage 1 starts (default depth//2)")
     ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
     ap.add_argument("--microbatches", default="2,4,8", help="M values (default 2,4,8)")
-    ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of processes (default 3)")
     ap.add_argument("--reps", type=int, default=2,
                     help="hybridpar/torch alternations inside each pair of processes (default 2)")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per config and round (default 8)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
     ap.add_argument("--no-warm-meta", dest="warm_meta", action="store_false",
                     help="skip the memory runs that trace the model on the meta device in both first")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 check")
-    ap.add_argument("--pin", action="store_true", help="bind rank r to core r")
-    ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-min load below this")
-    ap.add_argument("--max-wait", type=float, default=1200, help="give up waiting after this many s")
-    ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
-    ap.add_argument("--out", default="vs_torch_pipelining", help="name of the JSON file")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS, help="its folder (perf/results)")
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
     cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
            "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
            "batch": 0, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
 
-    load = common.wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
+    load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     check = common.launch(check_job, RANKS, cfg, max(ms), threads=1) if args.check else None
     # Both implementations every round, in swapped order every other round.
@@ -381,7 +373,7 @@ def main() -> None:
                               f"whole model in one process")
     else:
         check_table = ""
-    common.write_json(args.out, {
+    common.write_json(args, {
         "config": {**cfg, "microbatches": ms, "rounds": args.rounds, "ranks": RANKS,
                    "stage_starts": ["0", str(split_layer(cfg))], "batch": "micro * M",
                    "model": repr(make_stack(args.size, args.channels, args.depth)).splitlines(),
@@ -404,7 +396,7 @@ def main() -> None:
         "load": {**load, "load_at_end": load_end},
         "stats": stats, "result": result, "memory": memory, "memory_meta_warmed": memory_warm,
         "check": check, "rounds": rounds,
-        "table": table, "check_table": check_table}, args.out_dir)
+        "table": table, "check_table": check_table})
 
 
 if __name__ == "__main__":

@@ -1,50 +1,111 @@
-"""What the core benchmarks share: machine facts, load checks, timing, a launcher, tables and JSON.
+"""What the benchmarks share: one argument parser, machine facts, load checks, timing, a launcher,
+tables and one JSON writer.
 
 Why one module: the halo, scaling and DTensor benchmarks must measure the same way (warm-up, then
 medians of several steps over several rounds; a distributed step counts as long as its slowest rank)
 and record the same facts next to their figures (CPU, cores, torch, threads, load average), so that a
 number in ``perf/results/*.json`` can be trusted and reproduced without reading three scripts.
 
-Every configuration runs in a fresh process started here (``launch``): a distributed job gets a gloo
-group over ``world`` local ranks, as ``tests/distributed.py`` does; a baseline gets one process and no
-group at all. Each process sets its own thread count before doing any work, and every one, the
-baselines included, keeps glibc from trimming its heap between steps (``hybridpar.cpu_alloc``, what
-hybridpar's own ranks do; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
-decided by the allocator.
+Every configuration runs in fresh processes started by ``launch`` (``perf.ranks``, the launcher the
+distributed tests use too): a distributed job gets a gloo group over ``world`` local ranks; a baseline
+gets one process and no group at all.
 
 ``wait_for_quiet`` first takes a machine-wide lock (``/tmp/hybridpar-perf.lock``, held until the
 process exits), so benchmarks built on this module run one at a time instead of all starting the
 moment the load drops.
+
+``parser``/``parse`` give every benchmark the same flags (``--out``, ``--tiny``, the load wait, rounds,
+steps, warm-up, pinning) with each benchmark's own defaults; ``--tiny`` swaps in the benchmark's
+smallest configuration (seconds, no wait for a quiet machine, output to a temporary folder), which
+``tests/test_perf_suite.py`` runs so that no benchmark rots. ``write_json`` is the one result writer.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
-import gc
+import importlib.util
 import json
 import os
-import pickle
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from hybridpar.hostinfo import cpu_model, machine_info  # noqa: F401 (re-exported to the benchmarks)
+from perf.ranks import launch  # noqa: F401 (re-exported to the benchmarks)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-if str(ROOT) not in sys.path:  # run as ``python perf/bench_x.py`` from the checkout
-    sys.path.insert(0, str(ROOT))
+TINY_RESULTS = Path(tempfile.gettempdir()) / "hybridpar-perf-tiny"  # --tiny never overwrites a figure
 
 
-from hybridpar.hostinfo import cpu_model, machine_info  # noqa: E402,F401 (re-exported to the benchmarks)
+# ---------------------------------------------------------------------------- command line
+def parser(name: str, doc: str | None, *, rounds: int | None = None, steps: int | None = None,
+           warmup: int | None = None, max_load: float | None = None, max_wait: float = 1200,
+           pin: bool = False, out: bool = True) -> argparse.ArgumentParser:
+    """The flags every benchmark shares, with its own defaults; a flag whose default is None is left out.
+
+    ``name`` is the benchmark's name (``python -m perf NAME``) and its JSON's default file name;
+    ``out=False``: the benchmark writes a folder of its own (``--out-dir``), not one JSON.
+    """
+    ap = argparse.ArgumentParser(prog=f"python -m perf {name}", description=(doc or "").split("\n\n")[0],
+                                 allow_abbrev=False)
+    ap.set_defaults(benchmark=name)
+    if out:
+        ap.add_argument("--out", type=Path, default=None,
+                        help=f"the JSON file (default perf/results/{name}.json; --tiny: a temporary folder)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the smallest configuration, no wait for a quiet machine (what CI runs)")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds, help="rounds (fresh processes each)")
+    if steps is not None:
+        ap.add_argument("--steps", type=int, default=steps, help="timed steps per config and round")
+    if warmup is not None:
+        ap.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    if pin:
+        ap.add_argument("--pin", action="store_true", help="bind rank r (and the baseline) to core r")
+    if max_load is not None:
+        ap.add_argument("--max-load", type=float, default=max_load, help="wait for a 1-min load below this")
+        ap.add_argument("--max-wait", type=float, default=max_wait, help="give up waiting after this many s")
+        ap.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None,
+          tiny: dict[str, Any]) -> argparse.Namespace:
+    """Parse ``argv``; with ``--tiny``, ``tiny``'s values replace the defaults (flags given still win)."""
+    args = ap.parse_args(argv)
+    if args.tiny:
+        ap.set_defaults(**tiny, **({"no_wait": True} if "no_wait" in vars(args) else {}))
+        args = ap.parse_args(argv)
+    if getattr(args, "out", "") is None:
+        args.out = (TINY_RESULTS if args.tiny else RESULTS) / f"{args.benchmark}.json"
+    return args
+
+
+def test_module(name: str) -> ModuleType:
+    """``tests/<name>.py`` (a model the tests check, benchmarked here), loaded by path: the tests are
+    not a package."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def wait(args: argparse.Namespace) -> dict[str, Any]:
+    """``wait_for_quiet`` as the shared flags say (``--no-wait``: take the lock if free, start at once)."""
+    return wait_for_quiet(args.max_load, 0 if args.no_wait else args.max_wait)
 
 
 # ---------------------------------------------------------------------------- machine and load
@@ -189,86 +250,7 @@ def train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-# ---------------------------------------------------------------------------- launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, out: str,
-           fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    if pin:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(threads)})
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from hybridpar import cpu_alloc  # noqa: PLC0415
-
-    cpu_alloc.tune()  # every job alike, baselines included (what hybridpar does in its own ranks)
-    if group:
-        import hybridpar as hp  # noqa: PLC0415
-
-        hp.init_distributed(timeout_s=300)
-    try:
-        result = fn(rank, world, *args)
-        with open(f"{out}.{rank}", "wb") as f:
-            pickle.dump(result, f)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if group and dist.is_initialized():
-            # gloo work left in garbage and freed at finalization can abort a rank (tests/distributed.py);
-            # not the only cause: ranks still abort at exit now and then, and launch() keeps their results
-            gc.collect()
-            dist.destroy_process_group()
-
-
-def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True, pin: bool = False,
-           timeout: float = 600.0, every_rank: bool = False) -> Any:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result (or every rank's).
-
-    ``group``: join a gloo process group over the ``world`` ranks (``hp.init_distributed``); a
-    baseline passes ``group=False`` and runs with no communication at all. ``threads``: intra-op
-    threads of each process. ``pin``: bind rank r to core(s) ``r*threads ...`` (modulo the cores).
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pkl")
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), threads, group, pin, out, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        wanted = [f"{out}.{r}" for r in range(world)]  # every rank writes its result
-        while True:
-            try:
-                if ctx.join(timeout=1.0):
-                    break
-            except mp.ProcessExitedException as err:
-                # A rank that aborts at interpreter exit, after its result is on disk, has measured
-                # everything (seen in ~1 of 10 two-rank engine jobs: "terminate called without an
-                # active exception" with no Python frame left); anything earlier is a failure.
-                if not all(os.path.exists(w) for w in wanted):
-                    raise
-                print(f"warning: {err} after writing its result (abort at exit); results kept",
-                      file=sys.stderr, flush=True)
-                for p in ctx.processes:
-                    p.join(timeout=30)
-                break
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"benchmark job on {world} ranks did not finish in {timeout:.0f} s")
-        results = []
-        for r in range(world if every_rank else 1):
-            with open(f"{out}.{r}", "rb") as f:
-                results.append(pickle.load(f))
-        return results if every_rank else results[0]
-
-
+# ---------------------------------------------------------------------------- rounds
 def alternate(rounds: int, jobs: Sequence[Callable[[int], dict[str, list[float]]]]
               ) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     """Run ``jobs`` (each ``job(round) -> {config: step seconds}``) one after another, ``rounds`` times.
@@ -313,14 +295,34 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
-    """Write ``payload`` (plus machine facts) to ``perf/results/<name>.json``."""
-    out_dir = out_dir or RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    body = {"benchmark": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
-            "machine": machine_info(), **payload}
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
+
+def command() -> str:
+    """How this process was started, as a user would type it (``python -m perf NAME ...``)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "perf":
+        return " ".join(["python -m perf", *argv[1:]])
+    return " ".join([os.path.relpath(sys.executable, ROOT), *argv])
+
+
+def write_json(where: argparse.Namespace | Path, payload: dict[str, Any],
+               args: argparse.Namespace | None = None) -> Path:
+    """Write ``payload`` with the machine facts, the date, the command and every parsed argument, to
+    ``where.out`` (``where`` the parsed arguments) or to the path ``where`` (``args`` beside it)."""
+    if isinstance(where, argparse.Namespace):
+        path, args = Path(where.out), where
+    else:
+        path = Path(where)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"benchmark": path.stem, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command(),
+            "machine": machine_info(), **({"args": _jsonable(vars(args))} if args is not None else {}),
+            **payload}
     path.write_text(json.dumps(body, indent=1) + "\n")
-    print(f"wrote {os.path.relpath(path, ROOT)}", flush=True)
+    print(f"wrote {os.path.relpath(path, ROOT) if path.is_relative_to(ROOT) else path}", flush=True)
     return path

@@ -1,7 +1,7 @@
 """The GPU suite: CUDA parity tests, then the accelerator benchmarks; one table and one JSON.
 
-    make gpu-check                                   # = python perf/gpu_check.py, on any CUDA GPU
-    python perf/gpu_check.py --cpu-smoke --out DIR   # its CPU-testable parts at a tiny size
+    make gpu-check                                   # = python -m perf gpu_check, on any CUDA GPU
+    python -m perf gpu_check --cpu-smoke --out DIR   # its CPU-testable parts at a tiny size (= --tiny)
 
 Why one script: a GPU is lent for short sessions, so everything that needs one runs in one call
 (< 20 minutes on an H100) and leaves its figures beside the versions they were measured with
@@ -40,11 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # dense bf16 peak FLOP/s (no sparsity), by a name fragment of torch.cuda.get_device_name()
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -240,12 +238,12 @@ def bench_checkpoint(nbytes: int, device: torch.device, work: Path, step_ms: flo
 
 
 def run_scaling(out: Path, runs: int = 2) -> list[dict[str, Any]]:
-    """perf/harness.py on this host's cores (1..8 ranks), ``runs`` times, each into its own folder."""
+    """The scaling harness on this host's cores (1..8 ranks), ``runs`` times, each into its own folder."""
     rows = []
     for i in range(runs):
         dest = out / f"scaling-{i + 1}"
-        cmd = [sys.executable, str(ROOT / "perf/harness.py"), "--ranks", "1,2,4,8", "--no-wait", "--out-dir",
-               str(dest)]
+        cmd = [sys.executable, "-m", "perf", "harness", "--ranks", "1,2,4,8", "--no-wait",
+               "--out-dir", str(dest)]
         res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                              text=True, timeout=3600)
         rows.append({"out": str(dest.relative_to(ROOT)) if dest.is_relative_to(ROOT) else str(dest),
@@ -290,7 +288,8 @@ def write(results: dict[str, Any], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="the CPU-testable parts at a tiny size")
+    ap.add_argument("--cpu-smoke", "--tiny", dest="cpu_smoke", action="store_true",
+                    help="the CPU-testable parts at a tiny size")
     ap.add_argument("--out", type=Path, default=ROOT / "perf/results/gpu")
     ap.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     ap.add_argument("--scaling", action="store_true", help="also run the scaling harness twice on the CPUs")

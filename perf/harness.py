@@ -28,10 +28,10 @@ On a machine with fewer cores than ranks the ranks time-share the cores: the res
 (``oversubscribed``) and the model accounts for it; this is a demonstration and a validation of the
 harness and the model, not a measurement of the library's scalability.
 
-    .venv/bin/python perf/harness.py                                  # both sweeps, synthetic, 1-8 ranks
-    .venv/bin/python perf/harness.py --model cosmoflow --sweep strong --ranks 1,2,4
-    .venv/bin/python perf/harness.py --size 16 --steps 2 --no-wait --out-dir /tmp/scaling   # smoke test
-    .venv/bin/python perf/harness.py --calibrate-only                 # refresh calibration.json only
+    python -m perf harness                                  # both sweeps, synthetic, 1-8 ranks
+    python -m perf harness --model cosmoflow --sweep strong --ranks 1,2,4
+    python -m perf harness --size 16 --steps 2 --no-wait --out-dir /tmp/scaling   # smoke test
+    python -m perf harness --calibrate-only                 # refresh calibration.json only
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import csv
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -49,11 +50,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import common
 import torch
 from torch import nn
 
 from hybridpar import perfmodel as pm
+from perf import common
 
 OUT = common.RESULTS / "scaling"
 CATEGORIES = ("compute", "halo", "pipeline", "grad_reduce", "data_wait", "other")
@@ -683,7 +684,7 @@ def extrapolate(out: Path) -> dict[str, Any]:
     payload = {"rows": rows, "table": table, "published": PUBLISHED,
                "presets": {k: {"description": m.description, "sources": m.sources}
                            for k, m in pm.PRESETS.items()}}
-    common.write_json("extrapolation", payload, out)
+    common.write_json(out / "extrapolation.json", payload)
     return payload
 
 
@@ -714,8 +715,14 @@ def versions() -> dict[str, str]:
             "git_commit": commit + (" (with local changes)" if dirty else "")}
 
 
+# --tiny: one- and two-rank strong sweeps of the data and pipeline layouts at 8^3 (too small to split
+# spatially), one step each, no plots
+TINY = {"ranks": [1, 2], "layouts": ["data", "pipe"], "sweep": "strong", "size": 8, "batch": 2,
+        "warmup": 1, "steps": 1, "repeats": 1, "no_plots": True, "group_wait": 0.0}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.parser("harness", __doc__, steps=6, warmup=2, max_load=1.0, max_wait=900.0, out=False)
     ap.add_argument("--model", choices=("synthetic", "cosmoflow"), default="synthetic")
     ap.add_argument("--sweep", choices=("strong", "weak", "both"), default="both")
     ap.add_argument("--ranks", default="1,2,4,8", type=lambda s: [int(v) for v in s.split(",")])
@@ -723,17 +730,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=32, help="volume edge S (S^3 per sample; per rank when weak)")
     ap.add_argument("--batch", type=int, default=8, help="global batch of the strong sweep")
     ap.add_argument("--weak-batch", type=int, default=2, help="per-rank batch of the weak sweep")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=5, help="timings per calibration sample")
     ap.add_argument("--out-dir", type=Path, default=OUT)
     ap.add_argument("--calibration", type=Path, default=None,
                     help="calibration JSON (default: OUT_DIR/calibration.json)")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the calibration from scratch")
     ap.add_argument("--calibrate-only", action="store_true")
-    ap.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
-    ap.add_argument("--max-load", type=float, default=1.0)
-    ap.add_argument("--max-wait", type=float, default=900.0)
     ap.add_argument("--group-wait", type=float, default=180.0,
                     help="before each world size, wait up to this long for the load to drop below --max-load")
     ap.add_argument("--no-plots", action="store_true")
@@ -755,7 +757,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="two scaling.json of the same sweep: how far the measurement repeats (no runs)")
     ap.add_argument("--extrapolate", action="store_true",
                     help="only predict the published setups (no runs; a few minutes of planning)")
-    args = ap.parse_args(argv)
+    args = common.parse(ap, argv, TINY)
+    if args.tiny and args.out_dir == OUT:
+        args.out_dir = common.TINY_RESULTS / "harness"
     bad_state = [u for u in args.state.split(",") if u and u not in STATE_USES]
     if bad_state:
         ap.error(f"unknown --state {bad_state}; use a comma list of {', '.join(STATE_USES)}")
@@ -763,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown layouts {bad}; use {', '.join(FAMILIES)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.tiny and args.calibration is None and (OUT / "calibration.json").is_file():
+        # start from the recorded calibration (a copy: the tiny run adds its own layer shapes to it)
+        shutil.copy(OUT / "calibration.json", args.out_dir / "calibration.json")
     if args.extrapolate:
         extrapolate(args.out_dir)
         return 0
@@ -824,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                 "host": common.machine_info(),
                 "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     # the raw measurements first: a failure below can be redone with --reanalyse
-    common.write_json("scaling", {"measured": measured, "skipped": skipped, "raw": raw}, args.out_dir)
+    common.write_json(args.out_dir / "scaling.json", {"measured": measured, "skipped": skipped, "raw": raw},
+                      args)
     report(args, cfgs, raw, workloads, machine, calib, skipped, measured)
     return 0
 
@@ -859,7 +867,7 @@ def report(args: argparse.Namespace, cfgs: list[Config], raw: dict[str, dict], w
         "skipped": skipped, "validation": summary, "results": rows, "plots": written,
         "table": text, "raw": raw,
     }
-    common.write_json("scaling", payload, args.out_dir)
+    common.write_json(args.out_dir / "scaling.json", payload, args)
     write_csv(rows, args.out_dir / "scaling.csv")
 
 
@@ -891,8 +899,9 @@ def compare(paths: list[Path], out_dir: Path) -> int:
     for n, v in summary.items():
         print(f"{n} ranks: median |run 2 / run 1 - 1| = {100 * v['median_abs_change']:.1f} %, "
               f"{v['beyond_15pct']}/{v['configs']} configurations change by more than 15 %")
-    common.write_json("repeatability", {"runs": [str(p) for p in paths], "per_world_size": summary,
-                                        "results": result, "table": table}, out_dir)
+    common.write_json(out_dir / "repeatability.json", {"runs": [str(p) for p in paths],
+                                                       "per_world_size": summary, "results": result,
+                                                       "table": table})
     return 0
 
 

@@ -5,20 +5,19 @@ Why: ``bench_pipeline`` says how far the pipeline is from the bubble-only bound;
 the rest is the stages computing slower while transfers run (their copies take the same cores) or
 waiting for a transfer. Same model and split as ``bench_pipeline``.
 
-    .venv/bin/python perf/pipeline_breakdown.py --microbatches 1,8
+    python -m perf pipeline_breakdown --microbatches 1,8
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
-from pathlib import Path
 
-import bench_pipeline as bp
-import common
 import torch.nn.functional as F
+
+from perf import bench_pipeline as bp
+from perf import common
 
 CATS = ("compute", "pipeline", "other")
 
@@ -63,18 +62,18 @@ def job(rank: int, world: int, cfg: dict, ms: list[int], steps: int, name: str) 
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+TINY = {"microbatches": "2", "size": 8, "steps": 1}  # --tiny: seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("pipeline_breakdown", __doc__, steps=6, max_load=0.6)
     ap.add_argument("--microbatches", default="1,8")
     ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
     ap.add_argument("--size", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--no-wait", action="store_true")
-    ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
+    args = common.parse(ap, argv, TINY)
     cfg = {"size": args.size, "channels": 16, "depth": 4, "split": 2, "micro": 2, "batch": 0}
     ms = [int(v) for v in args.microbatches.split(",")]
-    load = common.wait_for_quiet(0.6, 0 if args.no_wait else 1200)
+    load = common.wait(args)
     res = common.launch(job, 2, cfg, ms, args.steps, args.schedule, threads=1)
     rows = []
     for m in ms:
@@ -87,10 +86,10 @@ def main() -> None:
          "waiting (pipeline) ms", "other ms"], rows,
         title=f"{args.schedule} S=2 at {args.size}^3, micro-batch 2: where the step goes, per stage "
               "(steps: medians; compute and waiting: means)")
-    out = "pipeline_breakdown" + ("" if args.schedule == "gpipe" else f"_{args.schedule}")
+    if args.schedule != "gpipe" and args.out.name == "pipeline_breakdown.json":  # the default name
+        args.out = args.out.with_name(f"pipeline_breakdown_{args.schedule}.json")
     config = {**cfg, "microbatches": ms, "steps": args.steps, "schedule": args.schedule}
-    common.write_json(out, {"config": config, "load": load, "result": res, "table": table},
-                      None if args.out_dir is None else Path(args.out_dir))
+    common.write_json(args, {"config": config, "load": load, "result": res, "table": table})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tests marked ``cuda`` need a CUDA device and are skipped without one (``perf/gpu_check.py`` runs
+"""Tests marked ``cuda`` need a CUDA device and are skipped without one (``python -m perf gpu_check`` runs
 them on a GPU)."""
 
 from __future__ import annotations

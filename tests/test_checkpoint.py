@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_checkpoint_units import _same, nested_state
 
-from hybridpar.checkpoint import Checkpointer, CheckpointError, keys_of
+from hybridpar.checkpoint import Checkpointer, CheckpointError, faults, keys_of
 from hybridpar.checkpoint import manifest as mf
 from hybridpar.checkpoint.__main__ import main as cli
 from hybridpar.checkpoint.faults import ENV
@@ -105,17 +105,35 @@ def test_damaged_newest_falls_back_with_a_warning(tmp_path, kind, says):
                 ck.load()
 
 
+def _hold(monkeypatch, point: str, step: int) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Stop the writer thread at fault point ``point`` of ``step`` until the test sets ``release``:
+    an order the test controls instead of a sleep it must outrun. ``reached``: the writer got there;
+    ``expired``: nobody released it within 20 s (the writer then fails the save)."""
+    reached, release, expired = threading.Event(), threading.Event(), threading.Event()
+    hit = faults.hit
+
+    def held(p: str, s: int, rank: int = 0) -> None:
+        if (p, s) == (point, step):
+            reached.set()
+            if not release.wait(20):
+                expired.set()
+                raise OSError(f"the test never released {point} of step {step}")
+        hit(p, s, rank)
+
+    monkeypatch.setattr(faults, "hit", held)
+    return reached, release, expired
+
+
 def test_latest_never_names_a_version_being_written(tmp_path, monkeypatch):
     with Checkpointer(tmp_path) as ck:
         ck.save(1, _state(1))
         ck.wait()
-        monkeypatch.setenv(ENV, "manifest:sleep0.6:2")
+        reached, release, _ = _hold(monkeypatch, "manifest", 2)
         ck.save(2, _state(2))
-        deadline = time.monotonic() + 10
-        while not list(tmp_path.glob("*/.MANIFEST.json.*.tmp")):  # all files written, manifest not yet
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert reached.wait(10)
+        assert list(tmp_path.glob("*/.MANIFEST.json.*.tmp"))  # all files written, manifest not yet
         assert ck.latest() == 1 and [v.step for v in ck.versions()] == [1]
+        release.set()
         ck.wait()
         assert ck.latest() == 2
 
@@ -157,21 +175,33 @@ def test_retention_keeps_exactly_what_it_says(tmp_path):
         assert [v.step for v in ck.versions()] == [13, 16]
 
 
+def _waits_for(release: threading.Event, call) -> None:
+    """``call()`` (on a thread) is still blocked while ``release`` is unset and returns once it is set."""
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()
+    release.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
 def test_overlapped_copy_waits_only_at_the_update(tmp_path, monkeypatch):
     w = torch.arange(1 << 16, dtype=torch.float32)
-    monkeypatch.setenv(ENV, "copy:sleep0.3")
+    held = {step: _hold(monkeypatch, "copy", step) for step in (1, 2, 3)}
     with Checkpointer(tmp_path, overlap_min_bytes=1024) as ck:
-        t0 = time.perf_counter()
         ck.save(1, {"model": {"w": w}, "small": torch.ones(2)}, overlap=True)
-        assert time.perf_counter() - t0 < 0.25  # returned before the (slowed) copy
-        ck.before_update()  # the optimizer step would wait here ...
-        assert time.perf_counter() - t0 >= 0.3
+        reached, release, expired = held[1]
+        assert not expired.is_set()  # returned while the copy is held (one that waited for it could not)
+        assert reached.wait(10)
+        _waits_for(release, ck.before_update)  # the optimizer step would wait here ...
         w.add_(1)  # ... and then change the weights
         ck.wait()
         assert torch.equal(ck.load()["model"]["w"], torch.arange(1 << 16, dtype=torch.float32))
         # an in-place change before before_update(): the save fails loudly instead of tearing
         ck.save(2, {"model": {"w": w}}, overlap=True)
         w.add_(1)
+        held[2][1].set()
         with pytest.raises(CheckpointError, match="changed in place.*before_update"):
             ck.wait()
         assert ck.latest() == 1
@@ -181,7 +211,7 @@ def test_overlapped_copy_waits_only_at_the_update(tmp_path, monkeypatch):
         ck.attach(opt)
         ck.save(3, {"model": {"p": p}}, overlap=True)
         p.grad = torch.ones_like(p)
-        opt.step()
+        _waits_for(held[3][1], opt.step)
         ck.wait()
         assert torch.equal(ck.load()["model"]["p"], torch.zeros(1 << 12))
 

@@ -1,6 +1,7 @@
-"""perf/gpu_check.py does not rot on CPU: without CUDA it refuses in one line; ``--cpu-smoke`` runs its
-CPU-testable parts (the CosmoFlow benchmark at 16³ in fp32, bf16, bf16 + channels_last and compiled
-with aot_eager, and the checkpoint stall at 1 MiB) and writes the table and the JSON."""
+"""``python -m perf gpu_check`` does not rot on CPU: without CUDA it refuses in one line;
+``--cpu-smoke`` runs its CPU-testable parts (the CosmoFlow benchmark at 16³ in fp32, bf16,
+bf16 + channels_last and compiled with aot_eager, and the checkpoint stall at 1 MiB) and writes the
+table and the JSON."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from distributed import ROOT
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "perf/gpu_check.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "perf", "gpu_check", *args], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=600)
 
 

@@ -1,0 +1,111 @@
+"""Run a function on N fresh local processes, with a gloo group or without, and a hard timeout: the one
+launcher of the benchmarks and of the distributed tests (``tests/distributed.py``).
+
+Why fresh processes: a benchmark's configurations must not share allocator or kernel-cache state, and
+a test's deadlock must fail with the ranks' state instead of hanging the suite. Each process sets its
+thread count (and, asked to, its cores) before any work, and every one, one-process baselines
+included, keeps glibc from trimming its heap between steps as hybridpar's own ranks do
+(``hybridpar.cpu_alloc``; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
+decided by the allocator. Every rank's return value comes back through a file.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],
+           group_timeout_s: float, out: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
+    torch.set_num_threads(threads)
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(threads)})
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import hybridpar as hp  # noqa: PLC0415
+    from hybridpar import cpu_alloc  # noqa: PLC0415
+
+    cpu_alloc.tune()  # every job alike, baselines included (what hybridpar does in its own CPU ranks)
+    if group:
+        hp.init_distributed(timeout_s=group_timeout_s)
+    try:
+        result = fn(rank, world, *args)
+        with open(f"{out}.{rank}", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if group and dist.is_initialized():
+            # Garbage (an engine's reference cycles, say) holding gloo work goes while the interpreter
+            # and the groups are alive: freed at interpreter exit, a tensor's release may take the GIL
+            # from a gloo thread during finalization and abort the process (pytorch/pytorch#179291).
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True, pin: bool = False,
+           timeout: float = 600.0, every_rank: bool = False, env: dict[str, str] | None = None,
+           group_timeout_s: float = 300.0, keep_results_of_exit_aborts: bool = True) -> Any:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result (or every rank's).
+
+    ``group``: join a gloo process group over the ``world`` ranks (``hp.init_distributed``); a
+    baseline passes ``group=False`` and runs with no communication at all. ``threads``: intra-op
+    threads of each process. ``pin``: bind rank r to core(s) ``r*threads ...`` (modulo the cores).
+    ``env``: variables set in every rank before anything runs. ``keep_results_of_exit_aborts``: a rank
+    that aborts at interpreter exit after its result is on disk has measured everything (a benchmark
+    keeps the results; a test, which must see every failure, passes False). Raises if a rank fails or
+    ``timeout`` seconds pass (the ranks are killed).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pkl")
+        ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin, env or {},
+                                               group_timeout_s, out, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        wanted = [f"{out}.{r}" for r in range(world)]  # every rank writes its result
+        while True:
+            try:
+                if ctx.join(timeout=1.0):
+                    break
+            except mp.ProcessExitedException as err:
+                # seen in ~1 of 10 two-rank engine jobs: "terminate called without an active exception"
+                # with no Python frame left; anything before the results are written is a failure
+                if not keep_results_of_exit_aborts or not all(os.path.exists(w) for w in wanted):
+                    raise
+                print(f"warning: {err} after writing its result (abort at exit); results kept",
+                      file=sys.stderr, flush=True)
+                for p in ctx.processes:
+                    p.join(timeout=30)
+                break
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"job on {world} ranks did not finish in {timeout:.0f} s (deadlock?)")
+        results = []
+        for r in range(world if every_rank else 1):
+            with open(f"{out}.{r}", "rb") as f:
+                results.append(pickle.load(f))
+        return results if every_rank else results[0]

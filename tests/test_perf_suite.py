@@ -1,0 +1,90 @@
+"""Every benchmark in perf/ runs at its tiny size (``python -m perf NAME --tiny``) and writes its JSON
+with the keys its perf/README.md line is read from, so that none rots between the runs that produce
+the figures. A tiny configuration measures nothing worth keeping: what is checked is that the
+benchmark completes, prints its table and reports what it reports at full size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from perf.__main__ import BENCHMARKS
+
+from distributed import ROOT
+
+# What each benchmark's JSON must hold besides the writer's own keys (benchmark, date, command,
+# machine, args).
+KEYS: dict[str, set[str]] = {
+    "halo": {"config", "load", "result", "stats", "table"},
+    "scaling": {"config", "load", "result", "stats", "table"},
+    "dtensor": {"config", "timing", "cases", "tables"},
+    "pipeline": {"config", "load", "result", "stats", "table"},
+    "pipeline_breakdown": {"config", "load", "result", "table"},
+    "deferred": {"config", "load", "result", "samples_s", "table"},
+    "local_p2p": {"config", "load", "result", "samples_s", "table"},
+    "p2p_latency": {"load", "result", "samples_s", "table"},
+    "vs_torch_pipelining": {"config", "load", "result", "stats", "table"},
+    "hybrid_vs_dp": {"config", "load", "result", "stats", "table"},
+    "unet": {"config", "load", "results", "table"},
+    "loader": {"config", "rows", "wait"},
+    "generator": {"config", "seconds_per_universe", "stages_median_s"},
+    "checkpoint": {"config", "modes", "goals", "restart_s"},
+    "recovery": {"medians_s", "samples_s"},
+    "harness": {"measured", "results", "validation", "table"},
+}
+SKIP = {
+    "recovery": "kills and restarts 4 torchrun workers twice (a minute on 2 cores); run `python -m perf "
+                "recovery --tiny` by hand",
+    "gpu_check": "its CPU parts run in tests/test_gpu_check.py (--cpu-smoke, the same as --tiny)",
+}
+
+
+def _perf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m perf ARGS`` in a session of its own: on a timeout its ranks go with it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "perf", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"python -m perf {' '.join(args)} did not finish in {timeout:.0f} s:\n{out[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_every_benchmark_has_its_checks():
+    assert set(BENCHMARKS) == set(KEYS) | set(SKIP)
+
+
+def test_list_and_an_unknown_name():
+    res = _perf("list")
+    assert res.returncode == 0 and all(f"  {name} " in res.stdout for name in BENCHMARKS)
+    res = _perf("no_such_bench")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "no benchmark 'no_such_bench'" in res.stderr
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_tiny_run_writes_its_json(name, tmp_path):
+    if name in SKIP:
+        pytest.skip(SKIP[name])
+    if name == "harness":  # writes a folder: scaling.json, calibration.json, scaling.csv
+        res, out = _perf(name, "--tiny", "--out-dir", str(tmp_path)), tmp_path / "scaling.json"
+    else:
+        res, out = _perf(name, "--tiny", "--out", str(tmp_path / f"{name}.json")), tmp_path / f"{name}.json"
+    assert res.returncode == 0, f"python -m perf {name} --tiny:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    missing = ({"benchmark", "date", "command", "machine", "args"} | KEYS[name]) - set(data)
+    assert not missing, f"{name}: {sorted(missing)} missing from {out.name}"
+    assert data["args"]["tiny"] is True and data["machine"]["logical_cores"] >= 1
+    assert data["command"].startswith(f"python -m perf {name} --tiny")
+    if "table" in KEYS[name]:
+        lines = data["table"].splitlines()
+        assert len(lines) >= 3 and all(line in res.stdout for line in lines)  # printed: header, rule, rows

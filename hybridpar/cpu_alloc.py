@@ -5,10 +5,9 @@ above a *dynamic* threshold (128 KiB rising to the largest block freed, at most 
 fresh ``mmap``, and gives the top of its heap back to the kernel whenever more than twice that
 threshold is free. A GPipe step allocates the activations of all M micro-batches and then frees
 them all, so each step shrinks the heap and the next one faults every page back in (the kernel
-zeroes each 4 KiB page). Measured on the 2-core development VM, one process, a 4-conv stack at
-24^3 with 8 micro-batches of 2: GPipe's order (all forwards, then all backwards) took 1.4x the time
-of running the same micro-batches one after another, the same kernels; with the settings below
-the two took the same time (perf/PIPELINE.md). A whole batch run at once pays the same cost.
+zeroes each 4 KiB page): GPipe's order (all forwards, then all backwards) then costs markedly more
+than running the same micro-batches one after another, the same kernels, and with the settings below
+the two cost the same. A whole batch run at once pays the same cost.
 
 The cure is the one CUDA's caching allocator applies on GPUs: keep freed memory for the next
 step. :func:`tune` fixes the mmap threshold at its ceiling (32 MiB, so only very large blocks are

@@ -2,7 +2,7 @@
 
 A model of split convolutions (one overlapped), pooling, a gather and a dense head is compiled with
 ``backend="aot_eager"`` (CPU inductor compiles correctly but takes minutes on a 2-core machine:
-``perf/gpu_check.py`` runs it). ``torch._dynamo.explain`` counts the graph breaks and dynamo's
+``python -m perf gpu_check`` runs it). ``torch._dynamo.explain`` counts the graph breaks and dynamo's
 counters list them: on one rank there are none, one graph (nothing is exchanged); on a (2, 1, 1)
 split every break is a call of a communication function (halo exchange, gradient synchronisation,
 the overlapped convolution, redistribution). The model then reads [comm] relu pool [comm] relu pool

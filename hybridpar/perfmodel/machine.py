@@ -198,7 +198,7 @@ def load_machine(path: str | os.PathLike | None = None) -> Machine:
     path = Path(path) if path is not None else default_cache()
     if not path.is_file():
         raise FileNotFoundError(
-            f"no calibration at {path}; measure this machine once with `python perf/harness.py "
+            f"no calibration at {path}; measure this machine once with `python -m perf harness "
             f"--calibrate-only` (or hybridpar.perfmodel.calibrate_compute + pingpong), or pick a "
             f"preset: {', '.join(PRESETS)}")
     return Machine.from_dict(json.loads(path.read_text())["machine"])

@@ -119,7 +119,7 @@ def _carried(records: Sequence[LayerPlan], stages: int) -> list[str]:
 
 
 # oneDNN takes a float32 conv on CPU only when N > 1 or N*C*D*H > 20480 (torch's ConvParams::use_mkldnn);
-# below that, Conv3d runs aten::slow_conv3d, measured 3x slower per call than N = 2 (perf/PIPELINE.md).
+# below that, Conv3d runs aten::slow_conv3d, several times slower per call than a batch of 2 takes.
 SLOW_CONV3D_ELEMENTS = 20480
 
 

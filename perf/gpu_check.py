@@ -100,6 +100,7 @@ def _variant_step(variant: str, size: int, n_conv: int, data: Path, steps: int, 
     torch.manual_seed(0)
     model = build_model(size, 4, n_conv=n_conv, dropout=0.0).to(device)
     flops = hp.flops.count(model, (1, 4, size, size, size)).total
+    hp.init_distributed()  # a one-rank group where no launcher started this process
     engine = hp.parallelize(model, {"grid": {}}, loss_fn=F.mse_loss, input_shape=(1, 4, size, size, size),
                             memory_format=accel.memory_format)
     opt = torch.optim.SGD(engine.parameters(), lr=1e-4, momentum=0.9)

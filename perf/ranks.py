@@ -25,6 +25,19 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+# Ranks are forked from a server that has imported torch and hybridpar once (multiprocessing's
+# "forkserver"): a fresh interpreter importing them costs seconds per rank, most of a small job. The
+# server runs nothing else, so every rank still starts from a clean state: no allocator, thread pool,
+# kernel cache or process group exists in it before the fork.
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+_PRELOAD = ["torch", "torch.distributed", "hybridpar"]
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start from (its fork server preloads torch and hybridpar)."""
+    mp.set_forkserver_preload(_PRELOAD)
+    return mp.get_context(START_METHOD)
+
 
 def free_port() -> int:
     """A TCP port free on this host right now (for MASTER_PORT)."""
@@ -33,22 +46,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],
-           group_timeout_s: float, out: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
+def prepare_rank(rank: int, world: int, port: int, threads: int, group: bool, pin: bool,
+                 env: dict[str, str], group_timeout_s: float) -> None:
+    """A fresh rank's set-up before any work: the caller's environment (not the fork server's from
+    when it started) plus the rendezvous variables, its threads and cores, glibc's heap kept, and the
+    gloo group if asked for."""
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     if pin:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(threads)})
-    import torch.distributed as dist  # noqa: PLC0415
-
     import hybridpar as hp  # noqa: PLC0415
     from hybridpar import cpu_alloc  # noqa: PLC0415
 
     cpu_alloc.tune()  # every job alike, baselines included (what hybridpar does in its own CPU ranks)
     if group:
         hp.init_distributed(timeout_s=group_timeout_s)
+
+
+def leave_group() -> None:
+    """Destroy the default group, garbage first: garbage (an engine's reference cycles, say) holding
+    gloo work must go while the interpreter and the groups are alive: freed at interpreter exit, a
+    tensor's release may take the GIL from a gloo thread during finalization and abort the process
+    (pytorch/pytorch#179291)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],
+           group_timeout_s: float, out: str, fn: Callable, args: tuple) -> None:
+    prepare_rank(rank, world, port, threads, group, pin, env, group_timeout_s)
     try:
         result = fn(rank, world, *args)
         with open(f"{out}.{rank}", "wb") as f:
@@ -57,17 +89,13 @@ def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: boo
         traceback.print_exc()
         raise
     finally:
-        if group and dist.is_initialized():
-            # Garbage (an engine's reference cycles, say) holding gloo work goes while the interpreter
-            # and the groups are alive: freed at interpreter exit, a tensor's release may take the GIL
-            # from a gloo thread during finalization and abort the process (pytorch/pytorch#179291).
-            gc.collect()
-            dist.destroy_process_group()
+        leave_group()
 
 
 def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True, pin: bool = False,
            timeout: float = 600.0, every_rank: bool = False, env: dict[str, str] | None = None,
-           group_timeout_s: float = 300.0, keep_results_of_exit_aborts: bool = True) -> Any:
+           group_timeout_s: float = 300.0, keep_results_of_exit_aborts: bool = True,
+           results: bool = True) -> Any:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result (or every rank's).
 
     ``group``: join a gloo process group over the ``world`` ranks (``hp.init_distributed``); a
@@ -75,16 +103,20 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
     threads of each process. ``pin``: bind rank r to core(s) ``r*threads ...`` (modulo the cores).
     ``env``: variables set in every rank before anything runs. ``keep_results_of_exit_aborts``: a rank
     that aborts at interpreter exit after its result is on disk has measured everything (a benchmark
-    keeps the results; a test, which must see every failure, passes False). Raises if a rank fails or
+    keeps the results; a test, which must see every failure, passes False). ``results``: False where
+    ``fn`` returns nothing worth reading (a test whose rank may leave on purpose, writing none); then
+    None comes back. Raises if a rank fails or
     ``timeout`` seconds pass (the ranks are killed).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pkl")
-        ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin, env or {},
-                                               group_timeout_s, out, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        context()
+        ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin,
+                                               {**os.environ, **(env or {})}, group_timeout_s, out, fn,
+                                               args),
+                                 nprocs=world, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
-        wanted = [f"{out}.{r}" for r in range(world)]  # every rank writes its result
+        wanted = [f"{out}.{r}" for r in range(world)]  # every rank that returns writes its result
         while True:
             try:
                 if ctx.join(timeout=1.0):
@@ -104,8 +136,10 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
                     if p.is_alive():
                         p.kill()
                 raise TimeoutError(f"job on {world} ranks did not finish in {timeout:.0f} s (deadlock?)")
-        results = []
+        if not results:
+            return None
+        values = []
         for r in range(world if every_rank else 1):
             with open(f"{out}.{r}", "rb") as f:
-                results.append(pickle.load(f))
-        return results if every_rank else results[0]
+                values.append(pickle.load(f))
+        return values if every_rank else values[0]

@@ -256,18 +256,12 @@ def run_unet(fails: Failures, grid) -> int:
     return 1
 
 
-def run_all(rank: int, grids: list[tuple[int, int, int]]) -> None:
-    fails = Failures()
-    total = 0
-    for spatial in grids:
-        grid = hp.ProcessGrid(spatial=spatial)
-        total += run_upsample(fails, grid)
-        total += run_group_norm(fails, grid)
-        total += run_instance_norm(fails, grid)
-        total += run_adaptive(fails, grid)
-        total += run_batch_norm_fixes(fails, grid)
-        total += run_conversions(fails, grid)
-        total += run_unet(fails, grid)
-    if rank == 0:
-        print(f"{total} cases on grids {grids}")
-    fails.raise_if_any(rank)
+FAMILIES = {  # layer_cases.run_family runs one per pytest test
+    "upsample": lambda fails, grid, rng, opts: run_upsample(fails, grid),
+    "group_norm": lambda fails, grid, rng, opts: run_group_norm(fails, grid),
+    "instance_norm": lambda fails, grid, rng, opts: run_instance_norm(fails, grid),
+    "adaptive": lambda fails, grid, rng, opts: run_adaptive(fails, grid),
+    "batch_norm_fixes": lambda fails, grid, rng, opts: run_batch_norm_fixes(fails, grid),
+    "conversions": lambda fails, grid, rng, opts: run_conversions(fails, grid),
+    "unet": lambda fails, grid, rng, opts: run_unet(fails, grid),
+}

@@ -186,20 +186,12 @@ def run_tagless(fails: Failures, grid, rng: random.Random) -> int:
     return count + 1
 
 
-def run_all(rank: int, grids: list[tuple[int, int, int]], n_random: int = 8, seed: int = 0,
-            every: int = 1) -> None:
-    fails = Failures()
-    total = 0
-    for shape in grids:
-        grid = hp.ProcessGrid(spatial=shape)
-        rng = random.Random(seed + sum(s * 10 ** i for i, s in enumerate(shape)))
-        total += run_conv_modes(fails, grid, rng, n_random, every)
-        total += run_pads(fails, grid, rng)
-        if every == 1:  # its first meta-device trace costs each rank ~1 s of CPU
-            total += run_stack(fails, grid)
-        total += run_adjoints(fails, grid)
-        if 2 in shape:
-            total += run_tagless(fails, grid, rng)
-    if rank == 0:
-        print(f"{total} cases on grids {grids}")
-    fails.raise_if_any(rank)
+FAMILIES = {  # layer_cases.run_family runs one per pytest test; opts: n_random, every
+    "conv_modes": lambda fails, grid, rng, opts: run_conv_modes(fails, grid, rng, opts.get("n_random", 8),
+                                                                opts.get("every", 1)),
+    "pads": lambda fails, grid, rng, opts: run_pads(fails, grid, rng),
+    # its first meta-device trace costs each rank about a second of CPU: not where every other is run
+    "stack": lambda fails, grid, rng, opts: run_stack(fails, grid) if opts.get("every", 1) == 1 else 0,
+    "adjoints": lambda fails, grid, rng, opts: run_adjoints(fails, grid),
+    "tagless": lambda fails, grid, rng, opts: run_tagless(fails, grid, rng) if 2 in grid.spatial_shape else 0,
+}

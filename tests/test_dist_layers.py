@@ -1,7 +1,8 @@
 """Every Dist layer against torch.nn on the gathered tensors (float64, relative error <= 1e-10):
 forward output, input gradient, weight and bias gradients, running statistics; adjoint tests of halo
-exchange, scatter, gather and Redistribute; a CosmoFlow-like stack. One spawned group per world size
-runs all its grids; see layer_cases.py for the cases (fixed ones plus a seeded random sweep)."""
+exchange, scatter, gather and Redistribute; a CosmoFlow-like stack. One pytest test per world size,
+grid and case family (layer_cases.py: fixed cases plus a seeded random sweep), the cases of a world
+size sharing one process group."""
 
 from __future__ import annotations
 
@@ -10,20 +11,16 @@ import pytest
 import distributed
 import layer_cases
 
+GRIDS = [(1, (1, 1, 1)), (2, (2, 1, 1)), (2, (1, 2, 1)), (2, (1, 1, 2)), (3, (3, 1, 1)), (3, (1, 3, 1)),
+         (3, (1, 1, 3)), (4, (2, 2, 1)), (4, (1, 2, 2)), (4, (4, 1, 1)), (8, (2, 2, 2))]
 
-def _body(rank: int, world: int, grids: list, n_random: int) -> None:
-    layer_cases.run_all(rank, grids, n_random=n_random)
 
-
-@pytest.mark.parametrize("world,grids", [
-    (1, [(1, 1, 1)]),
-    (2, [(2, 1, 1), (1, 2, 1), (1, 1, 2)]),
-    (3, [(3, 1, 1), (1, 3, 1), (1, 1, 3)]),
-    (4, [(2, 2, 1), (1, 2, 2), (4, 1, 1)]),
-    (8, [(2, 2, 2)]),
-])
-def test_layers_match_torch(world, grids):
-    distributed.run(_body, world, grids, 16 if world < 8 else 8, timeout=600)
+@pytest.mark.parametrize("family", list(layer_cases.FAMILIES))
+@pytest.mark.parametrize("world,shape", GRIDS, ids=distributed.grid_ids(GRIDS))
+def test_layers_match_torch(pools, world, shape, family):
+    opts = {"n_random": 16 if world < 8 else 8}
+    counts = pools(world).run(layer_cases.run_family, "layer_cases", shape, family, opts, timeout=600)
+    assert counts[0] > 0, f"no {family} case fits grid {shape}"
 
 
 def _bn_stage_body(rank: int, world: int) -> None:

@@ -1,7 +1,8 @@
-"""The layers a 3D U-Net needs against torch.nn on the gathered tensors (float64, relative error
-<= 1e-10): DistUpsample / dist_interpolate, DistGroupNorm, DistInstanceNorm3d, the adaptive pools and
-the DistBatchNorm3d fixes, on split grids of 1-8 ranks (one spawned group per world size; cases in
-new_layer_cases.py). Plus the registry's halo widths for Upsample, which need no process group."""
+"""The layers a 3D U-Net needs against torch.nn on the gathered tensors (float64, relative error <= 1e-10):
+DistUpsample / dist_interpolate, DistGroupNorm, DistInstanceNorm3d, the adaptive pools and the
+DistBatchNorm3d fixes, on split grids of 1-8 ranks (one pytest test per grid and case family, sharing one
+process group per world size; cases in new_layer_cases.py). Plus the registry's halo widths for Upsample,
+which need no process group."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from hybridpar.geometry import HaloError
 from hybridpar.nn import registry
 
 import distributed
+import layer_cases
 import new_layer_cases
 
 
-def _body(rank: int, world: int, grids: list) -> None:
-    new_layer_cases.run_all(rank, grids)
-
-
-@pytest.mark.parametrize("world,grids", distributed.GRIDS)
-def test_new_layers_match_torch(world, grids):
-    distributed.run(_body, world, grids, timeout=600)
+@pytest.mark.parametrize("family", list(new_layer_cases.FAMILIES))
+@pytest.mark.parametrize("world,shape", distributed.flat_grids(),
+                         ids=distributed.grid_ids(distributed.flat_grids()))
+def test_new_layers_match_torch(pools, world, shape, family):
+    counts = pools(world).run(layer_cases.run_family, "new_layer_cases", shape, family, timeout=600)
+    assert counts[0] > 0, f"no {family} case ran on grid {shape}"
 
 
 def test_upsample_halos_and_roles():

@@ -59,11 +59,6 @@ from perf import common
 OUT = common.RESULTS / "scaling"
 CATEGORIES = ("compute", "halo", "pipeline", "grad_reduce", "data_wait", "other")
 FAMILIES = ("data", "spatial", "pipe", "hybrid")
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
-              "MALLOC_TOP_PAD_": str(1 << 28)}
-"""glibc settings for the ranks (``--malloc keep``): freed memory stays mapped and is reused. With glibc's
-defaults a step re-faults tens of MiB of fresh pages (0.4 ms/MiB on the VM this was developed on),
-history-dependently; accelerators never pay this (caching allocators)."""
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -791,9 +786,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip {cfg.key}: {err}", flush=True)
             continue
         cfgs.append(cfg)
-    if args.malloc == "keep":  # reuse freed memory, as PyTorch's caching allocator does on GPUs
-        os.environ.update(MALLOC_ENV)
-    else:  # glibc's defaults: nor may hybridpar.cpu_alloc change them in the ranks
+    # keep: every rank reuses freed memory, as PyTorch's caching allocator does on GPUs (hybridpar.cpu_alloc,
+    # which perf.ranks applies in each); default: glibc's own settings, cpu_alloc told to leave them
+    if args.malloc == "default":
         os.environ["HYBRIDPAR_MALLOC_TUNING"] = "0"
     cores = len(os.sched_getaffinity(0))
     quiet = {"skipped": True} if args.no_wait else common.wait_for_quiet(args.max_load, args.max_wait)

@@ -7,6 +7,7 @@ case."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,33 +75,33 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails.raise_if_any(rank)
 
 
-def test_graph_models_one_rank():
-    distributed.run(_body, 1, [("unet", "UNet3d", {"grid": {"data": 1}}),
-                               ("resnet", "ResNet3d", {"grid": {"data": 1}})], timeout=300)
+# data x spatial, and pipe x spatial with cuts inside the encoder (skips cross them) and inside a residual
+# block (its input crosses with the block's output); one pytest test each, a world size sharing a pool
+CASES = [
+    (1, "unet", "UNet3d", {"grid": {"data": 1}}),
+    (1, "resnet", "ResNet3d", {"grid": {"data": 1}}),
+    (4, "unet data x spatial", "UNet3d", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "unet spatial 2x2", "UNet3d", {"grid": {"spatial": [2, 1, 2]}}),
+    (4, "reconstruction U-Net spatial 2x2", "CosmoUNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "unet pipe x spatial, skips cross the cut", "UNet3d",
+     {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
+      "pipeline": {"microbatches": 2, "stages": ["enc.0.0", "enc.2.0"]}}),
+    (4, "unet pipe x spatial 1f1b auto", "UNet3d",
+     {"grid": {"pipe": 2, "spatial": [1, 2, 1]}, "pipeline": {"microbatches": 4, "schedule": "1f1b"}}),
+    (4, "resnet pipe x spatial, cut inside a block", "ResNet3d",
+     {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
+      "pipeline": {"microbatches": 1, "stages": ["stem", "block1.conv2"]}}),
+    (4, "resnet spatial", "ResNet3d", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "functional layers data x spatial", "FunctionalNet", {"grid": {"data": 2, "spatial": [1, 1, 2]}}),
+    (4, "functional layers pipe x spatial", "FunctionalNet",
+     {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
+      "pipeline": {"microbatches": 2, "stages": ["conv1", "interpolate"]}}),
+]
 
 
-def test_graph_models_four_ranks():
-    """data x spatial, and pipe x spatial with cuts inside the encoder (skips cross them) and inside a
-    residual block (its input crosses with the block's output)."""
-    cases = [
-        ("unet data x spatial", "UNet3d", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
-        ("unet spatial 2x2", "UNet3d", {"grid": {"spatial": [2, 1, 2]}}),
-        ("reconstruction U-Net spatial 2x2", "CosmoUNet", {"grid": {"spatial": [2, 2, 1]}}),
-        ("unet pipe x spatial, skips cross the cut", "UNet3d",
-         {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
-          "pipeline": {"microbatches": 2, "stages": ["enc.0.0", "enc.2.0"]}}),
-        ("unet pipe x spatial 1f1b auto", "UNet3d",
-         {"grid": {"pipe": 2, "spatial": [1, 2, 1]}, "pipeline": {"microbatches": 4, "schedule": "1f1b"}}),
-        ("resnet pipe x spatial, cut inside a block", "ResNet3d",
-         {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
-          "pipeline": {"microbatches": 1, "stages": ["stem", "block1.conv2"]}}),
-        ("resnet spatial", "ResNet3d", {"grid": {"spatial": [2, 2, 1]}}),
-        ("functional layers data x spatial", "FunctionalNet", {"grid": {"data": 2, "spatial": [1, 1, 2]}}),
-        ("functional layers pipe x spatial", "FunctionalNet",
-         {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
-          "pipeline": {"microbatches": 2, "stages": ["conv1", "interpolate"]}}),
-    ]
-    distributed.run(_body, 4, cases, timeout=600)
+@pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].replace(" ", "_") for c in CASES])
+def test_graph_models_match_torch(pools, world, desc, model, spec):
+    pools(world).run(_body, [(desc, model, spec)], timeout=600)
 
 
 def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():

@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import distributed
 from layer_cases import Failures
 
 BATCH, STEPS = 8, 3
@@ -65,26 +65,23 @@ def _all_equal(fails: Failures, desc: str, state: dict[str, torch.Tensor]) -> No
                              f"{dist.get_rank()} and {r}")
 
 
-def _body(rank: int, world: int, layouts: list[dict]) -> None:
+def _body(rank: int, world: int, layout: dict, with_optimizer: bool) -> None:
     import hybridpar as hp
 
     fails = Failures()
-    for layout in layouts:
-        desc = str(layout)
-        engine = hp.parallelize(make_model(), layout, loss_fn=F.mse_loss)
-        for x, y in batches():
-            engine.train_step(*engine.shard_batch(x, y))  # no optimizer step: weights stay fixed
-            _all_equal(fails, f"{desc} after a step", engine.full_state_dict())
-        engine.predict(engine.shard_batch(*batches()[0])[0])  # training mode: updates statistics
-        state = engine.full_state_dict()
-        _all_equal(fails, f"{desc} after a training-mode predict", state)
-        want = expected(engine.grid.data, layout["pipeline"]["microbatches"], predicts=1)
-        for k, v in want.items():
-            if "running" in k or "num_batches" in k:
-                fails.check(f"{desc} {k}", state[k].to(v.dtype), v)
-        if layout is not layouts[0]:
-            continue
-        # with an optimizer too: every rank still holds one state
+    desc = str(layout)
+    engine = hp.parallelize(make_model(), layout, loss_fn=F.mse_loss)
+    for x, y in batches():
+        engine.train_step(*engine.shard_batch(x, y))  # no optimizer step: weights stay fixed
+        _all_equal(fails, f"{desc} after a step", engine.full_state_dict())
+    engine.predict(engine.shard_batch(*batches()[0])[0])  # training mode: updates statistics
+    state = engine.full_state_dict()
+    _all_equal(fails, f"{desc} after a training-mode predict", state)
+    want = expected(engine.grid.data, layout["pipeline"]["microbatches"], predicts=1)
+    for k, v in want.items():
+        if "running" in k or "num_batches" in k:
+            fails.check(f"{desc} {k}", state[k].to(v.dtype), v)
+    if with_optimizer:  # with an optimizer too: every rank still holds one state
         engine = hp.parallelize(make_model(), layout, loss_fn=F.mse_loss, input_shape=batches()[0][0].shape)
         opt = torch.optim.SGD(engine.parameters() or [{"params": []}], lr=0.05, momentum=0.9)
         for x, y in batches():
@@ -100,7 +97,10 @@ def _layout(data: int, pipe: int = 1, spatial=(1, 1, 1), micro: int = 1, schedul
             "pipeline": {"microbatches": micro, "schedule": schedule}}
 
 
-def test_running_statistics_agree_over_replicas():
-    layouts = [_layout(2, spatial=(2, 1, 1), micro=2), _layout(2, pipe=2, micro=2, schedule="1f1b"),
-               _layout(4)]
-    distributed.run(_body, 4, layouts, timeout=300)
+LAYOUTS = {"data2-spatial2-gpipe": _layout(2, spatial=(2, 1, 1), micro=2),
+           "data2-pipe2-1f1b": _layout(2, pipe=2, micro=2, schedule="1f1b"), "data4": _layout(4)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_running_statistics_agree_over_replicas(pools, name):
+    pools(4).run(_body, LAYOUTS[name], name == "data2-spatial2-gpipe", timeout=300)

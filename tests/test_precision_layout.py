@@ -200,9 +200,12 @@ def _no_full_copies(hp, torch, grid, device: str) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("world,grids", [(1, [(1, 1, 1)]), (2, [(2, 1, 1), (1, 1, 2)]), (4, [(2, 2, 1)])])
-def test_bf16_and_channels_last_match_torch(world, grids):
-    distributed.run(_body, world, grids, timeout=600)
+GRIDS = [(1, (1, 1, 1)), (2, (2, 1, 1)), (2, (1, 1, 2)), (4, (2, 2, 1))]
+
+
+@pytest.mark.parametrize("world,shape", GRIDS, ids=distributed.grid_ids(GRIDS))
+def test_bf16_and_channels_last_match_torch(pools, world, shape):
+    pools(world).run(_body, [shape], timeout=600)
 
 
 @pytest.mark.cuda

@@ -49,7 +49,7 @@ from hybridpar.pipeline.batch import shard, split_sizes
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
-from hybridpar.pipeline.schedule import actions, in_flight, schedule
+from hybridpar.pipeline.schedule import Action, actions, in_flight, schedule
 from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
 from hybridpar.precision import autocast_state
@@ -150,6 +150,8 @@ class Engine:
         stage = builder.build(self.plan, input_shape)
         self.stage = stage
         self.layers, self.stage_graph, self._defer = stage.layers, stage.stage_graph, stage.defer
+        # (micro-batches, grad mode, deferral) -> (split end, action list), for a built stage
+        self._step_plans: dict[tuple[int, bool, bool], tuple[int | None, list[Action]]] = {}
         self.first_layer, self.last_layer = stage.first_layer, stage.last_layer
         self.input_split, self.output_record = stage.input_split, stage.output_record
         self.output_split = stage.output_split
@@ -223,6 +225,17 @@ class Engine:
                 return checkpoint(self._run, x, use_reentrant=False,
                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
             return self._run(x)
+
+    def _step_plan(self, microbatches: int) -> tuple[int | None, list[Action]]:
+        """The split end (:meth:`_split_upto`) and the action list of a step of ``microbatches``,
+        worked out once per count (and per grad mode and deferral switch) instead of every step."""
+        key = (microbatches, torch.is_grad_enabled(), self.defer_weight_grads)
+        if key not in self._step_plans:
+            name, stages, stage = self.spec.pipeline.schedule, self.grid.pipe, self.grid.pipe_index
+            upto = self._split_upto(schedule(name, stages, microbatches, stage))
+            steps = actions(name, stages, microbatches, stage, split_last=upto is not None)
+            self._step_plans[key] = upto, steps
+        return self._step_plans[key]
 
     def _split_upto(self, ops: list[tuple[str, int]]) -> int | None:
         """End of the split part of the stage whose last backward runs in two passes
@@ -301,14 +314,12 @@ class Engine:
         x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self._dtype_device(x_local)
-        name, stages, stage = self.spec.pipeline.schedule, self.grid.pipe, self.grid.pipe_index
-        upto = self._split_upto(schedule(name, stages, len(sizes), stage))
+        upto, steps = self._step_plan(len(sizes))
         split_output = self.output_split != REPLICATED and self.last_stage
         ctx = StepContext(self.grid, self.transport, [m for _, m in self.layers], self._defer, self._forward,
                           self._loss, self._send, self._in_shape, self._params, self.reducer,
                           self.replica_stats, self._training,
                           self._layout(self.output_split).spatial_group if split_output else None)
-        steps = actions(name, stages, len(sizes), stage, split_last=upto is not None)
         return StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
 
     @torch.no_grad()

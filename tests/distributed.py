@@ -1,8 +1,10 @@
-"""Run a function on N local ranks (gloo on CPU) inside one spawned group, with a hard timeout.
+"""Run functions on N local ranks (gloo on CPU) with a hard timeout: once (:func:`run`), or case after
+case on ranks kept alive (:class:`Pool`, the ``pools`` fixture of conftest.py).
 
-Why: spawning processes costs seconds, so a test spawns one group and runs many cases in it; a
-deadlock must fail the test with the ranks' state rather than hang the suite. The processes are
-started by ``perf.ranks.launch``, the benchmarks' launcher.
+Why: a group's start costs ranks and a rendezvous, so a module's cases share one group per world size,
+yet each case is its own pytest test, so that a failure names its case; a deadlock must fail the test
+with the ranks' state rather than hang the suite. Ranks start from ``perf.ranks`` (the benchmarks'
+launcher and its preloaded fork server).
 """
 
 from __future__ import annotations

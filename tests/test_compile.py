@@ -18,8 +18,6 @@ import re
 
 import pytest
 
-import distributed
-
 COMMUNICATION = {"halo_exchange", "_synced", "_overlapped", "_redistribute", "sum_to_replicated",
                  "replicated_into_shards", "infer_global_shape"}
 
@@ -43,9 +41,9 @@ def _breaks() -> list[str]:
     return out
 
 
-def _body(rank: int, world: int, expected_graphs: int, expected_breaks: int) -> None:
+def _layers_case(rank: int, world: int, expected_graphs: int, expected_breaks: int) -> None:
+    """Graph breaks of the compiled Dist layers, and their outputs and gradients against eager."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
     import hybridpar as hp
@@ -91,10 +89,19 @@ def _body(rank: int, world: int, expected_graphs: int, expected_breaks: int) -> 
         err = ((a - b).abs().max() / b.abs().max()).item()
         if not err <= 1e-10:
             fails.append(f"grid {grid.spatial_shape} compiled {what}: relative error {err:.2e}")
-    # the engine: parallelize, Engine.compile, one step against the uncompiled engine
+    if fails:
+        raise AssertionError(f"rank {rank}: " + "\n".join(fails))
+
+
+def _engine_case(rank: int, world: int) -> None:
+    """parallelize, Engine.compile, one step against the uncompiled engine."""
+    import torch
+    import torch.nn.functional as F
     from test_engine import make_model
 
-    losses, grads = [], []
+    import hybridpar as hp
+
+    fails, losses, grads = [], [], []
     for compile_it in (False, True):
         engine = hp.parallelize(make_model(), {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss)
         xb = torch.randn(2, 2, 16, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -113,5 +120,10 @@ def _body(rank: int, world: int, expected_graphs: int, expected_breaks: int) -> 
 
 
 @pytest.mark.parametrize("world,graphs,breaks", [(1, 1, 0), (2, 3, 2)])
-def test_compiles_with_breaks_only_at_communication(world, graphs, breaks):
-    distributed.run(_body, world, graphs, breaks, timeout=300)
+def test_compiles_with_breaks_only_at_communication(pools, world, graphs, breaks):
+    pools(world).run(_layers_case, graphs, breaks, timeout=300)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_engine_trains_the_same_step(pools, world):
+    pools(world).run(_engine_case, timeout=300)

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cosmoflow.config import ConfigError
+from cosmoflow.experiments import reference
 from cosmoflow.experiments.averaging import mae, per_universe, spread
 from cosmoflow.experiments.report import check_schema
 from cosmoflow.experiments.study import load_study
@@ -130,6 +131,9 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
         mean, target, _ = per_universe(pred, true, where, crops)
         assert doc["sizes"][size]["mae"] == pytest.approx(mae(mean, target))
     assert doc["sizes"]["16"]["seeds"][0]["ranks"] == 2
+    ref = json.loads(reference.path_for(results).read_text())             # the no-network reference
+    assert sorted(ref["sizes"], key=int) == ["4", "8", "16"]
+    assert "| power spectrum + ridge, 16³ | – | [" in results.with_suffix(".md").read_text()
     # a second start reuses the finished runs (the study resumes) and reports the same numbers
     again = subprocess.run([sys.executable, "-m", "cosmoflow.experiments.volume", "--config", str(config),
                             "--out", str(tmp_path / "out"), "--results", str(results)],
@@ -148,3 +152,38 @@ def test_schema_check_names_the_key() -> None:
     doc["sizes"]["32"]["mae"] = {"Omega_m": 0.1}
     with pytest.raises(ValueError, match=r"sizes.32.mae: expected one number per parameter"):
         check_schema(doc)
+
+
+def test_reference_features_of_white_noise() -> None:
+    """White noise of variance v has power v in every shell (measure_power's normalisation on a box of d
+    voxels), zero skewness; shells an 8³ input is too small to hold are reported as 0."""
+    rng = np.random.default_rng(1)
+    v = 0.25
+    x = rng.normal(3.0, v ** 0.5, size=(2, 32, 32, 32))
+    f = reference.features(x).reshape(2, -1)
+    shells = len(reference.SHELLS) - 1
+    for row in f:
+        assert row[0] == 0.0                                            # [1/64, 1/32): no mode in 32 voxels
+        assert row[1] != 0.0                                            # a few modes: held, but noisy
+        assert np.allclose(row[2:shells], np.log(v), atol=0.1)         # shells of many modes: log v
+        mean, log_var, skew = row[shells:]
+        assert mean == pytest.approx(3.0, abs=0.01) and log_var == pytest.approx(np.log(v), abs=0.02)
+        assert abs(skew) < 0.05
+    small = reference.features(rng.normal(size=(1, 8, 8, 8)))
+    assert np.all(small[:3] == 0.0) and np.all(small[3:shells] != 0.0)  # the fundamental of 8 is 1/8
+
+
+def test_reference_ridge_recovers_a_linear_law_and_folds_whole_universes() -> None:
+    rng = np.random.default_rng(2)
+    universes, crops = 40, 8
+    truth = rng.uniform(-1, 1, size=(universes, 4))
+    mix = rng.normal(size=(4, 6))
+    x = np.repeat(truth @ mix, crops, axis=0) + 0.05 * rng.normal(size=(universes * crops, 6))
+    names = np.repeat([f"u{i}" for i in range(universes)], crops)
+    held = list(reference._folds(names, reference.FOLDS))
+    assert sum(h.astype(int) for h in held).tolist() == [1] * len(names)   # each row held out once
+    for h in held:
+        assert set(names[h]).isdisjoint(names[~h])                      # never a universe on both sides
+    val_truth = rng.uniform(-1, 1, size=(10, 4))
+    pred, chosen = reference.fit_predict(x, np.repeat(truth, crops, axis=0), names, val_truth @ mix)
+    assert np.abs(pred - val_truth).max() < 0.1 and set(chosen) == {"Omega_m", "sigma_8", "n_s", "H_0"}

@@ -78,8 +78,9 @@ def check_schema(doc: dict[str, Any]) -> None:
             raise ValueError(f"{key}: expected a non-empty string, got {doc[key]!r}")
 
 
-def table(doc: dict[str, Any]) -> str:
-    """The markdown table: validation MAE ± seed spread per input size and parameter, and the baseline."""
+def table(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
+    """The markdown table: validation MAE ± seed spread per input size and parameter, the baseline, and
+    the power-spectrum reference (:mod:`.reference`) where ``ref`` is given."""
     head = "| input | crops / universe | " + " | ".join(PARAMS) + " |"
     lines = [head, "|" + "---|" * (len(PARAMS) + 2)]
     for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
@@ -93,10 +94,18 @@ def table(doc: dict[str, Any]) -> str:
             mean, std = per_crop
             cells = [f"({mean[p]:.4f} ± {std[p]:.4f})" for p in PARAMS]
             lines.append(f"| {size}³, each crop alone | – | " + " | ".join(cells) + " |")
+    for size, entry in sorted((ref or {}).get("sizes", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| power spectrum + ridge, {size}³ | – | "
+                     + " | ".join(f"[{entry['mae'][p]:.4f}]" for p in PARAMS) + " |")
     seeds = sorted({r["seed"] for e in doc["sizes"].values() for r in e["seeds"]})
     note = (f"\nValidation MAE in {doc['units'].split(':')[0]} units (normalised to [-1, 1]); crop sizes: "
-            f"the mean prediction over all crops of a universe (in brackets: each crop scored alone); ± is "
-            f"the standard deviation over seeds {seeds}.\n\n{_ratios(doc)}\n\nCommand: `{doc['command']}`\n")
+            f"the mean prediction over all crops of a universe (in round brackets: each crop scored alone); ± is "
+            f"the standard deviation over seeds {seeds}."
+            + (f" In square brackets: no network, a ridge regression on power spectra ({ref['features']})."
+               if ref else "")
+            + f"\n\n{_ratios(doc['sizes'], 'whole volume over the smallest crops (goal: sigma_8 <= 0.7)')}"
+            + (f"\n\n{_ratios(ref['sizes'], 'power spectrum + ridge')}" if ref else "")
+            + f"\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
 
 
@@ -108,21 +117,25 @@ def _per_crop(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]
     return spread([r["mae_per_crop"] for r in runs])
 
 
-def _ratios(doc: dict[str, Any]) -> str:
-    """The issue's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m."""
-    sizes = sorted(doc["sizes"], key=int)
-    lo, hi = doc["sizes"][sizes[0]], doc["sizes"][sizes[-1]]
+def _ratios(sizes: dict[str, Any], what: str) -> str:
+    """The issue's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m
+    (with the seed spread where the entries have one)."""
+    order = sorted(sizes, key=int)
+    lo, hi = sizes[order[0]], sizes[order[-1]]
     parts = []
     for p in ("sigma_8", "Omega_m"):
-        noise = max(lo["mae_spread"][p], hi["mae_spread"][p])
-        parts.append(f"{p}: {sizes[-1]}³ / {sizes[0]}³ = {hi['mae'][p] / lo['mae'][p]:.2f} (difference "
-                     f"{hi['mae'][p] - lo['mae'][p]:+.4f} against a seed spread of {noise:.4f})")
-    return "MAE ratio, whole volume over the smallest crops (goal: sigma_8 at most 0.7): " + "; ".join(parts)
+        text = f"{p}: {order[-1]}³ / {order[0]}³ = {hi['mae'][p] / lo['mae'][p]:.2f}"
+        if "mae_spread" in lo:
+            noise = max(lo["mae_spread"][p], hi["mae_spread"][p])
+            text += f" (difference {hi['mae'][p] - lo['mae'][p]:+.4f} against a seed spread of {noise:.4f})"
+        parts.append(text)
+    return f"MAE ratio, {what}: " + "; ".join(parts)
 
 
-def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """MAE against input size per parameter (error bars: the seed spread; crops scored alone in gray), the
-    baseline dashed; None and nothing written when matplotlib is not installed."""
+def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> Path | None:
+    """MAE against input size per parameter (error bars: the seed spread; crops scored alone in gray; the
+    power-spectrum reference as triangles), the baseline dashed; None and nothing written when matplotlib
+    is not installed."""
     if not installed("matplotlib"):
         return None
     import matplotlib  # noqa: PLC0415 (optional)
@@ -131,7 +144,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     sizes = sorted(doc["sizes"], key=int)
-    fig, axes = plt.subplots(1, len(PARAMS), figsize=(14, 3.6))
+    fig, axes = plt.subplots(1, len(PARAMS), figsize=(14, 4.0))
     for ax, p in zip(axes, PARAMS):
         ax.errorbar([int(s) for s in sizes], [doc["sizes"][s]["mae"][p] for s in sizes],
                     yerr=[doc["sizes"][s]["mae_spread"][p] for s in sizes], fmt="o-", capsize=3,
@@ -139,12 +152,16 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         alone = [(int(s), c[0][p]) for s in sizes if (c := _per_crop(doc["sizes"][s])) is not None]
         if alone:
             ax.plot(*zip(*alone), "x:", color="gray", label="each crop alone")
+        if ref:
+            ref_sizes = sorted(ref["sizes"], key=int)
+            ax.plot([int(s) for s in ref_sizes], [ref["sizes"][s]["mae"][p] for s in ref_sizes], "^--",
+                    color="tab:green", label="power spectrum + ridge (no network)")
         ax.axhline(doc["baseline"]["mae"][p], color="k", ls="--", lw=0.8, label="predict the mean")
         ax.set(xscale="log", xticks=[int(s) for s in sizes], xticklabels=[f"{s}³" for s in sizes],
                title=p, xlabel="input size", ylabel="validation MAE (unitPar)")
         ax.minorticks_off()
-    axes[0].legend()
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

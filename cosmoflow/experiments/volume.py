@@ -32,6 +32,7 @@ import numpy as np
 
 from cosmoflow.config import ConfigError
 from cosmoflow.data import open_dataset
+from cosmoflow.experiments import reference
 from cosmoflow.experiments.report import UNITS, baseline, check_schema, plot, score_run, size_entry, table
 from cosmoflow.experiments.study import SizeRun, Study, load_study
 from cosmoflow.generate import generate
@@ -92,7 +93,7 @@ def _failed(what: str, rc: int, log: Path) -> RuntimeError:
     return RuntimeError(f"{what} failed (exit {rc}); the end of {log}:\n{tail}")
 
 
-def _prepare_data(study: Study) -> None:
+def prepare_data(study: Study) -> None:
     u = study.universes
     for split, n, seed in (("train", u.train, u.train_seed), ("val", u.val, u.val_seed)):
         out = u.split_dir(split)
@@ -186,7 +187,7 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
         for run in study.runs:
             print(shlex.join(["python", *_command(study, run, study.seeds[0])[1:]]), flush=True)
         return None
-    _prepare_data(study)
+    prepare_data(study)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if estimate_steps:
         estimate(study, estimate_steps, env)
@@ -208,18 +209,24 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
            "baseline": baseline(train_labels, val_labels), "command": command, "machine": machine_info(),
            "units": UNITS}
     check_schema(doc)
-    write_report(doc, Path(study.results))
+    print("the power-spectrum reference (no network) on the same inputs:", flush=True)
+    ref = reference.reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs],
+                              u.channels)
+    write_report(doc, Path(study.results), ref)
     return doc
 
 
-def write_report(doc: dict[str, Any], results: Path) -> None:
-    """The result file, the table beside it (``.md``) and the plot (``_mae.png``); the table printed."""
+def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None = None) -> None:
+    """The result file, the reference's beside it (``_reference.json``), the table (``.md``) and the plot
+    (``_mae.png``); the table printed."""
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(doc, indent=2) + "\n")
-    text = table(doc)
+    if ref is not None:
+        reference.path_for(results).write_text(json.dumps(ref, indent=2) + "\n")
+    text = table(doc, ref)
     results.with_suffix(".md").write_text(text)
     print("\n" + text, flush=True)
-    png = plot(doc, results.with_name(results.stem + "_mae.png"))
+    png = plot(doc, results.with_name(results.stem + "_mae.png"), ref)
     print(f"plot: {png}" if png else "plot: none (matplotlib is not installed: pip install matplotlib); "
           "the table above holds the same numbers", flush=True)
     print(f"results: {results}", flush=True)

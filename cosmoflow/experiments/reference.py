@@ -1,0 +1,159 @@
+"""How much each input size *could* tell: a classical estimator on the same crops and universes.
+
+Why: when a network trained on whole universes does not beat one trained on crops, two explanations
+compete: the larger volume carries no more information about the parameters (a property of the
+universes), or the network does not extract it (a property of the training). A reference that needs no
+training settles which. This one is what cosmologists did before CNNs: measure each input's power
+spectrum, regress the parameters on it linearly. Per input (a crop or a whole universe) and channel:
+the log of the shell-averaged power of ``log1p(counts)`` in fixed shells of wavenumber (in cycles per
+voxel, the same physical shells at every size; shells an input is too small to hold are left out), and
+the channel's mean, log variance and skewness. A ridge regression on the training inputs, its strength
+per parameter chosen by cross-validation over training *universes* (crops of one universe never sit on
+both sides of a fold), predicts the validation inputs; crop sizes are scored by the mean prediction over
+a universe's crops, exactly as the networks are (:mod:`.averaging`).
+
+    python -m cosmoflow.experiments.reference --config launch/configs/volume_study.yaml
+
+writes ``<results>_reference.json`` beside the study's result file; the study's table and plot show it
+(:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosmoflow.data import open_dataset
+from cosmoflow.experiments.averaging import mae, per_universe
+from cosmoflow.metrics import PARAMS
+from cosmoflow.universe import measure_power
+
+SHELLS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 0.87)
+"""Shell edges in cycles per voxel (0.87 ≈ √3/2 holds the grid's corners)."""
+STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
+"""Ridge strengths tried (on standardised features), per parameter, by cross-validation."""
+FOLDS = 4
+FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".join(f"{e:.3g}" for e in SHELLS)
+            + " cycles/voxel (those the input holds), mean, log variance, skewness; ridge regression, "
+              f"strength per parameter from {FOLDS}-fold cross-validation over training universes")
+
+
+def features(x: np.ndarray) -> np.ndarray:
+    """Summary statistics of one input ``x`` (C, d, d, d), float ``log1p(counts)``: per channel the log
+    power in each shell of :data:`SHELLS` (0 where the input holds no wavenumber of that shell), the mean,
+    the log variance and the skewness."""
+    d = x.shape[-1]
+    edges = 2 * np.pi * np.asarray(SHELLS)  # radians per voxel: measure_power's units on a box of d voxels
+    out: list[float] = []
+    for channel in np.asarray(x, dtype=np.float64):
+        delta = channel - channel.mean()
+        var = float(np.mean(delta ** 2))
+        _, power, _ = measure_power(delta, float(d), edges)
+        out += [float(np.log(p)) if p > 0 else 0.0 for p in power]
+        out += [float(channel.mean()), float(np.log(var)), float(np.mean(delta ** 3) / var ** 1.5)]
+    return np.asarray(out)
+
+
+def _table(directory: Path, size: int, channels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features, targets, universe file) of every sample of ``directory`` cut into ``size``³ inputs."""
+    ds = open_dataset(directory, sample_size=size, channels=channels)
+    rows, targets, where = [], [], []
+    for i in range(len(ds)):
+        x, y = ds.read(i)
+        rows.append(features(x.numpy()))
+        targets.append(np.asarray(y, dtype=np.float64))
+        where.append(ds.locate(i)[0].path)
+    return np.asarray(rows), np.asarray(targets), np.asarray(where)
+
+
+def _ridge(x: np.ndarray, y: np.ndarray, strength: float) -> np.ndarray:
+    """Weights (features + 1, outputs) of a ridge regression with an unpenalised intercept (last row)."""
+    a = np.c_[x, np.ones(len(x))]
+    penalty = strength * np.eye(a.shape[1])
+    penalty[-1, -1] = 0.0
+    return np.linalg.solve(a.T @ a + penalty, a.T @ y)
+
+
+def _predict(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return np.c_[x, np.ones(len(x))] @ w
+
+
+def _folds(universes: np.ndarray, k: int) -> Iterator[np.ndarray]:
+    """Boolean masks of the held-out rows of ``k`` folds that split whole universes."""
+    keys = np.unique(universes)
+    order = np.random.default_rng(0).permutation(len(keys))
+    for f in range(k):
+        yield np.isin(universes, keys[order[f::k]])
+
+
+def fit_predict(x_train: np.ndarray, y_train: np.ndarray, u_train: np.ndarray,
+                x_val: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Validation predictions of the ridge regression, and the strength chosen per parameter."""
+    usable = np.ptp(x_train, axis=0) > 0  # a shell no input holds is a constant 0
+    mu, sd = x_train[:, usable].mean(0), x_train[:, usable].std(0)
+    z_train, z_val = (x_train[:, usable] - mu) / sd, (x_val[:, usable] - mu) / sd
+    cv = np.zeros((len(STRENGTHS), y_train.shape[1]))
+    for held in _folds(u_train, FOLDS):
+        for s, strength in enumerate(STRENGTHS):
+            w = _ridge(z_train[~held], y_train[~held], strength)
+            cv[s] += np.abs(_predict(w, z_train[held]) - y_train[held]).sum(0)
+    chosen = [STRENGTHS[int(s)] for s in cv.argmin(axis=0)]
+    pred = np.stack([_predict(_ridge(z_train, y_train[:, [j]], lam), z_val)[:, 0]
+                     for j, lam in enumerate(chosen)], axis=1)
+    return pred, dict(zip(PARAMS, chosen))
+
+
+def reference(train_dir: Path, val_dir: Path, sizes: list[int], channels: int) -> dict[str, Any]:
+    """``{"sizes": {"32": {"mae": {P: x}, "strength": {P: λ}}, ...}, "features": str}`` (unitPar)."""
+    out: dict[str, Any] = {}
+    for size in sizes:
+        x_train, y_train, u_train = _table(train_dir, size, channels)
+        x_val, y_val, u_val = _table(val_dir, size, channels)
+        pred, chosen = fit_predict(x_train, y_train, u_train, x_val)
+        mean, target, _ = per_universe(pred, y_val, u_val)
+        out[str(size)] = {"mae": mae(mean, target), "strength": chosen}
+        print(f"  reference {size}^3: " + ", ".join(f"{p} {v:.4f}" for p, v in out[str(size)]["mae"].items()),
+              flush=True)
+    return {"sizes": out, "features": FEATURES}
+
+
+def path_for(results: Path) -> Path:
+    """Where the reference of a study whose result file is ``results`` lives."""
+    return results.with_name(results.stem + "_reference.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cosmoflow.config import ConfigError  # noqa: PLC0415
+    from cosmoflow.experiments.study import load_study  # noqa: PLC0415
+    from cosmoflow.experiments.volume import prepare_data  # noqa: PLC0415
+
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m cosmoflow.experiments.reference",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="launch/configs/volume_study.yaml", help="the study's YAML")
+    ap.add_argument("--results", help="the study's result JSON (default: the config's); the reference is "
+                                      "written beside it as <stem>_reference.json")
+    args = ap.parse_args(argv)
+    try:
+        study = load_study(args.config, None, args.results)
+        prepare_data(study)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    u = study.universes
+    doc = reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs], u.channels)
+    path = path_for(Path(study.results))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"reference: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

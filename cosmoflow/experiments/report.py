@@ -99,8 +99,8 @@ def table(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
                      + " | ".join(f"[{entry['mae'][p]:.4f}]" for p in PARAMS) + " |")
     seeds = sorted({r["seed"] for e in doc["sizes"].values() for r in e["seeds"]})
     note = (f"\nValidation MAE in {doc['units'].split(':')[0]} units (normalised to [-1, 1]); crop sizes: "
-            f"the mean prediction over all crops of a universe (in round brackets: each crop scored alone); ± is "
-            f"the standard deviation over seeds {seeds}."
+            f"the mean prediction over all crops of a universe (in round brackets: each crop scored alone); "
+            f"± is the standard deviation over seeds {seeds}."
             + (f" In square brackets: no network, a ridge regression on power spectra ({ref['features']})."
                if ref else "")
             + f"\n\n{_ratios(doc['sizes'], 'whole volume over the smallest crops (goal: sigma_8 <= 0.7)')}"

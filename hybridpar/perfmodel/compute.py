@@ -84,8 +84,7 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
     layers: list[LayerCost] = []
     for i, (rec, leaf, needs_igrad) in enumerate(zip(plan, workload.layers, input_grads(plan, workload))):
         out_n = math.prod(rec.local_output_shape)
-        glob_out = math.prod(rec.output_shape)
-        frac = out_n / glob_out if glob_out else 0.0
+        frac = rec.rank_share
         in_n = math.prod(rec.local_input_shape)
         spatial = len(rec.local_input_shape) == 5
         hb, hmsg = halo_bytes(rec.local_input_shape, rec.halo, rec.split, e) \

@@ -83,14 +83,14 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
     lines.append("")
     for s in range(g.pipe):
         recs = [r for r in records if r.stage == s]
-        rank_flops = sum(r.flops / (g.data * (r.split[0] * r.split[1] * r.split[2])) for r in recs)
-        rank_train = sum(r.local_train_flops / g.data for r in recs)
+        rank_flops = sum(r.flops * r.rank_share * p.microbatches for r in recs)
+        rank_train = sum(r.train_flops * r.rank_share * p.microbatches for r in recs)
         act = sum(r.activation_bytes for r in recs)
         kept = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, g.pipe - s)
         lines.append(
             f"stage {s}: {recs[0].name} .. {recs[-1].name} ({len(recs)} layers): "
             f"{_si(sum(r.params for r in recs))} params, {_si(rank_flops)} FLOPs fwd "
-            f"({_si(rank_train)} fwd+bwd) per rank per step, "
+            f"({_si(rank_train)} fwd+bwd) per step on the most loaded rank, "
             f"activations {_bytes(act)} per rank per micro-batch ({_bytes(act * kept)} with {kept} in "
             f"flight under {p.schedule}{', before recompute' if p.recompute else ''})")
     lines += _carried(records, g.pipe)

@@ -71,9 +71,12 @@ class LayerPlan:
     gather: bool = False
 
     @property
-    def local_train_flops(self) -> float:
-        """Training FLOPs one rank of this layer's stage runs per step (per data replica, per shard)."""
-        return self.train_flops / math.prod(self.split)
+    def rank_share(self) -> float:
+        """The most loaded rank's share of this node's work in one micro-batch: its output elements over
+        the whole global batch's. Planning's one per-rank work rule: the performance model times it and
+        ``explain`` prints it (:func:`hybridpar.flops.count_sharded` counts every rank exactly instead)."""
+        whole = math.prod(self.output_shape)
+        return math.prod(self.local_output_shape) / whole if whole else 0.0
 
     @property
     def replicated(self) -> bool:

@@ -5,17 +5,16 @@ installed)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from distributed import free_port
+from perf.ranks import free_port, mpiexec
 
 pytest.importorskip("mpi4py")
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+MPIEXEC = mpiexec()
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")

@@ -57,8 +57,9 @@ class StageTransport:
         self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
         if nccl and g.pipe > 1:
             self.p2p_groups = {d: g.group_of(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
-        # every stage-to-stage transfer not taken by local p2p, where the user chose MPI
-        mpi = g.pipe > 1 and choose(None, requested(), devices.shares_device()) == "mpi"
+        # every stage-to-stage transfer not taken by local p2p, where the user chose MPI (choose refuses
+        # it where ranks share a GPU, as it does for halos)
+        mpi = g.pipe > 1 and requested() == "mpi" and choose(None, "mpi", devices.shares_device()) == "mpi"
         self.mpi: MPIP2P | None = MPIP2P() if mpi else None
         env = os.environ.get("HYBRIDPAR_LOCAL_P2P", "")
         wanted = local_p2p if local_p2p is not None else (env == "1" if mpi else on_cpu)

@@ -21,6 +21,7 @@ Same model, split and data as ``bench_pipeline`` (S = 2, GPipe, micro-batches of
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -34,11 +35,15 @@ VARIANTS = ("on", "off")
 
 
 def _engine(cfg: dict, m: int, variant: str):
+    return make_step(cfg, m, **{cfg["option"]: variant == "on"})[1]
+
+
+def make_step(cfg: dict, m: int, **options):
+    """The benchmark's engine, built with ``parallelize(..., **options)``, and a train-step callable."""
     import hybridpar as hp
 
     engine = hp.parallelize(bp.make_stack(cfg["size"], cfg["channels"], cfg["depth"]),
-                            bp.pipe_spec(cfg, m, cfg["schedule"]), loss_fn=F.mse_loss,
-                            **{cfg["option"]: variant == "on"})
+                            bp.pipe_spec(cfg, m, cfg["schedule"]), loss_fn=F.mse_loss, **options)
     x, y = bp.stack_data(cfg, bp.batch_of(cfg, m))
     x_local, y_local = engine.shard_batch(x, y)
     params = engine.parameters()
@@ -48,17 +53,20 @@ def _engine(cfg: dict, m: int, variant: str):
             p.grad = None
         return engine.train_step(x_local, y_local)
 
-    return step
+    return engine, step
 
 
-def time_job(rank: int, world: int, cfg: dict, ms: list[int], pairs: int) -> dict:
+def time_job(rank: int, world: int, cfg: dict, ms: list[int], pairs: int,
+             variants: tuple[str, ...] = VARIANTS, engine=_engine) -> dict:
+    """Per variant and M, the slowest rank's time of each step; ``engine(cfg, m, variant)`` builds a
+    step. The variants take turns, the first of each turn rotating, so that none always goes first."""
     out: dict = {}
     for m in ms:
-        steps = {v: _engine(cfg, m, v) for v in VARIANTS}
-        for v in VARIANTS:
+        steps = {v: engine(cfg, m, v) for v in variants}
+        for v in variants:
             common.time_steps(steps[v], 2, 0, before=common.barrier)  # warm-up
         for i in range(pairs):
-            for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            for v in variants[i % len(variants):] + variants[:i % len(variants)]:
                 common.barrier()
                 t0 = time.perf_counter()
                 steps[v]()
@@ -87,9 +95,18 @@ def memory_job(rank: int, world: int, cfg: dict, m: int, variant: str) -> list[d
 TINY = {"size": 8, "channels": 4, "microbatches": "2", "rounds": 1, "pairs": 2, "memory": False}  # seconds
 
 
-def main(argv: list[str] | None = None, option: str = "defer_weight_grads", name: str = "deferred",
-         what: str = "B/W split of the last backward", doc: str | None = None) -> None:
-    ap = common.parser(name, doc or __doc__, rounds=3, max_load=0.6)
+def ratios(base: list[list[float]], other: list[list[float]]) -> dict:
+    """``other / base`` step by step (both: per round, the times of the steps taken in turn): the
+    median of those ratios, their interquartile range, and each round's median."""
+    pooled = sorted(b / a for ra, rb in zip(base, other) for a, b in zip(ra, rb))
+    q1, q3 = (pooled[int(q * (len(pooled) - 1))] for q in (0.25, 0.75))
+    return {"median": statistics.median(pooled), "iqr": [q1, q3],
+            "per_round": [statistics.median(b / a for a, b in zip(ra, rb)) for ra, rb in zip(base, other)]}
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The flags of this benchmark (and of those measured its way, ``bench_local_p2p``)."""
+    ap = common.parser(name, doc, rounds=3, max_load=0.6)
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4)
@@ -98,11 +115,24 @@ def main(argv: list[str] | None = None, option: str = "defer_weight_grads", name
     ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
     ap.add_argument("--pairs", type=int, default=16, help="on/off step pairs per M and round (default 16)")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
-    args = common.parse(ap, argv, TINY)
-    ms = [int(v) for v in args.microbatches.split(",")]
-    cfg = {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
-           "micro": args.micro, "batch": 0, "schedule": args.schedule, "option": option}
+    return ap
 
+
+def job_config(args: argparse.Namespace, option: str) -> tuple[list[int], dict]:
+    """The micro-batch counts and the job's configuration from the parsed flags."""
+    ms = [int(v) for v in args.microbatches.split(",")]
+    return ms, {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
+                "micro": args.micro, "batch": 0, "schedule": args.schedule, "option": option}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(common.parse(parser("deferred", __doc__), argv, TINY), "defer_weight_grads",
+        "B/W split of the last backward")
+
+
+def run(args: argparse.Namespace, option: str, what: str) -> None:
+    """Time (and, unless ``--no-memory``, weigh) ``option`` on against off, as the module doc says."""
+    ms, cfg = job_config(args, option)
     load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     samples: dict = {}
@@ -128,19 +158,17 @@ def main(argv: list[str] | None = None, option: str = "defer_weight_grads", name
     for m in ms:
         on = [t for rd in samples[f"on M={m}"] for t in rd]
         off = [t for rd in samples[f"off M={m}"] for t in rd]
-        ratios = sorted(b / a for a, b in zip(on, off))
-        per_round = [statistics.median(b / a for a, b in zip(ra, rb))
-                     for ra, rb in zip(samples[f"on M={m}"], samples[f"off M={m}"])]
-        q1, q3 = (ratios[int(q * (len(ratios) - 1))] for q in (0.25, 0.75))
+        speedup = ratios(samples[f"on M={m}"], samples[f"off M={m}"])
+        (q1, q3), per_round = speedup["iqr"], speedup["per_round"]
         heap = {v: [r["peak_heap_over_base_mib"] for r in memory[f"{v} M={m}"]] for v in VARIANTS} \
             if memory and heapcount.library() else None
         result[m] = {"on_ms": 1e3 * statistics.median(on), "off_ms": 1e3 * statistics.median(off),
-                     "speedup_median_of_pairs": statistics.median(ratios), "speedup_iqr": [q1, q3],
+                     "speedup_median_of_pairs": speedup["median"], "speedup_iqr": [q1, q3],
                      "speedup_per_round": per_round, "peak_heap_over_base_mib": heap,
                      "split": "whole stage" if m >= 2 and cfg["schedule"] == "gpipe" else "prefix"}
         fmt = (lambda v: " / ".join(f"{x:.3f}" for x in v)) if heap else (lambda v: "")  # noqa: E731
         rows.append([m, bp.batch_of(cfg, m), result[m]["split"],
-                     result[m]["off_ms"], result[m]["on_ms"], f"{statistics.median(ratios):.3f}",
+                     result[m]["off_ms"], result[m]["on_ms"], f"{speedup['median']:.3f}",
                      f"{q1:.3f}-{q3:.3f}", " ".join(f"{x:.3f}" for x in per_round),
                      fmt(heap["off"]) if heap else "", fmt(heap["on"]) if heap else ""])
     table = common.print_table(

@@ -1,11 +1,14 @@
-"""One-way time of a point-to-point message between 2 ranks of one host: gloo against local p2p.
+"""One-way time of a point-to-point message between 2 ranks of one host: gloo against local p2p
+(and MPI with ``--mpi``).
 
 Why: the pipeline hands each activation and gradient to the next stage; this isolates what one
 hand-over costs (a ping-pong, half the round trip), without the compute around it, for gloo's TCP
 loopback and for ``hybridpar.comm.local_p2p``'s cross-memory attach, alternated in the same pair
-of processes.
+of processes. ``--mpi`` starts the pair with mpiexec and adds the MPI transport
+(:class:`hybridpar.comm.transport.MPIP2P`) to the turns.
 
-    python -m perf p2p_latency     # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
+    python -m perf p2p_latency          # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
+    python -m perf p2p_latency --mpi    # the same with MPI: results/p2p_latency_mpi.json
 """
 
 from __future__ import annotations
@@ -16,20 +19,25 @@ import time
 from perf import common
 
 
-def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int) -> dict:
+def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int, mpi: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
     from hybridpar.comm.local_p2p import LocalP2P
+    from hybridpar.comm.transport import MPIP2P
 
     local = LocalP2P.create([1 - rank])
     ways = {"gloo": (lambda t, p: dist.isend(t, p, tag=1), lambda t, p: dist.irecv(t, p, tag=1)),
             "local p2p": (lambda t, p: local.isend(t, p, 1), lambda t, p: local.irecv(t, p, 1))}
+    if mpi:
+        over = MPIP2P()
+        ways["mpi"] = (lambda t, p: over.isend(t, p, 1), lambda t, p: over.irecv(t, p, 1))
     out: dict = {}
     for n in sizes:
         t = torch.zeros(max(n // 4, 1))
+        names = list(ways)
         for r in range(rounds):
-            for name in (ways if r % 2 == 0 else list(ways)[::-1]):
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 send, recv = ways[name]
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -51,16 +59,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = common.parser("p2p_latency", __doc__, rounds=6, max_load=1.0)
     ap.add_argument("--sizes", default="8,1769472", help="message bytes (comma list)")
     ap.add_argument("--reps", type=int, default=200, help="round trips per sample")
+    ap.add_argument("--mpi", action="store_true", help="start the pair with mpiexec and time MPI too")
     args = common.parse(ap, argv, TINY)
+    if args.mpi and args.out == (common.TINY_RESULTS if args.tiny else common.RESULTS) / "p2p_latency.json":
+        args.out = args.out.with_name("p2p_latency_mpi.json")  # the default: beside the gloo/local figures
     sizes = [int(v) for v in args.sizes.split(",")]
     load = common.wait(args)
-    samples = common.launch(job, 2, sizes, args.reps, args.rounds, threads=1)
+    samples = common.launch(job, 2, sizes, args.reps, args.rounds, args.mpi, threads=1, mpi=args.mpi)
     rows, result = [], {}
     for n in sizes:
         gloo, local = (statistics.median(samples[f"{w} {n}"]) * 1e6 for w in ("gloo", "local p2p"))
         result[n] = {"gloo_us": gloo, "local_p2p_us": local, "ratio": gloo / local}
         rows.append([n, f"{gloo:.1f}", f"{local:.1f}", f"{gloo / local:.2f}"])
-    table = common.print_table(["bytes", "gloo us", "local p2p us", "gloo / local"], rows,
+        if args.mpi:
+            mpi = statistics.median(samples[f"mpi {n}"]) * 1e6
+            result[n].update(mpi_us=mpi, mpi_ratio=mpi / local)
+            rows[-1] += [f"{mpi:.1f}", f"{mpi / local:.2f}"]
+    table = common.print_table(["bytes", "gloo us", "local p2p us", "gloo / local"]
+                               + (["mpi us", "mpi / local"] if args.mpi else []), rows,
                                title=f"One-way message time, 2 ranks of one host, ping-pong ({args.rounds} "
                                      f"alternated samples x {args.reps} round trips, medians)")
     common.write_json(args, {"load": load, "result": result, "samples_s": samples, "table": table})

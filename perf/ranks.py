@@ -7,6 +7,10 @@ thread count (and, asked to, its cores) before any work, and every one, one-proc
 included, keeps glibc from trimming its heap between steps as hybridpar's own ranks do
 (``hybridpar.cpu_alloc``; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
 decided by the allocator. Every rank's return value comes back through a file.
+
+``launch(..., mpi=True)`` starts the ranks with ``mpiexec`` instead (``python -m perf.ranks JOB``
+in each), for jobs that use MPI next to their gloo group: MPI needs the processes its launcher
+started. Ranks take the same set-up; the group comes from the MPI launcher's environment.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +62,11 @@ def prepare_rank(rank: int, world: int, port: int, threads: int, group: bool, pi
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _settle(rank, threads, group, pin, group_timeout_s)
+
+
+def _settle(rank: int, threads: int, group: bool, pin: bool, group_timeout_s: float) -> None:
+    """Threads, cores, glibc's heap kept, and the group if asked for (the environment is in place)."""
     torch.set_num_threads(threads)
     if pin:
         cores = sorted(os.sched_getaffinity(0))
@@ -81,6 +94,11 @@ def leave_group() -> None:
 def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],
            group_timeout_s: float, out: str, fn: Callable, args: tuple) -> None:
     prepare_rank(rank, world, port, threads, group, pin, env, group_timeout_s)
+    _run(rank, world, out, fn, args)
+
+
+def _run(rank: int, world: int, out: str, fn: Callable, args: tuple) -> None:
+    """``fn``'s result to ``out.RANK``; the group left whatever happens."""
     try:
         result = fn(rank, world, *args)
         with open(f"{out}.{rank}", "wb") as f:
@@ -95,7 +113,7 @@ def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: boo
 def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True, pin: bool = False,
            timeout: float = 600.0, every_rank: bool = False, env: dict[str, str] | None = None,
            group_timeout_s: float = 300.0, keep_results_of_exit_aborts: bool = True,
-           results: bool = True) -> Any:
+           results: bool = True, mpi: bool = False) -> Any:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; rank 0's result (or every rank's).
 
     ``group``: join a gloo process group over the ``world`` ranks (``hp.init_distributed``); a
@@ -105,9 +123,13 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
     that aborts at interpreter exit after its result is on disk has measured everything (a benchmark
     keeps the results; a test, which must see every failure, passes False). ``results``: False where
     ``fn`` returns nothing worth reading (a test whose rank may leave on purpose, writing none); then
-    None comes back. Raises if a rank fails or
-    ``timeout`` seconds pass (the ranks are killed).
+    None comes back. ``mpi``: start the ranks with ``mpiexec`` (see module doc). Raises if a rank
+    fails or ``timeout`` seconds pass (the ranks are killed).
     """
+    if mpi:
+        return _launch_mpiexec(fn, world, args, threads, group, pin, timeout, every_rank,
+                               {**os.environ, **(env or {})}, group_timeout_s, keep_results_of_exit_aborts,
+                               results)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pkl")
         context()
@@ -143,3 +165,68 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
             with open(f"{out}.{r}", "rb") as f:
                 values.append(pickle.load(f))
         return values if every_rank else values[0]
+
+
+def mpiexec() -> str | None:
+    """The ``mpiexec`` beside this interpreter (a virtual environment's MPICH), else on the PATH."""
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def _launch_mpiexec(fn: Callable, world: int, args: tuple, threads: int, group: bool, pin: bool,
+                    timeout: float, every_rank: bool, env: dict[str, str], group_timeout_s: float,
+                    keep_results_of_exit_aborts: bool, results: bool) -> Any:
+    """:func:`launch` with ``mpi=True``: ``mpiexec -n WORLD python -m perf.ranks JOB``, in a session of
+    its own, so that a timeout kills every rank with it."""
+    exe = mpiexec()
+    if exe is None:
+        raise RuntimeError("perf.ranks: launch(..., mpi=True) needs mpiexec (MPICH or Open MPI) beside "
+                           f"{sys.executable} or on the PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        out, job = os.path.join(tmp, "result.pkl"), os.path.join(tmp, "job.pkl")
+        with open(job, "wb") as f:
+            pickle.dump((threads, group, pin, group_timeout_s, out, fn, args), f)
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
+        with subprocess.Popen([exe, "-n", str(world), sys.executable, "-m", "perf.ranks", job], env=env,
+                              start_new_session=True) as proc:
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise TimeoutError(f"mpiexec job on {world} ranks did not finish in {timeout:.0f} s "
+                                   f"(deadlock?)") from None
+        wanted = [f"{out}.{r}" for r in range(world)]
+        if rc != 0:
+            if not keep_results_of_exit_aborts or not all(os.path.exists(w) for w in wanted):
+                raise RuntimeError(f"mpiexec job on {world} ranks failed (exit status {rc})")
+            print(f"warning: mpiexec exit status {rc} after every rank wrote its result; results kept",
+                  file=sys.stderr, flush=True)
+        if not results:
+            return None
+        values = []
+        for w in wanted[:world if every_rank else 1]:
+            with open(w, "rb") as f:
+                values.append(pickle.load(f))
+        return values if every_rank else values[0]
+
+
+def _mpi_rank(job: str) -> None:
+    """One rank started by :func:`_launch_mpiexec`: its place from the MPI launcher's environment."""
+    from hybridpar.launch import detect_launcher  # noqa: PLC0415
+
+    found = detect_launcher()
+    if found is None:
+        raise RuntimeError("perf.ranks: no MPI launcher variables (PMI_RANK, OMPI_COMM_WORLD_RANK); "
+                           "start this with mpiexec")
+    _, rank, world, _ = found
+    with open(job, "rb") as f:
+        threads, group, pin, group_timeout_s, out, fn, args = pickle.load(f)
+    _settle(rank, threads, group, pin, group_timeout_s)
+    _run(rank, world, out, fn, args)
+
+
+if __name__ == "__main__":
+    _mpi_rank(sys.argv[1])

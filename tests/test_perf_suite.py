@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from perf.__main__ import BENCHMARKS
+from perf.ranks import mpiexec
 
 from distributed import ROOT
 
@@ -88,3 +89,16 @@ def test_tiny_run_writes_its_json(name, tmp_path):
     if "table" in KEYS[name]:
         lines = data["table"].splitlines()
         assert len(lines) >= 3 and all(line in res.stdout for line in lines)  # printed: header, rule, rows
+
+
+@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec")
+@pytest.mark.parametrize("name", ["local_p2p", "p2p_latency"])
+def test_tiny_run_with_mpi(name, tmp_path):
+    """The same-host transport benchmarks' ``--mpi`` form: ranks started by mpiexec, MPI timed too."""
+    pytest.importorskip("mpi4py")
+    out = tmp_path / f"{name}.json"
+    res = _perf(name, "--tiny", "--mpi", "--out", str(out))
+    assert res.returncode == 0, f"{name} --tiny --mpi:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert KEYS[name] <= set(data) and "mpi" in data["table"]
+    assert all("mpi_ms" in r or "mpi_us" in r for r in data["result"].values())

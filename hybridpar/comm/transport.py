@@ -6,6 +6,9 @@ Everything above this module sees one call: post these sends and receives, then 
 them (:class:`Transport`). A pipeline moves one message at a time and overlaps it with compute:
 those transports also post single non-blocking sends and receives (:class:`PointToPoint`), as does
 the same-host one (:class:`hybridpar.comm.local_p2p.LocalP2P`). Peers are global ranks.
+
+``HYBRIDPAR_TRANSPORT`` (read by :func:`requested` only) selects the halo transport and, set to
+``mpi``, the pipeline's stage-to-stage transport too (:mod:`hybridpar.pipeline.stage_transport`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class MPIP2P:
 
     CPU tensors go through their numpy views without a copy. CUDA tensors need a CUDA-aware MPI; as MPI
     is not stream-aware, the current stream is synchronised before posting (no hidden host copies).
+    Tags stay below 32768, the bound every MPI guarantees (``MPI_TAG_UB`` >= 32767). MPI makes progress
+    only inside MPI calls: a posted transfer advances when this rank posts, tests or waits.
     """
 
     name = "mpi"
@@ -90,10 +95,11 @@ class MPIP2P:
                 from err
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
-        if dist.is_initialized() and self.comm.Get_rank() != dist.get_rank():
+        mine = (self.comm.Get_rank(), self.comm.Get_size())
+        if dist.is_initialized() and mine != (dist.get_rank(), dist.get_world_size()):
             raise RuntimeError(
-                f"hybridpar: MPI rank {self.comm.Get_rank()} != torch rank {dist.get_rank()}; launch with "
-                f"mpirun so both agree, or use transport='torch'")
+                f"hybridpar: MPI rank {mine[0]} of {mine[1]} != torch rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}; launch with mpirun so both agree, or use transport='torch'")
 
     def _buf(self, t: torch.Tensor):
         t = wire(t.detach())  # same storage; numpy() refuses tensors that require grad
@@ -101,12 +107,39 @@ class MPIP2P:
             return t  # __cuda_array_interface__: needs a CUDA-aware MPI build
         return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
 
-    def exchange(self, sends, recvs) -> None:
-        if any(t.is_cuda for _, t, _ in sends + recvs):
+    @staticmethod
+    def _sync(tensors) -> None:
+        if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()
+
+    def exchange(self, sends, recvs) -> None:
+        self._sync([t for _, t, _ in sends + recvs])
         reqs = [self.comm.Irecv(self._buf(t), source=p, tag=tag) for p, t, tag in recvs]
         reqs += [self.comm.Isend(self._buf(t), dest=p, tag=tag) for p, t, tag in sends]
         self.MPI.Request.Waitall(reqs)
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Work:
+        self._sync([t])
+        return _MPIWork(self.comm.Isend(self._buf(t), dest=peer, tag=tag), t)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Work:
+        self._sync([t])  # the buffer may still be in use by queued kernels
+        return _MPIWork(self.comm.Irecv(self._buf(t), source=peer, tag=tag), t)
+
+
+class _MPIWork:
+    """A pending MPI request as a :class:`Work`; holds the tensor, whose memory MPI reads or fills
+    until the request completes."""
+
+    def __init__(self, request, tensor: torch.Tensor) -> None:
+        self.request, self.tensor = request, tensor
+
+    def wait(self) -> bool:
+        self.request.Wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.request.Test())
 
 
 class StagedP2P:
@@ -174,6 +207,12 @@ class _StagedRecv:
 
 
 NAMES = ("torch", "mpi", "staged")
+ENV = "HYBRIDPAR_TRANSPORT"
+
+
+def requested() -> str | None:
+    """The transport the user named in ``HYBRIDPAR_TRANSPORT`` (None: unset or empty)."""
+    return os.environ.get(ENV) or None
 
 
 def choose(name: str | None, env_value: str | None, shared: bool) -> str:
@@ -193,9 +232,9 @@ def choose(name: str | None, env_value: str | None, shared: bool) -> str:
 def get_transport(name: str | None, group: dist.ProcessGroup | None) -> Transport:
     """The transport :func:`choose` picks (``HYBRIDPAR_TRANSPORT`` sets the default); the automatic
     choice of ``'staged'`` is said once per job."""
-    chosen = choose(name, os.environ.get("HYBRIDPAR_TRANSPORT") or None, devices.shares_device())
+    chosen = choose(name, requested(), devices.shares_device())
     if chosen == "staged":
-        if not (name or os.environ.get("HYBRIDPAR_TRANSPORT")):
+        if not (name or requested()):
             devices.say_staged_once()
         return StagedP2P(group)
     if chosen == "mpi":
@@ -205,5 +244,5 @@ def get_transport(name: str | None, group: dist.ProcessGroup | None) -> Transpor
 
 def point_to_point(group: dist.ProcessGroup | None) -> Transport:
     """The main thread's transport for layout changes: torch.distributed, staged where ranks share a
-    GPU (``HYBRIDPAR_TRANSPORT`` does not apply: it selects the halo transport)."""
+    GPU (``HYBRIDPAR_TRANSPORT`` does not apply: it selects the halo and pipeline transports)."""
     return get_transport("staged" if devices.shares_device() else "torch", group)

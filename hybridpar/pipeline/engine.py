@@ -393,7 +393,9 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     directly (:mod:`hybridpar.comm.local_p2p`) instead of through gloo's TCP loopback; None (the
     default) does so for a CPU model where the host lets ranks read each other, True also where it
     takes each rank allowing it (Yama ptrace scope 1: said in one line), False never
-    (``HYBRIDPAR_LOCAL_P2P=0`` too; ``=1`` counts as True). The job's process group must exist:
+    (``HYBRIDPAR_LOCAL_P2P=0`` too; ``=1`` counts as True). ``HYBRIDPAR_TRANSPORT=mpi`` selects MPI
+    for stage-to-stage traffic as it does for halos (ranks started by mpirun; local p2p then only
+    where asked for). The job's process group must exist:
     ``hybridpar.init_distributed()`` first (a plain process gets a one-rank group).
     ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
     activations received from the previous stage are in it; the layers keep it).

@@ -13,7 +13,7 @@ stage's peak memory. Both are measured here against the same engine with the spl
   (variant, M), as in ``bench_vs_torch_pipelining``.
 
 Same model, split and data as ``bench_pipeline`` (S = 2, GPipe, micro-batches of 2 samples).
-``--option`` compares another boolean option of ``parallelize`` the same way (``bench_local_p2p``).
+``bench_transports`` times MPI against gloo the same way.
 
     python -m perf deferred                       # M = 1, 2, 4, 8; 3 rounds
     python -m perf deferred --size 12 --rounds 1 --pairs 4 --no-wait --out /tmp/deferred.json
@@ -105,7 +105,7 @@ def ratios(base: list[list[float]], other: list[list[float]]) -> dict:
 
 
 def parser(name: str, doc: str) -> argparse.ArgumentParser:
-    """The flags of this benchmark (and of those measured its way, ``bench_local_p2p``)."""
+    """The flags of this benchmark (and of those measured its way, ``bench_transports``)."""
     ap = common.parser(name, doc, rounds=3, max_load=0.6)
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16)

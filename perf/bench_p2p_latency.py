@@ -1,14 +1,12 @@
-"""One-way time of a point-to-point message between 2 ranks of one host: gloo against local p2p
-(and MPI with ``--mpi``).
+"""One-way time of a point-to-point message between 2 ranks of one host: gloo, and MPI with ``--mpi``.
 
 Why: the pipeline hands each activation and gradient to the next stage; this isolates what one
-hand-over costs (a ping-pong, half the round trip), without the compute around it, for gloo's TCP
-loopback and for ``hybridpar.comm.local_p2p``'s cross-memory attach, alternated in the same pair
-of processes. ``--mpi`` starts the pair with mpiexec and adds the MPI transport
-(:class:`hybridpar.comm.transport.MPIP2P`) to the turns.
+hand-over costs (a ping-pong, half the round trip), without the compute around it: gloo's TCP
+loopback, and with ``--mpi`` (the pair started by mpiexec) the MPI transport
+(:class:`hybridpar.comm.transport.MPIP2P`, shared memory between ranks of a host) in turns with it.
 
-    python -m perf p2p_latency          # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
-    python -m perf p2p_latency --mpi    # the same with MPI: results/p2p_latency_mpi.json
+    python -m perf p2p_latency --mpi    # 8 B and 1.7 MiB (2 x 16 x 24^3 float32)
+    python -m perf p2p_latency          # gloo alone (no mpiexec needed)
 """
 
 from __future__ import annotations
@@ -23,12 +21,9 @@ def job(rank: int, world: int, sizes: list[int], reps: int, rounds: int, mpi: bo
     import torch
     import torch.distributed as dist
 
-    from hybridpar.comm.local_p2p import LocalP2P
     from hybridpar.comm.transport import MPIP2P
 
-    local = LocalP2P.create([1 - rank])
-    ways = {"gloo": (lambda t, p: dist.isend(t, p, tag=1), lambda t, p: dist.irecv(t, p, tag=1)),
-            "local p2p": (lambda t, p: local.isend(t, p, 1), lambda t, p: local.irecv(t, p, 1))}
+    ways = {"gloo": (lambda t, p: dist.isend(t, p, tag=1), lambda t, p: dist.irecv(t, p, tag=1))}
     if mpi:
         over = MPIP2P()
         ways["mpi"] = (lambda t, p: over.isend(t, p, 1), lambda t, p: over.irecv(t, p, 1))
@@ -61,22 +56,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=200, help="round trips per sample")
     ap.add_argument("--mpi", action="store_true", help="start the pair with mpiexec and time MPI too")
     args = common.parse(ap, argv, TINY)
-    if args.mpi and args.out == (common.TINY_RESULTS if args.tiny else common.RESULTS) / "p2p_latency.json":
-        args.out = args.out.with_name("p2p_latency_mpi.json")  # the default: beside the gloo/local figures
     sizes = [int(v) for v in args.sizes.split(",")]
     load = common.wait(args)
     samples = common.launch(job, 2, sizes, args.reps, args.rounds, args.mpi, threads=1, mpi=args.mpi)
     rows, result = [], {}
     for n in sizes:
-        gloo, local = (statistics.median(samples[f"{w} {n}"]) * 1e6 for w in ("gloo", "local p2p"))
-        result[n] = {"gloo_us": gloo, "local_p2p_us": local, "ratio": gloo / local}
-        rows.append([n, f"{gloo:.1f}", f"{local:.1f}", f"{gloo / local:.2f}"])
+        gloo = statistics.median(samples[f"gloo {n}"]) * 1e6
+        result[n] = {"gloo_us": gloo}
+        rows.append([n, f"{gloo:.1f}"])
         if args.mpi:
             mpi = statistics.median(samples[f"mpi {n}"]) * 1e6
-            result[n].update(mpi_us=mpi, mpi_ratio=mpi / local)
-            rows[-1] += [f"{mpi:.1f}", f"{mpi / local:.2f}"]
-    table = common.print_table(["bytes", "gloo us", "local p2p us", "gloo / local"]
-                               + (["mpi us", "mpi / local"] if args.mpi else []), rows,
+            result[n].update(mpi_us=mpi, gloo_over_mpi=gloo / mpi)
+            rows[-1] += [f"{mpi:.1f}", f"{gloo / mpi:.2f}"]
+    table = common.print_table(["bytes", "gloo us"] + (["mpi us", "gloo / mpi"] if args.mpi else []), rows,
                                title=f"One-way message time, 2 ranks of one host, ping-pong ({args.rounds} "
                                      f"alternated samples x {args.reps} round trips, medians)")
     common.write_json(args, {"load": load, "result": result, "samples_s": samples, "table": table})

@@ -46,8 +46,7 @@ def _step(schedule: str, mpi: bool) -> tuple[torch.Tensor, dict[str, torch.Tenso
     try:
         spec = {"grid": {"data": 1, "pipe": 2, "spatial": [1, 1, 1]},
                 "pipeline": {"schedule": schedule, "microbatches": 3, "stages": "auto"}}
-        engine = hp.parallelize(_model(), spec, loss_fn=nn.functional.mse_loss, local_p2p=False,
-                                input_shape=(6, 2, 6, 6, 6))
+        engine = hp.parallelize(_model(), spec, loss_fn=nn.functional.mse_loss, input_shape=(6, 2, 6, 6, 6))
     finally:
         os.environ.pop("HYBRIDPAR_TRANSPORT", None)
     assert (engine.transport.mpi is not None) == mpi, f"{schedule}: MPI transport {'not ' * mpi}in use"

@@ -4,8 +4,8 @@ Why: halos move over whatever the cluster does best (NCCL between GPUs, gloo on 
 site's MPI is CUDA-aware or faster than TCP, pinned host memory over gloo where ranks share a GPU).
 Everything above this module sees one call: post these sends and receives, then wait for all of
 them (:class:`Transport`). A pipeline moves one message at a time and overlaps it with compute:
-those transports also post single non-blocking sends and receives (:class:`PointToPoint`), as does
-the same-host one (:class:`hybridpar.comm.local_p2p.LocalP2P`). Peers are global ranks.
+those transports also post single non-blocking sends and receives (:class:`PointToPoint`). Peers are
+global ranks.
 
 ``HYBRIDPAR_TRANSPORT`` (read by :func:`requested` only) selects the halo transport and, set to
 ``mpi``, the pipeline's stage-to-stage transport too (:mod:`hybridpar.pipeline.stage_transport`).

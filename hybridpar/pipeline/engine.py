@@ -39,7 +39,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar import cpu_alloc
-from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.redistribute import gather
 from hybridpar.comm.transport import Work
 from hybridpar.grid import ProcessGrid, require_group
@@ -71,7 +70,6 @@ class Engine:
     def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                 local_p2p: bool | None = None,
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
         require_group("parallelize")
         self.memory_format = memory_format
@@ -93,7 +91,6 @@ class Engine:
         self.loss_fn = loss_fn
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.defer_weight_grads = defer_weight_grads
-        self.local_p2p = local_p2p
         self.transport: StageTransport | None = None
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
@@ -123,11 +120,6 @@ class Engine:
         return self.grid.pipe_index == self.grid.pipe - 1
 
     @property
-    def local(self) -> LocalP2P | None:
-        """Stage-to-stage transfers between CPU ranks of one host (None: torch.distributed only)."""
-        return None if self.transport is None else self.transport.local
-
-    @property
     def p2p_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """The communicators of activations ("F") and gradients ("B"); None: the default group."""
         return self.transport.p2p_groups
@@ -144,8 +136,7 @@ class Engine:
         self.input_shape = input_shape
         self.plan = build_plan(self.spec, self.model, input_shape, self.world, self.graph)
         make_groups(self.plan, self.grid)
-        on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
-        self.transport = StageTransport(self.grid, on_cpu, self.local_p2p, self.memory_format)
+        self.transport = StageTransport(self.grid, self.memory_format)
         builder = StageBuilder(self.model, self.graph, self.spec, self.grid, self.overlap, self._untraced)
         stage = builder.build(self.plan, input_shape)
         self.stage = stage
@@ -380,7 +371,6 @@ class Engine:
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                local_p2p: bool | None = None,
                 memory_format: torch.memory_format = torch.contiguous_format) -> Engine:
     """Make ``model`` (any module whose forward torch.fx can trace) hybrid-parallel per ``spec``.
 
@@ -389,13 +379,9 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     ``defer_weight_grads``: a stage's last backward sends its input gradient before computing its
     weight gradients, where that costs no peak memory (:mod:`hybridpar.pipeline.deferred`); False
     runs every backward in one pass.
-    ``local_p2p``: stage-to-stage transfers between CPU ranks of one host copy the sender's tensor
-    directly (:mod:`hybridpar.comm.local_p2p`) instead of through gloo's TCP loopback; None (the
-    default) does so for a CPU model where the host lets ranks read each other, True also where it
-    takes each rank allowing it (Yama ptrace scope 1: said in one line), False never
-    (``HYBRIDPAR_LOCAL_P2P=0`` too; ``=1`` counts as True). ``HYBRIDPAR_TRANSPORT=mpi`` selects MPI
-    for stage-to-stage traffic as it does for halos (ranks started by mpirun; local p2p then only
-    where asked for). The job's process group must exist:
+    ``HYBRIDPAR_TRANSPORT=mpi`` selects MPI for stage-to-stage traffic as it does for halos (ranks
+    started by mpirun; between CPU ranks of one host it copies through shared memory, where gloo goes
+    through TCP loopback). The job's process group must exist:
     ``hybridpar.init_distributed()`` first (a plain process gets a one-rank group).
     ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
     activations received from the previous stage are in it; the layers keep it).
@@ -404,5 +390,4 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
         spec = load_spec(spec)
     elif isinstance(spec, dict):
         spec = ParallelSpec.from_dict(spec)
-    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, local_p2p,
-                  memory_format)
+    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, memory_format)

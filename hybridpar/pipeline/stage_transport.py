@@ -3,12 +3,13 @@ transport moves a tensor to which peer, and the tags that keep micro-batches apa
 
 Why a module of its own: the runtime (:mod:`~hybridpar.pipeline.runtime`) says *what* moves (micro-
 batch m's activation to the next stage); this module decides *how*, once per engine, the same way on
-every rank: same-host CPU ranks copy each other's tensors directly (:mod:`hybridpar.comm.local_p2p`),
-ranks sharing a GPU stage through pinned host memory, the rest use torch.distributed. Each is a
-:class:`~hybridpar.comm.transport.PointToPoint`. ``HYBRIDPAR_TRANSPORT=mpi`` (the variable that
-selects the halo transport) moves all of a stage's traffic over MPI instead, activations, gradients
-and the loss (ranks started by mpirun; MPI copies between ranks of a host through its own shared
-memory path); same-host copies then only where ``local_p2p=True`` asks for them.
+every rank: ranks sharing a GPU stage through pinned host memory, the rest use torch.distributed.
+Each is a :class:`~hybridpar.comm.transport.PointToPoint`. ``HYBRIDPAR_TRANSPORT=mpi`` (the variable
+that selects the halo transport) moves all of a stage's traffic over MPI instead, activations,
+gradients and the loss (ranks started by mpirun). Between CPU ranks of one host that is the fast
+path: MPI copies through shared memory (MPICH by cross-memory attach), one copy where gloo's TCP
+loopback makes two. A same-host transport of our own doing the same copy was measured against it
+and removed: MPI matched it (``perf/PIPELINE.md``).
 
 Communicators: gloo matches messages by tag, so the default group carries activations and gradients
 and the pipe group (or the default) the loss. NCCL runs a pair's sends and receives in issue order
@@ -20,17 +21,13 @@ same order (activations forward, gradients backward, the loss).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from hybridpar import memfmt
 from hybridpar.comm import devices
-from hybridpar.comm.local_p2p import LocalP2P
 from hybridpar.comm.transport import MPIP2P, PointToPoint, StagedP2P, TorchP2P, Work, choose, requested
 from hybridpar.grid import ProcessGrid
-from hybridpar.launch import collective_timeout
 from hybridpar.profiling import range as prange
 
 # Tags: a kind of traffic plus the micro-batch (fewer than 4096 micro-batches per step); all below
@@ -40,15 +37,9 @@ FWD_TAG, BWD_TAG, LOSS_TAG = 1 << 12, 1 << 13, 1 << 14
 
 class StageTransport:
     """The communicators and transports of this rank's stage (see module doc); create on every rank
-    in the same order, after the layouts' groups.
+    in the same order, after the layouts' groups."""
 
-    ``local_p2p``: same-host CPU transfers by cross-memory attach: None for a CPU model (unless
-    ``HYBRIDPAR_TRANSPORT=mpi``), True always (and, where the host's ptrace scope requires it, let
-    peers read this rank's memory), False never (``HYBRIDPAR_LOCAL_P2P=0`` too; ``=1`` counts as True).
-    """
-
-    def __init__(self, grid: ProcessGrid, on_cpu: bool, local_p2p: bool | None,
-                 memory_format: torch.memory_format) -> None:
+    def __init__(self, grid: ProcessGrid, memory_format: torch.memory_format) -> None:
         self.grid, self.memory_format = grid, memory_format
         nccl = "nccl" in str(dist.get_backend()).lower()
         g = grid
@@ -57,19 +48,10 @@ class StageTransport:
         self.p2p_groups: dict[str, dist.ProcessGroup | None] = {"F": None, "B": None}
         if nccl and g.pipe > 1:
             self.p2p_groups = {d: g.group_of(pipeline, purpose=f"pipeline-{d}") for d in "FB"}
-        # every stage-to-stage transfer not taken by local p2p, where the user chose MPI (choose refuses
-        # it where ranks share a GPU, as it does for halos)
+        # every stage-to-stage transfer, where the user chose MPI (choose refuses it where ranks share
+        # a GPU, as it does for halos)
         mpi = g.pipe > 1 and requested() == "mpi" and choose(None, "mpi", devices.shares_device()) == "mpi"
         self.mpi: MPIP2P | None = MPIP2P() if mpi else None
-        env = os.environ.get("HYBRIDPAR_LOCAL_P2P", "")
-        wanted = local_p2p if local_p2p is not None else (env == "1" if mpi else on_cpu)
-        self.local: LocalP2P | None = None  # stage-to-stage transfers between CPU ranks of one host
-        if g.pipe > 1 and not nccl and wanted and env != "0":
-            # Every rank takes part (the option and the variable are the same everywhere); pairs that
-            # cannot use it keep torch.distributed.
-            self.local = LocalP2P.create({self.peer(k) for k in range(g.pipe)} - {dist.get_rank()},
-                                         timeout=collective_timeout().total_seconds(),
-                                         allow_ptrace=local_p2p is True or env == "1")
 
     def peer(self, stage: int) -> int:
         """Global rank of this rank's counterpart on pipeline stage ``stage``."""
@@ -81,8 +63,6 @@ class StageTransport:
         return self.p2p_groups["F" if forward else "B"]
 
     def _transport(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> PointToPoint:
-        if self.local is not None and self.local.handles(t, peer):
-            return self.local
         if self.mpi is not None:
             return self.mpi
         if t.is_cuda and devices.shares_device():  # ranks sharing a GPU: through pinned host memory

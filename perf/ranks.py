@@ -15,6 +15,7 @@ started. Ranks take the same set-up; the group comes from the MPI launcher's env
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +131,16 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
         return _launch_mpiexec(fn, world, args, threads, group, pin, timeout, every_rank,
                                {**os.environ, **(env or {})}, group_timeout_s, keep_results_of_exit_aborts,
                                results)
-    with tempfile.TemporaryDirectory() as tmp:
+    rank_env = {**os.environ, **(env or {})}
+    # A preloaded library (heapcount's allocator counter) takes effect only when a process execs: the
+    # fork server's children would not have it, so such ranks start as fresh interpreters.
+    method = "spawn" if rank_env.get("LD_PRELOAD") else START_METHOD
+    with tempfile.TemporaryDirectory() as tmp, _environ(LD_PRELOAD=rank_env.get("LD_PRELOAD")):
         out = os.path.join(tmp, "result.pkl")
         context()
-        ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin,
-                                               {**os.environ, **(env or {})}, group_timeout_s, out, fn,
-                                               args),
-                                 nprocs=world, join=False, start_method=START_METHOD)
+        ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin, rank_env,
+                                               group_timeout_s, out, fn, args),
+                                 nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         wanted = [f"{out}.{r}" for r in range(world)]  # every rank that returns writes its result
         while True:
@@ -165,6 +169,21 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
             with open(f"{out}.{r}", "rb") as f:
                 values.append(pickle.load(f))
         return values if every_rank else values[0]
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (None: left as it is) for the block, then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def mpiexec() -> str | None:

@@ -105,3 +105,25 @@ def test_tiny_run_with_mpi(name, tmp_path):
     data = json.loads(out.read_text())
     assert KEYS[name] <= set(data) and "mpi" in data["table"]
     assert all("mpi_ms" in r or "mpi_us" in r for r in data["result"].values())
+
+
+def test_a_preloaded_allocator_counter_reaches_the_ranks():
+    """heapcount's counter is an LD_PRELOAD library: ranks forked from the preloaded server would not
+    load it, so ranks that need it start as fresh interpreters and count a 50 MiB block."""
+    from perf import heapcount
+    from perf.ranks import launch
+
+    if heapcount.library() is None:
+        pytest.skip("no C compiler to build the counter")
+    before = os.environ.get("LD_PRELOAD")
+    peak = launch(_allocate, 1, group=False, env=heapcount.preload_env())
+    assert peak >= 50 << 20
+    assert os.environ.get("LD_PRELOAD") == before  # the launcher's environment is restored
+
+
+def _allocate(rank: int, world: int) -> int:
+    from perf import heapcount
+
+    heapcount.reset()
+    block = bytearray(50 << 20)
+    return heapcount.peak() + 0 * len(block)

@@ -107,10 +107,7 @@ def ratios(base: list[list[float]], other: list[list[float]]) -> dict:
 def parser(name: str, doc: str) -> argparse.ArgumentParser:
     """The flags of this benchmark (and of those measured its way, ``bench_transports``)."""
     ap = common.parser(name, doc, rounds=3, max_load=0.6)
-    ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
-    ap.add_argument("--channels", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
+    bp.add_model_args(ap)
     ap.add_argument("--microbatches", default="1,2,4,8")
     ap.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
     ap.add_argument("--pairs", type=int, default=16, help="on/off step pairs per M and round (default 16)")
@@ -121,8 +118,7 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 def job_config(args: argparse.Namespace, option: str) -> tuple[list[int], dict]:
     """The micro-batch counts and the job's configuration from the parsed flags."""
     ms = [int(v) for v in args.microbatches.split(",")]
-    return ms, {"size": args.size, "channels": args.channels, "depth": args.depth, "split": args.depth // 2,
-                "micro": args.micro, "batch": 0, "schedule": args.schedule, "option": option}
+    return ms, {**bp.model_config(args), "batch": 0, "schedule": args.schedule, "option": option}
 
 
 def main(argv: list[str] | None = None) -> None:

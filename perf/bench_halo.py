@@ -49,10 +49,6 @@ VARIANTS = ["diag: overlap=False, global shapes inferred per call",
 CONCURRENT = "diag: 2 local processes at once, no comm"
 
 
-def _swap(names: list[str], r: int) -> list[str]:
-    return names if r % 2 == 0 else names[::-1]
-
-
 def halo_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     """Every configuration in the same ``world`` processes, alternated ``reps`` times (this VM's speed
     drifts by up to 1.5x within minutes; a ratio is measured between neighbours in time):
@@ -88,14 +84,8 @@ def halo_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
         if name in DIST or name in VARIANTS[1:]:
             hp.nn.set_global_shapes(m, x.shape)
         steps[name] = common.train_step(m, x_local)
-    errors = {}
-    if cfg["check"]:  # the split stack gives what torch.nn gives on the whole volume
-        with torch.no_grad():
-            ref = common.cosmo_stack(None)(x)
-            for name, m in models.items():
-                errors[name] = (hp.gather(m(x_local), grid) - ref).abs().max().item()
-                if errors[name] > 1e-4 * ref.abs().max().item():
-                    raise AssertionError(f"{name}: output differs from torch.nn by {errors[name]:g}")
+    # the split stack gives what torch.nn gives on the whole volume
+    errors = common.check_against_torch(models, x, x_local, grid) if cfg["check"] else {}
     out: dict = {"max_abs_err_vs_torch": errors}
     for rep in range(cfg["reps"]):
         for name in (order if rep % 2 == 0 else order[::-1]):
@@ -125,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"size": args.size, "warmup": args.warmup, "steps": args.steps, "check": args.check,
            "diagnose": args.diagnose, "reps": args.reps}
     names = LOCAL + DIST + ((VARIANTS + [CONCURRENT]) if args.diagnose else [])
-    jobs = [lambda r: common.launch(halo_job, RANKS, cfg, _swap(names, r), threads=1, pin=args.pin)]
+    jobs = [lambda r: common.launch(halo_job, RANKS, cfg, common.swap(names, r), threads=1, pin=args.pin)]
 
     load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
@@ -178,11 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {**cfg, "rounds": args.rounds, "ranks": RANKS, "split": [RANKS, 1, 1],
                    "global_volume": [RANKS * s, s, s], "local_volume": [s, s, s], "channels": 4,
                    "batch": 1, "dtype": "float32", "threads_per_process": 1, "pin": args.pin,
-                   "stack": "Conv3d(4,32,3,p1) LeakyReLU(0.3) MaxPool3d(2) Conv3d(32,64,3,p1) "
-                            "LeakyReLU(0.3) MaxPool3d(2)",
-                   "step": "zero grads, forward, sum of outputs, backward; input needs no gradient"},
-        "load": {**load, "load_at_end": load_end, "run_s": run_s, "max_round_load": max(round_loads),
-                 "disturbed": noisy},
+                   "stack": common.COSMO_STACK, "step": common.TRAIN_STEP},
+        **common.round_record(load, load_end, run_s, round_loads, noisy),
         "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 

@@ -56,6 +56,7 @@ configurations every rep.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -256,13 +257,24 @@ TINY = {"size": 8, "channels": 4, "microbatches": "1,2", "rounds": 1, "reps": 1,
         "warmup": 1}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = common.parser("pipeline", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the benchmark model and its micro-batch (shared by the pipeline benchmarks)."""
     ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
     ap.add_argument("--channels", type=int, default=16, help="conv channels C (default 16)")
     ap.add_argument("--depth", type=int, default=4, help="conv layers (default 4)")
     ap.add_argument("--split", type=int, default=None, help="conv where stage 1 starts (default depth//2)")
     ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    """The job configuration those flags give (``split``: the conv where stage 1 starts)."""
+    return {"size": args.size, "channels": args.channels, "depth": args.depth,
+            "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser("pipeline", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
+    add_model_args(ap)
     ap.add_argument("--batch", type=int, default=0,
                     help="fix the per-replica batch instead of the micro-batch size (0: off)")
     ap.add_argument("--microbatches", default="1,2,4,8", help="M values (default 1,2,4,8)")
@@ -272,9 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
     schedules = args.schedules.split(",")
-    cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
-           "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
-           "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
+    cfg = {**model_config(args), "batch": args.batch, "warmup": args.warmup, "steps": args.steps,
+           "reps": args.reps}
     for m in ms:
         if args.batch and args.batch % m:
             ap.error(f"--batch {args.batch} is not divisible by M={m}")

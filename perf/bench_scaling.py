@@ -34,10 +34,6 @@ DIST = ["dist overlap=False", "dist overlap=True"]
 NAMES = BASE + DIST
 
 
-def _swap(names: list[str], r: int) -> list[str]:
-    return names if r % 2 == 0 else names[::-1]
-
-
 def threads_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     """Baselines: plain torch.nn on the whole volume, all cores as intra-op threads, no process group."""
     s = cfg["size"]
@@ -60,15 +56,8 @@ def dist_job(rank: int, world: int, cfg: dict, order: list[str]) -> dict:
     x = torch.randn(1, 4, s, s, s)
     x_local = hp.scatter(x, grid).detach()
     models = {n: common.cosmo_stack(grid, overlap=n.endswith("True")) for n in DIST}
-    errors = {}
-    if cfg["check"]:  # the split stack gives what torch.nn gives on the whole volume
-        with torch.no_grad():
-            ref = common.cosmo_stack(None)(x)
-            for name, m in models.items():
-                errors[name] = (hp.gather(m(x_local), grid) - ref).abs().max().item()
-                if errors[name] > 1e-4 * ref.abs().max().item():
-                    raise AssertionError(f"{name}: output differs from torch.nn by {errors[name]:g}")
-        del ref
+    # the split stack gives what torch.nn gives on the whole volume
+    errors = common.check_against_torch(models, x, x_local, grid) if cfg["check"] else {}
     out: dict = {"max_abs_err_vs_torch": errors, "threads": torch.get_num_threads()}
     for name in order:
         times = common.time_steps(common.train_step(models[name], x_local), cfg["warmup"], cfg["steps"],
@@ -93,9 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average at start: {load['load_at_start']}", flush=True)
     t0 = time.monotonic()
     samples, rounds = common.alternate(args.rounds, [
-        lambda r: common.launch(threads_job, 1, cfg, _swap(BASE, r), threads=args.threads, group=False,
+        lambda r: common.launch(threads_job, 1, cfg, common.swap(BASE, r), threads=args.threads, group=False,
                                 pin=args.pin),
-        lambda r: common.launch(dist_job, RANKS, cfg, _swap(DIST, r), threads=1, pin=args.pin)])
+        lambda r: common.launch(dist_job, RANKS, cfg, common.swap(DIST, r), threads=1, pin=args.pin)])
     load_end, run_s = common.loadavg(), round(time.monotonic() - t0, 1)
     round_loads = [rd["load"][0] for rd in rounds]
     noisy = common.disturbed(round_loads, max(RANKS, args.threads))
@@ -135,11 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                    "global_volume": [s, s, s], "local_volume": [s // RANKS, s, s], "channels": 4,
                    "batch": 1, "dtype": "float32", "threads_per_rank": 1,
                    "baseline_threads": args.threads, "pin": args.pin,
-                   "stack": "Conv3d(4,32,3,p1) LeakyReLU(0.3) MaxPool3d(2) Conv3d(32,64,3,p1) "
-                            "LeakyReLU(0.3) MaxPool3d(2)",
-                   "step": "zero grads, forward, sum of outputs, backward; input needs no gradient"},
-        "load": {**load, "load_at_end": load_end, "run_s": run_s, "max_round_load": max(round_loads),
-                 "disturbed": noisy},
+                   "stack": common.COSMO_STACK, "step": common.TRAIN_STEP},
+        **common.round_record(load, load_end, run_s, round_loads, noisy),
         "stats": stats, "result": result, "rounds": rounds, "table": table})
 
 

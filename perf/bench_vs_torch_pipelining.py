@@ -62,7 +62,7 @@ from torch import nn
 
 from hybridpar.memory import SavedActivations
 from perf import common, heapcount
-from perf.bench_pipeline import make_stack, split_layer, stack_data
+from perf.bench_pipeline import add_model_args, make_stack, model_config, split_layer, stack_data
 
 RANKS = 2
 IMPLS = ["hybridpar", "torch"]
@@ -274,11 +274,7 @@ TINY = {"size": 8, "channels": 4, "microbatches": "2", "rounds": 1, "reps": 1, "
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser("vs_torch_pipelining", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
-    ap.add_argument("--size", type=int, default=24, help="volume edge V (default 24)")
-    ap.add_argument("--channels", type=int, default=16, help="conv channels C (default 16)")
-    ap.add_argument("--depth", type=int, default=4, help="conv layers (default 4)")
-    ap.add_argument("--split", type=int, default=None, help="conv where stage 1 starts (default depth//2)")
-    ap.add_argument("--micro", type=int, default=2, help="samples per micro-batch (default 2)")
+    add_model_args(ap)
     ap.add_argument("--microbatches", default="2,4,8", help="M values (default 2,4,8)")
     ap.add_argument("--reps", type=int, default=2,
                     help="hybridpar/torch alternations inside each pair of processes (default 2)")
@@ -288,9 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 check")
     args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
-    cfg = {"size": args.size, "channels": args.channels, "depth": args.depth,
-           "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro,
-           "batch": 0, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
+    cfg = {**model_config(args), "batch": 0, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
 
     load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)

@@ -238,6 +238,41 @@ def cosmo_stack(grid=None, overlap: bool = False, seed: int = 0, prepad: bool = 
                          DistMaxPool3d(2, grid=grid))
 
 
+COSMO_STACK = ("Conv3d(4,32,3,p1) LeakyReLU(0.3) MaxPool3d(2) Conv3d(32,64,3,p1) LeakyReLU(0.3) "
+               "MaxPool3d(2)")
+""":func:`cosmo_stack` in one line, for the result files of the benchmarks that time it."""
+TRAIN_STEP = "zero grads, forward, sum of outputs, backward; input needs no gradient"
+""":func:`train_step` in one line, likewise."""
+
+
+def check_against_torch(models: dict[str, nn.Module], x: torch.Tensor, x_local: torch.Tensor, grid) -> dict:
+    """Each split stack's gathered output against :func:`cosmo_stack` on the whole volume ``x``; the
+    largest absolute error per model, raising where one exceeds 1e-4 of the output's scale."""
+    import hybridpar as hp  # noqa: PLC0415
+
+    errors = {}
+    with torch.no_grad():
+        ref = cosmo_stack(None)(x)
+        for name, m in models.items():
+            errors[name] = (hp.gather(m(x_local), grid) - ref).abs().max().item()
+            if errors[name] > 1e-4 * ref.abs().max().item():
+                raise AssertionError(f"{name}: output differs from torch.nn by {errors[name]:g}")
+    return errors
+
+
+def round_record(load: dict, load_end: list[float], run_s: float, round_loads: list[float],
+                 noisy: bool) -> dict:
+    """The ``"load"`` entry of a result run in rounds: the load before, after and per round, and
+    whether other work disturbed it."""
+    return {"load": {**load, "load_at_end": load_end, "run_s": run_s, "max_round_load": max(round_loads),
+                     "disturbed": noisy}}
+
+
+def swap(names: list[str], r: int) -> list[str]:
+    """``names`` in round ``r``'s order: reversed every other round, so that none always goes first."""
+    return names if r % 2 == 0 else names[::-1]
+
+
 def train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """Forward and backward of ``model`` on ``x`` (which needs no gradient, like a network's input)."""
     params = list(model.parameters())

@@ -35,7 +35,7 @@ $(APP_STAMP): $(STAMP)
 	touch $(APP_STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # 320 + 80 synthetic 64^3 universes (~0.05 s each); files already there are kept.
 demo-data: $(STAMP)

@@ -28,6 +28,7 @@ from the previous stage, in that format.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -137,8 +138,8 @@ class Engine:
         self.plan = build_plan(self.spec, self.model, input_shape, self.world, self.graph)
         make_groups(self.plan, self.grid)
         self.transport = StageTransport(self.grid, self.memory_format)
-        builder = StageBuilder(self.model, self.graph, self.spec, self.grid, self.overlap, self._untraced)
-        stage = builder.build(self.plan, input_shape)
+        stage = StageBuilder(self.model, self.graph, self.spec, self.grid, self.overlap,
+                             self._untraced).build(self.plan, input_shape)  # no builder left to hold it
         self.stage = stage
         self.layers, self.stage_graph, self._defer = stage.layers, stage.stage_graph, stage.defer
         # (micro-batches, grad mode, deferral) -> (split end, action list), for a built stage
@@ -152,6 +153,12 @@ class Engine:
         # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
         self._state_keys = list(self.model.state_dict())
         self.model = self.graph = None  # the traced graph holds the model's modules too
+        # What still reaches the model's layers is reference cycles, freed only when Python's cycle
+        # collector next runs (until then this rank holds every stage's weights): the traced graph (fx's
+        # GraphModule and its Graph refer to each other), fx's tracer (its closures refer to it, it to
+        # the model), and, in a process's first build, the frames of the build, pinned by a frame that
+        # refers to itself (torch.fx.wrap, run by torch._dynamo's import on the first meta forward).
+        gc.collect()
         if self.grid.data * self.grid.stage_size > 1:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
         if self.grid.data > 1:  # norm layers' running statistics, the same on every replica

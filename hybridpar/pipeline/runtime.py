@@ -172,6 +172,7 @@ class StepRuntime:
             work.wait()  # gloo holds the gradient until then (NCCL: stream order)
             self.sends.remove(work)
             inp.grad = None
+            del work, inp  # gloo's work object holds the gradient it sent until it goes
         with no_autocast(self.device.type), prange("stage_backward_weight", "compute"):
             deferred.weight_pass(self.kept)
         self.kept, self.prefix = [], None

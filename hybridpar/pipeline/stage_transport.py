@@ -8,8 +8,7 @@ Each is a :class:`~hybridpar.comm.transport.PointToPoint`. ``HYBRIDPAR_TRANSPORT
 that selects the halo transport) moves all of a stage's traffic over MPI instead, activations,
 gradients and the loss (ranks started by mpirun). Between CPU ranks of one host that is the fast
 path: MPI copies through shared memory (MPICH by cross-memory attach), one copy where gloo's TCP
-loopback makes two. A same-host transport of our own doing the same copy was measured against it
-and removed: MPI matched it (``perf/PIPELINE.md``).
+loopback makes two; a copy of our own would not beat it (``perf/PIPELINE.md``).
 
 Communicators: gloo matches messages by tag, so the default group carries activations and gradients
 and the pipe group (or the default) the loss. NCCL runs a pair's sends and receives in issue order

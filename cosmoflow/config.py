@@ -187,7 +187,8 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
-def _set(tree: dict[str, Any], assignment: str) -> None:
+def set_key(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``--set`` assignment (``section.key=value``, the value read as YAML) to a config tree."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. train.epochs=4")
     key, value = assignment.split("=", 1)
@@ -209,7 +210,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} does not exist")
         tree = yaml.safe_load(p.read_text()) or {}
     for item in overrides or []:
-        _set(tree, item)
+        set_key(tree, item)
     cfg = _build(Config, tree, "")
     validate(cfg)
     return cfg

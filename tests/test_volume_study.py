@@ -87,6 +87,21 @@ def test_shipped_plan(tmp_path: Path) -> None:
     assert cfg.data.sample_size == 32 and cfg.parallel["grid"]["data"] == 2
 
 
+def test_set_changes_every_run_but_not_what_the_study_sets(tmp_path: Path) -> None:
+    """``--set`` (a fix tried at every size) reaches every run's trainer config; the per-run keys stay
+    the study's; a key the trainer does not know is one clear error."""
+    sets = ["model.batchnorm=true", "optimizer.name=adamw", "optimizer.base_lr=0.001", "train.batch_size=7"]
+    study = load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path), sets=sets)
+    for run in study.runs:
+        cfg = study.trainer_config(run, study.seeds[0])
+        assert cfg.model.batchnorm and cfg.optimizer.name == "adamw" and cfg.optimizer.base_lr == 0.001
+        assert cfg.train.batch_size == run.batch_size != 7
+    plain = load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path / "plain"))
+    assert not plain.trainer_config(plain.runs[0], 0).model.batchnorm    # the YAML's tree is not changed
+    with pytest.raises(ConfigError, match="no_such_key"):
+        load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path), sets=["model.no_such_key=1"])
+
+
 def test_size_that_does_not_fit_is_one_clear_error(tmp_path: Path) -> None:
     tree = yaml.safe_load((ROOT / "launch/configs/volume_study.yaml").read_text())
     tree["sizes"] = {48: {"grid": {"data": 2}}}

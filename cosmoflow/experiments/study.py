@@ -19,6 +19,7 @@ Per input size ``S`` of universes of side ``U`` (``r = U / S``, a power of two):
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from cosmoflow.config import Config, ConfigError, load_config
+from cosmoflow.config import Config, ConfigError, load_config, set_key
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,14 @@ def _size_run(size: int, entry: dict[str, Any], u: Universes, n_conv: int, batch
     return SizeRun(size, crops, levels, batch, base_batch * crops, data, spatial)
 
 
-def load_study(path: str | Path, out: str | None = None, results: str | None = None) -> Study:
-    """Read and check the study's YAML; every run's trainer config is validated here, before any runs."""
+def load_study(path: str | Path, out: str | None = None, results: str | None = None,
+               sets: list[str] | None = None) -> Study:
+    """Read and check the study's YAML; every run's trainer config is validated here, before any runs.
+
+    ``sets``: ``key=value`` overrides of the trainer config every run shares (``model.batchnorm=true``),
+    applied over the YAML's ``training`` section: a fix tried at every size at once. The keys the
+    study sets per run (``data.*``, ``train.batch_size``, ``train.seed``, ``optimizer.base_batch``,
+    ``parallel.grid``) still come from the study."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"study config {p} does not exist (see launch/configs/volume_study.yaml)")
@@ -154,7 +161,9 @@ def load_study(path: str | Path, out: str | None = None, results: str | None = N
         u = Universes(**tree.get("universes", {}))
     except TypeError as err:
         raise ConfigError(f"{p}: universes: {err}") from None
-    training = dict(tree.get("training") or {})
+    training = copy.deepcopy(tree.get("training") or {})
+    for item in sets or []:
+        set_key(training, item)
     training.pop("run_dir", None)  # one per run, set by the study
     n_conv = int(training.get("model", {}).get("n_conv", Config().model.n_conv))
     base_batch = int(training.get("optimizer", {}).get("base_batch", Config().optimizer.base_batch))

@@ -8,9 +8,11 @@ whole universes split over ranks), one run per size and seed, each under torchru
 own trainer (``launch/train.py``), and reports the validation MAE per parameter (crop sizes: the mean
 prediction over a universe's crops) beside the predict-the-mean baseline: a markdown table (printed and
 written next to the result file), a plot, and the result file (default
-``perf/results/volume_study.json``). A run already finished with the same command is reused, an
-interrupted one resumes from its checkpoints, so the study can be stopped and started again.
+``perf/results/volume_study.json``). A run already finished with the same command and trainer config
+is reused, an interrupted one resumes from its checkpoints, so the study can be stopped and started
+again.
 
+``--set KEY=VALUE`` changes the trainer config of every run (a fix tried at every size);
 ``--dry-run`` prints the plan (architectures, batches, grids, the commands) without running anything;
 ``--estimate STEPS`` times a few steps of every size and prints the projected time of the whole study.
 """
@@ -106,13 +108,15 @@ def prepare_data(study: Study) -> None:
 
 
 def _train(study: Study, run: SizeRun, seed: int, env: dict[str, str]) -> dict[str, Any]:
-    """One training run (reused when it already finished with the same command); its record."""
+    """One training run (reused when it already finished with the same command and trainer config); its
+    record."""
     run_dir = study.run_dir(run, seed)
     cmd = _command(study, run, seed)
     stamp = run_dir / "study_run.json"
+    settings = {"command": cmd, "training": study.base_config().read_text()}  # what makes a run this one
     done = (run_dir / "val_predictions.npz").exists() and stamp.exists()
-    if done and json.loads(stamp.read_text()).get("command") == cmd:
-        print(f"  reusing {run_dir} (finished with the same command)", flush=True)
+    if done and {k: json.loads(stamp.read_text()).get(k) for k in settings} == settings:
+        print(f"  reusing {run_dir} (finished with the same command and config)", flush=True)
         wall = json.loads(stamp.read_text()).get("wall_s")
     else:
         if stamp.exists():  # finished, but with other settings: its checkpoints must not be resumed
@@ -123,7 +127,7 @@ def _train(study: Study, run: SizeRun, seed: int, env: dict[str, str]) -> dict[s
         rc, wall = _launch(cmd, log, env)
         if rc != 0 or not (run_dir / "val_predictions.npz").exists():
             raise _failed(f"the {run.size}^3 run of seed {seed}", rc, log)
-        stamp.write_text(json.dumps({"command": cmd, "wall_s": wall}, indent=1))
+        stamp.write_text(json.dumps({**settings, "wall_s": wall}, indent=1))
     scores = score_run(run_dir, run.crops)
     return {"seed": seed, **scores, "crops": run.crops, "n_conv": run.n_conv, "batch_size": run.batch_size,
             "ranks": run.ranks, "grid": {"data": run.data, "spatial": list(run.spatial)},
@@ -240,13 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for the universes' runs and logs (default: the config's out)")
     ap.add_argument("--results", help="the result JSON (default: the config's results); .md and _mae.png "
                     "are written beside it")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="override the trainer config of every run (repeatable), e.g. --set "
+                         "model.batchnorm=true; give such a study its own --out and --results")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     ap.add_argument("--estimate", type=int, default=0, metavar="STEPS",
                     help="generate the universes, time STEPS training steps per size, print the projected "
                          "time of the whole study, and stop")
     args = ap.parse_args(argv)
     try:
-        study = load_study(args.config, args.out, args.results)
+        study = load_study(args.config, args.out, args.results, args.sets)
         run_study(study, " ".join(["python -m cosmoflow.experiments.volume", *argv]), args.dry_run,
                   args.estimate)
     except (ConfigError, RuntimeError, FileNotFoundError) as err:

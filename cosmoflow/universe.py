@@ -24,6 +24,7 @@ physical = fiducial·(1 + 0.1·u), fiducial (Ω_m, σ_8, n_s, H_0) = (0.3, 0.8, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -215,6 +216,24 @@ def real_field(delta_k: np.ndarray, n: int) -> np.ndarray:
     return np.fft.irfftn(delta_k, s=(n, n, n), axes=(0, 1, 2)).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=4)
+def _shells(n: int, box: float, edges: tuple[float, ...]) -> tuple[np.ndarray, ...]:
+    """The ``rfftn`` modes' |k|, shell index, in-a-shell mask, count (at least 1) and mean |k| per shell:
+    the same for every field of one grid, so worked out once per (n, box, edges) (many crops share one)."""
+    kx, ky, kz = wavenumbers(n, box)
+    k = np.sqrt(kx.astype(np.float64) ** 2 + ky.astype(np.float64) ** 2 + kz.astype(np.float64) ** 2)
+    k = np.broadcast_to(k, (n, n, n // 2 + 1)).ravel()
+    which = np.digitize(k, edges) - 1
+    inside = (which >= 0) & (which < len(edges) - 1)
+    bins = len(edges) - 1
+    count_safe = np.maximum(np.bincount(which[inside], minlength=bins).astype(np.float64), 1)
+    k_mean = np.bincount(which[inside], weights=k[inside], minlength=bins) / count_safe
+    out = (k, which, inside, count_safe, k_mean)
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
 def measure_power(delta: np.ndarray, box: float, edges: np.ndarray,
                   power: PowerSpectrum | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Shell-averaged power of a real field: (mean k, measured P, P expected over the same modes).
@@ -224,16 +243,9 @@ def measure_power(delta: np.ndarray, box: float, edges: np.ndarray,
     """
     n = delta.shape[0]
     dk = np.fft.rfftn(delta.astype(np.float64))
-    kx, ky, kz = wavenumbers(n, box)
-    k = np.sqrt(kx.astype(np.float64) ** 2 + ky.astype(np.float64) ** 2 + kz.astype(np.float64) ** 2)
-    k = np.broadcast_to(k, dk.shape).ravel()
-    p = (np.abs(dk) ** 2).ravel() * box ** 3 / n ** 6
-    which = np.digitize(k, edges) - 1
-    inside = (which >= 0) & (which < len(edges) - 1)
+    k, which, inside, count_safe, k_mean = _shells(n, float(box), tuple(float(e) for e in edges))
     bins = len(edges) - 1
-    count = np.bincount(which[inside], minlength=bins).astype(np.float64)
-    count_safe = np.maximum(count, 1)
-    k_mean = np.bincount(which[inside], weights=k[inside], minlength=bins) / count_safe
+    p = (np.abs(dk) ** 2).ravel() * box ** 3 / n ** 6
     p_mean = np.bincount(which[inside], weights=p[inside], minlength=bins) / count_safe
     expected = np.zeros(bins)
     if power is not None:

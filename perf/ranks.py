@@ -127,11 +127,10 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
     None comes back. ``mpi``: start the ranks with ``mpiexec`` (see module doc). Raises if a rank
     fails or ``timeout`` seconds pass (the ranks are killed).
     """
-    if mpi:
-        return _launch_mpiexec(fn, world, args, threads, group, pin, timeout, every_rank,
-                               {**os.environ, **(env or {})}, group_timeout_s, keep_results_of_exit_aborts,
-                               results)
     rank_env = {**os.environ, **(env or {})}
+    if mpi:
+        return _launch_mpiexec(fn, world, args, threads, group, pin, timeout, every_rank, rank_env,
+                               group_timeout_s, keep_results_of_exit_aborts, results)
     # A preloaded library (heapcount's allocator counter) takes effect only when a process execs: the
     # fork server's children would not have it, so such ranks start as fresh interpreters.
     method = "spawn" if rank_env.get("LD_PRELOAD") else START_METHOD
@@ -162,13 +161,16 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
                     if p.is_alive():
                         p.kill()
                 raise TimeoutError(f"job on {world} ranks did not finish in {timeout:.0f} s (deadlock?)")
-        if not results:
-            return None
-        values = []
-        for r in range(world if every_rank else 1):
-            with open(f"{out}.{r}", "rb") as f:
-                values.append(pickle.load(f))
-        return values if every_rank else values[0]
+        return _results(out, world, every_rank) if results else None
+
+
+def _results(out: str, world: int, every_rank: bool) -> Any:
+    """Rank 0's return value (every rank's, in rank order) from the files the ranks wrote."""
+    values = []
+    for r in range(world if every_rank else 1):
+        with open(f"{out}.{r}", "rb") as f:
+            values.append(pickle.load(f))
+    return values if every_rank else values[0]
 
 
 @contextlib.contextmanager
@@ -223,13 +225,7 @@ def _launch_mpiexec(fn: Callable, world: int, args: tuple, threads: int, group: 
                 raise RuntimeError(f"mpiexec job on {world} ranks failed (exit status {rc})")
             print(f"warning: mpiexec exit status {rc} after every rank wrote its result; results kept",
                   file=sys.stderr, flush=True)
-        if not results:
-            return None
-        values = []
-        for w in wanted[:world if every_rank else 1]:
-            with open(w, "rb") as f:
-                values.append(pickle.load(f))
-        return values if every_rank else values[0]
+        return _results(out, world, every_rank) if results else None
 
 
 def _mpi_rank(job: str) -> None:

@@ -202,3 +202,17 @@ def test_reference_ridge_recovers_a_linear_law_and_folds_whole_universes() -> No
     val_truth = rng.uniform(-1, 1, size=(10, 4))
     pred, chosen = reference.fit_predict(x, np.repeat(truth, crops, axis=0), names, val_truth @ mix)
     assert np.abs(pred - val_truth).max() < 0.1 and set(chosen) == {"Omega_m", "sigma_8", "n_s", "H_0"}
+
+
+def test_reference_names_an_input_without_a_power_spectrum(tmp_path: Path) -> None:
+    """A constant channel (no fluctuation: log variance -inf) is one clear error naming the file and
+    sub-cube, not NaN in the result."""
+    import h5py
+
+    full = np.ones((8, 8, 8, 4), dtype=np.int16)
+    with h5py.File(tmp_path / "flat.h5", "w") as f:
+        f["full"] = full
+        f["unitPar"] = np.zeros(4, dtype=np.float32)
+    named = r"flat\.h5: sample 0 \(sub-cube \(0, 0, 0\)\): a channel .* constant"
+    with pytest.raises(ValueError, match=named):
+        reference._table(tmp_path, 4, 4)

@@ -66,7 +66,12 @@ def _table(directory: Path, size: int, channels: int) -> tuple[np.ndarray, np.nd
     rows, targets, where = [], [], []
     for i in range(len(ds)):
         x, y = ds.read(i)
-        rows.append(features(x.numpy()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row = features(x.numpy())
+        if not np.isfinite(row).all():
+            raise ValueError(f"{ds.describe(i)}: a channel of this {size}^3 input is constant, so it has no "
+                             f"power spectrum to regress on; check the file (python -m cosmoflow.check)")
+        rows.append(row)
         targets.append(np.asarray(y, dtype=np.float64))
         where.append(ds.locate(i)[0].path)
     return np.asarray(rows), np.asarray(targets), np.asarray(where)

@@ -39,6 +39,8 @@ SHELLS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 0.87)
 STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """Ridge strengths tried (on standardised features), per parameter, by cross-validation."""
 FOLDS = 4
+FLOOR = 1e-12
+"""Power and variance below this are taken as this (a constant channel): their logs stay finite."""
 FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".join(f"{e:.3g}" for e in SHELLS)
             + " cycles/voxel (those the input holds), mean, log variance, skewness; ridge regression, "
               f"strength per parameter from {FOLDS}-fold cross-validation over training universes")
@@ -47,16 +49,18 @@ FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".jo
 def features(x: np.ndarray) -> np.ndarray:
     """Summary statistics of one input ``x`` (C, d, d, d), float ``log1p(counts)``: per channel the log
     power in each shell of :data:`SHELLS` (0 where the input holds no wavenumber of that shell), the mean,
-    the log variance and the skewness."""
+    the log variance and the skewness. A constant channel (a small crop of an empty region at high
+    redshift) has power and variance :data:`FLOOR` and skewness 0, so every feature stays finite."""
     d = x.shape[-1]
     edges = 2 * np.pi * np.asarray(SHELLS)  # radians per voxel: measure_power's units on a box of d voxels
     out: list[float] = []
     for channel in np.asarray(x, dtype=np.float64):
         delta = channel - channel.mean()
         var = float(np.mean(delta ** 2))
-        _, power, _ = measure_power(delta, float(d), edges)
-        out += [float(np.log(p)) if p > 0 else 0.0 for p in power]
-        out += [float(channel.mean()), float(np.log(var)), float(np.mean(delta ** 3) / var ** 1.5)]
+        k_mean, power, _ = measure_power(delta, float(d), edges)
+        out += [float(np.log(max(p, FLOOR))) if k > 0 else 0.0 for k, p in zip(k_mean, power)]
+        skew = float(np.mean(delta ** 3) / var ** 1.5) if var > FLOOR else 0.0
+        out += [float(channel.mean()), float(np.log(max(var, FLOOR))), skew]
     return np.asarray(out)
 
 
@@ -66,12 +70,7 @@ def _table(directory: Path, size: int, channels: int) -> tuple[np.ndarray, np.nd
     rows, targets, where = [], [], []
     for i in range(len(ds)):
         x, y = ds.read(i)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            row = features(x.numpy())
-        if not np.isfinite(row).all():
-            raise ValueError(f"{ds.describe(i)}: a channel of this {size}^3 input is constant, so it has no "
-                             f"power spectrum to regress on; check the file (python -m cosmoflow.check)")
-        rows.append(row)
+        rows.append(features(x.numpy()))
         targets.append(np.asarray(y, dtype=np.float64))
         where.append(ds.locate(i)[0].path)
     return np.asarray(rows), np.asarray(targets), np.asarray(where)

@@ -45,6 +45,12 @@ def _partition_groups(partition: list[list[int]], purpose: str = "") -> list[dis
     return _GROUP_CACHE[key]
 
 
+def forget_groups() -> None:
+    """Drop the cached groups (:func:`hybridpar.launch.shutdown` calls it): they belong to a process group
+    that is being destroyed, and a later ``init_distributed`` must create its own."""
+    _GROUP_CACHE.clear()
+
+
 def _self_group() -> dist.ProcessGroup:
     """This rank alone, created on first use by this rank only and shared by every purpose.
 

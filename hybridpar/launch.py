@@ -10,6 +10,8 @@ run on a host: they share devices, which NCCL refuses; see :mod:`hybridpar.comm.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -150,6 +152,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
         cpu_alloc.tune()  # activations come from glibc malloc: keep freed memory between steps
     if not dist.is_initialized():
         _TIMEOUT_S[0] = float(timeout_s)
+        atexit.unregister(shutdown)  # once, however often a process joins and leaves
+        atexit.register(shutdown)
         if world == 1 and "MASTER_ADDR" not in env:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1,
@@ -178,6 +182,27 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
                                    f"{backend!r}, which NCCL refuses; launch so that the local world size is "
                                    f"known (torchrun sets LOCAL_WORLD_SIZE) or pass backend='gloo'")
     return LaunchInfo(launcher, dist.get_rank(), dist.get_world_size(), local, backend)
+
+
+def shutdown() -> None:
+    """Leave the job: destroy every process group (torch's and the grids' cached ones) and free what
+    still holds them. ``init_distributed`` registers it to run at interpreter exit; calling it earlier,
+    or after ``destroy_process_group``, is safe.
+
+    Why at exit: a gloo worker thread that finishes a transfer drops the transfer's tensors, which
+    releases their Python objects and so takes the GIL. Groups still alive when the interpreter
+    finalises keep their threads; one that asks for the GIL then is ended by ``pthread_exit`` inside
+    a ``noexcept`` destructor: ``terminate called without an active exception`` and SIGABRT after a
+    run that succeeded. Destroying the groups here, while the interpreter is whole, joins those
+    threads (torch releases the GIL while it does); engines and layers hold groups in reference
+    cycles, hence the collection.
+    """
+    from hybridpar import grid  # noqa: PLC0415 (grid imports this module)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    grid.forget_groups()
+    gc.collect()
 
 
 def device() -> torch.device:

@@ -24,11 +24,7 @@ def grid():
                 make()
     hp.init_distributed()
     yield hp.ProcessGrid()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    from hybridpar import grid as grid_module
-
-    grid_module._GROUP_CACHE.clear()
+    hp.launch.shutdown()
 
 
 def test_single_process_needs_no_launcher(grid):

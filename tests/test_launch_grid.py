@@ -121,3 +121,42 @@ def test_torchrun_restart_forms_a_fresh_group(tmp_path):
         # both ranks print to torchrun's one stdout: their lines may interleave
         assert sorted(re.findall(r"attempt \d rank \d sum \d", res.stdout)) == \
             ["attempt 1 rank 0 sum 4", "attempt 1 rank 1 sum 4"], res.stdout
+
+
+LEFT_AT_EXIT = """
+import atexit, torch, torch.distributed as dist
+import hybridpar as hp
+from hybridpar import grid as grid_module
+
+def check():  # registered before init_distributed, so it runs after the exit hook (last in, first out)
+    print("after exit hook:", dist.is_initialized(), len(grid_module._GROUP_CACHE), flush=True)
+
+atexit.register(check)
+hp.init_distributed()
+first = hp.ProcessGrid().pipe_group
+hp.launch.shutdown()
+hp.init_distributed()  # a second world gets groups of its own, not the destroyed world's
+second = hp.ProcessGrid().pipe_group
+t = torch.ones(3)
+dist.broadcast(t, 0, group=second)
+print("fresh groups:", first is not second, t.sum().item(), flush=True)
+"""
+
+
+def test_groups_are_destroyed_before_the_interpreter_exits(tmp_path):
+    """init_distributed has the interpreter run launch.shutdown at exit: a group alive during
+    finalisation can abort a successful run (a gloo thread asking for the GIL), and a world joined after
+    shutdown gets fresh groups."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "left.py"
+    script.write_text(LEFT_AT_EXIT)
+    launched = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launched}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(distributed.ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "fresh groups: True 3.0" in res.stdout, res.stdout
+    assert "after exit hook: False 0" in res.stdout, res.stdout

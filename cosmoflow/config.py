@@ -33,6 +33,8 @@ class DataConfig:
     channels: int = 4                    # redshift channels read, from z = 0 (1: today's field only)
     skip_bad: bool = False               # a bad sample (cosmoflow.validate) is skipped with a warning, not an
                                          # error; the summary counts them
+    augment: str = "none"                # none | symmetries (the cube's 48: flips, transposes) |
+                                         # symmetries+shifts (and periodic rolls: whole universes only)
 
 
 @dataclass
@@ -104,6 +106,9 @@ class LoggingConfig:
     plots: bool = True
     progress: bool = True
 
+
+AUGMENTS = ("none", "symmetries", "symmetries+shifts")
+"""Training-set views (``hybridpar.data.Augment``); validation always reads samples as they are."""
 
 TASKS = ("regress", "reconstruct")
 """regress: the four cosmological parameters of a volume (CosmoFlow); reconstruct: the initial linear
@@ -220,6 +225,8 @@ def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch."""
     if cfg.task not in TASKS:
         raise ConfigError(f"task: {cfg.task!r} is not one of {', '.join(TASKS)}")
+    if cfg.data.augment not in AUGMENTS:
+        raise ConfigError(f"data.augment: {cfg.data.augment!r} is not one of {', '.join(AUGMENTS)}")
     if not 1 <= cfg.data.channels <= 4:
         raise ConfigError(f"data.channels: {cfg.data.channels} redshift channels; the universes have 1 to 4 "
                           "(z = 0, 0.5, 1.5, 3, read from the first)")

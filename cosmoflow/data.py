@@ -297,6 +297,12 @@ class CosmoDataset:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
+    @property
+    def periodic(self) -> bool:
+        """Whether every sample is a whole periodic box (a raw universe read uncut), which a periodic
+        roll maps onto another valid sample; a crop or an MLPerf split sub-volume is not one."""
+        return all(e.format == "universe" and e.per_side == 1 for e in self.entries)
+
     def __repr__(self) -> str:
         kinds = sorted({e.format for e in self.entries})
         return (f"CosmoDataset({len(self)} samples of {self.sample_shape} from {len(self.entries)} files, "

@@ -36,7 +36,7 @@ import yaml
 
 import hybridpar as hp
 from cosmoflow import errors
-from cosmoflow.config import Config
+from cosmoflow.config import Config, ConfigError
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
@@ -53,7 +53,7 @@ from hybridpar.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from hybridpar.data import VolumeLoader
+from hybridpar.data import Augment, VolumeLoader
 from hybridpar.hostinfo import machine_info
 from hybridpar.launch import collective_timeout
 from hybridpar.profiling import StepTimer
@@ -165,6 +165,20 @@ def _command_line(launcher: str, world: int) -> str:
     return f"{'srun' if launcher == 'slurm' else 'mpirun'} -n {world} python {args}"
 
 
+def _augment(cfg: Config, train_ds: Any) -> Augment | None:
+    """The training loader's random views (``data.augment``); rolls only where samples are whole
+    periodic universes, since a rolled crop is not a crop of any universe."""
+    if cfg.data.augment == "none":
+        return None
+    shifts = cfg.data.augment.endswith("+shifts")
+    if shifts and not train_ds.periodic:
+        raise ConfigError(f"data.augment: {cfg.data.augment} rolls samples periodically, but "
+                          f"data.sample_size {cfg.data.sample_size} cuts {cfg.data.train}'s files into crops "
+                          "(or they are split sub-volumes), which are not periodic; use "
+                          "data.augment=symmetries")
+    return Augment(symmetries=True, shifts=shifts)
+
+
 def _build_model(cfg: Config, channels: int) -> torch.nn.Module:
     """The task's network: CosmoFlow's regressor or the reconstruction U-Net."""
     if cfg.task == "reconstruct":
@@ -216,7 +230,8 @@ def run(cfg: Config) -> dict[str, Any]:
     flops = hp.flops.count(model, (1, channels, S, S, S))
 
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
-                          workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir)
+                          workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir,
+                          augment=_augment(cfg, train_ds))
     val_loader = VolumeLoader(val_ds, engine.input_grid, batch_size=batch, shuffle=False, drop_last=False,
                               workers=cfg.data.workers, prefetch=cfg.data.prefetch)
     bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,

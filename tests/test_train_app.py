@@ -124,3 +124,17 @@ def test_data_parallel_resume_is_bit_identical(tiny_data, tmp_path):
     assert steps[0] == steps[1] and [int(s) for s, _ in steps[1]] == list(range(1, 17))
     for run in (whole, resumed):
         assert "\r" not in run.stderr and "step 16/16 epoch 1" in run.stderr
+
+
+def test_augmented_training_rolls_whole_universes_only(tiny_data, tmp_path):
+    """data.augment: the cube's symmetries and periodic rolls train on whole universes split over two
+    ranks; asking for rolls of crops is one configuration error naming the key."""
+    run = tmp_path / "run"
+    ok = train_script(_args(tiny_data, run, "train.epochs=1", "data.sample_size=16",
+                            "data.augment=symmetries+shifts"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 1   # 4 universes / batch 4
+    bad = train_script(_args(tiny_data, tmp_path / "bad", "data.augment=symmetries+shifts"))
+    errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")]   # once per job
+    assert bad.returncode != 0 and re.search(r"exitcode\s*: 2 ", bad.stderr), bad.stderr[-3000:]
+    assert len(errors) == 1 and "data.augment: symmetries+shifts rolls samples periodically" in errors[0]

@@ -6,6 +6,8 @@ The pieces, one idea per module:
 * :mod:`~hybridpar.data.sampler` - a global shuffle per epoch from a shared seed, *then* a shard per
   data-parallel replica;
 * :mod:`~hybridpar.data.placement` - which replica and which spatial shard a rank reads;
+* :mod:`~hybridpar.data.augment` - random symmetries (flips, transposes, periodic rolls) of a sample,
+  each rank reading only the pre-image of its shard;
 * :mod:`~hybridpar.data.workers` - reader processes prefetching batches through shared memory;
 * :mod:`~hybridpar.data.staging` - copying the dataset's files to node-local storage first;
 * :mod:`~hybridpar.data.loader` - :class:`VolumeLoader`, which puts them together and keeps the
@@ -20,6 +22,7 @@ Example::
         ckpt["loader"] = loader.state_dict()
 """
 
+from hybridpar.data.augment import Augment, View
 from hybridpar.data.dataset import FileBacked, Region, VolumeDataset, read_batch
 from hybridpar.data.loader import VolumeLoader
 from hybridpar.data.placement import Placement
@@ -28,12 +31,14 @@ from hybridpar.data.staging import ProgressBar, stage_dataset, stage_files
 from hybridpar.data.workers import WorkerError
 
 __all__ = [
+    "Augment",
     "FileBacked",
     "Placement",
     "ProgressBar",
     "Region",
     "ShardedSampler",
     "VolumeDataset",
+    "View",
     "VolumeLoader",
     "WorkerError",
     "epoch_permutation",

@@ -49,9 +49,10 @@ class FileBacked(Protocol):
     def with_files(self, paths: Sequence[str]) -> FileBacked: ...
 
 
-def read_batch(dataset: VolumeDataset, indices: Sequence[int], region: Region | None,
+def read_batch(dataset: VolumeDataset, indices: Sequence[object], region: Region | None,
                shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read ``indices`` (their ``region`` only) and stack them into ``(x, y)`` batch tensors.
+    """Read ``indices`` (their ``region`` only) and stack them into ``(x, y)`` batch tensors. An item
+    is a sample index or an ``(index, view)`` pair (an augmented read, :mod:`hybridpar.data.augment`).
 
     With ``shared`` (in a worker process) the batch is stacked straight into shared memory, which
     saves the copy ``share_memory_()`` would make before the batch crosses to the trainer.
@@ -61,8 +62,8 @@ def read_batch(dataset: VolumeDataset, indices: Sequence[int], region: Region | 
     """
     probe = list(indices) if len(indices) else [0]
     xs, ys = [], []
-    for i in probe:
-        x, y = dataset.read(int(i), region)
+    for item in probe:
+        x, y = _read_item(dataset, item, region)
         xs.append(torch.as_tensor(x))
         ys.append(torch.as_tensor(y))
     if not len(indices):
@@ -70,6 +71,15 @@ def read_batch(dataset: VolumeDataset, indices: Sequence[int], region: Region | 
     if not shared:
         return torch.stack(xs), torch.stack(ys)
     return _stack_shared(xs), _stack_shared(ys)
+
+
+def _read_item(dataset: VolumeDataset, item: object, region: Region | None) -> tuple[torch.Tensor, object]:
+    """One item of a batch: a sample index, or ``(index, view)`` where the loader augments (the view
+    reads the pre-image of ``region`` and transforms it: :class:`hybridpar.data.augment.View`)."""
+    if isinstance(item, tuple):
+        index, view = item
+        return view.read(dataset, int(index), region)
+    return dataset.read(int(item), region)
 
 
 def take_skipped(dataset: object) -> list[str]:

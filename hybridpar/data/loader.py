@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from hybridpar.data.augment import Augment
 from hybridpar.data.dataset import VolumeDataset, read_batch, spatial_extent, take_skipped
 from hybridpar.data.placement import Placement
 from hybridpar.data.sampler import ShardedSampler
@@ -49,15 +50,19 @@ class VolumeLoader:
 
     ``stage_dir`` copies the dataset's files there first (see :mod:`~hybridpar.data.staging`), with a
     progress bar on stderr (``progress=None``: on each node's first rank only).
-    ``sample_shape`` (``(C, D, H, W)`` or ``(D, H, W)``) is needed for a spatial split unless the
-    dataset has a ``sample_shape`` attribute.
+    ``sample_shape`` (``(C, D, H, W)`` or ``(D, H, W)``) is needed for a spatial split (and for
+    ``augment``) unless the dataset has a ``sample_shape`` attribute.
+
+    ``augment`` (:class:`~hybridpar.data.augment.Augment`) gives every sample of every epoch a random
+    view (the cube's symmetries, periodic rolls), the same on every rank of its spatial group, each
+    rank reading only what its shard comes from; a resumed run draws the same views.
     """
 
     def __init__(self, dataset: VolumeDataset, grid: object | None = None, batch_size: int = 1, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True, prefetch: int = 2,
                  workers: int = 1, stage_dir: str | os.PathLike | None = None,
                  sample_shape: Sequence[int] | None = None, start_method: str | None = None,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, augment: Augment | None = None) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0 (0 reads in this process), got {workers}")
         if prefetch < 1:
@@ -72,13 +77,14 @@ class VolumeLoader:
         self.sampler = ShardedSampler(len(dataset), batch_size, self.placement.data,
                                       self.placement.data_index, shuffle, seed, drop_last)
         self.region = None
+        self.augment = augment
+        self.extent = spatial_extent(dataset, sample_shape)
+        if self.extent is None and (self.placement.is_split or augment is not None):
+            why = f"a spatial split {self.placement.spatial_shape}" if self.placement.is_split else "augment"
+            raise ValueError(f"{why} needs the sample's voxel extent: pass sample_shape=(C, D, H, W) or "
+                             f"give the dataset a 'sample_shape' attribute")
         if self.placement.is_split:
-            extent = spatial_extent(dataset, sample_shape)
-            if extent is None:
-                raise ValueError(
-                    f"a spatial split {self.placement.spatial_shape} needs the sample's voxel extent: "
-                    f"pass sample_shape=(C, D, H, W) or give the dataset a 'sample_shape' attribute")
-            self.region = self.placement.region(extent)
+            self.region = self.placement.region(self.extent)
         self.workers, self.prefetch, self.start_method = workers, prefetch, start_method
         self.epoch = 0
         self.index = 0
@@ -151,12 +157,20 @@ class VolumeLoader:
         """This replica's sample indices, batch by batch, of ``epoch`` (default: the current one)."""
         return self.sampler.batches(self.epoch if epoch is None else epoch)
 
+    def _items(self, epoch: int) -> list[list[object]]:
+        """What the readers read in ``epoch``: sample indices, or ``(index, view)`` pairs where the
+        loader augments (the view a function of seed, epoch and index: the same on every rank)."""
+        batches = self.sampler.batches(epoch)
+        if self.augment is None:
+            return batches
+        return [[(i, self.augment.view(self.seed, epoch, i, self.extent)) for i in b] for b in batches]
+
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Batch]:
         """The remaining batches of the current epoch; afterwards the loader sits at the next epoch."""
         self._generation += 1
         generation, epoch, start = self._generation, self.epoch, self.index
-        batches = self.sampler.batches(epoch)
+        batches = self._items(epoch)
         reads = self._sync_reads if self.workers == 0 else self._pooled_reads
         for k, batch in enumerate(reads(epoch, batches, start), start):
             self.epoch, self.index = (epoch, k + 1) if k + 1 < len(batches) else (epoch + 1, 0)
@@ -198,7 +212,7 @@ class VolumeLoader:
                     pool.submit(generation, (epoch, sent), batches[sent])
                 else:
                     if following is None:
-                        following = self.sampler.batches(epoch + 1)
+                        following = self._items(epoch + 1)
                     if sent - n >= len(following):
                         break
                     pool.submit(generation, (epoch + 1, sent - n), following[sent - n])

@@ -102,6 +102,26 @@ def test_set_changes_every_run_but_not_what_the_study_sets(tmp_path: Path) -> No
         load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path), sets=["model.no_such_key=1"])
 
 
+def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None:
+    """A variant (``extends``) changes only what it states: sections merge key by key, ``sizes`` is
+    replaced whole; the shipped variants' plans; a config that extends itself is one error."""
+    configs = ROOT / "launch/configs"
+    aug = load_study(configs / "volume_study_augment.yaml", out=str(tmp_path / "a"))
+    assert [r.size for r in aug.runs] == [32, 128] and aug.seeds == [0, 1]
+    cfg = aug.trainer_config(aug.runs[1], 0)
+    assert cfg.data.augment == "symmetries" and cfg.model.batchnorm and cfg.optimizer.name == "adamw"
+    assert cfg.data.workers == 1 and cfg.model.base_filters == 8 and cfg.train.epochs == 8  # the base's
+    big = load_study(configs / "volume_study_gpu256.yaml", out=str(tmp_path / "b"))
+    plan = {r.size: (r.crops, r.n_conv, r.batch_size, r.ranks) for r in big.runs}
+    assert plan == {64: (64, 4, 256, 2), 128: (8, 5, 32, 2), 256: (1, 6, 4, 4)}
+    assert big.universes.size == 256 and big.universes.workers == 16   # through volume_study_gpu.yaml
+    assert big.trainer_config(big.runs[0], 0).data.workers == 2
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_study(loop, out=str(tmp_path / "c"))
+
+
 def test_size_that_does_not_fit_is_one_clear_error(tmp_path: Path) -> None:
     tree = yaml.safe_load((ROOT / "launch/configs/volume_study.yaml").read_text())
     tree["sizes"] = {48: {"grid": {"data": 2}}}

@@ -110,7 +110,40 @@ class Study:
         return path
 
 
-_KEYS = {"universes", "seeds", "batch_universes", "sizes", "training", "out", "results"}
+_KEYS = {"extends", "universes", "seeds", "batch_universes", "sizes", "training", "out", "results"}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, section by section (a nested mapping merges key by key)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A study's YAML with what it ``extends`` (a path relative to it) underneath, so a variant of a study
+    (another machine, another universe size) states only what differs and cannot drift from the study
+    it varies. ``sizes`` is the exception: a variant's ``sizes`` replaces its base's whole, since the
+    sizes a study compares are one decision, not a list to add to."""
+    if not path.is_file():
+        raise ConfigError(f"study config {path} does not exist (see launch/configs/volume_study.yaml)")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, seen))}")
+    tree = yaml.safe_load(path.read_text()) or {}
+    unknown = set(tree) - _KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (valid: {', '.join(sorted(_KEYS))})")
+    parent = tree.pop("extends", None)
+    if parent is None:
+        return tree
+    base = read_tree(path.parent / str(parent), (*seen, path.resolve()))
+    sizes = tree.pop("sizes", None)
+    merged = _merge(base, tree)
+    if sizes is not None:
+        merged["sizes"] = copy.deepcopy(sizes)
+    return merged
 
 
 def _size_run(size: int, entry: dict[str, Any], u: Universes, n_conv: int, batch_universes: int,
@@ -151,12 +184,7 @@ def load_study(path: str | Path, out: str | None = None, results: str | None = N
     study sets per run (``data.*``, ``train.batch_size``, ``train.seed``, ``optimizer.base_batch``,
     ``parallel.grid``) still come from the study."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"study config {p} does not exist (see launch/configs/volume_study.yaml)")
-    tree = yaml.safe_load(p.read_text()) or {}
-    unknown = set(tree) - _KEYS
-    if unknown:
-        raise ConfigError(f"{p}: unknown keys {sorted(unknown)} (valid: {', '.join(sorted(_KEYS))})")
+    tree = read_tree(p)
     try:
         u = Universes(**tree.get("universes", {}))
     except TypeError as err:

@@ -215,7 +215,7 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
     check_schema(doc)
     print("the power-spectrum reference (no network) on the same inputs:", flush=True)
     ref = reference.reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs],
-                              u.channels)
+                              u.channels, u.workers)
     write_report(doc, Path(study.results), ref)
     return doc
 

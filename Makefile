@@ -19,7 +19,7 @@ RECON_RUN ?= runs/reconstruct-$(shell date +%Y%m%d-%H%M%S)
 RECON_TRAIN ?= 512
 RECON_VAL ?= 32
 
-.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study lint clean gpu-check perf-tiny
+.PHONY: venv test demo demo-data reconstruct reconstruct-data volume-study volume-study-gpu lint clean gpu-check perf-tiny
 
 venv: $(STAMP)
 
@@ -78,6 +78,14 @@ perf-%: $(STAMP)
 VOLUME_CONFIG ?= launch/configs/volume_study.yaml
 volume-study: $(APP_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m cosmoflow.experiments.volume --config $(VOLUME_CONFIG)
+
+# Issue 15 on a GPU host (its own python and torch, no package registry): the study as above with its
+# ranks sharing the GPU, then universes of 256^3 (64^3, 128^3 crops, whole 256^3 over 4 ranks).
+# Writes perf/results/volume_study_gpu{,256}.{json,md}. Like gpu-check it needs our dependencies there
+# (nvtx is the one a CUDA image usually lacks: install its wheel first).
+volume-study-gpu:
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m cosmoflow.experiments.volume --config launch/configs/volume_study_gpu.yaml
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m cosmoflow.experiments.volume --config launch/configs/volume_study_gpu256.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridpar cosmoflow launch tests perf

@@ -11,7 +11,12 @@ bytes of the HDF5 chunks it touches, what a cold read fetches; from ``cosmoflow.
 and *syscall* (``rchar`` of /proc/<pid>/io: what HDF5 actually pulled through read()). The file sits
 in the page cache after a warm-up epoch, so MB/s is decode-and-copy speed, not disk speed.
 
-The second table runs a loop whose "step" sleeps (like waiting on a GPU) for ``--step-ratio`` times
+The second table prices augmentation (``Augment()``: a random one of the cube's 48 symmetries per
+sample): every rank reads the pre-image of its shard and flips/transposes it in memory, so it must
+read the same bytes; epochs with and without it alternate on the same ranks (ratios per round,
+medians), since this machine's speed drifts.
+
+The third table runs a loop whose "step" sleeps (like waiting on a GPU) for ``--step-ratio`` times
 the synchronous read of a batch, and reports the share of its time spent waiting for data.
 
     python -m perf loader                      # S=128, N=16, 5 repeats
@@ -30,7 +35,7 @@ import h5py
 import numpy as np
 import torch
 
-from hybridpar.data import Placement, VolumeLoader
+from hybridpar.data import Augment, Placement, VolumeLoader
 from perf import common
 
 CHANNELS = 4
@@ -147,6 +152,26 @@ def bench_layout(ds, split, batch: int, workers: int, repeats: int) -> dict:
     }
 
 
+def bench_augment(ds, split, batch: int, repeats: int) -> dict:
+    """Epochs with ``Augment()`` over epochs without, alternated on every rank of ``split`` in turn
+    (synchronous reads): the median per-round time ratio and the bytes read ratio."""
+    time_ratios, byte_ratios = [], []
+    for coord in np.ndindex(*split):
+        place = Placement(1, 0, split, coord)
+        with VolumeLoader(ds, place, batch, seed=0, workers=0) as plain, \
+                VolumeLoader(ds, place, batch, seed=0, workers=0, augment=Augment()) as augmented:
+            one_epoch(plain)
+            one_epoch(augmented)
+            for _ in range(repeats):
+                a, b = one_epoch(plain), one_epoch(augmented)
+                time_ratios.append(b["wall_s"] / a["wall_s"])
+                byte_ratios.append(b["region_bytes"] / a["region_bytes"] if a["region_bytes"] else None)
+    known = [r for r in byte_ratios if r is not None]
+    return {"split": list(split), "batch": batch, "repeats": repeats, "time_ratios": time_ratios,
+            "time_ratio": statistics.median(time_ratios),
+            "bytes_ratio": statistics.median(known) if known else None}
+
+
 def bench_wait(ds, split, batch: int, workers: int, step_s: float, epochs: int, repeats: int) -> dict:
     """Data-wait share of a loop whose step takes ``step_s`` without using the CPU (a GPU step):
     the median over ``repeats`` runs of ``epochs`` epochs each, after a warm-up epoch."""
@@ -205,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["layout"] = label
                 rows.append(row)
                 print(f"  done {label} workers={workers}", file=sys.stderr)
+        augments = []
+        for label, layout in (LAYOUTS[0], LAYOUTS[2]):
+            augments.append({"layout": label, **bench_augment(ds, layout, args.batch, args.repeats)})
+            print(f"  done augment {label}", file=sys.stderr)
         waits = []
         for label, layout in (LAYOUTS[0], LAYOUTS[2]):
             sync = next(r for r in rows if r["layout"] == label and r["workers"] == 0)
@@ -232,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     print("region/S, chunks/S, syscall/S: bytes read per rank per sample over the sample's int16 bytes "
           "(goal 1/P); MB/s counts region bytes (int16 on disk)")
 
+    print(f"\naugmentation (a random cube symmetry per sample), epochs alternated with plain ones, "
+          f"{args.repeats} rounds per rank, workers 0")
+    head = f"{'layout':<8} {'split':<9} {'time aug/plain':>14} {'bytes aug/plain':>15}"
+    print(head)
+    print("-" * len(head))
+    for r in augments:
+        print(f"{r['layout']:<8} {'x'.join(map(str, r['split'])):<9} {r['time_ratio']:>14.3f} "
+              f"{fmt(r['bytes_ratio'], '>15.3f')}")
+
     print(f"\ndata-wait share of a loop whose step (sleep, like a GPU step) lasts {args.step_ratio:g}x "
           f"the synchronous read of a batch; median of {args.wait_repeats} runs of {args.wait_epochs} "
           f"epochs after a warm-up")
@@ -252,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                    "step_ratio": args.step_ratio, "wait_epochs": args.wait_epochs,
                    "wait_repeats": args.wait_repeats},
         "rows": rows,
+        "augment": augments,
         "wait": waits,
     }
     common.write_json(args, result)

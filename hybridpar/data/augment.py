@@ -34,6 +34,8 @@ import torch
 from hybridpar.data.dataset import Region, VolumeDataset
 
 Extent = tuple[int, int, int]
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int16, torch.int32, torch.int64,
+                 torch.uint8, torch.int8, torch.bool)
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,18 @@ class View:
         return pieces
 
     def apply(self, block: torch.Tensor) -> torch.Tensor:
-        """The output shard from the source ``block`` (..., d, h, w) assembled in input axis order."""
+        """The output shard from the source ``block`` (..., d, h, w) assembled in input axis order.
+
+        On the CPU through numpy, whose flips are views: one strided copy instead of torch's two
+        (``flip`` always copies)."""
         lead = block.dim() - 3
         flips = [lead + b for b in range(3) if self.flip[b]]
+        order = (*range(lead), *(lead + b for b in self.perm))
+        if block.device.type == "cpu" and block.dtype in _NUMPY_DTYPES and not block.requires_grad:
+            view = np.transpose(np.flip(block.numpy(), flips) if flips else block.numpy(), order)
+            return torch.from_numpy(view.copy(order="C"))
         out = block.flip(flips) if flips else block
-        if self.perm != (0, 1, 2):
-            out = out.permute(*range(lead), *(lead + b for b in self.perm))
-        return out.contiguous()
+        return out.permute(*order).contiguous()
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """The whole-volume transform (the reference the shard reads must equal)."""

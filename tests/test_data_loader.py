@@ -128,18 +128,28 @@ def epoch_ids(loader: VolumeLoader) -> list[list[int]]:
 
 
 def child_pids() -> set[int]:
-    """Live children of this process, from /proc (independent of multiprocessing's bookkeeping)."""
-    me, out = os.getpid(), set()
+    """Live worker processes of this one, from /proc (independent of multiprocessing's bookkeeping):
+    its descendants, less the forkserver the workers are forked from and its resource tracker (they
+    outlive a loader)."""
+    parents, cmd = {}, {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd[int(d)] = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(d))
-    return out
+            if fields[0] != "Z":
+                parents[int(d)] = int(fields[1])
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
+        out |= frontier
+    me = os.getpid()
+    helper = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+    return {pid for pid in out if not (parents[pid] == me and any(h in cmd.get(pid, b"") for h in helper))}
 
 
 # ---------------------------------------------------------------------------------- sampling

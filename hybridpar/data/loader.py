@@ -45,7 +45,8 @@ class VolumeLoader:
     of ``torch.utils.data.DataLoader``); ``workers=0`` reads synchronously in this process (for
     debugging). Workers start at the first iteration and live until :meth:`close` (or the loader is
     garbage collected, or the interpreter exits); use the loader as a context manager to be explicit.
-    ``start_method`` picks the multiprocessing start method (default: the platform's); the dataset is
+    ``start_method`` picks the multiprocessing start method (default: ``forkserver`` where the
+    platform has it, since forking a multi-threaded trainer can hang the child); the dataset is
     pickled into each worker either way, so no open file handle crosses a fork.
 
     ``stage_dir`` copies the dataset's files there first (see :mod:`~hybridpar.data.staging`), with a

@@ -11,6 +11,13 @@ begins, unread tasks are withdrawn and late results of the old generation are dr
 can be reused without restarting processes. Workers exit on a sentinel, and also on their own when
 the parent process disappears, so a crashed trainer leaves no orphans.
 
+Workers start by ``forkserver`` where the platform has it (as Python 3.14 does by default), not by
+``fork``: a trainer is multi-threaded by the time it reads (the process group's threads, a heartbeat,
+other loaders' receivers), and a thread of a C library that takes a Python thread state while the
+trainer forks (gloo's, dropping a finished transfer's tensors) leaves CPython's thread-state lock held
+in the child, which then hangs inside ``fork`` before it runs a line. The server forks from a clean
+process that preloaded torch, h5py and the dataset's module, so a worker still starts in milliseconds.
+
 A receiver thread in the trainer takes results off the queue as they arrive. Rebuilding a batch
 from shared memory (receiving its file descriptors, mapping the storage) is work of the trainer's
 process; done when asked for, it would count as data wait. The thread does it while the main thread
@@ -48,7 +55,7 @@ def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: 
         try:
             task = tasks.get(timeout=_POLL_S)
         except queue.Empty:
-            if os.getppid() != parent:  # the trainer died without closing us
+            if not _alive(parent):  # the trainer died without closing us
                 return
             continue
         if task is None:
@@ -68,6 +75,27 @@ def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: 
         nbytes = now - seen if isinstance(now, int) and isinstance(seen, int) else 0
         seen = now
         results.put(("ok", generation, k, (x, y, nbytes, take_skipped(dataset))))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a forkserver's child is not its trainer's child)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def context(start_method: str | None, dataset: object) -> object:
+    """The multiprocessing context workers start in: ``start_method`` if given, else ``forkserver``
+    (preloading what every worker imports) where the platform has it, else its default."""
+    if start_method is not None or "forkserver" not in tmp.get_all_start_methods():
+        return tmp.get_context(start_method)
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "h5py", "hybridpar.data.workers", type(dataset).__module__])
+    return ctx
 
 
 def _portable(err: BaseException) -> BaseException | None:
@@ -99,7 +127,7 @@ class WorkerPool:
                 f"the dataset must pickle to be sent to loader worker processes ({err}); open files "
                 f"lazily inside read() and leave handles out of __getstate__, or use workers=0"
             ) from err
-        ctx = tmp.get_context(start_method)
+        ctx = context(start_method, dataset)
         self._tasks = ctx.Queue()
         self._results = ctx.Queue()
         self._generation = 0

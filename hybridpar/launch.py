@@ -185,20 +185,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
 
 
 def shutdown() -> None:
-    """Leave the job: destroy every process group (torch's and the grids' cached ones) and free what
-    still holds them. ``init_distributed`` registers it to run at interpreter exit; calling it earlier,
-    or after ``destroy_process_group``, is safe.
+    """Leave the job: stop the heartbeat, destroy every process group (torch's and the grids' cached
+    ones) and free what still holds them. ``init_distributed`` registers it to run at interpreter exit;
+    calling it earlier, or after ``destroy_process_group``, is safe.
 
-    Why at exit: a gloo worker thread that finishes a transfer drops the transfer's tensors, which
-    releases their Python objects and so takes the GIL. Groups still alive when the interpreter
-    finalises keep their threads; one that asks for the GIL then is ended by ``pthread_exit`` inside
-    a ``noexcept`` destructor: ``terminate called without an active exception`` and SIGABRT after a
-    run that succeeded. Destroying the groups here, while the interpreter is whole, joins those
-    threads (torch releases the GIL while it does); engines and layers hold groups in reference
-    cycles, hence the collection.
+    Why at exit: threads that call into C++ with the GIL released must be done before the interpreter
+    finalises. One that comes back for the GIL then is ended by ``pthread_exit`` inside a ``noexcept``
+    destructor: ``terminate called without an active exception`` and SIGABRT after a run that
+    succeeded. Two kinds exist: the heartbeat's store calls (:func:`hybridpar.comm.liveness.stop` ends
+    it), and gloo worker threads, which drop a finished transfer's tensors and so release their Python
+    objects. Garbage (engines and layers hold groups and work in reference cycles) is collected while
+    the groups live, then destroying the groups joins their threads (torch releases the GIL meanwhile).
     """
     from hybridpar import grid  # noqa: PLC0415 (grid imports this module)
+    from hybridpar.comm import liveness  # noqa: PLC0415 (comm imports this module's package)
 
+    liveness.stop()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     grid.forget_groups()

@@ -16,7 +16,6 @@ started. Ranks take the same set-up; the group comes from the MPI launcher's env
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import pickle
 import shutil
@@ -81,15 +80,12 @@ def _settle(rank: int, threads: int, group: bool, pin: bool, group_timeout_s: fl
 
 
 def leave_group() -> None:
-    """Destroy the default group, garbage first: garbage (an engine's reference cycles, say) holding
-    gloo work must go while the interpreter and the groups are alive: freed at interpreter exit, a
-    tensor's release may take the GIL from a gloo thread during finalization and abort the process
-    (pytorch/pytorch#179291)."""
-    import torch.distributed as dist  # noqa: PLC0415
+    """Leave the job while the interpreter is whole (:func:`hybridpar.launch.shutdown`: heartbeat,
+    garbage, groups): a gloo or store thread that comes back for the GIL during finalization aborts
+    the process (pytorch/pytorch#179291)."""
+    from hybridpar import launch  # noqa: PLC0415
 
-    if dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+    launch.shutdown()
 
 
 def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],

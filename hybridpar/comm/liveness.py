@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -37,6 +37,8 @@ class _Heart:
     every: float
     world: int
     timeout_s: float
+    stopped: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
 
 _heart: list[_Heart] = []  # this process's heartbeat, once started
@@ -48,27 +50,43 @@ def beat_interval(timeout_s: float) -> float:
 
 
 def start(timeout_s: float) -> None:
-    """Beat this rank's counter in the default group's store until the process ends (once per group)."""
+    """Beat this rank's counter in the default group's store until :func:`stop` (once per group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store = default_store()
     if _heart and _heart[0].store is store:
         return
-    _heart.clear()  # a new default group: the old beat ends with its store
+    stop()  # a new default group: the old beat ends with its store
     heart = _Heart(store, beat_interval(timeout_s), dist.get_world_size(), float(timeout_s))
     key = f"{_PREFIX}{dist.get_rank()}"
     heart.store.add(key, 1)  # the key exists before anyone can ask for it
 
     def beat() -> None:
-        while True:
-            time.sleep(heart.every)
+        while not heart.stopped.wait(heart.every):
             try:
                 heart.store.add(key, 1)
             except Exception:  # the store's host is gone: nothing left to tell
                 return
 
-    threading.Thread(target=beat, name="hybridpar-heartbeat", daemon=True).start()
+    heart.thread = threading.Thread(target=beat, name="hybridpar-heartbeat", daemon=True)
+    heart.thread.start()
     _heart.append(heart)
+
+
+def stop(wait_s: float = 10.0) -> None:
+    """End this process's heartbeat and wait (up to ``wait_s``) for its thread to leave.
+
+    Why before the interpreter exits (:func:`hybridpar.launch.shutdown` calls it): a store call releases
+    the GIL in C++, and a daemon thread that comes back from one while the interpreter finalises is
+    ended by ``pthread_exit`` inside a ``noexcept`` destructor: ``terminate called without an active
+    exception`` and SIGABRT after a run that succeeded. The beat waits on an event, so it leaves at once
+    unless a store call is under way.
+    """
+    while _heart:
+        heart = _heart.pop()
+        heart.stopped.set()
+        if heart.thread is not None and heart.thread is not threading.current_thread():
+            heart.thread.join(timeout=wait_s)
 
 
 def silent_ranks() -> list[int] | None:

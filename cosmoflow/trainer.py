@@ -292,8 +292,20 @@ def run(cfg: Config) -> dict[str, Any]:
     skipped: set[str] = set()
     pred = true = val_index = fields = None
     k_fundamental = mean_fundamental(val_ds.labels, S)
+    validated = False
+
+    def validate() -> None:
+        nonlocal metrics, fields, pred, true, val_index, validated
+        if reconstruct:
+            metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
+        else:
+            metrics, pred, true, val_index = evaluate(engine, val_loader)
+        validated = True
+
     try:
-        while epoch < cfg.train.epochs and step < total:
+        # An epoch whose steps are all done may still owe its validation (a save right after its last
+        # step, then a kill): it runs even when no step is left.
+        while epoch < cfg.train.epochs and (step < total or loader.epoch > epoch):
             # A save right after an epoch's last step (before its validation) leaves the loader at the
             # next epoch: resumed from it, the epoch's steps are all done and must not run again.
             finished = loader.epoch > epoch
@@ -335,16 +347,15 @@ def run(cfg: Config) -> dict[str, Any]:
                 epoch += 1
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
-            if reconstruct:
-                metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
-            else:
-                metrics, pred, true, val_index = evaluate(engine, val_loader)
+            validate()
             n = epoch_loss["steps"]
             train_loss = epoch_loss["sum"] / n if n else float("nan")
             reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
             if ended:
                 epoch_loss.update(sum=0.0, steps=0)
             save({"metrics": metrics})
+        if resumed and not validated:  # resumed from the run's last checkpoint: the report still needs
+            validate()                  # the final validation (the checkpoint's weights: the same one)
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\nstopping on a signal at step {step}: writing a final checkpoint", flush=True)

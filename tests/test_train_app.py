@@ -70,6 +70,33 @@ def test_train_resume_and_outputs(tiny_data, tmp_path):
     assert "resumed from step 8" in second.stdout
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 16
     assert (run / "config.yaml").exists() and (run / "config.1.yaml").exists()   # nothing overwritten
+    done = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    again = train_script(_args(tiny_data, run, "train.epochs=2"))  # a finished run started again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 16" in again.stdout and "validation MAE per parameter" in again.stdout
+    assert json.loads((run / "summary.json").read_text()) == done
+    assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 16
+
+
+def _scores(run: Path) -> dict[str, float]:
+    summary = json.loads((run / "summary.json").read_text())
+    return {k: v for k, v in summary.items() if k.startswith(("val_", "mae_", "step", "epoch"))}
+
+
+def test_killed_in_the_last_validation_resumes_to_the_same_report(tiny_data, tmp_path):
+    """Killed while validating after the last step (its step-8 checkpoint saved, the epoch's
+    validation not): the resumed run trains no step, validates, and reports what the uninterrupted
+    run did."""
+    sets = ("train.epochs=1", "checkpoint.every_steps=4")
+    whole = train_script(_args(tiny_data, tmp_path / "whole", *sets))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = train_script(_args(tiny_data, tmp_path / "cut", *sets), env={ENV: "validate:kill"})
+    assert killed.returncode != 0 and not (tmp_path / "cut" / "summary.json").exists()
+    resumed = train_script(_args(tiny_data, tmp_path / "cut", *sets))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(r"resumed from step [48] ", resumed.stdout), resumed.stdout
+    assert _scores(tmp_path / "cut") == _scores(tmp_path / "whole")
 
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):

@@ -32,6 +32,7 @@ from distributed import ROOT, tiny_universes
 STEPS_PER_EPOCH = 8      # 4 universes x 8 crops of 8^3 / global batch 4
 EPOCHS = 3
 EVERY = 2                # checkpoint every 2 steps
+KILL_WITHIN_S = 1.0      # the outside kill comes this long at most after attempt 3's first step
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +107,18 @@ def _same(a: object, b: object) -> bool:
 
 def _plan(seed: int) -> tuple[str, float]:
     """The injected faults, one per attempt (attempts 0-2), and the outside kill's delay after attempt 3
-    has logged its first step."""
+    has logged its first step. Attempt 3 has at least one epoch's end ahead of it, whose validation
+    pauses for longer than the delay: the kill cannot come after that attempt ended, however fast the
+    machine (it may come during that validation or after the last step's checkpoint, both moments a real
+    kill can hit)."""
     rng = random.Random(seed)
     after_step = rng.randint(1, 5)                              # killed right after this optimizer step
     mid_save = rng.randrange(after_step + (after_step % 2) + EVERY, 13, EVERY)   # a later checkpoint
     faults = ",".join([f"step:kill:{after_step}:{rng.randrange(4)}:0",
                        f"persist:kill:{mid_save}:{rng.randrange(4)}:1",
-                       f"validate:kill:*:{rng.randrange(4)}:2"])
-    return faults, rng.uniform(0.0, 1.0)
+                       f"validate:kill:*:{rng.randrange(4)}:2",
+                       f"validate:sleep{KILL_WITHIN_S + 0.5}:*:*:3"])
+    return faults, rng.uniform(0.0, KILL_WITHIN_S)
 
 
 @pytest.mark.timeout(300)

@@ -292,15 +292,13 @@ def run(cfg: Config) -> dict[str, Any]:
     skipped: set[str] = set()
     pred = true = val_index = fields = None
     k_fundamental = mean_fundamental(val_ds.labels, S)
-    validated = False
 
     def validate() -> None:
-        nonlocal metrics, fields, pred, true, val_index, validated
+        nonlocal metrics, fields, pred, true, val_index
         if reconstruct:
             metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
         else:
             metrics, pred, true, val_index = evaluate(engine, val_loader)
-        validated = True
 
     try:
         # An epoch whose steps are all done may still owe its validation (a save right after its last
@@ -354,8 +352,8 @@ def run(cfg: Config) -> dict[str, Any]:
             if ended:
                 epoch_loss.update(sum=0.0, steps=0)
             save({"metrics": metrics})
-        if resumed and not validated:  # resumed from the run's last checkpoint: the report still needs
-            validate()                  # the final validation (the checkpoint's weights: the same one)
+        if resumed and not metrics:  # resumed from the run's last checkpoint: the report still needs
+            validate()                # the final validation (the checkpoint's weights: the same one)
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\nstopping on a signal at step {step}: writing a final checkpoint", flush=True)

@@ -79,15 +79,6 @@ def _settle(rank: int, threads: int, group: bool, pin: bool, group_timeout_s: fl
         hp.init_distributed(timeout_s=group_timeout_s)
 
 
-def leave_group() -> None:
-    """Leave the job while the interpreter is whole (:func:`hybridpar.launch.shutdown`: heartbeat,
-    garbage, groups): a gloo or store thread that comes back for the GIL during finalization aborts
-    the process (pytorch/pytorch#179291)."""
-    from hybridpar import launch  # noqa: PLC0415
-
-    launch.shutdown()
-
-
 def _entry(rank: int, world: int, port: int, threads: int, group: bool, pin: bool, env: dict[str, str],
            group_timeout_s: float, out: str, fn: Callable, args: tuple) -> None:
     prepare_rank(rank, world, port, threads, group, pin, env, group_timeout_s)
@@ -103,8 +94,10 @@ def _run(rank: int, world: int, out: str, fn: Callable, args: tuple) -> None:
     except BaseException:
         traceback.print_exc()
         raise
-    finally:
-        leave_group()
+    finally:  # while the interpreter is whole: a thread back for the GIL at finalization aborts
+        from hybridpar.launch import shutdown  # noqa: PLC0415
+
+        shutdown()
 
 
 def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True, pin: bool = False,

@@ -19,7 +19,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from perf.ranks import context, free_port, launch, leave_group, prepare_rank
+from hybridpar.launch import shutdown
+from perf.ranks import context, free_port, launch, prepare_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def _serve(rank: int, world: int, port: int, conn: Connection, env: dict[str, st
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
     finally:
-        leave_group()
+        shutdown()
 
 
 class Pool:

@@ -85,7 +85,7 @@ def stop(wait_s: float = 10.0) -> None:
     while _heart:
         heart = _heart.pop()
         heart.stopped.set()
-        if heart.thread is not None and heart.thread is not threading.current_thread():
+        if heart.thread is not None:
             heart.thread.join(timeout=wait_s)
 
 

@@ -38,7 +38,9 @@ import torch.multiprocessing as mp
 # server runs nothing else, so every rank still starts from a clean state: no allocator, thread pool,
 # kernel cache or process group exists in it before the fork.
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-_PRELOAD = ["torch", "torch.distributed", "hybridpar"]
+# symbolic_shapes: the first operation on a meta tensor (every spec plan's trace) imports it and sympy,
+# half a second of CPU in each rank otherwise.
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "hybridpar"]
 
 
 def context() -> Any:

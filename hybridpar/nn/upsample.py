@@ -26,6 +26,7 @@ torch's kernel does (the selections write into buffers of the input's format).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -113,9 +114,26 @@ class Resampling:
 def resampling(shape: tuple[int, int, int], size, scale_factor, mode: str, align_corners: bool | None,
                recompute_scale_factor: bool | None) -> Resampling:
     """Output extents from torch itself (a meta tensor: its argument checks and rounding) and the
-    per-dim scale factor that reaches the kernel (F.interpolate's own rule)."""
+    per-dim scale factor that reaches the kernel (F.interpolate's own rule). Memoised: a layer asks
+    on every forward."""
+    return _resampling(tuple(int(v) for v in shape), _hashable(size), _hashable(scale_factor), mode,
+                       align_corners, recompute_scale_factor)
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+@functools.lru_cache(maxsize=1024)
+def _resampling(shape: tuple[int, int, int], size, scale_factor, mode: str, align_corners: bool | None,
+                recompute_scale_factor: bool | None) -> Resampling:
+    # Every mode's output extent comes from the same rule (ATen's compute_output_size, or F.interpolate's
+    # own when it recomputes the scale), but trilinear on a meta tensor runs torch's Python
+    # decomposition (tens of ms); nearest has a meta kernel. align_corners, which only trilinear takes,
+    # does not change the extent.
+    probe = (mode, align_corners) if mode != "trilinear" else ("nearest", None)
     meta = torch.empty((1, 1, *shape), device="meta")
-    out = F.interpolate(meta, size, scale_factor, mode, align_corners,
+    out = F.interpolate(meta, size, scale_factor, *probe,
                         recompute_scale_factor=recompute_scale_factor).shape[2:]
     if size is not None or scale_factor is None or recompute_scale_factor:
         scales: tuple = (None, None, None)
@@ -291,10 +309,6 @@ class DistUpsample(SpatialLayer, nn.Upsample):
 
 # ---------------------------------------------------------------------- functional form
 _FUNCTIONAL: weakref.WeakKeyDictionary[ProcessGrid, dict[tuple, DistUpsample]] = weakref.WeakKeyDictionary()
-
-
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
 
 
 def dist_interpolate(x: torch.Tensor, grid: ProcessGrid, size=None, scale_factor=None, mode: str = "nearest",

@@ -19,8 +19,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from cosmoflow.generate import generate
 from hybridpar.launch import shutdown
 from perf.ranks import context, free_port, launch, prepare_rank
+
+from forked import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,19 +159,22 @@ class Pools:
 
 
 def train_script(args: list[str], nproc: int = 2, timeout: float = 240,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``launch/train.py`` under torchrun on ``nproc`` local ranks, one thread each; output captured.
-    ``env``: extra environment variables (a checkpoint fault to inject, say)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "launch/train.py"), *args]
+                 env: dict[str, str] | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``launch/train.py`` on ``nproc`` local ranks, one thread each, started as torchrun starts them
+    (:func:`forked.run_python`); output captured. ``env``: extra environment variables (a checkpoint
+    fault to inject, say). ``torchrun``: under torchrun itself, for what tests its report."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    script = [str(ROOT / "launch/train.py"), *args]
+    if not torchrun:
+        return run_python(script, env=env, timeout=timeout, ranks=nproc)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *script]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def tiny_universes(d: Path, train: int = 4, val: int = 2, size: int = 16) -> Path:
-    """``d/train`` and ``d/val``: synthetic universes from ``cosmoflow.generate`` (seeds 1 and 2)."""
+    """``d/train`` and ``d/val``: synthetic universes as ``python -m cosmoflow.generate --out D
+    --universes N --size S --seed 1`` (2 for validation) writes them."""
     for split, n, seed in (("train", train, 1), ("val", val, 2)):
-        subprocess.run([sys.executable, "-m", "cosmoflow.generate", "--out", str(d / split), "--universes",
-                        str(n), "--size", str(size), "--seed", str(seed)],
-                       check=True, capture_output=True, cwd=ROOT)
+        generate(d / split, universes=n, size=size, seed=seed, progress=False)
     return d

@@ -76,7 +76,7 @@ def test_config_error_is_one_line_exit_2(data, tmp_path, capsys):
     bad_timeout = "parallel={grid: {data: 1}, timeout_s: -1}"
     assert main(_args(data, tmp_path / "run", bad_timeout)) == 2
     assert "timeout_s: -1 is not a positive number of seconds" in capsys.readouterr().err
-    res = train_script(_args(data, tmp_path / "run", "train.epochs=many"), timeout=120)
+    res = train_script(_args(data, tmp_path / "run", "train.epochs=many"), timeout=120, torchrun=True)
     assert "expected int, got 'many'" in _one_error(res, 2)
     # Rank 1 either reached the same error (and points at rank 0) or was still starting when rank 0
     # left and torchrun stopped it; which one depends on the machine's load, not on our code.
@@ -87,7 +87,7 @@ def test_resume_with_another_model_names_the_keys(data, tmp_path):
     run = tmp_path / "run"
     first = train_script(_args(data, run, "train.max_steps=3"))
     assert first.returncode == 0, first.stderr[-3000:]
-    res = train_script(_args(data, run, "model.base_filters=8"))
+    res = train_script(_args(data, run, "model.base_filters=8"), torchrun=True)
     line = _one_error(res, 2)
     assert "cannot resume" in line and "(step 3) holds another model" in line, line
     assert "9 shape mismatches (0.weight (4, 4, 3, 3, 3) saved, (8, 4, 3, 3, 3) now;" in line, line
@@ -99,7 +99,7 @@ def test_resume_with_another_model_names_the_keys(data, tmp_path):
 
 
 def test_damaged_universe_is_named_or_skipped(data, tmp_path):
-    res = train_script(_args(data, tmp_path / "a", train="damaged"))
+    res = train_script(_args(data, tmp_path / "a", train="damaged"), torchrun=True)
     line = _one_error(res, 1)
     assert re.search(r"damaged/univ_s1_00002\.h5: sample \d \(sub-cube .*\), region d \d+:\d+, h \d+:\d+, "
                      r"w \d+:\d+: checksum mismatch \(Fletcher-32\)", line), line

@@ -27,7 +27,7 @@ from hybridpar.checkpoint.levels import Levels, available, scan
 from hybridpar.checkpoint.restore import read_version
 from hybridpar.checkpoint.tree import key_filter
 
-from distributed import ROOT, tiny_universes
+from distributed import ROOT, tiny_universes, train_script
 
 STEPS_PER_EPOCH = 8      # 4 universes x 8 crops of 8^3 / global batch 4
 EPOCHS = 3
@@ -40,16 +40,22 @@ def universes(tmp_path_factory):
     return tiny_universes(tmp_path_factory.mktemp("soak-universes"))
 
 
-def _command(data: Path, run: Path, restarts: int) -> list[str]:
+def _args(data: Path, run: Path) -> list[str]:
+    """launch/train.py's arguments: the config both runs train."""
     sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", "data.sample_size=8",
             "data.workers=0", "model.n_conv=2", "model.base_filters=4", "model.dense=[8]",
             "model.dropout=0.0", "model.batchnorm=true", "train.precise_bn_batches=0",
             f"train.epochs={EPOCHS}", "train.batch_size=4", f"run_dir={run}", "logging.progress=false",
             "logging.plots=false", "logging.tensorboard=false", f"checkpoint.every_steps={EVERY}",
             "checkpoint.keep_last=2", "parallel={grid: {data: 2, pipe: 1, spatial: [2, 1, 1]}}"]
+    return ["--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def _command(data: Path, run: Path, restarts: int) -> list[str]:
+    """The faulted run: torchrun restarts the workers after each fault."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
             f"--max-restarts={restarts}", "--monitor-interval=0.1", str(ROOT / "launch/train.py"),
-            "--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
+            *_args(data, run)]
 
 
 def _env(faults: str = "") -> dict[str, str]:
@@ -123,8 +129,7 @@ def _plan(seed: int) -> tuple[str, float]:
 
 @pytest.mark.timeout(300)
 def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
-    reference = subprocess.run(_command(universes, tmp_path / "reference", 0), capture_output=True,
-                               text=True, env=_env(), cwd=ROOT, timeout=240)
+    reference = train_script(_args(universes, tmp_path / "reference"), nproc=4, env=_env())
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     seed = int(os.environ.get("SOAK_SEED", random.randrange(1 << 30)))

@@ -8,18 +8,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from distributed import ROOT
+from forked import run_python
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "perf", "gpu_check", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=600)
+    return run_python(["-m", "perf", "gpu_check", *args], env=env, timeout=600)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from perf.__main__ import BENCHMARKS
 from perf.ranks import mpiexec
 
 from distributed import ROOT
+from forked import run_python
 
 # What each benchmark's JSON must hold besides the writer's own keys (benchmark, date, command,
 # machine, args).
@@ -47,18 +46,13 @@ SKIP = {
 
 
 def _perf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m perf ARGS`` in a session of its own: on a timeout its ranks go with it."""
+    """``python -m perf ARGS`` (forked, :mod:`forked`); on a timeout its ranks go with it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "perf", *args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"python -m perf {' '.join(args)} did not finish in {timeout:.0f} s:\n{out[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    try:
+        return run_python(["-m", "perf", *args], env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"python -m perf {' '.join(args)} did not finish in {timeout:.0f} s:\n"
+                    f"{err.output[-2000:]}")
 
 
 def test_every_benchmark_has_its_checks():

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,8 @@ from cosmoflow.experiments import reference
 from cosmoflow.experiments.averaging import mae, per_universe, spread
 from cosmoflow.experiments.report import check_schema
 from cosmoflow.experiments.study import load_study
+
+from forked import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,13 +141,13 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
                      16: {"grid": {"data": 1, "spatial": [2, 1, 1]}}}
     tree["training"]["model"]["n_conv"] = 3                           # 16 -> 2; 8: 2 levels; 4: 1
     tree["training"]["train"]["epochs"] = 1
+    tree["training"]["data"]["workers"] = 0      # loading in the ranks: a worker's fork server costs seconds
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tree))
     results = tmp_path / "results" / "volume_study.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "cosmoflow.experiments.volume", "--config", str(config),
-                           "--out", str(tmp_path / "out"), "--results", str(results)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "cosmoflow.experiments.volume", "--config", str(config),
+                       "--out", str(tmp_path / "out"), "--results", str(results)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4x16^3 | conv3 4->8 | MaxPool -> 8^3" in proc.stdout            # the architecture per size
     assert "| 4³ | 64 |" in proc.stdout and (results.with_suffix(".md")).exists()
@@ -170,9 +170,8 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
     assert sorted(ref["sizes"], key=int) == ["4", "8", "16"]
     assert "| power spectrum + ridge, 16³ | – | [" in results.with_suffix(".md").read_text()
     # a second start reuses the finished runs (the study resumes) and reports the same numbers
-    again = subprocess.run([sys.executable, "-m", "cosmoflow.experiments.volume", "--config", str(config),
-                            "--out", str(tmp_path / "out"), "--results", str(results)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    again = run_python(["-m", "cosmoflow.experiments.volume", "--config", str(config),
+                        "--out", str(tmp_path / "out"), "--results", str(results)], env=env, timeout=120)
     assert again.returncode == 0 and again.stdout.count("reusing") == 3, again.stdout[-2000:]
     assert json.loads(results.read_text())["sizes"] == doc["sizes"]
 

@@ -274,12 +274,12 @@ def _pair_group():
 
 def group_job(rank: int, world: int, cfgs: list[Config], warmup: int, steps: int,
               timeline: str | None = None, probe: tuple | None = None,
-              reference_s: float | None = None) -> list[dict[str, Any]]:
+              reference_s: float | None = None, probe_window: float = 0.5) -> list[dict[str, Any]]:
     """All configs of one world size, one after another, in one spawned group, each after a state
     probe (the drift is the probe's time alone against ``reference_s``, the calibration's)."""
     out = []
     for cfg in cfgs:
-        state = state_probe(rank, world, probe) if probe is not None else None
+        state = state_probe(rank, world, probe, probe_window) if probe is not None else None
         if state is not None:
             state["drift"] = state["alone_s"] / reference_s if reference_s else 1.0
             if rank == 0:
@@ -299,9 +299,10 @@ def group_job(rank: int, world: int, cfgs: list[Config], warmup: int, steps: int
     return out
 
 
-def reference_job(rank: int, world: int, probe: tuple) -> float:
-    """The probe problem's step on one rank: the reference its later timings are compared with."""
-    return state_probe(rank, 1, probe, window=1.0)["alone_s"]
+def reference_job(rank: int, world: int, probe: tuple, window: float) -> float:
+    """The probe problem's step on one rank: the reference its later timings are compared with (timed
+    over twice a state probe's window: every later drift is a ratio against it)."""
+    return state_probe(rank, 1, probe, window=2 * window)["alone_s"]
 
 
 def calibrate_job(rank: int, world: int, entries: list, repeats: int, fit: bool) -> dict[str, Any]:
@@ -378,14 +379,14 @@ def calibrate(cfgs: list[Config], workloads: dict, path: Path, refresh: bool, re
     return machine
 
 
-def calibration_reference(path: Path, probe: tuple) -> float:
+def calibration_reference(path: Path, probe: tuple, window: float) -> float:
     """The probe problem's one-rank step time stored with the calibration (measured now and stored
     when missing, i.e. right after a fresh calibration): what the drift of later runs is against."""
     data = json.loads(path.read_text())
     ref = data.get("probe_reference")
     key = [probe[0], list(probe[1])]
     if ref is None or ref.get("problem") != key:
-        alone = common.launch(reference_job, 1, probe)
+        alone = common.launch(reference_job, 1, probe, window)
         ref = {"problem": key, "alone_s": alone, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "load": common.loadavg()}
         data["probe_reference"] = ref
@@ -711,9 +712,9 @@ def versions() -> dict[str, str]:
 
 
 # --tiny: one- and two-rank strong sweeps of the data and pipeline layouts at 8^3 (too small to split
-# spatially), one step each, no plots
+# spatially), one step each, short state probes, no plots
 TINY = {"ranks": [1, 2], "layouts": ["data", "pipe"], "sweep": "strong", "size": 8, "batch": 2,
-        "warmup": 1, "steps": 1, "repeats": 1, "no_plots": True, "group_wait": 0.0}
+        "warmup": 1, "steps": 1, "repeats": 1, "no_plots": True, "group_wait": 0.0, "probe_window": 0.05}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -746,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
                          "3-second exchange timing swings 0.2-1.7 ms between configurations while the "
                          "halo times it should predict repeat within ~10 %%, so the link is the "
                          "calibration's unless 'link' is named")
+    ap.add_argument("--probe-window", type=float, default=0.5,
+                    help="seconds each timing loop of the state probe runs (the calibration's reference: "
+                         "twice that)")
     ap.add_argument("--reanalyse", type=Path, default=None,
                     help="recompute tables, predictions and plots of an earlier scaling.json (no runs)")
     ap.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("A", "B"),
@@ -804,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, dict] = {}
     loads = {}
     probe = probe_problem(cfgs)
-    reference = calibration_reference(calib, probe)
+    reference = calibration_reference(calib, probe, args.probe_window)
     for world in sorted({c.world for c in cfgs}):
         group = [c for c in cfgs if c.world == world]
         note = f" (oversubscribed: {world} ranks on {cores} cores)" if world > cores else ""
@@ -817,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         loads[world] = {"before": common.loadavg(), "waited_s": waited}
         results = common.launch(group_job, world, group, args.warmup, args.steps,
                                 None if args.timeline is None else str(args.timeline), probe, reference,
-                                timeout=1800)
+                                args.probe_window, timeout=1800)
         loads[world]["after"] = common.loadavg()
         for cfg, res in zip(group, results):
             raw[cfg.key] = res

@@ -37,8 +37,8 @@ STOP_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL for the worke
 
 
 class Finished(subprocess.CompletedProcess):
-    """``subprocess.run``'s result, and ``codes``: each process's own exit status (minus the signal
-    that ended it), which torchrun's report lists and its status (1) does not tell."""
+    """``subprocess.run``'s result, and ``codes``: each process's own exit status (-N where signal N
+    ended it), which torchrun's report lists and its status (1) does not tell."""
 
     def __init__(self, args: list[str], codes: list[int], stdout: str, stderr: str, ranks: bool) -> None:
         super().__init__(args, int(any(codes)) if ranks else codes[0], stdout, stderr)

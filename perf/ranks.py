@@ -38,9 +38,11 @@ import torch.multiprocessing as mp
 # server runs nothing else, so every rank still starts from a clean state: no allocator, thread pool,
 # kernel cache or process group exists in it before the fork.
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-# symbolic_shapes: the first operation on a meta tensor (every spec plan's trace) imports it and sympy,
-# half a second of CPU in each rank otherwise.
-_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "hybridpar"]
+# Imported on first use, in every rank otherwise: symbolic_shapes and sympy by the first operation on a
+# meta tensor (every spec plan's trace), torch._dynamo by torch.optim's first step and by meta kernels
+# written in Python (LeakyReLU's): a second or two of CPU per rank.
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+            "hybridpar"]
 
 
 def context() -> Any:

@@ -1,6 +1,7 @@
-"""The training application: config validation (no processes), and launch/train.py end to end under
-torchrun on a tiny synthetic set (2 ranks, spatial split): metrics, checkpoints and summary are
-written, a second start resumes from the newest checkpoint, and bad input is a one-line error."""
+"""The training application: config validation (no processes), and launch/train.py end to end on 2
+ranks started as torchrun starts them (``distributed.train_script``), on a tiny synthetic set with a
+spatial split: metrics, checkpoints and summary are written, a second start resumes from the newest
+checkpoint, and bad input is a one-line error."""
 
 from __future__ import annotations
 

@@ -759,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     args = common.parse(ap, argv, TINY)
     if args.tiny and args.out_dir == OUT:
         args.out_dir = common.TINY_RESULTS / "harness"
+    if args.probe_window <= 0:
+        ap.error(f"--probe-window must be a positive number of seconds, got {args.probe_window}")
     bad_state = [u for u in args.state.split(",") if u and u not in STATE_USES]
     if bad_state:
         ap.error(f"unknown --state {bad_state}; use a comma list of {', '.join(STATE_USES)}")

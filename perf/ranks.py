@@ -64,9 +64,14 @@ def prepare_rank(rank: int, world: int, port: int, threads: int, group: bool, pi
     when it started) plus the rendezvous variables, its threads and cores, glibc's heap kept, and the
     gloo group if asked for."""
     os.environ.clear()
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(env, **rendezvous_env(rank, world, port))
     _settle(rank, threads, group, pin, group_timeout_s)
+
+
+def rendezvous_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables of the env:// rendezvous for local rank ``rank`` of ``world`` on ``port``."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank)}
 
 
 def _settle(rank: int, threads: int, group: bool, pin: bool, group_timeout_s: float) -> None:

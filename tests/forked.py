@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from perf.ranks import context, free_port
+from perf.ranks import context, free_port, rendezvous_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL for the workers left after a failure
@@ -74,8 +74,7 @@ def run_python(args: list[str], env: dict[str, str] | None = None, cwd: Path = R
 
 def _worker_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
     """What torchrun's agent sets for worker ``rank`` of a one-node job (what hybridpar reads)."""
-    return {"OMP_NUM_THREADS": "1", **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+    return {"OMP_NUM_THREADS": "1", **env, **rendezvous_env(rank, world, port),
             "LOCAL_WORLD_SIZE": str(world)}
 
 

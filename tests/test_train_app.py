@@ -79,9 +79,10 @@ def test_train_resume_and_outputs(tiny_data, tmp_path):
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 16
 
 
-def _scores(run: Path) -> dict[str, float]:
+def _scores(run: Path, keys: tuple[str, ...] = ("val_", "mae_", "step", "epoch")) -> dict[str, float]:
+    """The run's summary entries whose names start with one of ``keys``."""
     summary = json.loads((run / "summary.json").read_text())
-    return {k: v for k, v in summary.items() if k.startswith(("val_", "mae_", "step", "epoch"))}
+    return {k: v for k, v in summary.items() if k.startswith(keys)}
 
 
 def test_killed_in_the_last_validation_resumes_to_the_same_report(tiny_data, tmp_path):
@@ -139,9 +140,7 @@ def test_data_parallel_resume_is_bit_identical(tiny_data, tmp_path):
     resumed = train_script(_args(tiny_data, tmp_path / "cut", *sets))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 3" in resumed.stdout
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "cut"))
-    assert {k: a[k] for k in a if k.startswith(("val_", "mae_"))} == \
-        {k: b[k] for k in b if k.startswith(("val_", "mae_"))}
+    assert _scores(tmp_path / "cut", ("val_", "mae_")) == _scores(tmp_path / "whole", ("val_", "mae_"))
     def columns(name: str, *cols: str) -> list[list[tuple[str, ...]]]:
         return [[tuple(r[c] for c in cols) for r in _rows(tmp_path / d / name)] for d in ("whole", "cut")]
 

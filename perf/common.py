@@ -311,8 +311,9 @@ def alternate(rounds: int, jobs: Sequence[Callable[[int], dict[str, list[float]]
 
 
 # ---------------------------------------------------------------------------- reporting
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> str:
-    """A markdown table (also what perf/README.md shows); printed and returned."""
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "",
+                echo: bool = True) -> str:
+    """A markdown table (also what perf/README.md shows); printed (unless ``echo`` is False) and returned."""
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
@@ -320,7 +321,8 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
                       *(line(r) for r in cells)])
     if title:
         text = f"{title}\n\n{text}"
-    print(text, flush=True)
+    if echo:
+        print(text, flush=True)
     return text
 
 

@@ -3,7 +3,9 @@
 Why apart from the timer: a range is entered millions of times per run and must cost next to nothing
 when nobody listens; it emits NVTX, charges the active :class:`~hybridpar.profiling.timer.StepTimer` of
 its thread (found through :func:`current_timer`), and, inside :func:`trace`, a torch.profiler annotation.
-It also tags an exception that leaves it, so :func:`where` can say where an error came from.
+It also tags an exception that leaves it, so :func:`where` can say where an error came from. The
+``nvtx`` package is optional: without it (a GPU image has its own Python and no registry) a range
+emits no NVTX marker and does everything else.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import nvtx
 import torch
+
+try:
+    import nvtx
+except ImportError:  # a GPU image without the wheel and no registry to fetch it: the ranges still time
+    nvtx = None  # and trace; only Nsight's markers are missing
 
 if TYPE_CHECKING:
     from hybridpar.profiling.timer import StepTimer
@@ -27,8 +33,9 @@ CATEGORIES: tuple[str, ...] = ("compute", "halo", "pipeline", "bubble", "grad_re
 _CATEGORY_SET = frozenset(CATEGORIES)
 _COLORS = {"compute": "green", "halo": "orange", "pipeline": "blue", "bubble": "grey",
            "grad_reduce": "red", "data_wait": "yellow", "checkpoint": "purple", None: "white"}
-_DOMAIN = nvtx.get_domain("hybridpar")
-_NVTX_ON = type(_DOMAIN).__name__ != "DummyDomain"  # a dummy domain: no tool listens (decided at start)
+_DOMAIN = nvtx.get_domain("hybridpar") if nvtx is not None else None
+# a dummy domain: no tool listens (decided at start); no domain: no nvtx package
+_NVTX_ON = _DOMAIN is not None and type(_DOMAIN).__name__ != "DummyDomain"
 _ATTRIBUTES: dict[tuple[str, str | None], Any] = {}
 
 

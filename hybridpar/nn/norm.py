@@ -358,6 +358,13 @@ def _batch_norm3d(m: nn.BatchNorm3d, grid: ProcessGrid, overlap: bool = False) -
                            bias=_has_bias(m), grid=grid)
 
 
+def _sync_batch_norm(m: nn.SyncBatchNorm, grid: ProcessGrid, overlap: bool = False) -> DistBatchNorm3d:
+    """``convert_sync_batchnorm``'s way of asking for global-batch statistics: over the volume and the
+    data-parallel replicas (a 5-D input; its ``process_group`` is the stage's, as the engine lays it)."""
+    return DistBatchNorm3d(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
+                           bias=_has_bias(m), grid=grid, stats="stage")
+
+
 def _group_norm(m: nn.GroupNorm, grid: ProcessGrid, overlap: bool = False) -> DistGroupNorm:
     return DistGroupNorm(m.num_groups, m.num_channels, m.eps, m.affine, bias=_has_bias(m), grid=grid)
 
@@ -369,6 +376,8 @@ def _instance_norm3d(m: nn.InstanceNorm3d, grid: ProcessGrid, overlap: bool = Fa
 
 registry.register(nn.BatchNorm3d, role="pointwise", op="norm", flops=registry.norm_flops,
                   to_dist=_batch_norm3d)
+registry.register(nn.SyncBatchNorm, role="pointwise", op="norm", flops=registry.norm_flops,
+                  to_dist=_sync_batch_norm)
 registry.register(nn.GroupNorm, role="pointwise", op="norm", flops=registry.norm_flops, to_dist=_group_norm)
 registry.register(nn.InstanceNorm3d, role="pointwise", op="norm", flops=registry.norm_flops,
                   to_dist=_instance_norm3d)

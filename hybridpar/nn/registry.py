@@ -165,22 +165,23 @@ def register_function(fn: Any, role: str | None = None, *, as_module: Callable[.
                       ) -> None:
     """Say how a function called in a model's forward meets split inputs: ``"pointwise"``
     (elementwise, ``torch.add``, ``operator.mul``: runs on shards whose layouts agree), ``"concat"``
-    (``torch.cat``: pointwise along channels, dense along a spatial dim) or ``"dense"``; or give
+    (``torch.cat``: pointwise along channels, dense along a spatial dim), ``"shape"`` (``x.size()``,
+    ``x.shape``: reads what a split tensor is, answered with its global extents) or ``"dense"``; or give
     ``as_module(*args, **kwargs)``, the module the call stands for (``F.interpolate`` is an
     ``nn.Upsample``), which then runs as that module's registered layer, on the call's first argument.
     """
     if as_module is not None:
         _AS_MODULE[fn] = as_module
         return
-    if role not in ("pointwise", "dense", "concat"):
-        raise ValueError(f"hybridpar.nn.register_function: role must be pointwise, dense or concat, "
+    if role not in ("pointwise", "dense", "concat", "shape"):
+        raise ValueError(f"hybridpar.nn.register_function: role must be pointwise, dense, concat or shape, "
                          f"got {role!r}")
     _FUNCTIONS[fn] = role
 
 
 def function_module(fn: Any, args: tuple, kwargs: dict) -> nn.Module | None:
     """The module a call of ``fn(*args, **kwargs)`` stands for, if registered (see
-    :func:`register_function`)."""
+    :func:`register_function`; ``as_module`` may return None for calls it does not stand for)."""
     make = _AS_MODULE.get(fn)
     return make(*args, **kwargs) if make is not None else None
 
@@ -293,6 +294,8 @@ def _register_functions() -> None:
                  "radd", "rsub", "rmul", "truediv", "rtruediv", "iadd", "isub", "imul", "itruediv", "pow"]
     for fn in pointwise:
         register_function(fn, "pointwise")
+    for fn in (getattr, "size", "numel", "nelement", "dim", "ndimension"):
+        register_function(fn, "shape")
     register_function(torch.cat, "concat")
     register_function(torch.concat, "concat")
 
@@ -303,6 +306,17 @@ def _register_functions() -> None:
                                       "supported on a split volume")
         return nn.Upsample(size, scale_factor, mode, align_corners)
 
+    def pad(x, pad, mode="constant", value=None) -> nn.Module | None:
+        if len(pad) > 6 or len(pad) % 2 or any(not isinstance(p, int) or p < 0 for p in pad):
+            return None  # cropping, or pads not known when traced: the whole tensor
+        six = (*pad, *(0,) * (6 - len(pad)))
+        if mode == "constant":
+            return nn.ConstantPad3d(six, 0.0 if value is None else value)
+        layer = {"replicate": nn.ReplicationPad3d, "reflect": nn.ReflectionPad3d,
+                 "circular": nn.CircularPad3d}.get(mode)
+        return layer(six) if layer is not None else None
+
+    register_function(F.pad, as_module=pad)
     register_function(F.interpolate, as_module=interpolate)
     register_function(F.upsample, as_module=interpolate)
     register_function(F.adaptive_avg_pool3d,

@@ -18,9 +18,9 @@ from contextlib import ExitStack
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
+from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.pool import DistGlobalAvgPool3d
 from hybridpar.nn.spatial import SpatialLayer
 
@@ -60,10 +60,8 @@ def set_global_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str,
             elif isinstance(m, (Scatter, Gather, Redistribute)):
                 m.forward = lambda x, name=name: layouts.__setitem__(name, tuple(x.shape[-3:])) or x
                 stack.callback(vars(m).pop, "forward", None)
-        meta = {k: torch.empty_like(v, device="meta") for k, v in
-                [*model.named_parameters(), *model.named_buffers()]}
-        dtype = next((t.dtype for t in meta.values() if t.is_floating_point()), torch.get_default_dtype())
-        functional_call(model, meta, (torch.empty(shape, dtype=dtype, device="meta"),))
+        meta, dtype = meta_state(model)
+        meta_call(model, meta, torch.empty(shape, dtype=dtype, device="meta"))
     modules = dict(model.named_modules())
     for name, dhw in seen.items():
         modules[name].global_input_shape = dhw

@@ -2,8 +2,10 @@
 
 Why: users write ordinary models; the spec says per layer how it is split. The layer registry
 (:mod:`hybridpar.nn.registry`) builds the Dist class from the torch layer's own constructor arguments
-(so they agree by construction); this module then loads the torch layer's state (so weights and
-running statistics carry over). Layers that work voxel by voxel run as copies on their shard.
+(so they agree by construction); this module then hands it the torch layer's own parameters and
+buffers (the same tensors, not copies), as FSDP2's ``fully_shard`` keeps the user's: an optimizer
+built on ``model.parameters()`` trains what the engine runs, and ``model.state_dict()`` is current
+after training. Layers that work voxel by voxel run as copies of the module sharing those tensors.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import copy
 
 from torch import nn
 
-from hybridpar.comm.reduce import mark_grad_split
+from hybridpar.comm.reduce import grad_split, mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 
@@ -25,7 +27,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn
     """
     entry = registry.lookup(m)
     if entry is None or entry.to_dist is None:
-        d = copy.deepcopy(m)
+        d = sharing_copy(m)
         if grid.spatial_size > 1 and entry is not None and entry.role == "pointwise":
             mark_grad_split(d.parameters(), grid.spatial_size)
         return d
@@ -33,6 +35,28 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:
         d = d.to(dtype=ref.dtype, device=ref.device)
-    d.load_state_dict(m.state_dict())
+    share_state(m, d)
     d.train(m.training)
     return d
+
+
+def sharing_copy(m: nn.Module) -> nn.Module:
+    """A copy of ``m`` whose parameters and buffers are ``m``'s own tensors."""
+    return copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers())})
+
+
+def share_state(src: nn.Module, dst: nn.Module) -> None:
+    """Make ``dst``'s state-dict entries ``src``'s own tensors (the two have the same keys and shapes),
+    with what ``dst`` recorded of its own (how many shards contribute to a parameter's gradient)."""
+    own = dst.state_dict(keep_vars=True)
+    for key, t in src.state_dict(keep_vars=True).items():
+        if key not in own or own[key].shape != t.shape:
+            raise ValueError(f"{type(dst).__name__}: has no state entry {key} of shape {list(t.shape)} "
+                             f"like {type(src).__name__}'s")
+        path, _, name = key.rpartition(".")
+        holder = dst.get_submodule(path)
+        if name in holder._parameters:
+            mark_grad_split([t], grad_split(own[key]))
+            holder._parameters[name] = t
+        else:
+            holder._buffers[name] = t

@@ -2,10 +2,12 @@
 
 Why: a scientist writes an ``nn.Module`` (a sequence, a residual network, a U-Net) and a YAML file;
 the engine does the rest in a fixed order: (1) trace the model and resolve the spec against it and
-the input shape (one plan every rank computes alike, :mod:`hybridpar.spec.plan`), (2) create every
-process group any rank will use, in the same order everywhere, and the stage transport
-(:mod:`~hybridpar.pipeline.stage_transport`), (3) build this rank's stage: Dist layers per the plan,
-weights copied, Redistributes where splits change (:mod:`~hybridpar.pipeline.stage`), (4) run a
+the input shape (one plan every rank computes alike, :mod:`hybridpar.spec.plan`; a traced graph is
+run only once it is shown to make the forward's own operations, :mod:`hybridpar.spec.faithful`),
+(2) create every process group any rank will use, in the same order everywhere, and the stage
+transport (:mod:`~hybridpar.pipeline.stage_transport`), (3) build this rank's stage: Dist layers per
+the plan holding the model's own parameters and buffers (an optimizer over ``model.parameters()``
+trains it, as with FSDP2), Redistributes where splits change (:mod:`~hybridpar.pipeline.stage`), (4) run a
 training step as the schedule's action list over micro-batches (:mod:`~hybridpar.pipeline.schedule`
 says what, :mod:`~hybridpar.pipeline.runtime` does it), activations and gradients moving shard to
 shard between stages, (5) reduce gradients once, bucketed and overlapped with the last backward,
@@ -16,7 +18,13 @@ state after a step. This module holds the user's API over those parts.
 The training step gives the same numbers as the single-process model on any layout: each
 micro-batch's loss is weighted by its share of the replica batch, data-parallel replicas are
 averaged, the loss a head computes on replicated ranks counts once, and on a split output (a volume
-predicted voxel by voxel) each rank's loss is weighted by its share of the volume.
+predicted voxel by voxel) each rank's loss is weighted by its share of the volume. One exception,
+as with DDP: a ``BatchNorm`` normalises over each data-parallel replica's batch (and each
+micro-batch's), not the global batch; a model converted with
+``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` normalises over the replicas too and gives the
+single-process numbers. A forward may return a tuple, list or dict of tensors: ``loss_fn`` and
+``predict`` see that structure (its split volumes stay split when they share one extent; the plan
+gathers them otherwise).
 
 Reduced precision and layouts: ``train_step`` under ``torch.autocast`` runs the forward passes and
 losses under it and every backward outside it (as torch recommends); activations crossing a pipeline
@@ -37,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar import cpu_alloc
@@ -56,6 +65,7 @@ from hybridpar.precision import autocast_state
 from hybridpar.profiling import range as prange
 from hybridpar.spec import ParallelSpec, load_spec
 from hybridpar.spec.config import SpecError
+from hybridpar.spec.faithful import check_faithful
 from hybridpar.spec.graph import ModelGraph, UntraceableError
 from hybridpar.spec.graph import trace as trace_graph
 from hybridpar.spec.plan import build_plan
@@ -75,13 +85,11 @@ class Engine:
         require_group("parallelize")
         self.memory_format = memory_format
         self._untraced = ""
+        self.graph: ModelGraph | None = None
         try:
-            self.graph: ModelGraph | None = trace_graph(model)  # an untraceable model fails here
+            self.graph = trace_graph(model)  # an untraceable model fails here
         except UntraceableError as err:
-            if spec.grid.pipe != 1:
-                raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a "
-                                f"model runs by module swapping") from None
-            self.graph, self._untraced = None, str(err)  # run by module swapping (pipeline/swap.py)
+            self._untraced_by(err, spec)
         if all(p.device.type == "cpu" for p in model.parameters()):
             cpu_alloc.tune()  # GPipe frees all micro-batches' activations at once: keep that memory
         self.world = dist.get_world_size()
@@ -132,9 +140,22 @@ class Engine:
     def _layout(self, split: tuple[int, int, int]) -> ProcessGrid:
         return self.grid.with_spatial(split)
 
+    def _untraced_by(self, err: UntraceableError, spec: ParallelSpec) -> None:
+        """No traced graph to run (``err`` says why): the model runs by module swapping, which a
+        pipeline cannot."""
+        if spec.grid.pipe != 1:
+            raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a "
+                            f"model runs by module swapping") from None
+        self.graph, self._untraced = None, str(err)  # run by module swapping (pipeline/swap.py)
+
     def _build(self, input_shape: tuple[int, ...]) -> None:
         """Plan, groups (in one order on every rank), the stage transport, then this rank's stage."""
         self.input_shape = input_shape
+        if self.graph is not None:
+            try:  # never train on a graph that computes something other than the model's forward
+                check_faithful(self.graph, self.model, tuple(input_shape))
+            except UntraceableError as err:
+                self._untraced_by(err, self.spec)
         self.plan = build_plan(self.spec, self.model, input_shape, self.world, self.graph)
         make_groups(self.plan, self.grid)
         self.transport = StageTransport(self.grid, self.memory_format)
@@ -151,7 +172,8 @@ class Engine:
         self.train(self._training)
         # Keep only what the original model is still needed for (its state-dict keys, in order):
         # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
-        self._state_keys = list(self.model.state_dict())
+        run = None if self.graph is None else {n.target for n in self.graph.nodes if n.op == "module"}
+        self._state_keys = state.ModelKeys(self.model, run)  # module swapping runs the whole model
         self.model = self.graph = None  # the traced graph holds the model's modules too
         # What still reaches the model's layers is reference cycles, freed only when Python's cycle
         # collector next runs (until then this rank holds every stage's weights): the traced graph (fx's
@@ -197,19 +219,21 @@ class Engine:
         volume target (N, C', D, H, W) of a model whose output stays split, split like the output."""
         if not self.built:
             self._build(tuple(x.shape))
-        out = self.output_record.output_shape
+        out = self.stage.lead_output.output_shape
         return shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
                      tuple(out[2:]) if len(out) == 5 else None, self.memory_format)
 
-    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``loss_fn`` on this rank's output; on a split output, its share of the whole volume's mean
-        (``loss_fn`` must average over elements, as torch's losses do by default): summed over the
-        output's ranks, the shares are the loss of the whole volume."""
+    def _loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` on this rank's output (a tensor, or the tuple, list or dict the model returns);
+        on a split output, its share of the whole volume's mean (``loss_fn`` must average over
+        elements, as torch's losses do by default): summed over the output's ranks, the shares are the
+        loss of the whole volume. Split outputs of one structure share one split and one extent (the
+        plan gathers them otherwise), so one share weighs them all."""
         loss = self.loss_fn(out, y)
         if self.output_split == REPLICATED:
             return loss
-        whole = math.prod(self.output_record.output_shape[1:]) * out.shape[0]
-        return loss * (out.numel() / whole)
+        lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
+        return loss * (math.prod(lead.shape[2:]) / math.prod(self.stage.lead_output.output_shape[2:]))
 
     # ------------------------------------------------------------------ stage execution
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -321,8 +345,9 @@ class Engine:
         return StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
 
     @torch.no_grad()
-    def predict(self, x_local: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-        """Model outputs for this replica's samples, on every rank of the replica (all stages).
+    def predict(self, x_local: torch.Tensor, batch: int | None = None) -> Any:
+        """Model outputs for this replica's samples, on every rank of the replica (all stages), whole,
+        in the structure the model returns them in.
 
         In training mode the forward updates running statistics, which are then averaged over the
         data-parallel replicas: call it on every replica alike."""
@@ -342,10 +367,7 @@ class Engine:
                     work.wait()
             out = self._run(inp)
             if self.last_stage:
-                if self.output_split != REPLICATED:  # predictions are whole volumes
-                    out = gather(out, self._layout(self.output_split),
-                                 tuple(self.output_record.output_shape[2:]))
-                outs.append(out)
+                outs.append(tree_leaves(out))
             else:
                 sends.append(self._send(out.to(dtype) if out.is_floating_point() else out, stage + 1,
                                         FWD_TAG + m))
@@ -353,17 +375,24 @@ class Engine:
             w.wait()
         if self.replica_stats is not None and self._training:  # it updated running statistics
             self.replica_stats.sync()
-        final = (batch, *self.output_record.output_shape[1:])
-        y = torch.cat(outs) if self.last_stage else torch.empty(final, dtype=dtype, device=device)
-        if self.grid.pipe > 1:
-            dist.broadcast(y, self.transport.peer(self.grid.pipe - 1), group=self.grid.pipe_group)
-        return y
+        ys = []
+        for k, rec in enumerate(self.stage.outputs):
+            if self.last_stage:
+                y = torch.cat([leaves[k] for leaves in outs])
+                if self.output_split != REPLICATED and y.dim() == 5:  # predictions are whole volumes
+                    y = gather(y, self._layout(self.output_split), tuple(rec.output_shape[2:]))
+            else:
+                y = torch.empty((batch, *rec.output_shape[1:]), dtype=dtype, device=device)
+            if self.grid.pipe > 1:
+                dist.broadcast(y, self.transport.peer(self.grid.pipe - 1), group=self.grid.pipe_group)
+            ys.append(y)
+        return ys[0] if self.stage.output_spec is None else tree_unflatten(ys, self.stage.output_spec)
 
     # ------------------------------------------------------------------ state
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the original model's state dict."""
         self._require_built("local_state_dict")
-        return state.local_state(self.layers)
+        return state.local_state(self.layers, self._state_keys, self.first_stage)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (keys, shapes, order), assembled from all stages, on every rank."""

@@ -10,24 +10,29 @@ module swapping (:mod:`hybridpar.pipeline.swap`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from hybridpar.comm.redistribute import local_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
+from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
 from hybridpar.spec import ParallelSpec
-from hybridpar.spec.graph import INPUT, ModelGraph
+from hybridpar.spec.config import SpecError
+from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
 
 REPLICATED = (1, 1, 1)
 Layers = list[tuple[str | None, nn.Module]]  # (name in the original model or None, module)
@@ -45,6 +50,13 @@ class Stage:
     input_split: tuple[int, int, int]  # the split of the model input (of its first reader)
     output_record: Any  # the plan row of the model's output
     output_split: tuple[int, int, int]
+    outputs: list[Any]  # the plan rows of the outputs (one, or those of a returned tuple, list, dict)
+    output_spec: TreeSpec | None  # the structure the outputs are returned in (None: one tensor)
+
+    @property
+    def lead_output(self) -> Any:
+        """The plan row of the first volume output (its split and extents are every split output's)."""
+        return next((r for r in self.outputs if len(r.output_shape) == 5), self.outputs[0])
 
     def recv_shape(self, b: int, layout: Callable[[tuple[int, int, int]], ProcessGrid]) -> tuple[int, ...]:
         """The shape of the activation of ``b`` samples this stage receives (a stage after the first):
@@ -93,6 +105,13 @@ class StageBuilder:
         graph = self.graph
         out = plan[-1] if graph is None else next(lp for lp in plan if lp.name == graph.output)
         output_split = out.output_split if len(out.output_shape) == 5 else REPLICATED
+        outputs, spec = [out], None
+        if graph is not None and graph.output == OUTPUT:  # a structure: its volumes in one split
+            rows = {lp.name: lp for lp in plan}
+            outputs, output_split = [rows[n] for n in out.inputs], out.split
+            spec = tree_flatten(pack_output(out_node(graph).fx_node.args[0]))[1]
+        elif graph is None:
+            outputs, spec = self._swapped_outputs(out, output_split, input_shape)
         stage_graph = None
         if graph is None:
             layers: Layers = [("", self._swapped(plan))]
@@ -103,7 +122,7 @@ class StageBuilder:
             layers = [("", stage_graph)]
         self._warn_gathers(plan)
         return Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
-                     input_split, out, output_split)
+                     input_split, out, output_split, outputs, spec)
 
     def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split."""
@@ -127,6 +146,27 @@ class StageBuilder:
             return to_distributed(m, grid, self.overlap)  # never called on this input
 
         return swap(self.model, self.layout(self.spec.grid.spatial), convert)
+
+    def _swapped_outputs(self, last: Any, split: tuple[int, int, int], input_shape: tuple[int, ...]
+                         ) -> tuple[list[Any], TreeSpec | None]:
+        """What a model run by module swapping returns (one meta forward): one row per output, each the
+        last layer's row with that output's shape, and the structure (None: one tensor). Its volumes
+        are split as the last layer's output is, so they must share its extent."""
+        state, dtype = meta_state(self.model)
+        leaves, spec = tree_flatten(meta_call(self.model, state, torch.empty(input_shape, dtype=dtype,
+                                                                             device="meta")))
+        if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and spec.is_leaf():
+            return [last], None
+        volume = tuple(last.output_shape[2:])
+        for k, t in enumerate(leaves):
+            odd = not isinstance(t, torch.Tensor) or t.dim() != 5 or tuple(t.shape[2:]) != volume
+            if split != REPLICATED and odd:
+                raise SpecError(f"model ({type(self.model).__name__}): run by module swapping, it returns "
+                                f"output {k} of shape {list(getattr(t, 'shape', []))} beside a volume split "
+                                f"{list(split)} of {list(volume)} voxels; returned volumes must share the "
+                                f"split layer's extent (a traced forward gathers them instead)")
+        return [dataclasses.replace(last, name=f"{OUTPUT}[{k}]", output_shape=tuple(t.shape))
+                for k, t in enumerate(leaves)], spec
 
     def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
                       output_split: tuple[int, int, int]) -> Layers:

@@ -103,12 +103,14 @@ class StageGraph(nn.Module):
         ref = lambda a: _Ref(name_of[a])  # noqa: E731
         self.calls = [(n.name, n.op, n.target, n.inputs, fx.node.map_arg(n.fx_node.args, ref),
                        fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
+        # shape reads of split values answer with global extents (plan role "shape")
+        self.shape_reads = {r.name for r in self.records if r.name in graph.values}
         self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.op == "module":
                 if not _has_submodule(self, node.target):  # once per module, however often called
                     _set_submodule(self, node.target, to_dist(node.name, node.module, rec))
-            elif node.module is not None:
+            elif node.module is not None and len(rec.input_shape) == 5:  # else the function itself
                 self.stand_ins[node.name] = to_dist(node.name, node.module, rec)
         del self.nodes, self.graph
         self._redistributes: dict[tuple, Redistribute] = {}
@@ -137,6 +139,22 @@ class StageGraph(nn.Module):
         return {n: p.view(s) for n, p, s in zip(self.recv, pieces, shapes, strict=True)}
 
     # ------------------------------------------------------------------ running
+    def _global(self, out: Any, target: Any, src: str, args: tuple, kwargs: dict) -> Any:
+        """A shape read (``target``) of value ``src`` as one process reads it: its spatial extents
+        global (the batch this micro-batch's, the channels as they are)."""
+        shape = self.value_shape.get(src, ())
+        if len(shape) != 5 or self.value_split[src] == (1, 1, 1) or not isinstance(args[0], torch.Tensor):
+            return out
+        size = torch.Size((args[0].shape[0], args[0].shape[1], *shape[2:]))
+        if target == "size":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            return size if dim is None else size[dim]
+        if target in ("numel", "nelement"):
+            return math.prod(size)
+        if target is getattr and args[1] == "shape":
+            return size
+        return out  # x.dim(), x.dtype: the same on every shard
+
     def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...]) -> Any:
         """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
         if not isinstance(value, torch.Tensor) or value.dim() != 5 or src == dst:
@@ -169,6 +187,8 @@ class StageGraph(nn.Module):
                 out = getattr(args[0], target)(*args[1:], **kwargs)
             else:
                 out = target(*args, **kwargs)
+            if name in self.shape_reads and inputs:
+                out = self._global(out, target, inputs[0], args, kwargs)
             env[name] = out
             for src in set(inputs):
                 if self.last_use.get(src) == i and src not in self.send:

@@ -2,7 +2,11 @@
 
 Why: a checkpoint must load into any layout (another pipeline cut, another split), so it is kept in
 the original model's terms: each stage holds the entries of its own layers (split layers hold whole
-weights: only activations are split), and the whole is their union in the original key order.
+weights: only activations are split), and the whole is their union in the original key order. A
+model may register one module under two names (MONAI's DynUNet keeps its blocks in two lists), and
+``model.state_dict()`` then has both keys for one tensor; a stage holds it under the name its forward
+reached it by, so every other name is filled in from it (:class:`ModelKeys`). Entries of modules the
+forward never calls are read from the model's own tensors.
 """
 
 from __future__ import annotations
@@ -16,21 +20,51 @@ from hybridpar.grid import ProcessGrid
 Layers = list[tuple[str | None, nn.Module]]  # as pipeline.stage.Layers
 
 
-def local_state(layers: Layers) -> dict[str, torch.Tensor]:
-    """This stage's entries (a layer named None is one the original model does not have)."""
-    return {f"{name}.{k}" if name else k: v for name, m in layers if name is not None
-            for k, v in m.state_dict().items()}
+class ModelKeys:
+    """The original model's state-dict keys in order, which of them name one tensor (aliases), and
+    the entries no stage holds (of modules the forward never calls)."""
+
+    def __init__(self, model: nn.Module, run: set[str] | None) -> None:
+        """``run``: the modules the stages run (qualified names), or None: all of them."""
+
+        def held(key: str) -> bool:
+            parts = key.split(".")
+            return run is None or any(".".join(parts[:k]) in run for k in range(len(parts)))
+
+        entries = model.state_dict(keep_vars=True)
+        self.keys = list(entries)
+        groups: dict[int, list[str]] = {}
+        for k, v in entries.items():
+            groups.setdefault(id(v), []).append(k)
+        self.names = {k: g for g in groups.values() for k in g}  # key -> every key of its tensor
+        # the model's own tensors: an optimizer over model.parameters() may still change them (decay)
+        self.unheld = {g[0]: entries[g[0]].detach() for g in groups.values() if not any(held(k) for k in g)}
+
+    def complete(self, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``entries`` with every other name of each of their tensors."""
+        return {a: v for k, v in entries.items() for a in self.names.get(k, [k])}
 
 
-def full_state(layers: Layers, grid: ProcessGrid, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Every stage's entries, gathered over the pipeline (on CPU), in the original model's ``keys``."""
+def local_state(layers: Layers, keys: ModelKeys | None = None, first: bool = True) -> dict[str, torch.Tensor]:
+    """This stage's entries (a layer named None is one the original model does not have), under every
+    name the model gives them; the first stage also has the entries no stage holds."""
+    own = {f"{name}.{k}" if name else k: v for name, m in layers if name is not None
+           for k, v in m.state_dict().items()}
+    if keys is None:
+        return own
+    return keys.complete({**own, **(keys.unheld if first else {})})
+
+
+def full_state(layers: Layers, grid: ProcessGrid, keys: ModelKeys) -> dict[str, torch.Tensor]:
+    """Every stage's entries, gathered over the pipeline (on CPU), in the original model's keys."""
     local = {k: v.detach().cpu().clone() for k, v in local_state(layers).items()}
     parts = [local]
     if grid.pipe > 1:
         parts = [None] * grid.pipe
         dist.all_gather_object(parts, local, group=grid.pipe_group)
-    merged = {k: v for p in parts for k, v in p.items()}
-    return {k: merged[k] for k in keys if k in merged}
+    unheld = {k: v.cpu().clone() for k, v in keys.unheld.items()}
+    merged = keys.complete({**unheld, **{k: v for p in parts for k, v in p.items()}})
+    return {k: merged[k] for k in keys.keys if k in merged}
 
 
 def load_state(layers: Layers, state: dict[str, torch.Tensor]) -> None:

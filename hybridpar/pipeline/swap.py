@@ -13,7 +13,6 @@ under another split. Python code that reads a split tensor's spatial shape sees 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 from torch import nn
@@ -21,15 +20,17 @@ from torch import nn
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.layout import Gather
+from hybridpar.pipeline.convert import sharing_copy
 from hybridpar.spec.swapped import leaves
 
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 
 
 def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
-    """A copy of ``model`` whose registered layers are their split counterparts under ``grid``
-    (``convert(name, module, grid)``), a ``Flatten`` gathering its split input first."""
-    swapped = copy.deepcopy(model)
+    """A copy of ``model`` (sharing its parameters and buffers) whose registered layers are their split
+    counterparts under ``grid`` (``convert(name, module, grid)``), a ``Flatten`` gathering its split
+    input first."""
+    swapped = sharing_copy(model)
     for name, m in leaves(swapped):
         entry = registry.lookup(m)
         if isinstance(m, nn.Flatten):

@@ -21,7 +21,8 @@ from hybridpar import flops as flop_count
 from hybridpar import geometry
 from hybridpar.nn import registry
 from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.graph import ModelGraph, trace, trace_values
+from hybridpar.spec.faithful import check_faithful
+from hybridpar.spec.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
 
 REPLICATED: Split = (1, 1, 1)
 
@@ -54,18 +55,32 @@ def trace_shapes(model: nn.Module, leaves: list[tuple[str, nn.Module | None]],
 
 
 def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
-    """(first tensor input, output) shape of every node of ``graph`` from its traced ``values``."""
+    """(first tensor input, output) shape of every node of ``graph`` from its traced ``values``; a node
+    whose value is not a tensor (a shape read in the forward, and arithmetic on it) has output shape
+    ``()`` and is named in ``graph.values``."""
     shapes = []
     for n in graph.nodes:
         out = values[n.name]
-        if not isinstance(out, torch.Tensor):
-            raise SpecError(f"{n.name} ({n.kind}): returns {type(out).__name__}, not a tensor: values "
-                            f"computed from shapes are not supported in a parallelized forward (the "
-                            f"shapes of split tensors are local); write sizes as constants or scale "
-                            f"factors")
         first = next((values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)), None)
-        shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
+        if isinstance(out, torch.Tensor):
+            shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
+            continue
+        if n.name == OUTPUT:  # the outputs' structure: each has its own node's shape
+            shapes.append((tuple(first.shape), ()))
+            continue
+        if not _shape_value(out):
+            raise SpecError(f"{n.name} ({n.kind}): returns {type(out).__name__}, not a tensor or a value "
+                            f"computed from shapes; a parallelized forward passes tensors between layers")
+        graph.values.add(n.name)
+        shapes.append((tuple(first.shape) if first is not None else (), ()))
     return shapes
+
+
+def _shape_value(v: object) -> bool:
+    """Sizes, extents, ranks, and what arithmetic makes of them (what a forward computes from shapes)."""
+    if isinstance(v, list | tuple):
+        return all(_shape_value(e) for e in v)
+    return isinstance(v, int | float | bool | torch.dtype | torch.device) or v is None
 
 
 # ---------------------------------------------------------------------- per-layer arithmetic
@@ -213,7 +228,10 @@ def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | No
     ``input_shape`` (N, C, D, H, W) and its FLOPs."""
     shape = check_input_shape(input_shape)
     graph = trace(model) if graph is None else graph
-    shapes = node_shapes(graph, trace_values(graph, shape))
+    check_faithful(graph, model, shape)  # first: an unfaithful graph may not even run
+    values = trace_values(graph, shape)
+    shapes = node_shapes(graph, values)
+    stand_ins_from_values(graph, values)
     leaves = [(n.name, n.module) for n in graph.nodes]
     fwd, train, counted = _flop_costs(model, leaves, shape, shapes)
     return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted, terse)

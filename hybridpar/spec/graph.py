@@ -17,19 +17,41 @@ Which modules are nodes (run as one layer) and which are traced into:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.nn import registry
+from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.spec.config import SpecError
 
 INPUT = "(input)"
+OUTPUT = "(output)"  # the node that puts together a forward's tuple, list or dict of outputs
 SUPPORTED = ("supported: a forward that torch.fx can trace (no branches or loops on tensor values), one "
-             "tensor in and one tensor out; modules whose forward cannot be traced run whole as one layer")
+             "tensor in, and a tensor or a tuple, list or dict of tensors out; modules whose forward cannot "
+             "be traced run whole as one layer")
+
+
+def out_node(graph: ModelGraph) -> Node:
+    """The node whose value the model returns."""
+    return next(n for n in reversed(graph.nodes) if n.name == graph.output)
+
+
+def pack_output(structure: Any) -> Any:
+    """The forward's outputs in the structure it returned them in (fx's immutable containers made
+    plain lists and dicts again)."""
+    if isinstance(structure, tuple):
+        return tuple(pack_output(v) for v in structure)
+    if isinstance(structure, list):
+        return [pack_output(v) for v in structure]
+    if isinstance(structure, dict):
+        return {k: pack_output(v) for k, v in structure.items()}
+    return structure
 
 
 class UntraceableError(SpecError):
@@ -69,6 +91,8 @@ class ModelGraph:
     nodes: list[Node]
     output: str
     containers: dict[str, int]
+    faithful_for: set[tuple[int, ...]] = field(default_factory=set)  # input shapes checked (spec/faithful)
+    values: set[str] = field(default_factory=set)  # nodes whose value is not a tensor (analysis.node_shapes)
 
     @property
     def chain(self) -> bool:
@@ -119,6 +143,12 @@ class _Tracer(fx.Tracer):
 
 def trace(model: nn.Module) -> ModelGraph:
     """Trace ``model`` into a :class:`ModelGraph`; raises :class:`SpecError` naming where it failed."""
+    for name, m in model.named_modules():
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            becomes = type(m).cls_to_become.__name__
+            raise SpecError(f"model: {name} ({type(m).__name__}) has parameters not yet materialised (a lazy "
+                            f"module): run the model once on a small input of its channels first, e.g. "
+                            f"model(torch.zeros(1, C, 8, 8, 8)), which makes it a {becomes}")
     tracer = _Tracer()
     try:
         graph = tracer.trace(model)
@@ -144,10 +174,16 @@ def trace(model: nn.Module) -> ModelGraph:
                             f"keep parameters inside the modules that use them; {SUPPORTED}")
         if n.op == "output":
             out = n.args[0]
-            if not isinstance(out, fx.Node):
-                raise SpecError(f"model ({type(model).__name__}): forward returns {type(out).__name__}; "
-                                f"{SUPPORTED}")
-            output = produced[out]
+            if isinstance(out, fx.Node):
+                output = produced[out]
+                continue
+            leaves: list[Any] = []
+            fx.node.map_aggregate(out, leaves.append)
+            if not leaves or not all(isinstance(v, fx.Node) and v in produced for v in leaves):
+                raise SpecError(f"model ({type(model).__name__}): forward returns {type(out).__name__} "
+                                f"holding values other than the tensors it computed; {SUPPORTED}")
+            nodes.append(Node(OUTPUT, "function", pack_output, None, tuple(produced[v] for v in leaves), n))
+            output = OUTPUT
             continue
         inputs = tuple(produced[a] for a in n.all_input_nodes if a in produced)
         if n.op == "call_module":
@@ -177,14 +213,46 @@ def trace(model: nn.Module) -> ModelGraph:
 
 def _stand_in(n: fx.Node) -> nn.Module | None:
     """The module a function call stands for (``F.interpolate`` -> ``nn.Upsample``), or None."""
-    if n.all_input_nodes and any(isinstance(a, fx.Node) for a in n.args[1:]) or \
-            any(isinstance(v, fx.Node) for v in n.kwargs.values()):
-        return None  # arguments computed in the forward (a size from a shape): not a fixed layer
+    if _computed((tuple(n.args[1:]), dict(n.kwargs))):
+        return None  # arguments computed in the forward: see stand_ins_from_values
+    return _stand_in_of(n, tuple(n.args), dict(n.kwargs))
+
+
+def _stand_in_of(n: fx.Node | Node, args: tuple, kwargs: dict) -> nn.Module | None:
+    target = n.target
     try:
-        return registry.function_module(n.target, tuple(n.args), dict(n.kwargs))
+        return registry.function_module(target, args, kwargs)
     except (TypeError, ValueError) as err:
-        raise SpecError(f"{n.name}: {getattr(n.target, '__name__', n.target)}{tuple(n.args[1:])}: {err}") \
-            from None
+        raise SpecError(f"{n.name}: {getattr(target, '__name__', target)}{tuple(args[1:])}: {err}") from None
+
+
+def stand_ins_from_values(graph: ModelGraph, values: dict[str, Any]) -> None:
+    """Give a function call whose arguments were computed from shapes (``F.interpolate(x,
+    size=skip.shape[2:])``) the module it stands for, those arguments taken at their global values
+    (``values``, the trace on the global input): a shape read answers with global extents."""
+    name_of = {n.fx_node: n.name for n in graph.nodes}
+
+    def known(a: fx.Node) -> Any:
+        name = name_of.get(a)
+        return values[name] if name in graph.values else a
+
+    for i, n in enumerate(graph.nodes):
+        if n.op != "function" or n.module is not None or not n.fx_node.args:
+            continue
+        rest, kwargs = tuple(n.fx_node.args[1:]), dict(n.fx_node.kwargs)
+        if not _computed((rest, kwargs)):
+            continue  # fixed arguments: trace gave it its stand-in, if it has one
+        rest, kwargs = fx.node.map_arg(rest, known), fx.node.map_arg(kwargs, known)
+        if not _computed((rest, kwargs)):  # what is still computed comes from tensors' values
+            module = _stand_in_of(n, (n.fx_node.args[0], *rest), kwargs)
+            graph.nodes[i] = dataclasses.replace(n, module=module)
+
+
+def _computed(args: Any) -> bool:
+    """Whether ``args`` (nested) hold a value computed in the forward (an fx node)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(args, found.append)
+    return bool(found)
 
 
 class _Recorder(fx.Interpreter):
@@ -197,15 +265,6 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.values[self.current] = out
         return out
-
-
-def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
-    """``module``'s parameters and buffers as meta tensors (for ``torch.func.functional_call``: a
-    forward that allocates nothing), and the floating dtype its input should have."""
-    state = {k: torch.empty_like(v, device="meta")
-             for k, v in [*module.named_parameters(), *module.named_buffers()]}
-    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
-    return state, dtype
 
 
 class _Run(nn.Module):
@@ -230,7 +289,7 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...]) -> dict[str, A
     rec = _Recorder(gm, names)
     x = torch.empty(input_shape, device="meta", dtype=dtype)
     try:
-        torch.func.functional_call(_Run(gm, rec), {f"gm.{k}": v for k, v in state.items()}, (x,))
+        meta_call(_Run(gm, rec), {f"gm.{k}": v for k, v in state.items()}, x)
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where

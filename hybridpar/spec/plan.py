@@ -26,12 +26,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hybridpar.nn import registry
 from hybridpar.spec.analysis import REPLICATED, Analysis, analyse, check_input_shape
 from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
-from hybridpar.spec.graph import INPUT, ModelGraph, Node, UntraceableError
+from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.spec.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
 
 __all__ = ["BYTES_PER_ELEMENT", "REPLICATED", "LayerPlan", "broadcasts", "build_plan", "live_across",
@@ -129,12 +130,29 @@ def _concat_dim(node: Node, ndim: int) -> int | None:
     return dim % ndim if isinstance(dim, int) else None
 
 
-def _role(node: Node, in_shape: tuple[int, ...]) -> tuple[str, registry.LayerEntry | None]:
-    """How ``node`` meets a split input: a registry role, or ``"unregistered"``."""
+def _keeps_space(node: Node) -> bool:
+    """Whether a ``repeat``/``expand``/``tile`` of a 5-D tensor leaves its spatial dims alone (a
+    channel repeat): then it is pointwise in space and runs on the shard."""
+    sizes = node.fx_node.args[1:] if node.op == "method" else node.fx_node.args[1:2]
+    if len(sizes) == 1 and isinstance(sizes[0], list | tuple):
+        sizes = sizes[0]
+    keep = -1 if node.target == "expand" else 1
+    return len(sizes) >= 3 and all(isinstance(s, int) and s == keep for s in sizes[-3:])
+
+
+def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str, registry.LayerEntry | None]:
+    """How ``node`` meets a split input: a registry role, or ``"unregistered"``. ``values``: the nodes
+    whose value is not a tensor (a ``getattr`` that returns a tensor, ``x.T``, is no shape read)."""
     if node.module is not None:
         entry = registry.lookup(node.module)
         return (entry.role, entry) if entry is not None else ("unregistered", None)
+    if node.name == OUTPUT:  # the outputs, each in its own layout: the split ones in one
+        return "output", None
     role = registry.function_role(node.target)
+    if role == "shape" and node.name not in values:
+        role = "dense"
+    if node.target in ("repeat", "expand", "tile", torch.tile) and len(in_shape) == 5:
+        role = "pointwise" if _keeps_space(node) else "dense"
     if role == "concat":
         role = "pointwise" if _concat_dim(node, len(in_shape)) == 1 else "dense"
     return role or "dense", None
@@ -168,6 +186,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         for n in hits:
             rule_of.setdefault(n, rule)  # first match wins
 
+    index = a.graph.index()
     out_split: dict[str, Split] = {}
     input_split: Split | None = None  # the layout the model input is sharded in: its first reader's
     splits: list[Split] = []
@@ -176,7 +195,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     for i, node in enumerate(nodes):
         in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
-        role, entry = _role(node, in_shape)
+        role, entry = _role(node, in_shape, a.graph.values)
         # the layout an elementwise node keeps: its first split input's (shards must agree)
         layouts = [(input_split or grid.spatial) if n == INPUT else out_split[n] for n in node.inputs]
         producer = next((s for s in layouts if s != REPLICATED), REPLICATED)
@@ -194,8 +213,12 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             # global pooling) stays replicated
             small = any(in_shape[2 + k] < p for k, p in enumerate(grid.spatial))
             split = REPLICATED if small and not _split_input(node, out_split, input_split) else grid.spatial
-        elif role in ("pointwise", "reduce"):
+        elif role in ("pointwise", "reduce", "shape"):  # a shape read takes its input as it is
             split = producer
+        elif role == "output":  # split outputs stay split where one share of the volume weighs them all
+            extents = {shapes[index[n]][1][2:] if n != INPUT else a.input_shape[2:] for n in node.inputs}
+            ranks = {len(shapes[index[n]][1]) if n != INPUT else 5 for n in node.inputs}
+            split = producer if len(extents) == 1 and ranks == {5} else REPLICATED
         elif role == "unregistered" and _split_input(node, out_split, input_split):
             raise SpecError(f"{node.name} ({node.kind}): this layer type is not registered and its input is "
                             f"split {list(producer)}: register it (hybridpar.nn.register, see the README) "
@@ -220,7 +243,8 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
 
     input_split = input_split or REPLICATED
     local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
-    act = [BYTES_PER_ELEMENT * math.prod(lo) for lo in local_out]
+    act = [0 if n.name in a.graph.values or n.name == OUTPUT else BYTES_PER_ELEMENT * math.prod(lo)
+           for n, lo in zip(nodes, local_out, strict=True)]  # values and the outputs' structure hold none
     if pipe.stages == "auto":
         in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, micro, input_split))
         sends = live_bytes(a.graph, act, in_bytes)
@@ -228,8 +252,13 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     else:
         starts = named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
     stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
-
-    index = a.graph.index()
+    if grid.pipe > 1 and a.graph.values:  # a cut carries tensors: a size read before it is read again
+        for i, live in enumerate(live_across(a.graph)[:-1]):
+            crossing = [v for v in live if v in a.graph.values] if stage_of[i] != stage_of[i + 1] else []
+            if crossing:
+                raise SpecError(f"pipeline: the cut after {nodes[i].name} would carry {crossing[0]}, a value "
+                                f"computed from shapes, not a tensor; name stages (pipeline.stages) that "
+                                f"begin before the shape is read or after its last use")
 
     def redistributes(i: int) -> bool:
         node = nodes[i]
@@ -237,7 +266,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             return False
         srcs = [(input_split, a.input_shape) if n == INPUT else (out_split[n], shapes[index[n]][1])
                 for n in node.inputs]
-        return any(s != splits[i] and not broadcasts(s, shape) for s, shape in srcs)
+        return any(s != splits[i] and not broadcasts(s, shape) for s, shape in srcs if len(shape) == 5)
 
     return [LayerPlan(
         name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],

@@ -18,9 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
+from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.spec.analysis import leaf_flop_sums, node_halos
 from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.graph import meta_state
 from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, local_shape
 
 
@@ -68,6 +68,8 @@ class _Watch(TorchFunctionMode):
         if role == "concat":
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             role = "pointwise" if isinstance(dim, int) and dim % out.dim() == 1 else None
+        if name == "pad" and not any(args[1] if len(args) > 1 else kwargs.get("pad", (1,))):
+            role = "pointwise"  # a pad by nothing (MONAI's UpCat when the shapes agree) is the identity
         if role == "pointwise":
             self.mark(out)
         else:
@@ -124,7 +126,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     try:
         with watch:
-            torch.func.functional_call(model, state, (x,))
+            meta_call(model, state, x)
     except SpecError:
         raise
     except Exception as err:

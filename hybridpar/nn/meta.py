@@ -1,0 +1,45 @@
+"""A module's forward on the meta device: shapes and operations, no memory, no FLOPs.
+
+Why one place: the planner, the trace check, module swapping's plan and ``set_global_shapes`` all run
+a user's model with its state swapped for meta tensors (``torch.func.functional_call``). A model may
+hold one module under two names (MONAI's DynUNet), or one tensor in two modules; swapping by tensor
+(torch's ``tie_weights``) then restores the wrong tensor into a slot it visited twice, and the model
+is left holding meta tensors. Here the state has one entry per module slot (each module object once),
+tied slots sharing one meta tensor, and the swap is made slot by slot. A ``SyncBatchNorm`` runs as
+the batch norm it is within one process: its own forward would reduce over the job's ranks, which a
+meta tensor cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpar.nn.families import BATCH_NORM
+
+
+def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """``module``'s parameters and buffers as meta tensors, one entry per slot (see the module doc),
+    and the floating dtype its input should have."""
+    metas: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for prefix, m in module.named_modules():
+        for name, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None:
+                key = f"{prefix}.{name}" if prefix else name
+                state[key] = metas.setdefault(id(t), torch.empty_like(t, device="meta"))
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    return state, dtype
+
+
+def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> Any:
+    """``module(*args)`` with ``state`` (from :func:`meta_state`) in place of its own."""
+    with contextlib.ExitStack() as stack:
+        for m in module.modules():
+            if isinstance(m, nn.SyncBatchNorm):
+                m.forward = BATCH_NORM.forward.__get__(m)  # type: ignore[method-assign]
+                stack.callback(vars(m).pop, "forward", None)
+        return torch.func.functional_call(module, state, args, tie_weights=False)

@@ -1,0 +1,112 @@
+"""Is a traced graph the model's forward? The two are run on the meta device and their operations compared.
+
+Why: ``torch.fx`` records the tensor operations a forward makes on proxies, and evaluates everything
+else once, at trace time. A Python-level check on a traced value (``isinstance(e, torch.Tensor)``,
+``torch.jit.isinstance``, ``hasattr``, a comparison that a proxy answers with a constant) is fixed
+then, so the graph may take a branch the eager model never takes, and nothing fails: the model would
+train, split, on a function other than its own. Each run here records every ATen operation (its
+name, in-place or not alike, the shapes and dtypes of its tensor arguments and its other arguments)
+on meta tensors: no memory is allocated and no FLOP is spent, whatever the volume. The graph's run
+replays the same leaf modules in the same order, so a faithful graph makes exactly the operations
+the forward makes; the first one that differs names the node where they part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.spec.graph import INPUT, ModelGraph, UntraceableError, _Recorder, _Run
+
+_WHY = ("a Python check on a traced value, such as isinstance, torch.jit.isinstance or hasattr, was fixed "
+        "at trace time")
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _summary(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    return v if isinstance(v, _PLAIN) else type(v).__name__
+
+
+class _Ops(TorchDispatchMode):
+    """Records ``(operation, where)`` for each ATen call; ``where()`` says which node is running."""
+
+    def __init__(self, where: Callable[[], str]) -> None:
+        super().__init__()
+        self.where = where
+        self.ops: list[tuple[tuple, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append(((_name(func), tree_map(_summary, (args, kwargs)), tree_map(_summary, out)),
+                         self.where()))
+        return out
+
+
+def _name(func: Any) -> str:
+    """The operation's name, its in-place and out-of-place variants alike: fx records ``x += y`` as
+    ``x + y`` (the values agree unless another name of ``x`` is read after it)."""
+    packet = func.overloadpacket.__name__
+    if packet.endswith("_") and not packet.endswith("__"):
+        packet = packet[:-1]
+    return f"{func.namespace}.{packet}.{func._overloadname}"
+
+
+def _eager_ops(model: nn.Module, x: torch.Tensor, state: dict[str, torch.Tensor]) -> list[tuple[tuple, str]]:
+    mode = _Ops(lambda: "")
+    with mode:
+        meta_call(model, state, x)
+    return mode.ops
+
+
+def _graph_ops(graph: ModelGraph, x: torch.Tensor, kind: str) -> list[tuple[tuple, str]]:
+    state, _ = meta_state(graph.gm)  # the graph holds the modules its forward calls, no others
+    names = {n.fx_node: n.name for n in graph.nodes}
+    names.update({n: INPUT for n in graph.gm.graph.nodes if n.op == "placeholder"})
+    rec = _Recorder(graph.gm, names)
+    mode = _Ops(lambda: rec.current)
+    try:
+        with mode:
+            meta_call(_Run(graph.gm, rec), {f"gm.{k}": v for k, v in state.items()}, x)
+    except Exception as err:  # the forward ran: the graph is not the forward
+        why = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        raise UntraceableError(f"model ({kind}): torch.fx traced a graph that computes something other than "
+                               f"its forward: the forward runs on this input, the graph fails at node "
+                               f"{rec.current} ({why}; {_WHY})") from None
+    return mode.ops
+
+
+def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, ...]) -> None:
+    """Raise :class:`UntraceableError` naming the first node where ``graph`` computes something other
+    than ``model``'s forward on a global input of ``input_shape`` (checked once per shape)."""
+    if input_shape in graph.faithful_for:
+        return
+    state, dtype = meta_state(model)
+    x = torch.empty(input_shape, device="meta", dtype=dtype)
+    try:
+        eager = _eager_ops(model, x, state)
+    except Exception:  # the forward itself fails on this shape: the trace of values says where
+        return
+    kind = type(model).__name__
+    traced = _graph_ops(graph, x, kind)
+    for i, (want, got) in enumerate(zip(eager, traced)):
+        if want[0] != got[0]:
+            raise UntraceableError(
+                f"model ({kind}): torch.fx traced a graph that computes something other than its forward: "
+                f"at node {got[1]} the forward's operation {i + 1} is {want[0][0]} where the graph's is "
+                f"{got[0][0]} ({_WHY})")
+    if len(eager) != len(traced):
+        more = len(eager) > len(traced)
+        longer, node = ("forward", "the graph's end") if more else ("graph", traced[len(eager)][1])
+        raise UntraceableError(
+            f"model ({kind}): torch.fx traced a graph that computes something other than its forward: the "
+            f"{longer} makes {abs(len(eager) - len(traced))} more operation(s), from {node} on ({_WHY})")
+    graph.faithful_for.add(input_shape)

@@ -1,0 +1,100 @@
+"""Third-party 3D networks parallelized by a spec, exactly: MONAI's (a test-only dependency) on 2 and 4
+ranks, three SGD steps in float64 against one process, the state dict key for key (``_compare`` of
+``test_user_models``). Each model is the library's own class at a small width; what it needs from the
+user is what the README's "any model" section says: nothing, or one rule its refusal names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_user_models import Failures, _compare
+
+monai = pytest.importorskip("monai")
+
+SHAPE = (2, 1, 16, 16, 16)
+SHAPES = {"BasicUNet": (2, 1, 32, 32, 16), "BasicUNetPlusPlus": (2, 1, 32, 16, 16),
+          "resnet10": (2, 1, 32, 32, 32)}
+
+
+def _nets():
+    from monai.networks import nets
+
+    return nets
+
+
+def DynUNet():  # noqa: N802 (named as the model it builds)
+    return _nets().DynUNet(3, 1, 1, kernel_size=[3, 3, 3], strides=[1, 2, 2], upsample_kernel_size=[2, 2],
+                           filters=[4, 8, 8], res_block=True)
+
+
+def BasicUNet():  # noqa: N802
+    return _nets().BasicUNet(3, 1, 1, features=(4, 4, 8, 8, 8, 4))
+
+
+def BasicUNetPlusPlus():  # noqa: N802
+    return _nets().BasicUNetPlusPlus(3, 1, 1, features=(4, 4, 8, 8, 8, 4), deep_supervision=True)
+
+
+def RegUNet():  # noqa: N802
+    return _nets().RegUNet(3, 1, num_channel_initial=4, depth=2, out_channels=1)
+
+
+def resnet10():
+    """MONAI's resnet10 (one basic block per level) at a small width."""
+    return _nets().ResNet("basic", [1, 1, 1, 1], [4, 8, 8, 8], spatial_dims=3, n_input_channels=1,
+                          num_classes=3)
+
+
+def _loss(out, y):
+    """A volume loss, or one per deep-supervision head (BasicUNet++ returns a list)."""
+    import torch.nn.functional as F
+
+    if isinstance(out, list):
+        return sum(F.mse_loss(o, y) for o in out) / len(out)
+    return F.mse_loss(out, y)
+
+
+def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
+    fails = Failures()
+    g = torch.Generator().manual_seed(7)
+    for desc, model, spec in cases:
+        shape = SHAPES.get(model, SHAPE)
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        y_shape = (shape[0], 3) if model == "resnet10" else (shape[0], 1, *shape[2:])
+        y = torch.randn(y_shape, dtype=torch.float64, generator=g)
+        try:
+            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y, _loss)
+        except Exception as err:  # name the case, then go on with the others
+            fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+CASES = [
+    (4, "DynUNet aliased blocks", "DynUNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "BasicUNet isinstance and shape checks", "BasicUNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "BasicUNet++ deep supervision list", "BasicUNetPlusPlus", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "RegUNet interpolate to a shape", "RegUNet",
+     {"grid": {"spatial": [2, 2, 1]}, "layers": {"encode_pools.*": {"spatial": "replicate"}}}),
+    (4, "resnet10 view(x.size(0), -1)", "resnet10",  # layer4 sees 2^3 voxels: too few to split
+     {"grid": {"spatial": [2, 2, 1]}, "layers": {"layer4.*": {"spatial": "replicate"}}}),
+]
+
+
+@pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].split()[0] + f"-{c[0]}" for c in CASES])
+def test_monai_models_match_one_process(pools, world, desc, model, spec):
+    pools(world).run(_body, [(desc, model, spec)], timeout=300)
+
+
+def test_function_pads_and_channel_repeats_gather_nothing():
+    """MedNeXt pads with ``F.pad`` and VNet repeats its input's channels (``x.repeat(1, 16, 1, 1, 1)``):
+    both plan as split layers, with no gather."""
+    import hybridpar as hp
+
+    nets = _nets()
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}})
+    for model in (nets.MedNeXt(spatial_dims=3, init_filters=4, in_channels=1, out_channels=1),
+                  nets.VNet(3, 1, 1)):
+        plan = spec.plan(model, (2, 1, 32, 32, 32), 4)
+        assert not [r.name for r in plan if r.gather or r.split == (1, 1, 1) and len(r.input_shape) == 5]
+        assert {"pad", "repeat"} & {r.kind for r in plan}

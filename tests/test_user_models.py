@@ -1,0 +1,293 @@
+"""Models as users write them (or take them from MONAI and torchvision), parallelized exactly:
+
+* a forward whose Python checks torch.fx fixes at trace time (``torch.jit.isinstance(e, torch.Tensor)``,
+  MONAI's ``UpCat``): the traced graph is compared with the forward before it is trusted, and a graph
+  that computes something else is never run (module swapping runs the forward itself; a pipeline,
+  which needs the graph, is refused naming the node);
+* a module registered under two names (MONAI's DynUNet) and a module the forward never calls:
+  ``full_state_dict()`` is ``model.state_dict()`` key for key, loadable with ``strict=True``;
+* an optimizer built on ``model.parameters()``: the engine runs the model's own tensors, so it trains.
+
+Three SGD steps in float64 against the same model in one process, on 2 and 4 ranks, with a pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from layer_cases import Failures
+
+SHAPE = (4, 1, 8, 6, 6)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+        if e is not None and torch.jit.isinstance(e, torch.Tensor):  # fx: a Proxy is no Tensor
+            return self.conv(x + e)
+        return self.conv(x)
+
+
+class IsInstanceNet(nn.Module):
+    """The 12-line model whose traced graph silently drops ``x + e``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.block = _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.block(h, h * 2)
+
+
+class AliasNet(nn.Module):
+    """Blocks kept under two names (DynUNet's ``downsamples`` and ``skip_layers``), and a head the
+    forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(1, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.ReLU())
+        self.dec = nn.Conv3d(3, 1, 3, padding=1)
+        self.blocks = nn.ModuleList([self.enc, self.dec])
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        return self.dec(h) + x
+
+
+class ShapeNet(nn.Module):
+    """Shapes read in a forward: an output size taken from the input (RegUNet), a ratio of extents, a
+    function pad and a channel repeat (MedNeXt, VNet), a batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv3d(1, 2, 3, stride=2, padding=1)
+        self.conv = nn.Conv3d(4, 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.interpolate(self.down(x), size=x.shape[2:], mode="trilinear", align_corners=False)
+        h = F.pad(h.repeat(1, 2, 1, 1, 1), (1, 1, 1, 1, 1, 1), mode="replicate")
+        scale = h.shape[2] / x.size(2) + x.numel() / (x.size(0) * x.size()[-1] * 1000)  # global extents
+        return self.conv(h) * scale
+
+
+class DictNet(nn.Module):
+    """A dict with a list inside: two heads of one extent (stay split, one share weighs both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.main = nn.Conv3d(2, 1, 3, padding=1)
+        self.aux = nn.Conv3d(2, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = torch.relu(self.stem(x))
+        return {"main": self.main(h), "aux": [self.aux(h)]}
+
+
+class DeepNet(nn.Module):
+    """Deep supervision at two resolutions (a tuple): the plan gathers both for the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.down = nn.Conv3d(2, 1, 2, stride=2)
+        self.out = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.stem(x))
+        return self.out(h), self.down(h)
+
+
+def _structured_loss(out, y: torch.Tensor) -> torch.Tensor:
+    if isinstance(out, dict):
+        return F.mse_loss(out["main"], y) + 0.5 * F.mse_loss(out["aux"][0], y)
+    return F.mse_loss(out[0], y) + 0.5 * F.mse_loss(out[1], F.avg_pool3d(y, 2))
+
+
+LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss}
+
+
+class BNNet(nn.Module):
+    """Batch statistics: with data parallelism, over each replica's batch unless SyncBatchNorm asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(1, 3, 3, padding=1), nn.BatchNorm3d(3), nn.ReLU(),
+                                  nn.Conv3d(3, 1, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + x
+
+
+def SyncBNNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(BNNet())
+
+
+REFERENCE = {"SyncBNNet": BNNet}  # SyncBatchNorm in one process is the BatchNorm it converts
+
+
+def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor, y: torch.Tensor,
+             loss_fn=F.mse_loss) -> None:
+    """Three steps of an optimizer over the *model's* parameters, against one process: every loss, the
+    full state dict (loadable into a fresh model with strict=True) and predictions."""
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    ref = REFERENCE.get(make.__name__, make)().double()
+    model = make().double()
+    model.load_state_dict(ref.state_dict())
+    engine = hp.parallelize(model, spec, loss_fn=loss_fn)
+    x_local, y_local = engine.shard_batch(x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        loss = engine.train_step(x_local, y_local)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        fails.check(f"{desc} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+    state, want = engine.full_state_dict(), ref.state_dict()
+    if list(state) != list(want):
+        fails.append(f"{desc}: full_state_dict keys {list(state)} != the model's {list(want)}")
+        return
+    for k, v in want.items():
+        if v.is_floating_point():
+            fails.check(f"{desc} full_state_dict {k}", state[k].to(v.dtype), v, 1e-9)
+    fresh = make().double()
+    fresh.load_state_dict(state, strict=True)
+    if engine.grid.pipe == 1:  # every rank runs every layer: the user's model is the trained one
+        for k, v in want.items():
+            if v.is_floating_point():
+                fails.check(f"{desc} model.state_dict() {k}", model.state_dict()[k], v, 1e-9)
+    engine.load_full_state_dict(state)  # a full state dict, aliases included, loads back
+    engine.eval()
+    ref.eval()
+    with torch.no_grad():
+        want_out = ref(x)
+    rows = slice(engine.grid.data_index * (x.shape[0] // engine.grid.data),
+                 (engine.grid.data_index + 1) * (x.shape[0] // engine.grid.data))
+    got, want = tree_leaves(engine.predict(x_local)), tree_leaves(want_out)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        fails.check(f"{desc} predict output {k}", g, w[rows])
+
+
+def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
+    fails = Failures()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    y = torch.randn((SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64, generator=g)
+    for desc, model, spec in cases:
+        try:
+            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y, LOSSES.get(model, F.mse_loss))
+        except Exception as err:  # name the case, then go on with the others
+            fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+CASES = [
+    (2, "isinstance check, spatial", "IsInstanceNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "isinstance check, data x spatial", "IsInstanceNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+    (4, "shape reads, 2x2", "ShapeNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "shape reads, data x spatial", "ShapeNet", {"grid": {"data": 2, "spatial": [1, 1, 2]}}),
+    (4, "dict of outputs, 2x2", "DictNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "dict of outputs, pipe x spatial", "DictNet",
+     {"grid": {"pipe": 2, "spatial": [1, 2, 1]},
+      "pipeline": {"microbatches": 2, "stages": ["stem", "main"]}}),
+    (4, "deep supervision at two extents, data x spatial", "DeepNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (2, "aliased modules, spatial", "AliasNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "aliased modules, pipe x spatial", "AliasNet",
+     {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
+]
+
+
+@pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].replace(" ", "_") for c in CASES])
+def test_user_models_match_torch(pools, world, desc, model, spec):
+    pools(world).run(_body, [(desc, model, spec)], timeout=300)
+
+
+def test_unfaithful_trace_is_found_and_never_planned():
+    """The graph that drops ``x + e`` is named at the node where it parts from the forward; the plan
+    is the module-swapping one (the forward itself), and a pipeline is refused."""
+    import hybridpar as hp
+    from hybridpar.spec.analysis import analyse
+    from hybridpar.spec.graph import UntraceableError
+
+    with pytest.raises(UntraceableError, match=r"at node block\.conv .*aten\.add.*aten\.convolution"):
+        analyse(IsInstanceNet(), SHAPE)
+    plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(IsInstanceNet(), SHAPE, 2)
+    assert [r.name for r in plan] == ["stem", "block.conv"]
+    with pytest.raises(hp.SpecError, match="computes something other than its forward.*pipeline"):
+        hp.ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}).plan(
+            IsInstanceNet(), SHAPE, 2)
+
+
+def test_faithful_graphs_pass_the_check():
+    """Models whose traces are right are not refused: residual and U-Net graphs, functions, shapes."""
+    from hybridpar.spec.analysis import analyse
+
+    import graph_models
+
+    for make in (graph_models.UNet3d, graph_models.ResNet3d, graph_models.FunctionalNet, AliasNet):
+        analyse(make(), (2, 1, 12, 8, 8))
+
+
+def _empty_shard_body(rank: int, world: int) -> str:
+    import hybridpar as hp
+
+    grid = hp.ProcessGrid(spatial=(1, 1, 4))
+    x = torch.randn(1, 2, 5, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for pool in (hp.nn.DistAdaptiveMaxPool3d(3, grid=grid), hp.nn.DistAdaptiveAvgPool3d(2, grid=grid)):
+        try:
+            pool(hp.scatter(x, grid))
+        except ValueError as err:
+            if "dim W has extent 3, too small to split over 4 ranks" not in str(err):
+                raise
+        else:
+            raise AssertionError(f"{type(pool).__name__} ran on an empty shard")
+    return "refused"
+
+
+def test_adaptive_pool_on_an_empty_shard_is_one_error_on_every_rank(pools):
+    """W = 3 split 4 ways leaves a rank nothing: every rank refuses alike (no rank waits on another)."""
+    assert pools(4).run(_empty_shard_body) == ["refused"] * 4
+
+
+def test_lazy_modules_are_refused_until_materialised():
+    """A LazyConv3d before its first forward is one line saying how to materialise it; after, it runs."""
+    import hybridpar as hp
+
+    model = nn.Sequential(nn.LazyConv3d(4, 3, padding=1), nn.ReLU(), nn.LazyConvTranspose3d(1, 2, stride=2))
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.raises(hp.SpecError, match=r"0 \(LazyConv3d\) has parameters not yet materialised.*Conv3d"):
+        spec.plan(model, (2, 1, 8, 8, 8), 2)
+    model(torch.zeros(1, 1, 8, 8, 8))
+    assert [r.split for r in spec.plan(model, (2, 1, 8, 8, 8), 2)] == [(2, 1, 1)] * 3
+
+
+def test_shape_reads_plan_without_gathers():
+    """Shapes read in a forward are planned as values, not gathers: ``x.size(0)`` on a split tensor, a
+    size taken from one tensor for ``F.interpolate`` of another, a function pad, a channel repeat."""
+    import hybridpar as hp
+
+    plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}}).plan(ShapeNet(), SHAPE, 4)
+    rows = {r.name: r for r in plan}
+    assert not [r.name for r in plan if r.gather]
+    assert rows["interpolate"].kind == "interpolate" and rows["interpolate"].split == (2, 2, 1)
+    assert rows["pad"].split == (2, 2, 1) and rows["repeat"].split == (2, 2, 1)
+    assert rows["size"].output_shape == () and rows["size"].activation_bytes == 0

@@ -4,7 +4,7 @@ The public surface is small: :func:`init_distributed`, :class:`ProcessGrid`, the
 :mod:`hybridpar.nn`, and the layout changes :func:`scatter`, :func:`gather` and :class:`Redistribute`.
 """
 
-from hybridpar import flops, nn, profiling, timeline
+from hybridpar import fft, flops, nn, profiling, timeline
 from hybridpar.comm import gather, no_grad_sync, redistribute, scatter
 from hybridpar.grid import ProcessGrid
 from hybridpar.launch import init_distributed
@@ -14,5 +14,5 @@ from hybridpar.spec import GridSpec, LayerRule, ParallelSpec, PipelineSpec, Spec
 
 __all__ = ["ProcessGrid", "init_distributed", "nn", "scatter", "gather", "redistribute", "Redistribute",
            "no_grad_sync", "parallelize", "Engine", "load_spec", "ParallelSpec", "GridSpec", "PipelineSpec",
-           "LayerRule", "SpecError", "flops", "profiling", "timeline"]
+           "LayerRule", "SpecError", "fft", "flops", "profiling", "timeline"]
 __version__ = "0.1.0"

@@ -50,6 +50,13 @@ def shard_ranges(extent: int, parts: int) -> list[Range]:
     return [shard_range(extent, parts, i) for i in range(parts)]
 
 
+def pencil(parts: int) -> tuple[int, int]:
+    """The pencil grid (p1, p2) of ``parts`` ranks a 3D FFT transposes through: p1 · p2 = parts, as
+    square as the factors allow (p1 >= p2; slabs, p2 = 1, when ``parts`` is prime)."""
+    p2 = max(f for f in range(1, int(parts ** 0.5) + 1) if parts % f == 0)
+    return parts // p2, p2
+
+
 def conv_output_extent(extent: int, kernel: int, stride: int = 1, pad_lo: int = 0, pad_hi: int = 0,
                        dilation: int = 1, ceil_mode: bool = False) -> int:
     """Global output extent of a window layer, as ``torch.nn.Conv3d`` / ``MaxPool3d`` compute it.

@@ -36,8 +36,11 @@ def _register_blur() -> None:
 
 
 def _samples() -> list[nn.Module]:
-    """One instance of every torch 3D layer type hybridpar splits."""
-    return [nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular"),
+    """One instance of every torch 3D layer type hybridpar splits (and of its own spectral layers)."""
+    import hybridpar as hp
+
+    return [hp.nn.SpectralConv3d(2, 2, (2, 2, 2)), hp.nn.PowerSpectrum([0.5, 1.5, 2.5]),
+            nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular"),
             nn.ConvTranspose3d(2, 2, 2, 2), nn.MaxPool3d(2), nn.AvgPool3d(3, 2, 1), nn.BatchNorm3d(2),
             nn.AdaptiveAvgPool3d(1), nn.AdaptiveAvgPool3d(2), nn.AdaptiveMaxPool3d(2),
             nn.Upsample(scale_factor=2, mode="trilinear"), nn.GroupNorm(1, 2),

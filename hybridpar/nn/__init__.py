@@ -18,6 +18,7 @@ from hybridpar.nn.pool import (
 )
 from hybridpar.nn.registry import LayerEntry, lookup, register, register_function
 from hybridpar.nn.shapes import set_global_shapes
+from hybridpar.nn.spectral import DistPowerSpectrum, DistSpectralConv3d, PowerSpectrum, SpectralConv3d
 from hybridpar.nn.upsample import DistUpsample, dist_interpolate
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "DistUpsample", "dist_interpolate", "DistGroupNorm", "DistInstanceNorm3d", "DistAdaptiveAvgPool3d",
     "DistAdaptiveMaxPool3d",
     "DistConstantPad3d", "DistReplicationPad3d", "DistReflectionPad3d", "DistCircularPad3d",
+    "PowerSpectrum", "DistPowerSpectrum", "SpectralConv3d", "DistSpectralConv3d",
 ]

@@ -27,7 +27,7 @@ from hybridpar.comm.reduce import sum_to_replicated
 from hybridpar.geometry import Range, ntuple, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
-from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.precision import no_autocast, result_dtype, widened
 
 
@@ -170,17 +170,6 @@ class _AdaptivePool(SpatialLayer):
         """The output (D, H, W) for a global input ``shape`` (None in ``output_size``: kept)."""
         ks = ntuple(self.output_size)
         return tuple(shape[i] if ks[i] is None else int(ks[i]) for i in range(3))  # type: ignore[return-value]
-
-    def global_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
-        """The global (D, H, W), refused alike on every rank (all know it) where a shard would be
-        empty: the ranks would otherwise part ways in the bins' reductions."""
-        shape = super().global_shape(x)
-        for i, parts in enumerate(self.grid.spatial_shape):
-            if shape[i] < parts:
-                raise ValueError(f"{self.layer_name}: dim {DIM_NAMES[i]} has extent {shape[i]}, too small "
-                                 f"to split over {parts} ranks (a rank would hold no voxel); use a split "
-                                 f"of at most {shape[i]} along {DIM_NAMES[i]}")
-        return shape
 
     def _geometry(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], list, list]:
         key = ("geometry", tuple(shape))

@@ -44,11 +44,19 @@ class SpatialLayer(nn.Module):
                              f"{tuple(x.shape)}")
 
     def global_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
-        """Global (D, H, W) of the input whose shard is ``x``."""
+        """Global (D, H, W) of the input whose shard is ``x``; refused alike on every rank (all know
+        it) where a shard would be empty, before the ranks could part ways in a collective."""
         self._check_input(x)
         if self.global_input_shape is not None:
-            return tuple(self.global_input_shape)  # type: ignore[return-value]
-        return infer_global_shape(x, self.grid)
+            shape = tuple(self.global_input_shape)
+        else:
+            shape = infer_global_shape(x, self.grid)
+        for i, parts in enumerate(self.grid.spatial_shape):
+            if shape[i] < parts:
+                raise ValueError(f"{self.layer_name}: dim {DIM_NAMES[i]} has extent {shape[i]}, too small "
+                                 f"to split over {parts} ranks (a rank would hold no voxel); use a split "
+                                 f"of at most {shape[i]} along {DIM_NAMES[i]}")
+        return shape  # type: ignore[return-value]
 
     def exchanger(self, shape: tuple[int, int, int], plans_of: Callable[[int, int, str], list[HaloPlan]],
                   fill: float = 0.0, key: tuple = ()) -> HaloExchanger:

@@ -48,6 +48,7 @@ class ModelConfig:
     global_pool: bool = False            # global average pooling before the dense head
     head_norm: bool = False              # BatchNorm1d on the pooled features
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
+    power_spectrum: bool = False         # a P(k) branch of the input channels into the head
 
 
 @dataclass

@@ -111,6 +111,45 @@ def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: 
     return nn.Sequential(*layers)
 
 
+class PowerSpectrumBranch(nn.Module):
+    """CosmoFlow with a power-spectrum branch (CNN + P(k) hybrids: Ntampaka et al. 2020, Min et al.
+    2024): P(k) of each input channel in shells ``shell_width`` apart up to the Nyquist frequency,
+    log-compressed and standardised across the batch, beside the convolutional summaries at the head.
+
+    Why: P(k) is the statistic a ridge regression beats the plain network with (the volume study's
+    reference); given to the head, the network starts from it and the convolutions add what it
+    misses. On a split volume the branch runs as ``hp.nn.DistPowerSpectrum`` (a distributed FFT)."""
+
+    def __init__(self, trunk: nn.Sequential, head: nn.Sequential, in_channels: int, input_size: int,
+                 shell_width: float = 2.0) -> None:
+        from hybridpar.nn import PowerSpectrum  # noqa: PLC0415 (the app's models import no engine otherwise)
+
+        super().__init__()
+        edges = [0.5 + shell_width * i for i in range(int((input_size / 2 - 0.5) // shell_width) + 1)]
+        self.trunk, self.head = trunk, head
+        self.spectrum = PowerSpectrum(edges)
+        self.spectrum_norm = nn.BatchNorm1d(in_channels * (len(edges) - 1), momentum=0.1)
+
+    @staticmethod
+    def bins(input_size: int, shell_width: float = 2.0) -> int:
+        return int((input_size / 2 - 0.5) // shell_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = self.spectrum_norm(torch.log1p(self.spectrum(x)).flatten(1))
+        return self.head(torch.cat([self.trunk(x), spectrum], dim=1))
+
+
+def _with_power_spectrum(model: nn.Sequential, input_size: int, in_channels: int) -> PowerSpectrumBranch:
+    """``model`` cut at its first dense layer, which also takes the P(k) features."""
+    layers = list(model)
+    cut = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
+    first = layers[cut]
+    extra = in_channels * PowerSpectrumBranch.bins(input_size)
+    layers[cut] = nn.Linear(first.in_features + extra, first.out_features)
+    return PowerSpectrumBranch(nn.Sequential(*layers[:cut]), nn.Sequential(*layers[cut:]), in_channels,
+                               input_size)
+
+
 def conv_channels(n_conv: int, base_filters: int, max_filters: int) -> list[int]:
     """Output channels of each conv layer: ``base·2^i`` capped at ``max_filters``."""
     return [min(base_filters * 2 ** i, max_filters) for i in range(n_conv)]
@@ -121,7 +160,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 dense: Sequence[int] = (128, 64), n_outputs: int = 4, dropout: float = 0.5,
                 batchnorm: bool = False, leaky_slope: float = 0.3, output_scale: float = 1.2,
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
-                head_norm: bool = False, padding_mode: str = "zeros") -> nn.Sequential:
+                head_norm: bool = False, padding_mode: str = "zeros",
+                power_spectrum: bool = False) -> nn.Module:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
@@ -132,7 +172,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
 
     ``input_size`` must be divisible by 2^n_conv (each max-pool halves it); a 64³ demo model is e.g.
     ``build_model(64, n_conv=4)`` or ``build_model(64, base_filters=8)``. With ``batchnorm`` the convs
-    lose their bias (BatchNorm's shift replaces it).
+    lose their bias (BatchNorm's shift replaces it). ``power_spectrum`` adds a P(k) branch to the head
+    (:class:`PowerSpectrumBranch`; the model is then no longer one ``Sequential``).
     """
     if n_conv < 1:
         raise ValueError(f"n_conv must be at least 1, got {n_conv}")
@@ -146,6 +187,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     model = _build(input_size, in_channels, conv_channels(n_conv, base_filters, max_filters), kernel_size,
                    pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum,
                    global_pool, head_norm, padding_mode)
+    if power_spectrum:
+        model = _with_power_spectrum(model, input_size, in_channels)
     _init(model, init, leaky_slope)
     return model
 

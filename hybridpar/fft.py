@@ -17,15 +17,33 @@ values travel as real pairs beside the channels (N, C, 2, D, H, W), in the activ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from hybridpar.comm.redistribute import infer_global_shape, local_box, redistribute
-from hybridpar.geometry import pencil
+from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
 
-__all__ = ["Spectrum", "irfftn", "rfftn"]
+__all__ = ["Spectrum", "irfftn", "rfftn", "transpose_elements"]
+
+
+def transpose_elements(shape: tuple[int, int, int], split: tuple[int, int, int], channels_in: int,
+                       channels_out: int = 0) -> int:
+    """Real numbers per sample a rank receives in the transposes of one ``rfftn`` of ``channels_in``
+    channels of a (D, H, W) field split ``split`` and, with ``channels_out``, of one ``irfftn`` back
+    (the routes :func:`rfftn` and :func:`irfftn` take; each transpose at its most loaded rank): what
+    ``explain`` shows and the performance model costs."""
+    parts = math.prod(split)
+    p1, p2 = pencil(parts)
+    a, b, c = (p1, p2, 1), (p1, 1, p2), (1, p1, p2)
+    modes = (shape[0], shape[1], shape[2] // 2 + 1)
+    moves = [(shape, split, a, channels_in), (modes, a, b, 2 * channels_in), (modes, b, c, 2 * channels_in)]
+    if channels_out:
+        moves += [(modes, c, b, 2 * channels_out), (modes, b, a, 2 * channels_out),
+                  (shape, a, split, channels_out)]
+    return sum(width * redistribute_volume(extents, src, dst, parts)[0] for extents, src, dst, width in moves)
 
 
 def _layouts(grid: ProcessGrid) -> tuple[ProcessGrid, ProcessGrid, ProcessGrid]:

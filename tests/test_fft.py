@@ -14,6 +14,7 @@ from distributed import GRIDS, flat_grids, grid_ids
 from layer_cases import Failures
 from test_user_models import _compare
 
+MACHINE = "v100"  # a preset of the performance model
 SHAPES = [(2, 2, 7, 6, 5), (1, 3, 5, 9, 8), (1, 1, 8, 8, 8), (1, 2, 3, 9, 4)]  # the last: empty pencils on 8
 
 
@@ -166,3 +167,26 @@ def test_spectral_models_train_split_as_in_one_process(pools, model, spec):
     """Three SGD steps of an FNO-style model and of a P(k)-branch regressor, split 2 x 2 and data x
     spatial by ``parallelize``, equal one process (the spectral layers swapped in by the registry)."""
     pools(4).run(_model_body, model, spec, timeout=300)
+
+
+def test_explain_and_the_performance_model_count_the_transposes():
+    """A slab transform of 8^3 on 2 ranks moves half the complex modes there and back (160 + 160 real
+    numbers per sample); ``explain`` shows each spectral layer's transposes and the performance model
+    costs them."""
+    import hybridpar as hp
+    from hybridpar import perfmodel as pm
+    from hybridpar.fft import transpose_elements
+    from hybridpar.spec.explain import explain
+
+    assert transpose_elements((8, 8, 8), (2, 1, 1), 1, 1) == 320
+    assert transpose_elements((8, 8, 8), (1, 1, 1), 4, 4) == 0
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}})
+    table = explain(spec, FNO(), (2, 1, 16, 16, 16), 4)
+    assert table.count("⇄ FFT transposes") == 2
+    plan = spec.plan(FNO(), (2, 1, 16, 16, 16), 4)
+    moved = {r.name: r.transpose_bytes for r in plan}
+    assert moved["spectral.0"] == 4 * 2 * transpose_elements((16, 16, 16), (2, 2, 1), 4, 4) > 0
+    assert moved["lift"] == 0
+    costs = {c.name: c for c in pm.predict(FNO(), spec, MACHINE, 4, input_shape=(2, 1, 16, 16, 16)).layers}
+    assert costs["spectral.0"].redistribute_forward > 0 and costs["spectral.0"].redistribute_backward > 0
+    assert costs["lift"].redistribute_forward == 0

@@ -31,8 +31,8 @@ def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]
             if t is not None:
                 key = f"{prefix}.{name}" if prefix else name
                 state[key] = metas.setdefault(id(t), torch.empty_like(t, device="meta"))
-    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
-    return state, dtype
+    floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    return state, floats[0].dtype if floats else torch.get_default_dtype()
 
 
 def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> Any:

@@ -71,7 +71,7 @@ class PowerSpectrum(nn.Module):
     def __init__(self, edges: Sequence[float] | torch.Tensor) -> None:
         super().__init__()
         self.bounds = _edges(edges, type(self).__name__)
-        self.register_buffer("edges", torch.tensor(self.bounds, dtype=torch.float64), persistent=False)
+        self.register_buffer("edges", torch.tensor(self.bounds), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         modes = torch.fft.rfftn(x, dim=(-3, -2, -1))
@@ -220,5 +220,9 @@ def _power_spectrum(m: PowerSpectrum, grid: ProcessGrid, overlap: bool = False) 
     return DistPowerSpectrum(m.bounds, grid=grid)
 
 
-registry.register(SpectralConv3d, role="pointwise", op="conv", flops=spectral_flops, to_dist=_spectral_conv)
-registry.register(PowerSpectrum, role="reduce", op="pointwise", flops=power_flops, to_dist=_power_spectrum)
+# ``transposes(m, input_shape, split)``: real numbers per sample the FFT's transposes bring a rank
+registry.register(SpectralConv3d, role="pointwise", op="conv", flops=spectral_flops, to_dist=_spectral_conv,
+                  transposes=lambda m, shape, split: hfft.transpose_elements(shape[2:], split, m.in_channels,
+                                                                             m.out_channels))
+registry.register(PowerSpectrum, role="reduce", op="pointwise", flops=power_flops, to_dist=_power_spectrum,
+                  transposes=lambda m, shape, split: hfft.transpose_elements(shape[2:], split, shape[1]))

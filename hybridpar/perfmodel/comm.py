@@ -8,13 +8,11 @@ produce, computed from the plan's shapes with the same index arithmetic they run
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from collections.abc import Sequence
 
-from hybridpar import geometry
 from hybridpar.flops import received_halo
+from hybridpar.geometry import redistribute_volume
 from hybridpar.perfmodel.machine import Link, Machine
 from hybridpar.spec.config import Split
 
@@ -40,35 +38,6 @@ def halo_bytes(local_input: Sequence[int], halo: Sequence[tuple[int, int]], spli
         # each of the two ranks of a 2-way split has one neighbour: the wider side is the worst
         widths.append((max(lo, hi), 0) if split[d] == 2 else (lo, hi))
     return received_halo(local_input[2:], widths, local_input[0] * local_input[1] * dtype_bytes, corners=True)
-
-
-def _boxes(shape: Sequence[int], split: Split) -> list[tuple[tuple[int, int], ...]]:
-    sd, sh, sw = split
-    return [tuple(geometry.shard_range(shape[a], split[a], c[a]) for a in range(3))
-            for c in itertools.product(range(sd), range(sh), range(sw))]
-
-
-@functools.lru_cache(maxsize=4096)
-def redistribute_volume(shape: tuple[int, int, int], src: Split, dst: Split, stage: int) -> tuple[int, int]:
-    """Voxels and messages the most loaded stage rank receives moving ``src`` -> ``dst``, routed as
-    :func:`hybridpar.comm.redistribute.redistribute_tensor` routes them: stage rank ``q`` needs the
-    ``dst`` box ``q % |dst|`` and already holds the ``src`` shard ``q % |src|``; every other ``src``
-    shard overlapping its box sends one message. The ``src`` shards tile the volume, so the voxels
-    received are the box minus the part q holds."""
-    if src == dst:
-        return 0, 0
-    ns, nd = math.prod(src), math.prod(dst)
-    src_ranges = [geometry.shard_ranges(shape[a], src[a]) for a in range(3)]
-    sb, db = _boxes(shape, src), _boxes(shape, dst)
-    worst = (0, 0)
-    for qd, qs in {(q % nd, q % ns) for q in range(stage)}:
-        want, own = db[qd], sb[qs]
-        held = math.prod(max(0, min(a[1], b[1]) - max(a[0], b[0])) for a, b in zip(own, want))
-        senders = math.prod(sum(1 for r in src_ranges[a] if min(r[1], want[a][1]) > max(r[0], want[a][0]))
-                            for a in range(3))
-        vox = math.prod(hi - lo for lo, hi in want) - held
-        worst = max(worst, (vox, senders - (1 if held else 0)))
-    return worst
 
 
 def allreduce_time(nbytes: float, ranks: Sequence[int], machine: Machine, world: int) -> float:

@@ -17,7 +17,7 @@ from hybridpar.perfmodel.comm import halo_bytes, redistribution
 from hybridpar.perfmodel.machine import Compute, Link, Machine
 from hybridpar.perfmodel.workload import Leaf, Workload, input_grads, kernel_shape, layer_key
 from hybridpar.spec.config import Split
-from hybridpar.spec.plan import REPLICATED, LayerPlan
+from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan
 
 __all__ = ["LayerCost", "layer_costs"]
 
@@ -111,6 +111,12 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
             (r_f, r_b), lat = redistribution(rec.input_shape, rec.local_input_shape, prev.split, rec.split,
                                              stage_size, e, halo_link, halo_share)
             latency += lat
+        if rec.transpose_bytes:  # a spectral layer's FFT transposes, as much again backward
+            moved = rec.transpose_bytes // BYTES_PER_ELEMENT * e
+            messages = 6 * (stage_size - 1)  # up to every other rank, per transpose and direction
+            t = halo_link.time(moved / halo_share, messages)
+            r_f, r_b = r_f + t, r_b + t
+            latency += 2 * messages * halo_link.latency
         if hb and layers and layers[-1].stage == rec.stage:
             # a layer that exchanges halos saves its extended copy of the input, counted above; the
             # plain input (the layer before's output, counted there) is then kept by nobody

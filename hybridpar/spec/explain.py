@@ -70,6 +70,9 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         if r.redistribute:
             srcs = sorted({_split(by_name[n].output_split) if n in by_name else "input" for n in r.inputs})
             rows.append((f"  ~ redistribute {', '.join(srcs)} -> {_split(r.split)}",))
+        if r.transpose_bytes:
+            rows.append((f"  ⇄ FFT transposes (pencils): {_bytes(r.transpose_bytes)} received per rank per "
+                         f"micro-batch forward, as much again backward",))
         if r.gather:
             rows.append(("  ! gathers a split activation inside a split region: every rank holds the whole "
                          "volume here (register the layer to split it)",))

@@ -70,6 +70,7 @@ class LayerPlan:
     inputs: tuple[str, ...] = ()
     out_split: Split | None = None
     gather: bool = False
+    transpose_bytes: int = 0  # what a spectral layer's FFT transposes bring the most loaded rank, forward
 
     @property
     def rank_share(self) -> float:
@@ -275,8 +276,18 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         local_input_shape=local_shape(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
-        train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i])
+        train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
+        transpose_bytes=_transpose_bytes(node, shapes[i][0], splits[i], micro))
         for i, node in enumerate(nodes)]
+
+
+def _transpose_bytes(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> int:
+    """Bytes the FFT transposes of a spectral layer bring its most loaded rank per micro-batch."""
+    entry = registry.lookup(node.module) if node.module is not None else None
+    fn = entry.extra.get("transposes") if entry is not None else None
+    if fn is None or split == REPLICATED or len(in_shape) != 5:
+        return 0
+    return BYTES_PER_ELEMENT * micro * fn(node.module, in_shape, split)
 
 
 def broadcasts(split: Split, shape: Sequence[int]) -> bool:

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "p2p_latency": ("bench_p2p_latency", "one-way message time: gloo (and MPI with --mpi)"),
     "vs_torch_pipelining": ("bench_vs_torch_pipelining", "our GPipe against torch.distributed.pipelining"),
     "hybrid_vs_dp": ("bench_hybrid_vs_dp", "spatial x pipeline against data parallelism, 2 ranks"),
+    "fft": ("bench_fft", "distributed 3D FFT (rfftn + irfftn) on 2 and 4 ranks against one process"),
     "unet": ("bench_unet", "3D U-Net: activation memory and step time per rank against one process"),
     "loader": ("bench_loader", "sharded loader: bytes read per rank, data wait with worker processes"),
     "generator": ("bench_generator", "synthetic universe generation time"),

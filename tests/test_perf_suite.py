@@ -31,6 +31,7 @@ KEYS: dict[str, set[str]] = {
     "vs_torch_pipelining": {"config", "load", "result", "stats", "table"},
     "hybrid_vs_dp": {"config", "load", "result", "stats", "table"},
     "unet": {"config", "load", "results", "table"},
+    "fft": {"config", "load", "result", "stats", "table", "mpi4py_fft"},
     "loader": {"config", "rows", "augment", "wait"},
     "generator": {"config", "seconds_per_universe", "stages_median_s"},
     "checkpoint": {"config", "modes", "goals", "restart_s"},

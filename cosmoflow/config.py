@@ -60,6 +60,8 @@ class UNetConfig:
     max_width: int = 64
     groups: int = 4                      # GroupNorm groups
     padding_mode: str = "circular"       # zeros | circular (periodic boxes)
+    displacement: bool = False           # also feed the Zel'dovich displacement of the smoothed z = 0 field
+    smoothing: float = 2.0               # its smoothing radius, voxels
 
 
 @dataclass

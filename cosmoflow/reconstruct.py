@@ -31,6 +31,7 @@ import torch.distributed as dist
 import hybridpar as hp
 from cosmoflow.config import Config
 from cosmoflow.correlation import Shells, correlation, shell_centres, shell_edges
+from cosmoflow.displacement import WithDisplacement
 from cosmoflow.metrics import plot_run
 from cosmoflow.unet import UNet3d
 from cosmoflow.universe import Cosmology, box_size
@@ -41,13 +42,14 @@ GOAL = 0.5
 """The prediction's 1 - r(k) must be at most this fraction of the input's below half the Nyquist frequency."""
 
 
-def build_unet(cfg: Config, in_channels: int) -> UNet3d:
-    """The task's network from the ``unet`` section of the config."""
+def build_unet(cfg: Config, in_channels: int) -> torch.nn.Module:
+    """The task's network from the ``unet`` section of the config (with ``unet.displacement``, fed the
+    displacement channels of :mod:`cosmoflow.displacement` too)."""
     u = cfg.unet
-    model = UNet3d(in_channels, 1, width=u.width, levels=u.levels, max_width=u.max_width, groups=u.groups,
-                   padding_mode=u.padding_mode)
+    model = UNet3d(in_channels + (3 if u.displacement else 0), 1, width=u.width, levels=u.levels,
+                   max_width=u.max_width, groups=u.groups, padding_mode=u.padding_mode)
     model.check_extent(cfg.data.sample_size)
-    return model
+    return WithDisplacement(model, u.smoothing) if u.displacement else model
 
 
 def overdensity(log_counts: np.ndarray) -> np.ndarray:

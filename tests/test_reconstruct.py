@@ -151,3 +151,73 @@ def _has(module: str) -> bool:
         return False
     return True
 
+
+
+def test_displacement_points_into_an_overdensity():
+    """ψ = i k / k² δ: matter converges on an overdense blob (δ = -∇·ψ > 0), so beside a blob at the
+    centre the displacement points back to it, and its divergence is the smoothed -δ."""
+    import torch
+
+    from cosmoflow.displacement import Displacement
+
+    n = 16
+    grid = torch.arange(n, dtype=torch.float64) - n / 2
+    r2 = grid.view(-1, 1, 1) ** 2 + grid.view(1, -1, 1) ** 2 + grid.view(1, 1, -1) ** 2
+    counts = 1.0 + 4.0 * torch.exp(-r2 / 8.0)
+    out = Displacement(smoothing=1.0)(torch.log1p(counts).view(1, 1, n, n, n))
+    psi = out[0, 1:]
+    c = n // 2
+    assert psi[0, c + 3, c, c] < 0 < psi[0, c - 3, c, c]  # along D, towards the centre
+    assert psi[1, c, c + 3, c] < 0 < psi[1, c, c - 3, c] and psi[2, c, c, c + 3] < 0 < psi[2, c, c, c - 3]
+    f, h = 2 * torch.pi * torch.fft.fftfreq(n, dtype=torch.float64), \
+        2 * torch.pi * torch.fft.rfftfreq(n, dtype=torch.float64)  # radians per voxel
+    k = [f.view(-1, 1, 1), f.view(1, -1, 1), h.view(1, 1, -1)]
+    div = sum(torch.fft.irfftn(1j * kj * torch.fft.rfftn(psi[j]), s=(n, n, n)) for j, kj in enumerate(k))
+    delta = counts / counts.mean() - 1
+    smooth = torch.fft.irfftn(torch.fft.rfftn(delta) * torch.exp(-0.5 * (k[0] ** 2 + k[1] ** 2 + k[2] ** 2)),
+                              s=(n, n, n))
+    assert torch.allclose(-div, smooth, atol=1e-5)  # to the Nyquist planes' share (exp(-pi^2 / 2) of it)
+
+
+def _displacement_body(rank: int, world: int, split: tuple[int, int, int]) -> None:
+    import torch
+
+    import hybridpar as hp
+    from cosmoflow.displacement import Displacement
+
+    from layer_cases import Failures
+
+    fails = Failures()
+    grid = hp.ProcessGrid(spatial=split)
+    g = torch.Generator().manual_seed(3)
+    x = torch.log1p(torch.rand(2, 2, 9, 8, 7, dtype=torch.float64, generator=g) * 5)
+    layer = Displacement(1.5)
+    ours = hp.pipeline.convert.to_distributed(layer, grid)
+    fails.check(f"displacement split {split}", hp.gather(ours(hp.scatter(x, grid)), grid), layer(x), 1e-10)
+    fails.raise_if_any(rank)
+
+
+@pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (4, (2, 2, 1))], ids=["2", "2x2"])
+def test_displacement_split_equals_whole(pools, world, split):
+    """The displacement channels of a split volume (hp.fft) are those of the whole, float64 to 1e-10."""
+    pools(world).run(_displacement_body, split, timeout=120)
+
+
+def test_displacement_and_power_spectrum_options_build_their_models():
+    """``unet.displacement`` feeds the U-Net three more channels through a registered layer that plans
+    split; ``model.power_spectrum`` gives CosmoFlow's head the P(k) features beside its own."""
+    import hybridpar as hp
+    from cosmoflow.displacement import WithDisplacement
+    from cosmoflow.model import build_model
+    from cosmoflow.reconstruct import build_unet
+
+    cfg = load_config(ROOT / "launch/configs/reconstruct.yaml",
+                      ["data.channels=1", "unet.displacement=true", "data.sample_size=16", "unet.levels=3"])
+    model = build_unet(cfg, 1)
+    assert isinstance(model, WithDisplacement) and model.net.encoder[0][0].in_channels == 4
+    plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}}).plan(model, (2, 1, 16, 16, 16), 4)
+    assert plan[0].name == "displacement" and plan[0].split == (2, 2, 1) and plan[0].transpose_bytes > 0
+    regressor = build_model(32, 4, 2, 4, 8, dense=[8], dropout=0.0, global_pool=True, power_spectrum=True)
+    assert regressor.head[0].in_features == 8 + 4 * 7  # 8 pooled features, 7 shells of 2 k_f per channel
+    plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(regressor, (2, 4, 32, 32, 32), 2)
+    assert {r.name: r.out_split for r in plan}["spectrum"] == (1, 1, 1)

@@ -1,9 +1,9 @@
 """Models with skip connections, parallelized whole: ``hp.parallelize`` on a U-Net (skip
 concatenations, GroupNorm, trilinear upsampling, periodic padding) and a residual network, on data x
 spatial and pipe x spatial layouts with a pipeline cut that skip tensors cross. Three SGD steps in
-float64 against the same model in one process: every step's loss and, at the end, every parameter and
-buffer within 1e-10 (relative). One spawned group per world size runs every case; a failure names its
-case."""
+float64 against the same model in one process (``test_user_models._compare``): every step's loss and,
+at the end, every parameter and buffer within 1e-9 (relative), and predictions. One spawned group per
+world size runs every case; a failure names its case."""
 
 from __future__ import annotations
 
@@ -15,48 +15,9 @@ from torch import nn
 import distributed
 import graph_models
 from layer_cases import Failures
+from test_user_models import _compare  # three steps, the state dict, predict: against one process
 
 SHAPE = (4, 1, 12, 8, 8)
-
-
-def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor, y: torch.Tensor,
-             loss_fn) -> None:
-    import hybridpar as hp
-
-    torch.manual_seed(0)
-    ref = make().double()
-    model = make().double()
-    model.load_state_dict(ref.state_dict())
-    engine = hp.parallelize(model, spec, loss_fn=loss_fn)
-    x_local, y_local = engine.shard_batch(x, y)
-    opt = torch.optim.SGD(engine.parameters() or [{"params": []}], lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for step in range(3):
-        opt.zero_grad()
-        loss = engine.train_step(x_local, y_local)
-        opt.step()
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        fails.check(f"{desc} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
-    state = engine.full_state_dict()
-    if list(state) != list(ref.state_dict()):
-        fails.append(f"{desc}: full_state_dict keys differ from the model's")
-        return
-    for k, v in ref.state_dict().items():
-        if v.is_floating_point():
-            fails.check(f"{desc} {k} after 3 steps", state[k].to(v.dtype), v, 1e-9)
-    engine.eval()
-    pred = engine.predict(x_local)
-    ref.eval()
-    with torch.no_grad():
-        fails.check(f"{desc} predict", pred, ref(x)[_rows(engine, x.shape[0])])
-
-
-def _rows(engine, batch: int) -> slice:
-    per = batch // engine.grid.data
-    return slice(engine.grid.data_index * per, (engine.grid.data_index + 1) * per)
 
 
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:

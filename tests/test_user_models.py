@@ -13,6 +13,8 @@ Three SGD steps in float64 against the same model in one process, on 2 and 4 ran
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -299,3 +301,31 @@ def test_shape_reads_plan_without_gathers():
     assert rows["interpolate"].kind == "interpolate" and rows["interpolate"].split == (2, 2, 1)
     assert rows["pad"].split == (2, 2, 1) and rows["repeat"].split == (2, 2, 1)
     assert rows["size"].output_shape == () and rows["size"].activation_bytes == 0
+
+
+class ExtentReader(nn.Module):
+    """A forward torch.fx cannot trace (a branch on a tensor's rank) that scales by an extent."""
+
+    def __init__(self, dim: int = 2) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if h.dim() == 5:
+            h = h * (h.size(self.dim) / 8)
+        return h
+
+
+def test_module_swapping_warns_where_a_forward_reads_a_shards_extents():
+    """Run by module swapping, a forward that reads a split activation's spatial extents sees the
+    shard's: said when the plan is made; reading the batch size is not."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.warns(UserWarning, match=r"reads the spatial extents of a split activation outside any"):
+        spec.plan(ExtentReader(), SHAPE, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec.plan(ExtentReader(dim=0), SHAPE, 2)

@@ -170,8 +170,9 @@ class Engine:
         self.output_split = stage.output_split
         self.input_grid = self._layout(self.input_split)
         self.train(self._training)
-        # Keep only what the original model is still needed for (its state-dict keys, in order):
-        # every rank holding all stages' weights would defeat a pipeline of a model too big for one.
+        # Keep only what the original model is still needed for (its state-dict keys, in order): every
+        # rank holding all stages' weights would defeat a pipeline of a model too big for one (the
+        # stages share the model's tensors; a user who drops the model lets the other stages' go).
         run = None if self.graph is None else {n.target for n in self.graph.nodes if n.op == "module"}
         self._state_keys = state.ModelKeys(self.model, run)  # module swapping runs the whole model
         self.model = self.graph = None  # the traced graph holds the model's modules too

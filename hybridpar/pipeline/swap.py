@@ -8,7 +8,8 @@ under the grid's split, and the model's own forward runs on this rank's shard. A
 its split input first (the dense head then runs replicated, as after a planned gather).
 
 What it cannot do: cut the model into pipeline stages (that needs the data flow), or let one layer run
-under another split. Python code that reads a split tensor's spatial shape sees the shard's.
+under another split. Python code that reads a split tensor's spatial shape sees the shard's (the plan
+warns where the forward reads one: :func:`hybridpar.spec.swapped.swapped_plan`).
 """
 
 from __future__ import annotations

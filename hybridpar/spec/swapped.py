@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -51,12 +53,26 @@ class _Watch(TorchFunctionMode):
         self.depth = 0
         self.split: dict[int, torch.Tensor] = {}  # id -> tensor (kept, so that ids are not reused)
         self.unsafe: list[str] = []
+        self.extents_read = False  # a split activation's spatial extents read outside the layers
 
     def mark(self, t: torch.Tensor) -> None:
         self.split[id(t)] = t
 
+    def _reads_extents(self, func, args: tuple, kwargs: dict) -> bool:
+        """``x.shape``, ``x.size()`` or ``x.size(d)`` for a spatial ``d`` of a split activation: on a
+        shard these are the shard's extents, not the volume's."""
+        if self.depth or not args or not isinstance(args[0], torch.Tensor) or id(args[0]) not in self.split:
+            return False
+        if getattr(func, "__self__", None) is torch.Tensor.shape:
+            return True
+        if getattr(func, "__name__", "") != "size":
+            return False
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return dim is None or dim % args[0].dim() >= 2
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.extents_read = self.extents_read or self._reads_extents(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.depth or not isinstance(out, torch.Tensor):
             return out
@@ -93,7 +109,12 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         watch.depth += 1
 
     def hook(m: nn.Module, args: tuple, out: object) -> None:
-        watch.depth -= 1
+        try:  # still inside the layer for the watch: what the hook reads is not the forward's
+            record(m, args, out)
+        finally:
+            watch.depth -= 1
+
+    def record(m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None or not isinstance(out, torch.Tensor):
             return
@@ -139,6 +160,11 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             h.remove()
     if not records:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
+    if watch.extents_read and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"model ({type(model).__name__}): run by module swapping, its forward reads the "
+                      f"spatial extents of a split activation outside any layer; there they are the "
+                      f"shard's, not the volume's (a traced forward reads the volume's): check that what it "
+                      f"computes from them does not depend on the split", stacklevel=3)
     if watch.unsafe:
         calls = ", ".join(sorted(set(watch.unsafe)))
         raise SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {calls} "

@@ -13,7 +13,7 @@ from test_user_models import Failures, _compare
 monai = pytest.importorskip("monai")
 
 SHAPE = (2, 1, 16, 16, 16)
-SHAPES = {"BasicUNet": (2, 1, 32, 32, 16), "BasicUNetPlusPlus": (2, 1, 32, 16, 16),
+SHAPES = {"BasicUNet": (2, 1, 32, 32, 16), "BasicUNetPlusPlus": (2, 1, 32, 32, 16),
           "resnet10": (2, 1, 32, 32, 32)}
 
 
@@ -70,15 +70,14 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails.raise_if_any(rank)
 
 
-CASES = [
-    (4, "DynUNet aliased blocks", "DynUNet", {"grid": {"spatial": [2, 2, 1]}}),
-    (4, "BasicUNet isinstance and shape checks", "BasicUNet", {"grid": {"spatial": [2, 2, 1]}}),
-    (2, "BasicUNet++ deep supervision list", "BasicUNetPlusPlus", {"grid": {"spatial": [2, 1, 1]}}),
-    (4, "RegUNet interpolate to a shape", "RegUNet",
-     {"grid": {"spatial": [2, 2, 1]}, "layers": {"encode_pools.*": {"spatial": "replicate"}}}),
-    (4, "resnet10 view(x.size(0), -1)", "resnet10",  # layer4 sees 2^3 voxels: too few to split
-     {"grid": {"spatial": [2, 2, 1]}, "layers": {"layer4.*": {"spatial": "replicate"}}}),
-]
+RULES = {"RegUNet": {"encode_pools.*": {"spatial": "replicate"}},  # a shape check around a pooling
+         "resnet10": {"layer4.*": {"spatial": "replicate"}}}  # layer4 sees 2^3 voxels: too few to split
+NAMES = {"DynUNet": "DynUNet aliased blocks", "BasicUNet": "BasicUNet isinstance and shape checks",
+         "BasicUNetPlusPlus": "BasicUNet++ deep supervision list",
+         "RegUNet": "RegUNet interpolate to a shape", "resnet10": "resnet10 view(x.size(0), -1)"}
+# every model on the two splits, (2, 1, 1) on 2 ranks and (2, 2, 1) on 4
+CASES = [(world, NAMES[model], model, {"grid": {"spatial": split}, "layers": RULES.get(model, {})})
+         for world, split in ((2, [2, 1, 1]), (4, [2, 2, 1])) for model in NAMES]
 
 
 @pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].split()[0] + f"-{c[0]}" for c in CASES])

@@ -20,7 +20,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-PARAMS = ("Omega_m", "sigma_8", "n_s", "H_0")
+from cosmoflow.universe import PARAM_NAMES
+
+PARAMS = PARAM_NAMES  # the generator's order, the outputs' order
 
 
 class CsvLog:
@@ -156,10 +158,15 @@ def progress_line(row: dict[str, Any], total_steps: int, tty: bool) -> str:
     return f"\r{text}  " if tty else f"{text}\n"
 
 
+def mae(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    """Mean absolute error per parameter (unitPar units), keyed by name (Omega_m, sigma_8, n_s, H_0)."""
+    err = np.abs(np.asarray(pred, dtype=np.float64) - np.asarray(true, dtype=np.float64)).mean(axis=0)
+    return {name: float(e) for name, e in zip(PARAMS, err)}
+
+
 def mae_per_parameter(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
-    """Mean absolute error of each of the four outputs, in unitPar units."""
-    err = np.abs(pred - true).mean(axis=0)
-    return {f"mae_{name}": float(e) for name, e in zip(PARAMS, err)}
+    """:func:`mae` under the metric names ``mae_<parameter>`` the logs and summaries use."""
+    return {f"mae_{name}": e for name, e in mae(pred, true).items()}
 
 
 def save_predictions(path: Path, pred: np.ndarray, true: np.ndarray, sample: np.ndarray,

@@ -43,6 +43,14 @@ def _libc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "mallopt") else None  # musl and others have no mallopt
 
 
+SWITCH = "HYBRIDPAR_MALLOC_TUNING"
+
+
+def enabled() -> bool:
+    """Whether the tuning is on (``HYBRIDPAR_MALLOC_TUNING=0`` turns it off)."""
+    return os.environ.get(SWITCH, "1") != "0"
+
+
 def tune(force: bool = False) -> bool:
     """Apply the settings above once per process; True when glibc took them.
 
@@ -52,7 +60,7 @@ def tune(force: bool = False) -> bool:
     if _tuned is not None and not force:
         return _tuned
     _tuned = False
-    if os.environ.get("HYBRIDPAR_MALLOC_TUNING", "1") == "0":
+    if not enabled():
         return False
     libc = _libc()
     if libc is None:

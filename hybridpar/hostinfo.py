@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hybridpar import cpu_alloc
+
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (or what ``platform`` knows elsewhere)."""
@@ -41,9 +43,9 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_default_threads": torch.get_num_threads(),
         "mkldnn": torch.backends.mkldnn.is_available(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYBRIDPAR_MALLOC_TUNING")
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", cpu_alloc.SWITCH)
                 if k in os.environ},
-        "malloc_tuning": os.environ.get("HYBRIDPAR_MALLOC_TUNING", "1") != "0",
+        "malloc_tuning": cpu_alloc.enabled(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

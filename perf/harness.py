@@ -633,7 +633,7 @@ def extrapolate(out: Path) -> dict[str, Any]:
     prediction, and the published figure beside it."""
     from cosmoflow.model import build_lbann_model  # noqa: PLC0415
     from cosmoflow.model import build_model as mlperf_model  # noqa: PLC0415
-    from hybridpar.plan import advise  # noqa: PLC0415
+    from hybridpar.advisor import advise  # noqa: PLC0415
 
     rows = []
 

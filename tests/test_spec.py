@@ -118,7 +118,7 @@ def test_example_config_is_valid_for_four_ranks():
     """launch/configs/hybrid.yaml: data 1 x pipe 2 x spatial (2,1,1), 2 micro-batches, fits CosmoFlow."""
     spec = load_spec(ROOT / "launch" / "configs" / "hybrid.yaml")
     assert spec.grid == GridSpec(1, 2, (2, 1, 1)) and spec.pipeline.microbatches == 2
-    plan = spec.validate_for(cosmoflow_like(), (2, 4, 128, 128, 128), world_size=4)
+    plan = spec.plan(cosmoflow_like(), (2, 4, 128, 128, 128), world_size=4)
     assert {r.stage for r in plan} == {0, 1}
 
 

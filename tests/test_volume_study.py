@@ -21,9 +21,10 @@ import yaml
 
 from cosmoflow.config import ConfigError
 from cosmoflow.experiments import reference
-from cosmoflow.experiments.averaging import mae, per_universe, spread
+from cosmoflow.experiments.averaging import per_universe, spread
 from cosmoflow.experiments.report import check_schema
 from cosmoflow.experiments.study import load_study
+from cosmoflow.metrics import mae
 
 from forked import run_python
 

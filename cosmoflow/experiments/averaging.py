@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cosmoflow.metrics import PARAMS
-
 
 def per_universe(pred: np.ndarray, true: np.ndarray, universe: Sequence[str] | np.ndarray,
                  crops: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -48,12 +46,6 @@ def per_universe(pred: np.ndarray, true: np.ndarray, universe: Sequence[str] | n
         raise ValueError(f"per_universe: the samples of universe {keys[k]} disagree on its parameters (by "
                          f"{off.max():.3g}); crops of one universe share its targets, so these are not one")
     return sums / counts[:, None], target, keys
-
-
-def mae(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
-    """Mean absolute error per parameter, keyed by name (Omega_m, sigma_8, n_s, H_0)."""
-    err = np.abs(np.asarray(pred, dtype=np.float64) - np.asarray(true, dtype=np.float64)).mean(axis=0)
-    return {name: float(e) for name, e in zip(PARAMS, err)}
 
 
 def spread(values: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:

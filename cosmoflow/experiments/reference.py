@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from cosmoflow.data import open_dataset
-from cosmoflow.experiments.averaging import mae, per_universe
-from cosmoflow.metrics import PARAMS
+from cosmoflow.experiments.averaging import per_universe
+from cosmoflow.metrics import PARAMS, mae
 from cosmoflow.universe import measure_power
 
 SHELLS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 0.87)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmoflow.experiments.averaging import mae, per_universe, spread
-from cosmoflow.metrics import PARAMS, installed
+from cosmoflow.experiments.averaging import per_universe, spread
+from cosmoflow.metrics import PARAMS, installed, mae
 
 UNITS = ("unitPar: each parameter normalised to [-1, 1] over the generator's prior range (what the network "
          "predicts); mae of a crop size is that of the mean prediction over all crops of a validation "

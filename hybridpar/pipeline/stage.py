@@ -33,8 +33,8 @@ from hybridpar.pipeline.swap import swap
 from hybridpar.spec import ParallelSpec
 from hybridpar.spec.config import SpecError
 from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
+from hybridpar.spec.plan import REPLICATED
 
-REPLICATED = (1, 1, 1)
 Layers = list[tuple[str | None, nn.Module]]  # (name in the original model or None, module)
 
 

@@ -301,17 +301,11 @@ class ParallelSpec:
         return replace(self, grid=self.grid.resolve(world_size))
 
     def plan(self, model: Any, input_shape: Sequence[int], world_size: int | None = None) -> list[Any]:
-        """Per-layer plan records (:class:`hybridpar.spec.plan.LayerPlan`) in forward order."""
+        """Per-layer plan records (:class:`hybridpar.spec.plan.LayerPlan`) in forward order, after every
+        check that needs the model, the global input shape and the world size."""
         from hybridpar.spec.plan import build_plan  # noqa: PLC0415 (plan imports torch; config must not)
 
         return build_plan(self, model, input_shape, world_size)
-
-    def validate_for(self, model: Any, input_shape: Sequence[int], world_size: int) -> list[Any]:
-        """Every check that needs the model, the global input shape and the world size.
-
-        Returns the plan, so the caller validates and plans in one pass.
-        """
-        return self.plan(model, input_shape, world_size)
 
 
 def load_spec(path: str | Path) -> ParallelSpec:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridpar.geometry import shard_range
 from hybridpar.nn import registry
 from hybridpar.spec.analysis import REPLICATED, Analysis, analyse, check_input_shape
 from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
@@ -91,8 +92,9 @@ class LayerPlan:
 
 
 def _shard(extent: int, parts: int) -> int:
-    """Extent held by the most loaded rank (balanced split, the first shards take the remainder)."""
-    return -(-extent // parts)
+    """Extent held by the most loaded rank: the first shard (the first shards take the remainder)."""
+    lo, hi = shard_range(extent, parts, 0)
+    return hi - lo
 
 
 def local_shape(shape: tuple[int, ...], micro: int, split: Split) -> tuple[int, ...]:

@@ -116,17 +116,25 @@ def kept_modes(extent: int, lo: int, hi: int, m: int, half: bool) -> tuple[tuple
     return tuple(p for p, _ in keep), tuple(j for _, j in keep)
 
 
+@functools.lru_cache(maxsize=256)
+def _kept_indices(shape: tuple[int, ...], box: tuple[tuple[int, int], ...], kept: tuple[int, ...],
+                  device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`kept_modes` of each dim as index tensors on ``device``, made once (no copy per step)."""
+    picks, index = [], []
+    for axis in range(3):
+        pos, idx = kept_modes(shape[axis], *box[axis], kept[axis], axis == 2)
+        picks.append(torch.tensor(pos, dtype=torch.long, device=device))
+        index.append(torch.tensor(idx, dtype=torch.long, device=device))
+    return picks, index
+
+
 def mix_modes(modes: torch.Tensor, shape: Sequence[int], box: Sequence[tuple[int, int]],
               weight: torch.Tensor, kept: tuple[int, int, int]) -> torch.Tensor:
     """The held modes (N, C_in, ...; ``box`` of the whole field's, ``shape`` its real extents) of wave
     numbers ``|kd| < m1``, ``|kh| < m2``, ``kw < m3`` times the complex ``weight`` (C_in, C_out,
     2 m1 - 1, 2 m2 - 1, m3; index ``k mod (2 m - 1)``) summed over input channels, every other mode
     zero: (N, C_out, ...)."""
-    picks, index = [], []
-    for axis in range(3):
-        pos, idx = kept_modes(shape[axis], *box[axis], kept[axis], axis == 2)
-        picks.append(torch.tensor(pos, dtype=torch.long, device=modes.device))
-        index.append(torch.tensor(idx, dtype=torch.long, device=modes.device))
+    picks, index = _kept_indices(tuple(shape), tuple(map(tuple, box)), tuple(kept), modes.device)
     x = modes.index_select(2, picks[0]).index_select(3, picks[1]).index_select(4, picks[2])
     w = weight.index_select(2, index[0]).index_select(3, index[1]).index_select(4, index[2])
     out = modes.new_zeros((modes.shape[0], weight.shape[1], *modes.shape[2:]))

@@ -56,7 +56,9 @@ def _move(z: torch.Tensor, shape: tuple[int, int, int], src: ProcessGrid, dst: P
     """A complex shard of a global (D, H, W) = ``shape`` field, from layout ``src`` to ``dst``."""
     if src.spatial_shape == dst.spatial_shape:
         return z
-    pairs = torch.stack([z.real, z.imag], dim=-4)  # (N, C, 2, d, h, w): the real pairs ride as channels
+    # (N, C, 2, d, h, w): the real pairs ride as channels; a view, but an empty shard's pairs are built
+    # (view_as_real's backward cannot view an empty gradient)
+    pairs = torch.view_as_real(z).movedim(-1, -4) if z.numel() else torch.stack([z.real, z.imag], dim=-4)
     pairs = redistribute(pairs, src, dst, shape)
     return torch.complex(pairs.select(-4, 0), pairs.select(-4, 1))
 

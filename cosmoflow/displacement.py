@@ -48,10 +48,7 @@ class Displacement(nn.Module):
         counts = torch.expm1(x[:, :1].double())
         modes = torch.fft.rfftn(counts, dim=(-3, -2, -1))
         d, h, w = x.shape[2:]
-        on = {"dtype": torch.float64, "device": x.device}
-        k = (torch.fft.fftfreq(d, 1 / d, **on).view(-1, 1, 1),
-             torch.fft.fftfreq(h, 1 / h, **on).view(1, -1, 1),
-             torch.fft.rfftfreq(w, 1 / w, **on).view(1, 1, -1))
+        k = hp.fft.wavenumbers((d, h, w), torch.float64, x.device)
         psi = displacement_modes(modes, *k, counts.sum((1, 2, 3, 4)), (d, h, w), self.smoothing)
         return torch.cat([x, torch.fft.irfftn(psi, s=(d, h, w), dim=(-3, -2, -1)).to(x.dtype)], dim=1)
 
@@ -71,7 +68,7 @@ class DistDisplacement(SpatialLayer, Displacement):
         counts = torch.expm1(x[:, :1].double())
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         total = sum_to_replicated(counts.sum((1, 2, 3, 4)), group)
-        spec = hp.fft.rfftn(counts, self.grid)
+        spec = hp.fft.rfftn(counts, self.grid, shape)
         psi = displacement_modes(spec.data, *spec.wavenumbers(), total, shape, self.smoothing)
         return torch.cat([x, hp.fft.irfftn(spec.replace(psi), self.grid).to(x.dtype)], dim=1)
 

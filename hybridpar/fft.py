@@ -26,7 +26,7 @@ from hybridpar.comm.redistribute import infer_global_shape, local_box, redistrib
 from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
 
-__all__ = ["Spectrum", "irfftn", "rfftn", "transpose_elements"]
+__all__ = ["Spectrum", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
 
 
 def transpose_elements(shape: tuple[int, int, int], split: tuple[int, int, int], channels_in: int,
@@ -82,6 +82,22 @@ def _check(x: torch.Tensor, what: str) -> None:
                          f"{tuple(x.shape)}")
 
 
+Wavenumbers = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def wavenumbers(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                box: tuple[tuple[int, int], ...] | None = None) -> Wavenumbers:
+    """(kd, kh, kw) of the ``rfftn`` modes of a real (D, H, W) = ``shape`` field, or of the modes in
+    ``box``: integer wave numbers as ``dtype`` tensors broadcastable to the modes' last three dims."""
+    d, h, w = shape
+    box = box or ((0, d), (0, h), (0, w // 2 + 1))
+    on = {"dtype": dtype, "device": device}
+    k = [torch.fft.fftfreq(d, 1 / d, **on), torch.fft.fftfreq(h, 1 / h, **on),
+         torch.fft.rfftfreq(w, 1 / w, **on)]
+    (d0, d1), (h0, h1), (w0, w1) = box
+    return k[0][d0:d1].view(-1, 1, 1), k[1][h0:h1].view(1, -1, 1), k[2][w0:w1].view(1, 1, -1)
+
+
 @dataclass(frozen=True)
 class Spectrum:
     """This rank's modes of ``torch.fft.rfftn`` of the whole (N, C, D, H, W) field (unnormalised).
@@ -104,17 +120,11 @@ class Spectrum:
         """This rank's (lo, hi) range of stored modes per dim."""
         return local_box(self.modes, self.layout)
 
-    def wavenumbers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def wavenumbers(self) -> Wavenumbers:
         """(kd, kh, kw): the global integer wave numbers of the held modes, as float tensors of the
         data's real dtype broadcastable to its last three dims (``fftfreq(n, 1/n)`` along D and H,
         ``rfftfreq(n, 1/n)`` along W)."""
-        real = self.data.real.dtype
-        (d0, d1), (h0, h1), (w0, w1) = self.box()
-        d, h, w = self.shape
-        kw = torch.fft.rfftfreq(w, 1 / w, dtype=real, device=self.data.device)[w0:w1]
-        kd = torch.fft.fftfreq(d, 1 / d, dtype=real, device=self.data.device)[d0:d1]
-        kh = torch.fft.fftfreq(h, 1 / h, dtype=real, device=self.data.device)[h0:h1]
-        return kd.view(-1, 1, 1), kh.view(1, -1, 1), kw.view(1, 1, -1)
+        return wavenumbers(self.shape, self.data.real.dtype, self.data.device, self.box())
 
     def replace(self, data: torch.Tensor) -> Spectrum:
         """The same layout holding ``data`` (the same local shape but for N and C)."""
@@ -124,11 +134,15 @@ class Spectrum:
         return Spectrum(data, self.shape, self.layout)
 
 
-def rfftn(x: torch.Tensor, grid: ProcessGrid) -> Spectrum:
+def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None = None) -> Spectrum:
     """``torch.fft.rfftn(x_whole, dim=(-3, -2, -1))`` of the field whose shard ``x`` is (laid out as
-    ``hp.scatter(x_whole, grid)`` lays it), as this rank's :class:`Spectrum`. Differentiable."""
+    ``hp.scatter(x_whole, grid)`` lays it), as this rank's :class:`Spectrum`. Differentiable.
+    ``shape``: the field's global (D, H, W) where the caller knows it (a layer does); otherwise it is
+    inferred with a small all-gather."""
     _check(x, "rfftn")
-    shape = infer_global_shape(x, grid) if grid.spatial_size > 1 else tuple(x.shape[2:])
+    if shape is None:
+        shape = infer_global_shape(x, grid) if grid.spatial_size > 1 else tuple(x.shape[2:])
+    shape = tuple(shape)
     a, b, c = _layouts(grid)
     modes = (shape[0], shape[1], shape[2] // 2 + 1)
     z = _pass(torch.fft.rfft, redistribute(x, grid, a, shape), -1)

@@ -26,15 +26,6 @@ from hybridpar.nn.formulas import Work
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
 
 
-def _frequencies(shape: Sequence[int], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The whole volume's (kd, kh, kw), broadcastable to its rfftn modes (as ``Spectrum.wavenumbers``)."""
-    d, h, w = shape
-    real = like.real.dtype
-    return (torch.fft.fftfreq(d, 1 / d, dtype=real, device=like.device).view(-1, 1, 1),
-            torch.fft.fftfreq(h, 1 / h, dtype=real, device=like.device).view(1, -1, 1),
-            torch.fft.rfftfreq(w, 1 / w, dtype=real, device=like.device).view(1, 1, -1))
-
-
 # ---------------------------------------------------------------------- the power spectrum
 def shell_sums(modes: torch.Tensor, kd: torch.Tensor, kh: torch.Tensor, kw: torch.Tensor, width: int,
                edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +66,8 @@ class PowerSpectrum(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         modes = torch.fft.rfftn(x, dim=(-3, -2, -1))
-        sums, counts = shell_sums(modes, *_frequencies(x.shape[2:], modes), x.shape[-1], self.edges)
+        k = hfft.wavenumbers(tuple(x.shape[2:]), modes.real.dtype, modes.device)
+        sums, counts = shell_sums(modes, *k, x.shape[-1], self.edges)
         return sums / counts.clamp_min(1)
 
     def extra_repr(self) -> str:
@@ -93,7 +85,7 @@ class DistPowerSpectrum(SpatialLayer, PowerSpectrum):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.global_shape(x)
-        spec = hfft.rfftn(x, self.grid)
+        spec = hfft.rfftn(x, self.grid, shape)
         sums, counts = shell_sums(spec.data, *spec.wavenumbers(), shape[2], self.edges)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
         key = (shape, counts.dtype, counts.device)
@@ -193,8 +185,9 @@ class DistSpectralConv3d(SpatialLayer, SpectralConv3d):
         self._mark_params(self.grid.spatial_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(self.global_shape(x), self.layer_name)
-        spec = hfft.rfftn(x, self.grid)
+        shape = self.global_shape(x)
+        self._check(shape, self.layer_name)
+        spec = hfft.rfftn(x, self.grid, shape)
         weight = sync_grads(self.grid.spatial_group if self.grid.spatial_size > 1 else None, self.weight)
         out = mix_modes(spec.data, spec.shape, spec.box(), torch.view_as_complex(weight), self.modes)
         return hfft.irfftn(spec.replace(out), self.grid)

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.spec.graph import INPUT, ModelGraph, UntraceableError, _Recorder, _Run
+from hybridpar.spec.graph import GraphRunError, ModelGraph, UntraceableError, trace_values
 
 _WHY = ("a Python check on a traced value, such as isinstance, torch.jit.isinstance or hasattr, was fixed "
         "at trace time")
@@ -67,21 +67,20 @@ def _eager_ops(model: nn.Module, x: torch.Tensor, state: dict[str, torch.Tensor]
     return mode.ops
 
 
-def _graph_ops(graph: ModelGraph, x: torch.Tensor, kind: str) -> list[tuple[tuple, str]]:
-    state, _ = meta_state(graph.gm)  # the graph holds the modules its forward calls, no others
-    names = {n.fx_node: n.name for n in graph.nodes}
-    names.update({n: INPUT for n in graph.gm.graph.nodes if n.op == "placeholder"})
-    rec = _Recorder(graph.gm, names)
-    mode = _Ops(lambda: rec.current)
-    try:
-        with mode:
-            meta_call(_Run(graph.gm, rec), {f"gm.{k}": v for k, v in state.items()}, x)
-    except Exception as err:  # the forward ran: the graph is not the forward
-        why = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+def _graph_ops(graph: ModelGraph, input_shape: tuple[int, ...], kind: str) -> list[tuple[tuple, str]]:
+    modes: list[_Ops] = []
+
+    def watch(where: Callable[[], str]) -> _Ops:
+        modes.append(_Ops(where))
+        return modes[-1]
+
+    try:  # the run that also gives the plan its traced values (trace_values keeps them)
+        trace_values(graph, input_shape, watch)
+    except GraphRunError as err:  # the forward ran: the graph is not the forward
         raise UntraceableError(f"model ({kind}): torch.fx traced a graph that computes something other than "
                                f"its forward: the forward runs on this input, the graph fails at node "
-                               f"{rec.current} ({why}; {_WHY})") from None
-    return mode.ops
+                               f"{err.node} ({err.cause}; {_WHY})") from None
+    return modes[0].ops
 
 
 def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, ...]) -> None:
@@ -96,7 +95,7 @@ def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, 
     except Exception:  # the forward itself fails on this shape: the trace of values says where
         return
     kind = type(model).__name__
-    traced = _graph_ops(graph, x, kind)
+    traced = _graph_ops(graph, input_shape, kind)
     for i, (want, got) in enumerate(zip(eager, traced)):
         if want[0] != got[0]:
             raise UntraceableError(

@@ -17,7 +17,10 @@ Which modules are nodes (run as one layer) and which are traced into:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +96,7 @@ class ModelGraph:
     containers: dict[str, int]
     faithful_for: set[tuple[int, ...]] = field(default_factory=set)  # input shapes checked (spec/faithful)
     values: set[str] = field(default_factory=set)  # nodes whose value is not a tensor (analysis.node_shapes)
+    traced: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # trace_values per shape
 
     @property
     def chain(self) -> bool:
@@ -279,20 +283,40 @@ class _Run(nn.Module):
         return self.rec.run(x)
 
 
-def trace_values(graph: ModelGraph, input_shape: tuple[int, ...]) -> dict[str, Any]:
+class GraphRunError(SpecError):
+    """The traced graph failed on the meta device at ``node`` (``cause``, its first line)."""
+
+    def __init__(self, message: str, node: str, cause: str) -> None:
+        super().__init__(message)
+        self.node, self.cause = node, cause
+
+
+Watch = Callable[[Callable[[], str]], AbstractContextManager]  # where -> a context the graph runs under
+
+
+def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
+                 watch: Watch | None = None) -> dict[str, Any]:
     """Every node's output on the meta device for a global input of ``input_shape``: tensors (meta,
-    shapes only) and the non-tensor values computed from them. Nothing is allocated or copied."""
+    shapes only) and the non-tensor values computed from them. Nothing is allocated or copied.
+    Memoised per input shape on the graph; ``watch(where)`` runs the graph (again) under a context
+    (a dispatch mode, :mod:`hybridpar.spec.faithful`), ``where()`` naming the node that runs."""
+    shape = tuple(input_shape)
+    if watch is None and shape in graph.traced:
+        return graph.traced[shape]
     gm = graph.gm
     state, dtype = meta_state(gm)
     names = {n.fx_node: n.name for n in graph.nodes}
     names.update({n: INPUT for n in gm.graph.nodes if n.op == "placeholder"})
     rec = _Recorder(gm, names)
-    x = torch.empty(input_shape, device="meta", dtype=dtype)
+    x = torch.empty(shape, device="meta", dtype=dtype)
     try:
-        meta_call(_Run(gm, rec), {f"gm.{k}": v for k, v in state.items()}, x)
+        with watch(lambda: rec.current) if watch is not None else contextlib.nullcontext():
+            meta_call(_Run(gm, rec), {f"gm.{k}": v for k, v in state.items()}, x)
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where
-        raise SpecError(f"the model does not run on input shape {list(input_shape)}: at layer "
-                        f"{rec.current}: {type(err).__name__}: {err}") from err
+        raise GraphRunError(f"the model does not run on input shape {list(shape)}: at layer "
+                            f"{rec.current}: {type(err).__name__}: {err}", rec.current,
+                            f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
+    graph.traced[shape] = rec.values
     return rec.values

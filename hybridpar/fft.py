@@ -143,6 +143,10 @@ def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None
     if shape is None:
         shape = infer_global_shape(x, grid) if grid.spatial_size > 1 else tuple(x.shape[2:])
     shape = tuple(shape)
+    held = tuple(hi - lo for lo, hi in local_box(shape, grid))
+    if tuple(x.shape[2:]) != held:  # a given shape this shard is not part of (no collective to check)
+        raise ValueError(f"hybridpar.fft.rfftn: a shard of {tuple(x.shape[2:])} voxels is not this rank's "
+                         f"{held} of a global {shape} split {grid.spatial_shape}")
     a, b, c = _layouts(grid)
     modes = (shape[0], shape[1], shape[2] // 2 + 1)
     z = _pass(torch.fft.rfft, redistribute(x, grid, a, shape), -1)

@@ -37,6 +37,12 @@ def _body(rank: int, world: int, shape3: tuple[int, int, int]) -> None:
         w = torch.randn(shape, dtype=torch.float64, generator=g)
         # the spectrum's modes are torch's, in the box its layout gives this rank
         spec = hp.fft.rfftn(hp.scatter(x, grid), grid)
+        try:  # a global shape the shard is not part of is refused, not transformed
+            hp.fft.rfftn(hp.scatter(x, grid), grid, (shape[2] + 3, *shape[3:]))
+            fails.append(f"{desc}: rfftn took a wrong global shape")
+        except ValueError as err:
+            if "is not this rank's" not in str(err):
+                raise
         whole = torch.fft.rfftn(x, dim=(-3, -2, -1))
         box = tuple(slice(a, b) for a, b in spec.box())
         fails.check(f"{desc} rfftn modes", spec.data, whole[(Ellipsis, *box)], 1e-10)

@@ -122,6 +122,18 @@ def same_padding(kernel: int, dilation: int = 1) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
+def avg_pool_divisors(extent: int, out: Range, kernel: int, stride: int, pad: int,
+                      count_include_pad: bool = True) -> list[int]:
+    """torch's average-pool divisor of each output ``out`` along one dim of ``extent`` voxels: the
+    window clipped to the padded extent, or to the volume without ``count_include_pad``."""
+    counts = []
+    for o in range(*out):
+        start = o * stride - pad
+        end = min(start + kernel, extent + pad)
+        counts.append(min(end, extent) - max(start, 0) if not count_include_pad else end - start)
+    return counts
+
+
 MODES = ("zeros", "circular", "replicate", "reflect")
 
 

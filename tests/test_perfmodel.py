@@ -263,7 +263,7 @@ def test_measured_layer_times_replace_the_fit():
     w = pm.Workload(model, shape)
     spec = ParallelSpec()
     (key, *_), = pm.layer_entries(w, w.plan(spec, 1))
-    assert key.startswith("Conv3d(4,4,k(3, 3, 3)") and key.endswith("|1x4x10x10x10|n")
+    assert key == "Conv3d(k3x3x3,s1x1x1,d1x1x1,w4x4x3x3x3,w4)|1x4x10x10x10|n"
     m = compute_only().with_measured({key: (0.25, 0.5)})
     pred = pm.predict(w, spec, m, 1)
     assert pred.layers[0].forward == 0.25 and pred.layers[0].backward == 0.5

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridpar.nn import registry
-from hybridpar.nn.families import BATCH_NORM
+from hybridpar.nn.families import uses_batch_statistics
 
 __all__ = ["FlopCount", "LayerFlops", "TrainingTotals", "count", "meta_copy"]
 
@@ -178,7 +178,7 @@ def _layer(name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> La
     work: dict[str, int] = {}
     geom: _Geometry | None = None
     if m is not None:
-        work, geom = registry.lookup(m).flops(m, x, y)
+        work, geom = registry.lookup(m).work(m, x, y)
     needs_grad = x.requires_grad
     return LayerFlops(
         name=name, type=type(module).__name__, input_shape=tuple(x.shape), output_shape=tuple(y.shape),
@@ -201,7 +201,7 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     meta = meta_copy(model)
     for mod in meta.modules():  # same FLOPs either way, and training mode refuses a batch of one
-        if isinstance(mod, BATCH_NORM):
+        if uses_batch_statistics(mod):
             mod.eval()
     chosen, unsupported = _select(meta)
     records: list[LayerFlops] = []

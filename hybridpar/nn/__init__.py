@@ -7,6 +7,7 @@ converter, the planner, the FLOP counter and the performance model learn about a
 from hybridpar.nn import registry
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
+from hybridpar.nn.lppool import DistLPPool3d
 from hybridpar.nn.norm import DistBatchNorm3d, DistGroupNorm, DistInstanceNorm3d
 from hybridpar.nn.pad import DistCircularPad3d, DistConstantPad3d, DistReflectionPad3d, DistReplicationPad3d
 from hybridpar.nn.pool import (
@@ -28,5 +29,5 @@ __all__ = [
     "DistUpsample", "dist_interpolate", "DistGroupNorm", "DistInstanceNorm3d", "DistAdaptiveAvgPool3d",
     "DistAdaptiveMaxPool3d",
     "DistConstantPad3d", "DistReplicationPad3d", "DistReflectionPad3d", "DistCircularPad3d",
-    "PowerSpectrum", "DistPowerSpectrum", "SpectralConv3d", "DistSpectralConv3d",
+    "PowerSpectrum", "DistPowerSpectrum", "SpectralConv3d", "DistSpectralConv3d", "DistLPPool3d",
 ]

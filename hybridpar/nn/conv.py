@@ -20,7 +20,7 @@ from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.eager import eager
-from hybridpar.geometry import HaloPlan, ntuple, same_padding, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
@@ -50,32 +50,28 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
         self.overlap = overlap
         self._mark_params(self.grid.spatial_size)
 
-    def _pads(self) -> list[tuple[int, int]]:
-        if self.padding == "valid":
-            return [(0, 0)] * 3
-        if self.padding == "same":
-            return [same_padding(k, d) for k, d in zip(self.kernel_size, self.dilation)]
-        return [(p, p) for p in ntuple(self.padding, what="padding", layer=self.layer_name)]
-
     def _native_pads(self) -> tuple[int, int, int]:
         """Padding torch's kernel can apply itself: symmetric zero padding along dims that are not
         split (no copy of the input). The overlapped path pads everything in the exchanger instead, and
         so do the other padding modes (``F.conv3d`` pads with zeros only)."""
         if self._overlapped() or self.padding_mode != "zeros":
             return (0, 0, 0)
-        return tuple(lo if lo == hi and self.grid.spatial_shape[i] == 1 else 0  # type: ignore[return-value]
-                     for i, (lo, hi) in enumerate(self._pads()))
+        return tuple(a["pad_lo"] if a["pad_lo"] == a["pad_hi"] and parts == 1 else 0  # type: ignore[return-value]
+                     for a, parts in zip(self.window(), self.grid.spatial_shape))
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
-        """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
-        pads, native = self._pads(), self._native_pads()
+        """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input:
+        its window's (:meth:`window`), less the padding the kernel applies itself."""
+        native = self._native_pads()
+        if not any(native):
+            return self.window_exchanger(shape)
+        args = self.window()
 
         def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
             i = dim_i(dim)
             if native[i]:  # unsplit, padded by the kernel: nothing to exchange, trim or fill
                 return [HaloPlan((0, n), (0, n), (0, n), 0, 0, 0, 0, 0, 0, (0, 0), (0, 0))]
-            return window_plans(n, parts, self.kernel_size[i], self.stride[i], *pads[i], self.dilation[i],
-                                layer=self.layer_name, dim=dim, mode=self.padding_mode)
+            return window_plans(n, parts, layer=self.layer_name, dim=dim, **args[i])
 
         return self.exchanger(shape, plans_of, key=("native", native))
 
@@ -131,14 +127,9 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         self._mark_params(self.grid.spatial_size)
         self._origins: dict[tuple[int, ...], list[int]] = {}
 
-    def _plans(self, n: int, parts: int, dim: str) -> tuple[list[HaloPlan], list[int]]:
-        i = dim_i(dim)
-        return transposed_plans(n, parts, self.kernel_size[i], self.stride[i], self.padding[i],
-                                self.dilation[i], self.output_padding[i], layer=self.layer_name, dim=dim)
-
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
-        return self.exchanger(shape, lambda n, parts, dim: self._plans(n, parts, dim)[0], key=("T",))
+        return self.window_exchanger(shape)
 
     def origins(self, shape: tuple[int, int, int]) -> list[int]:
         """Per dim, where the kernel's result on this rank's extended input starts in the global output
@@ -148,8 +139,10 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
 
     @eager  # computed once per shape, eagerly (a compiled forward finds it memoised)
     def _new_origins(self, shape: tuple[int, ...]) -> list[int]:
-        self._origins[shape] = [self._plans(shape[i], self.grid.spatial_shape[i], "DHW"[i])[1]
-                                [self.grid.spatial_coord[i]] for i in range(3)]
+        args = self.window()
+        self._origins[shape] = [transposed_plans(shape[i], self.grid.spatial_shape[i], layer=self.layer_name,
+                                                 dim="DHW"[i], **args[i])[1][self.grid.spatial_coord[i]]
+                                for i in range(3)]
         return self._origins[shape]
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""torch's layer families, each named by the base class that all its n-D variants share.
+"""torch's layer families, each named by the base class that all its n-D variants share, and the
+questions the rest of the library asks of a norm layer's family.
 
 Why: torch keeps these bases private (``_ConvNd``, ``_MaxPoolNd``, ...), yet "any conv" or "any max
 pool" is what a FLOP formula or a registry entry means. Naming them once here keeps every reach into
@@ -10,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 CONV_ND: type = nn.modules.conv._ConvNd
+CONV_TRANSPOSE_ND: type = nn.modules.conv._ConvTransposeNd
 MAX_POOL_ND: type = nn.modules.pooling._MaxPoolNd
 AVG_POOL_ND: type = nn.modules.pooling._AvgPoolNd
 ADAPTIVE_POOL_ND: tuple[type, ...] = (nn.modules.pooling._AdaptiveAvgPoolNd,
@@ -18,3 +20,16 @@ NORM_BASE: type = nn.modules.batchnorm._NormBase  # batch and instance norms: th
 BATCH_NORM: type = nn.modules.batchnorm._BatchNorm
 INSTANCE_NORM: type = nn.modules.instancenorm._InstanceNorm
 DROPOUT_ND: type = nn.modules.dropout._DropoutNd
+
+
+def uses_batch_statistics(m: nn.Module) -> bool:
+    """Whether ``m`` normalises by the statistics of its batch while training (a batch norm)."""
+    return isinstance(m, BATCH_NORM)
+
+
+def tracks_replica_statistics(m: nn.Module) -> bool:
+    """Whether ``m`` is a norm layer whose running statistics each data-parallel replica tracks from
+    its own batch: not ``SyncBatchNorm`` nor a layer reducing over the stage (``stats="stage"``),
+    whose statistics are already the whole batch's."""
+    return (isinstance(m, NORM_BASE) and m.track_running_stats and m.running_mean is not None
+            and not isinstance(m, nn.SyncBatchNorm) and getattr(m, "stats", "spatial") != "stage")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridpar import geometry
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
 
@@ -38,28 +37,35 @@ class LayerGeometry:
     ceil_mode: bool = False
     mode: str | None = None  # padding beyond the faces, as geometry names it (None: zeros)
 
+    @classmethod
+    def of_window(cls, kind: str, args: list[dict]) -> LayerGeometry:
+        """The geometry a layer's window description gives (per dim, the keyword arguments of
+        ``geometry.window_plans``, or of ``geometry.transposed_plans`` for ``"conv_transposed"``)."""
+        def each(key: str, default: int = 0) -> tuple[int, ...]:
+            return tuple(a.get(key, default) for a in args)
+
+        if kind == "conv_transposed":
+            return cls(kind, each("kernel"), each("stride", 1), each("padding"), each("padding"),
+                       each("dilation", 1), each("output_padding"))
+        modes = {a.get("mode") or ("circular" if a.get("periodic") else "zeros") for a in args}
+        mode = next(iter(modes - {"zeros"}), None)
+        return cls(kind, each("kernel"), each("stride", 1), each("pad_lo"), each("pad_hi"),
+                   each("dilation", 1), (), any(a.get("ceil_mode", False) for a in args), mode)
+
 
 # ---------------------------------------------------------------------- FLOP formulas (see hybridpar.flops)
-def conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
+def conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, None]:
+    """Multiply-adds of a (transposed) convolution; its geometry is its registry entry's window."""
     n = len(m.kernel_size)
     batch = math.prod(x.shape[:-(n + 1)])
     spatial = x.shape[-n:] if m.transposed else y.shape[-n:]
     fwd = 2 * batch * math.prod(spatial) * math.prod(m.weight.shape)
-    if isinstance(m.padding, str):
-        pads = [geometry.same_padding(k, d) if m.padding == "same" else (0, 0)
-                for k, d in zip(m.kernel_size, m.dilation, strict=True)]
-    else:
-        pads = [(p, p) for p in m.padding]
-    geom = LayerGeometry("conv_transposed" if m.transposed else "conv", tuple(m.kernel_size),
-                         tuple(m.stride), tuple(p[0] for p in pads), tuple(p[1] for p in pads),
-                         tuple(m.dilation), tuple(m.output_padding) if m.transposed else (),
-                         mode=None if getattr(m, "padding_mode", "zeros") == "zeros" else m.padding_mode)
     bias = m.bias is not None
     work = {"forward": fwd, "input_grad": fwd if x.requires_grad else 0,
             "weight_grad": fwd if m.weight.requires_grad else 0,
             "forward_other": y.numel() if bias else 0,
             "backward_other": y.numel() if bias and m.bias.requires_grad else 0}
-    return work, geom
+    return work, None
 
 
 def linear_flops(m: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, None]:
@@ -74,17 +80,17 @@ def linear_flops(m: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, 
 _POOL_DIMS = {"1d": 1, "2d": 2, "3d": 3}  # by class name suffix: unbatched inputs lack the N dim
 
 
-def pool_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry]:
-    n = _POOL_DIMS.get(type(m).__name__[-2:], x.dim() - 2)
-    kernel = ntuple(m.kernel_size, n)
-    stride = ntuple(m.stride if m.stride else m.kernel_size, n)
-    pad = ntuple(m.padding, n)
-    dilation = ntuple(getattr(m, "dilation", 1), n)
-    taps = math.prod(kernel)
-    geom = LayerGeometry("window", kernel, stride, pad, pad, dilation, (), bool(m.ceil_mode))
+def pool_dims(m: nn.Module) -> int:
+    """Spatial dims of a pooling module, from its class name (``MaxPool2d``: 2; otherwise 3)."""
+    return _POOL_DIMS.get(type(m).__name__[-2:].lower(), 3)
+
+
+def pool_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, None]:
+    """Window taps of a pooling layer; its geometry is its registry entry's window."""
+    taps = math.prod(ntuple(m.kernel_size, pool_dims(m)))
     is_max = isinstance(m, families.MAX_POOL_ND)
     back = (x.numel() if is_max else y.numel() * taps) if x.requires_grad else 0
-    return {"forward_other": y.numel() * taps, "backward_other": back}, geom
+    return {"forward_other": y.numel() * taps, "backward_other": back}, None
 
 
 def _spatial(kind: str, x: torch.Tensor) -> LayerGeometry | None:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.comm.halo import HaloExchanger, exchange
-from hybridpar.geometry import HaloPlan, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
@@ -32,31 +31,25 @@ def _dhw_pads(padding: tuple[int, ...]) -> Pads:
 
 
 class _DistPad(SpatialLayer):
-    """What the four pads share: the padded shard is the halo exchanger's extended input."""
+    """What the four pads share: the padded shard is the halo exchanger's extended input (the pad's
+    window: kernel 1, its padding, its mode; see :func:`_pad_window_args`)."""
 
     padding: tuple[int, ...]
-    geometry_mode = "zeros"   # the padding mode as hybridpar.geometry names it
 
     def _fill(self) -> float:
         return 0.0
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The operator from this rank's input shard to its output shard, for a global input ``shape``."""
-        pads = _dhw_pads(self.padding)
-
-        def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
-            return window_plans(n, parts, 1, 1, *pads["DHW".index(dim)], layer=self.layer_name, dim=dim,
-                                mode=self.geometry_mode)
-
-        return self.exchanger(shape, plans_of, fill=self._fill())
+        return self.window_exchanger(shape, fill=self._fill())
 
     def _torch_pad(self, t: torch.Tensor) -> torch.Tensor:
-        mode = "constant" if self.geometry_mode == "zeros" else self.geometry_mode
-        return F.pad(t, (1,) * 6, mode=mode)
+        mode = _mode(self)
+        return F.pad(t, (1,) * 6, mode="constant" if mode == "zeros" else mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The exchange is the whole pad; under autocast the dtype is torch's pad's (``precision``)."""
-        dtype = result_dtype(f"pad-{self.geometry_mode}", self._torch_pad, x)
+        dtype = result_dtype(f"pad-{_mode(self)}", self._torch_pad, x)
         return widened(exchange(narrowed(x, dtype), self.halo_exchanger(self.global_shape(x))), dtype)
 
 
@@ -77,8 +70,6 @@ class DistReplicationPad3d(_DistPad, nn.ReplicationPad3d):
     """``torch.nn.ReplicationPad3d`` on a spatially split input: the ranks at the volume's faces
     repeat its edge voxels; the backward sums the copies' gradients into them."""
 
-    geometry_mode = "replicate"
-
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.ReplicationPad3d.__init__(self, padding)
         self._init_spatial(grid, transport)
@@ -88,8 +79,6 @@ class DistReflectionPad3d(_DistPad, nn.ReflectionPad3d):
     """``torch.nn.ReflectionPad3d`` on a spatially split input: a rank at a face mirrors the voxels
     1..p next to it, fetched from its neighbour where its shard is thinner than that."""
 
-    geometry_mode = "reflect"
-
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.ReflectionPad3d.__init__(self, padding)
         self._init_spatial(grid, transport)
@@ -98,8 +87,6 @@ class DistReflectionPad3d(_DistPad, nn.ReflectionPad3d):
 class DistCircularPad3d(_DistPad, nn.CircularPad3d):
     """``torch.nn.CircularPad3d`` on a spatially split input (a periodic box): the padding is a halo
     from the rank at the opposite face."""
-
-    geometry_mode = "circular"
 
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.CircularPad3d.__init__(self, padding)
@@ -111,10 +98,15 @@ _MODES: dict[type, str] = {nn.ConstantPad3d: "zeros", nn.ReplicationPad3d: "repl
                            nn.ReflectionPad3d: "reflect", nn.CircularPad3d: "circular"}
 
 
+def _mode(m: nn.Module) -> str:
+    """A pad's mode as :mod:`hybridpar.geometry` names it."""
+    return next(v for t, v in _MODES.items() if isinstance(m, t))
+
+
 def _pad_window_args(m: nn.Module) -> list[dict]:
     """Per dim keyword arguments of ``geometry.window_plans``: a kernel-1 window with the pad's
     (low, high) padding; periodic for circular, the mode for replicate/reflect."""
-    mode = next(v for t, v in _MODES.items() if isinstance(m, t))
+    mode = _mode(m)
     extra = {"periodic": True} if mode == "circular" else {"mode": mode} if mode != "zeros" else {}
     return [dict(kernel=1, stride=1, pad_lo=lo, pad_hi=hi, dilation=1, ceil_mode=False, **extra)
             for lo, hi in _dhw_pads(m.padding)]

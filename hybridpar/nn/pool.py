@@ -24,18 +24,15 @@ from torch import nn
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import sum_to_replicated
-from hybridpar.geometry import Range, ntuple, window_plans
+from hybridpar.geometry import Range, avg_pool_divisors, ntuple
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.precision import no_autocast, result_dtype, widened
 
 
-def _check_pad(layer: str, kernel, padding, dilation=(1, 1, 1)) -> None:
-    for k, p, d in zip(kernel, padding, dilation):
-        if p > (d * (k - 1) + 1) // 2:
-            raise ValueError(f"{layer}: padding {p} should be at most half of the effective kernel "
-                             f"size {d * (k - 1) + 1}, as in torch")
+def _dims(args: list[dict], key: str) -> tuple[int, ...]:
+    return tuple(a[key] for a in args)
 
 
 class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
@@ -48,22 +45,15 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
         self._init_spatial(grid, transport)
         if return_indices:
             raise NotImplementedError("DistMaxPool3d: return_indices=True is not supported")
-        self.k = ntuple(kernel_size, what="kernel_size", layer=self.layer_name)
-        self.s = ntuple(stride if stride is not None else kernel_size, what="stride", layer=self.layer_name)
-        self.p = ntuple(padding, what="padding", layer=self.layer_name)
-        self.d = ntuple(dilation, what="dilation", layer=self.layer_name)
-        _check_pad(self.layer_name, self.k, self.p, self.d)
+        self.window()  # checks the arguments, one line naming the layer
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The halo operator (boundary fill -inf) for a global (D, H, W) = ``shape`` input."""
-        return self.exchanger(shape, lambda n, parts, dim: window_plans(
-            n, parts, self.k["DHW".index(dim)], self.s["DHW".index(dim)], self.p["DHW".index(dim)],
-            self.p["DHW".index(dim)], self.d["DHW".index(dim)], self.ceil_mode, layer=self.layer_name,
-            dim=dim), fill=float("-inf"))
+        return self.window_exchanger(shape, fill=float("-inf"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ex = self.halo_exchanger(self.global_shape(x))
-        return F.max_pool3d(exchange(x, ex), self.k, self.s, 0, self.d)
+        ex, w = self.halo_exchanger(self.global_shape(x)), self.window()
+        return F.max_pool3d(exchange(x, ex), _dims(w, "kernel"), _dims(w, "stride"), 0, _dims(w, "dilation"))
 
 
 class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
@@ -75,46 +65,36 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
         nn.AvgPool3d.__init__(self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                               divisor_override)
         self._init_spatial(grid, transport)
-        self.k = ntuple(kernel_size, what="kernel_size", layer=self.layer_name)
-        self.s = ntuple(stride if stride is not None else kernel_size, what="stride", layer=self.layer_name)
-        self.p = ntuple(padding, what="padding", layer=self.layer_name)
-        _check_pad(self.layer_name, self.k, self.p)
+        self.window()  # checks the arguments, one line naming the layer
         self._divisors: dict[tuple, torch.Tensor] = {}
-
-    def _divisor(self, shape, outs, like: torch.Tensor) -> torch.Tensor:
-        key = (tuple(shape), tuple(outs), like.dtype, like.device)
-        if key not in self._divisors:
-            if self.divisor_override:
-                self._divisors[key] = torch.tensor(float(self.divisor_override), dtype=like.dtype,
-                                                   device=like.device)
-            else:
-                per_dim = []
-                for n, (a, b), k, s, p in zip(shape, outs, self.k, self.s, self.p):
-                    counts = []
-                    for o in range(a, b):
-                        start = o * s - p
-                        end = min(start + k, n + p)
-                        size = end - start
-                        if not self.count_include_pad:
-                            size = min(end, n) - max(start, 0)
-                        counts.append(size)
-                    per_dim.append(torch.tensor(counts, dtype=like.dtype))
-                div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
-                self._divisors[key] = div.to(like.device)
-        return self._divisors[key]
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
         """The halo operator (boundary fill 0) for a global (D, H, W) = ``shape`` input."""
-        return self.exchanger(shape, lambda n, parts, dim: window_plans(
-            n, parts, self.k["DHW".index(dim)], self.s["DHW".index(dim)], self.p["DHW".index(dim)],
-            self.p["DHW".index(dim)], 1, self.ceil_mode, layer=self.layer_name, dim=dim))
+        return self.window_exchanger(shape)
+
+    def window_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each output window's sum over ``x`` (global volume, split) and torch's divisor of it."""
+        shape, w = self.global_shape(x), self.window()
+        ex = self.halo_exchanger(shape)
+        sums = F.avg_pool3d(exchange(x, ex), _dims(w, "kernel"), _dims(w, "stride"), 0, divisor_override=1)
+        outs = tuple(d.plan.out for d in ex.all_dims)
+        key = (tuple(shape), outs, sums.dtype, sums.device)
+        if key not in self._divisors:
+            self._divisors[key] = self._new_divisor(shape, outs, w, sums)
+        return sums, self._divisors[key]
+
+    def _new_divisor(self, shape, outs, w: list[dict], like: torch.Tensor) -> torch.Tensor:
+        if self.divisor_override:
+            return torch.tensor(float(self.divisor_override), dtype=like.dtype, device=like.device)
+        per_dim = [torch.tensor(avg_pool_divisors(n, out, a["kernel"], a["stride"], a["pad_lo"],
+                                                  self.count_include_pad), dtype=like.dtype)
+                   for n, out, a in zip(shape, outs, w)]
+        div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
+        return div.to(like.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.global_shape(x)
-        ex = self.halo_exchanger(shape)
-        sums = F.avg_pool3d(exchange(x, ex), self.k, self.s, 0, divisor_override=1)
-        outs = [d.plan.out for d in ex.all_dims]
-        return sums / self._divisor(shape, outs, sums)
+        sums, divisor = self.window_sums(x)
+        return sums / divisor
 
 
 class DistGlobalAvgPool3d(SpatialLayer):

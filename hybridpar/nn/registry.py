@@ -53,6 +53,7 @@ from hybridpar.nn.formulas import (
     no_flops_pointwise,
     norm_flops,
     per_input_flops,
+    pool_dims,
     pool_flops,
     saved_window,
 )
@@ -115,6 +116,18 @@ class LayerEntry:
         if self.halos is not None:
             return self.halos(m, name, in_shape, out_shape, split)
         return _role_halos(self, m, name, in_shape, split)
+
+    def work(self, m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
+        """One call's work (``flops``) and the geometry that splits it per rank: a window layer's is its
+        ``window_args`` (the description its distributed layer builds its halos from), any other's
+        what its ``flops`` function says (pointwise, adaptive, none)."""
+        work, geom = self.flops(m, x, y)
+        if self.window_args is not None:
+            args = self.window_args(m)
+            transposed = self.role == "transposed" or "output_padding" in args[0]  # transposed_plans' args
+            kind = "conv_transposed" if transposed else "conv" if self.op == "conv" else "window"
+            geom = LayerGeometry.of_window(kind, args)
+        return work, geom
 
     def saved_bytes(self, m: nn.Module, elem: int, out_n: int, ext_n: int) -> int:
         if self.saved is not None:
@@ -193,33 +206,45 @@ def function_role(fn: Any) -> str | None:
 
 # ---------------------------------------------------------------------- helpers for entries
 def conv_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.window_plans`` for a Conv3d-like module."""
-    k, s, d = ntuple(m.kernel_size), ntuple(m.stride), ntuple(m.dilation)
+    """Per dim keyword arguments of ``geometry.window_plans`` for a convolution (any dims): the one
+    place its ``'same'``/``'valid'`` padding is resolved."""
+    n, name = len(m.kernel_size), type(m).__name__
+    k, s, d = (ntuple(v, n, what=w, layer=name) for v, w in ((m.kernel_size, "kernel_size"),
+                                                            (m.stride, "stride"), (m.dilation, "dilation")))
     if m.padding == "same":
-        lohi = [geometry.same_padding(k[i], d[i]) for i in range(3)]
+        lohi = [geometry.same_padding(k[i], d[i]) for i in range(n)]
     elif m.padding == "valid":
-        lohi = [(0, 0)] * 3
+        lohi = [(0, 0)] * n
     else:
-        lohi = [(p, p) for p in ntuple(m.padding)]
+        lohi = [(p, p) for p in ntuple(m.padding, n, what="padding", layer=name)]
     periodic = getattr(m, "padding_mode", "zeros") == "circular"
     return [dict(kernel=k[i], stride=s[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=d[i],
-                 ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(3)]
+                 ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(n)]
 
 
 def pool_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.window_plans`` for a MaxPool3d / AvgPool3d."""
-    k = ntuple(m.kernel_size)
-    s = ntuple(m.stride if m.stride is not None else m.kernel_size)  # None = kernel
-    d, p = ntuple(getattr(m, "dilation", 1)), ntuple(m.padding)
+    """Per dim keyword arguments of ``geometry.window_plans`` for a max, average or power-average
+    pool (any dims; stride None means the kernel; no padding or dilation attribute means none)."""
+    n, name = pool_dims(m), type(m).__name__
+    k = ntuple(m.kernel_size, n, what="kernel_size", layer=name)
+    s = ntuple(m.stride if m.stride is not None else m.kernel_size, n, what="stride", layer=name)
+    d = ntuple(getattr(m, "dilation", 1), n, what="dilation", layer=name)
+    p = ntuple(getattr(m, "padding", 0), n, what="padding", layer=name)
+    for i in range(n):
+        if p[i] > (d[i] * (k[i] - 1) + 1) // 2:
+            raise ValueError(f"{name}: padding {p[i]} should be at most half of the effective kernel size "
+                             f"{d[i] * (k[i] - 1) + 1}, as in torch")
     return [dict(kernel=k[i], stride=s[i], pad_lo=p[i], pad_hi=p[i], dilation=d[i],
-                 ceil_mode=bool(m.ceil_mode)) for i in range(3)]
+                 ceil_mode=bool(m.ceil_mode)) for i in range(n)]
 
 
 def transposed_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.transposed_plans`` for a ConvTranspose3d."""
-    k, s, p, d, op = (ntuple(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding))
+    """Per dim keyword arguments of ``geometry.transposed_plans`` for a transposed convolution."""
+    n = len(m.kernel_size)
+    k, s, p, d, op = (ntuple(v, n) for v in (m.kernel_size, m.stride, m.padding, m.dilation,
+                                             m.output_padding))
     return [dict(kernel=k[i], stride=s[i], padding=p[i], dilation=d[i], output_padding=op[i])
-            for i in range(3)]
+            for i in range(n)]
 
 
 def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
@@ -255,9 +280,13 @@ def _register_builtins() -> None:
     """Entries of torch types that have no Dist class: 1D/2D layers and dense layers run replicated,
     activations and dropout as copies on shards. The 3D layers with Dist classes register in the
     files of those classes (:mod:`hybridpar.nn.conv`, ``pool``, ``norm``, ...)."""
-    register(families.CONV_ND, role="dense", op="conv", flops=conv_flops)  # 1d/2d: not split (3D only)
-    register(families.MAX_POOL_ND, role="dense", op="pool", flops=pool_flops, saved=saved_window)
-    register(families.AVG_POOL_ND, role="dense", op="pool", flops=pool_flops, saved=saved_window)
+    # 1d/2d windows are not split (3D only); their window still splits their work in ``count_sharded``
+    register(families.CONV_ND, role="dense", op="conv", flops=conv_flops, window_args=conv_window_args)
+    register(families.CONV_TRANSPOSE_ND, role="dense", op="conv", flops=conv_flops,
+             window_args=transposed_window_args)
+    for t in (families.MAX_POOL_ND, families.AVG_POOL_ND):
+        register(t, role="dense", op="pool", flops=pool_flops, saved=saved_window,
+                 window_args=pool_window_args)
     for t in families.ADAPTIVE_POOL_ND:
         register(t, role="dense", op="pool", flops=per_input_flops)
     register(nn.Linear, role="dense", op="linear", flops=linear_flops)
@@ -271,8 +300,8 @@ def _register_builtins() -> None:
         register(t, role="dense", op="pointwise", flops=elementwise_flops)
     register(families.DROPOUT_ND, role="pointwise", op="pointwise", flops=elementwise_flops)
     register(nn.Identity, role="pointwise", op="free", flops=no_flops_pointwise)
-    for t in (nn.Flatten, nn.Unflatten):
-        register(t, role="dense", op="free", flops=no_flops)
+    register(nn.Flatten, role="dense", op="free", flops=no_flops, flattens=True)  # where a split ends
+    register(nn.Unflatten, role="dense", op="free", flops=no_flops)
 
 
 

@@ -17,8 +17,9 @@ from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.comm.transport import get_transport
 from hybridpar.eager import eager
-from hybridpar.geometry import HaloPlan
+from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn import registry
 
 DIM_NAMES = ("D", "H", "W")
 
@@ -84,6 +85,29 @@ class SpatialLayer(nn.Module):
             ex = HaloExchanger(dims, get_transport(self.transport_name, group), fill, rank=self.grid.rank)
             self._exchangers[k] = ex
         return self._exchangers[k]
+
+    def window(self) -> list[dict]:
+        """This layer's window per dim (D, H, W) as its registry entry describes it (``window_args``):
+        the one description of its geometry, which its halos, FLOPs, the planner and the performance
+        model all read."""
+        entry = registry.lookup(self)
+        if entry is None or entry.window_args is None:
+            raise TypeError(f"{self.layer_name}: no registered window_args describe this layer's window")
+        return entry.window_args(self)
+
+    def window_exchanger(self, shape: tuple[int, int, int], fill: float = 0.0) -> HaloExchanger:
+        """The halo operator of :meth:`window` for a global (D, H, W) = ``shape`` input: a window
+        layer's plans (``geometry.window_plans``), or a transposed one's (``transposed_plans``)."""
+        args = self.window()
+        transposed = "output_padding" in args[0]
+
+        def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
+            a = args[DIM_NAMES.index(dim)]
+            if transposed:
+                return transposed_plans(n, parts, layer=self.layer_name, dim=dim, **a)[0]
+            return window_plans(n, parts, layer=self.layer_name, dim=dim, **a)
+
+        return self.exchanger(shape, plans_of, fill, key=("window",))
 
     def _mark_params(self, split: int) -> None:
         """Tell the engine's bucketed reduction how many shards contribute to each parameter."""

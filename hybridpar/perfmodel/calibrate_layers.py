@@ -26,37 +26,30 @@ def runnable(m: nn.Module, shape: Sequence[int],
               wrap: bool | None = None) -> tuple[nn.Module, tuple[int, ...]]:
     """``m`` as a rank runs it, and the input that makes its kernel see ``shape``.
 
-    With ``wrap`` (default: when a one-rank process group is initialised), window layers become their
-    distributed counterparts on a one-rank grid fed ``shape`` minus their padding, so the time
-    includes what the distributed layer adds around the kernel (assembling the extended input,
-    autograd plumbing); without it, plain unpadded torch layers on ``shape``.
+    A window layer's kernel runs on its padding-extended shard (``kernel_shape``), so it is fed
+    ``shape`` less its padding (from its registry entry's window). With ``wrap`` (default: when a
+    one-rank process group is initialised), a layer that has a distributed counterpart runs as that,
+    on a one-rank grid, so the time includes what the distributed layer adds around the kernel
+    (assembling the extended input, autograd plumbing); without it, the torch layer itself, padding
+    included.
     """
     import torch.distributed as dist  # noqa: PLC0415
 
     entry = registry.lookup(m)
-    if entry is not None and entry.role in ("window", "transposed") and len(shape) == 5:
-        pads = [(a["pad_lo"], a["pad_hi"]) if "pad_lo" in a else (0, 0) for a in entry.window_args(m)]
-        if wrap is None:
-            wrap = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
-        if wrap and isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)):
-            from hybridpar.grid import ProcessGrid  # noqa: PLC0415
-            from hybridpar.pipeline.convert import to_distributed  # noqa: PLC0415
+    if entry is None or entry.role not in ("window", "transposed") or len(shape) != 5:
+        return copy.deepcopy(m).float().train(), tuple(shape)
+    pads = [(a.get("pad_lo", 0), a.get("pad_hi", 0)) for a in entry.window_args(m)]
+    inner = (*shape[:2], *(n - lo - hi for n, (lo, hi) in zip(shape[2:], pads)))
+    if wrap is None:
+        wrap = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
+    if wrap and entry.to_dist is not None:
+        from hybridpar.grid import ProcessGrid  # noqa: PLC0415
+        from hybridpar.pipeline.convert import to_distributed  # noqa: PLC0415
 
-            k = to_distributed(m.float(), ProcessGrid().with_spatial((1, 1, 1)))
-            inner = (*shape[:2], *(n - lo - hi for n, (lo, hi) in zip(shape[2:], pads)))
-            k.global_input_shape = tuple(inner[2:])
-            return k.float().train(), inner
-        if isinstance(m, nn.Conv3d):
-            k = nn.Conv3d(m.in_channels, m.out_channels, m.kernel_size, m.stride, 0, m.dilation, m.groups,
-                          m.bias is not None)
-        elif isinstance(m, nn.MaxPool3d):
-            k = nn.MaxPool3d(m.kernel_size, m.stride, 0, m.dilation)
-        elif isinstance(m, nn.AvgPool3d):
-            k = nn.AvgPool3d(m.kernel_size, m.stride, 0)
-        else:
-            k = copy.deepcopy(m)
-        return k.float().train(), tuple(shape)
-    return copy.deepcopy(m).float().train(), tuple(shape)
+        k = to_distributed(m.float(), ProcessGrid().with_spatial((1, 1, 1)))
+        k.global_input_shape = tuple(inner[2:])
+        return k.float().train(), inner
+    return copy.deepcopy(m).float().train(), inner
 
 
 def measure_layer(m: nn.Module, shape: Sequence[int], input_grad: bool, repeats: int = 5,

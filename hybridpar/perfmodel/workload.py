@@ -17,7 +17,6 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
-from hybridpar.nn.families import AVG_POOL_ND, CONV_ND, MAX_POOL_ND
 from hybridpar.spec.analysis import analyse, leaf_flop_sums
 from hybridpar.spec.config import ParallelSpec
 from hybridpar.spec.plan import LayerPlan, resolve
@@ -110,15 +109,17 @@ def input_grads(plan: list[LayerPlan], workload: Workload) -> list[bool]:
 
 
 def _signature(m: nn.Module) -> str:
-    """The hyperparameters that decide a layer's kernel (not its weights)."""
-    if isinstance(m, CONV_ND):
-        return (f"{type(m).__name__}({m.in_channels},{m.out_channels},k{m.kernel_size},s{m.stride},"
-                f"d{m.dilation},g{m.groups},b{int(m.bias is not None)})")
-    if isinstance(m, MAX_POOL_ND | AVG_POOL_ND):
-        return f"{type(m).__name__}(k{m.kernel_size},s{m.stride},d{getattr(m, 'dilation', 1)})"
-    if isinstance(m, nn.Linear):
-        return f"Linear({m.in_features},{m.out_features},b{int(m.bias is not None)})"
-    return type(m).__name__
+    """The hyperparameters that decide a layer's kernel, from its registry entry: its window (kernel,
+    stride, dilation: the padding is in the kernel's input shape) and, for matmul kernels, the shapes
+    of its parameters (channels, groups, bias); not their values."""
+    entry = registry.lookup(m)
+    parts = []
+    if entry is not None and entry.window_args is not None:
+        args = entry.window_args(m)
+        parts += [key[0] + "x".join(str(a[key]) for a in args) for key in ("kernel", "stride", "dilation")]
+    if entry is not None and entry.op in ("conv", "linear"):
+        parts += ["w" + "x".join(map(str, p.shape)) for p in m.parameters(recurse=False)]
+    return f"{type(m).__name__}({','.join(parts)})" if parts else type(m).__name__
 
 
 def kernel_shape(m: nn.Module, rec: LayerPlan) -> tuple[int, ...]:

@@ -35,20 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.nn.families import NORM_BASE
-
-
-def _per_replica(m: nn.Module) -> bool:
-    """A norm layer whose running statistics each replica tracks from its own batch."""
-    return (isinstance(m, NORM_BASE) and m.track_running_stats and m.running_mean is not None
-            and not isinstance(m, nn.SyncBatchNorm) and getattr(m, "stats", "spatial") != "stage")
+from hybridpar.nn.families import tracks_replica_statistics
 
 
 class ReplicaStats:
     """Averages the running means and variances of ``modules``' norm layers over ``group``."""
 
     def __init__(self, modules: Iterable[nn.Module], group: dist.ProcessGroup) -> None:
-        self.norms = [m for root in modules for m in root.modules() if _per_replica(m)]
+        self.norms = [m for root in modules for m in root.modules() if tracks_replica_statistics(m)]
         self.group = group
         self.replicas = dist.get_world_size(group)
         self._pending: tuple[list[torch.Tensor], torch.Tensor, Any] | None = None

@@ -34,7 +34,7 @@ def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
     swapped = sharing_copy(model)
     for name, m in leaves(swapped):
         entry = registry.lookup(m)
-        if isinstance(m, nn.Flatten):
+        if entry is not None and entry.extra.get("flattens"):
             new: nn.Module = nn.Sequential(Gather(grid), m) if grid.spatial_size > 1 else m
         elif entry is not None and entry.to_dist is not None:
             new = convert(name, m, grid)

@@ -350,13 +350,14 @@ def test_model_that_fails_on_the_shape_names_the_layer():
 
 
 # ---------------------------------------------------------------------------------------------- the plan
-def test_glob_first_match_wins_and_pointwise_layers_follow():
-    """Rules apply in file order; unmatched pointwise layers keep their input's split; Flatten/Linear
-    replicate; a redistribute is marked wherever the split changes."""
+def test_exact_name_then_first_glob_and_pointwise_layers_follow():
+    """A rule under a layer's exact name wins, else the first matching glob in file order; unmatched
+    pointwise layers keep their input's split; Flatten/Linear replicate; a redistribute is marked
+    wherever the split changes."""
     spec = spec_of({"spatial": [2, 2, 1]}, layers={
         "features.0": {"spatial": "replicate"},
         "features.*": {"spatial": [4, 1, 1]},
-        "features.3": {"spatial": [1, 1, 4]},       # shadowed by features.*: first match wins
+        "features.3": {"spatial": [1, 1, 4]},       # its exact name wins over features.*
     })
     plan = spec.plan(small(), (1, 2, 16, 16, 16))
     got = [(r.name, r.split, r.rule, r.redistribute) for r in plan]
@@ -364,8 +365,8 @@ def test_glob_first_match_wins_and_pointwise_layers_follow():
         ("features.0", (1, 1, 1), "features.0", False),
         ("features.1", (4, 1, 1), "features.*", True),
         ("features.2", (4, 1, 1), "features.*", False),
-        ("features.3", (4, 1, 1), "features.*", False),
-        ("features.4", (4, 1, 1), "features.*", False),
+        ("features.3", (1, 1, 4), "features.3", True),
+        ("features.4", (4, 1, 1), "features.*", True),
         ("features.5", (4, 1, 1), "features.*", False),
         ("head.0", (1, 1, 1), None, True),
         ("head.1", (1, 1, 1), None, False),

@@ -40,7 +40,14 @@ among the ranks of a spatial group (:func:`count_sharded`).
 """
 
 from hybridpar.flops.counter import FlopCount, LayerFlops, count
-from hybridpar.flops.sharded import RankFlops, ShardedFlops, ShardedLayer, count_sharded, received_halo
+from hybridpar.flops.sharded import (
+    RankFlops,
+    ShardedFlops,
+    ShardedLayer,
+    count_sharded,
+    received_halo,
+    work_shares,
+)
 
 __all__ = ["FlopCount", "LayerFlops", "RankFlops", "ShardedFlops", "ShardedLayer", "count", "count_sharded",
-           "received_halo"]
+           "received_halo", "work_shares"]

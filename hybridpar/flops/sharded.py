@@ -9,7 +9,6 @@ model run.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -18,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridpar import globs
 from hybridpar.flops.counter import FlopCount, LayerFlops, TrainingTotals, count
 from hybridpar.geometry import HaloPlan, shard_range, transposed_plans, window_plans
+from hybridpar.nn.formulas import LayerGeometry
 
 __all__ = ["RankFlops", "ShardedFlops", "ShardedLayer", "count_sharded", "received_halo"]
 
@@ -95,26 +96,22 @@ class ShardedFlops:
 
 def _match(name: str, splits: Mapping[str, Sequence[int]]) -> tuple[tuple[int, ...] | None, bool]:
     """The split for a layer (exact name first, then the first matching glob) and whether exact."""
-    base = name.split("#", 1)[0]
-    if base in splits:
-        return tuple(splits[base]), True
-    for pattern, split in splits.items():
-        if fnmatch.fnmatchcase(base, pattern):
-            return tuple(split), False
-    return None, False
+    base, patterns = name.split("#", 1)[0], list(splits)
+    k = globs.rule_for(base, patterns)
+    return (tuple(splits[patterns[k]]), patterns[k] == base) if k is not None else (None, False)
 
 
-def _halo_plans(layer: LayerFlops, dim: int, parts: int) -> list[HaloPlan] | None:
-    g = layer.geometry
+def _halo_plans(g: LayerGeometry, name: str, input_shape: Sequence[int], output_shape: Sequence[int],
+                dim: int, parts: int) -> list[HaloPlan]:
     n = len(g.kernel)
-    extent = layer.input_shape[-n + dim]
+    extent = input_shape[-n + dim]
     label = "DHW"[dim - n + 3] if n <= 3 else str(dim)
     if g.kind == "conv_transposed":
         return transposed_plans(extent, parts, g.kernel[dim], g.stride[dim], g.pad_lo[dim], g.dilation[dim],
-                                g.output_padding[dim], layer=layer.name, dim=label)[0]
+                                g.output_padding[dim], layer=name, dim=label)[0]
     return window_plans(extent, parts, g.kernel[dim], g.stride[dim], g.pad_lo[dim], g.pad_hi[dim],
-                        g.dilation[dim], g.ceil_mode, out_extent=layer.output_shape[-n + dim],
-                        layer=layer.name, dim=label, mode=g.mode)
+                        g.dilation[dim], g.ceil_mode, out_extent=output_shape[-n + dim], layer=name,
+                        dim=label, mode=g.mode)
 
 
 def _scale(value: int, part: int, whole: int) -> int:
@@ -125,26 +122,54 @@ def _width(rng: tuple[int, int]) -> int:
     return rng[1] - rng[0]
 
 
+def work_shares(geometry: LayerGeometry | None, input_shape: Sequence[int], output_shape: Sequence[int],
+                split: Sequence[int], name: str = "layer") -> list[float]:
+    """The fraction of one call's work each rank of ``split`` does, per coordinate (row-major): the
+    library's one rule of per-rank work, read by ``count_sharded``, the planner (``LayerPlan.rank_share``:
+    the most loaded rank's), ``explain``, automatic stages and the performance model.
+
+    A rank does its share of output voxels (``geometry.shard_range`` of each output extent) times the
+    per-voxel cost; a transposed conv, its gathered input (own shard plus halo) times the
+    per-input-voxel cost, so its redundant work shows; an adaptive or reducing layer, its own input.
+    Without a geometry the layer works voxel by voxel (output share).
+    """
+    return [part / whole if whole else 0.0 for part, whole in _parts(geometry, input_shape, output_shape,
+                                                                      tuple(split), name)[0].values()]
+
+
+def _parts(g: LayerGeometry | None, input_shape: Sequence[int], output_shape: Sequence[int],
+           split: tuple[int, ...], name: str) -> tuple[dict[tuple[int, ...], tuple[int, int]], list]:
+    """Per coordinate (part, whole) of :func:`work_shares`, and the halo plans per dim (None: none)."""
+    n = len(split)
+    out_sp, in_sp = tuple(output_shape[-n:]), tuple(input_shape[-n:])
+    window = g is not None and g.kind in ("conv", "conv_transposed", "window")
+    plans = [_halo_plans(g, name, input_shape, output_shape, d, split[d]) if window and split[d] > 1 else None
+             for d in range(n)]
+    kind = g.kind if g is not None else "pointwise"
+    parts = {}
+    for coord in itertools.product(*(range(s) for s in split)):
+        if kind == "conv_transposed":
+            ext = [plans[d][coord[d]].extended if plans[d] else in_sp[d] for d in range(n)]
+            parts[coord] = (math.prod(ext), math.prod(in_sp))
+        elif kind == "adaptive":
+            parts[coord] = (math.prod(_width(shard_range(in_sp[d], split[d], coord[d])) for d in range(n)),
+                            math.prod(in_sp))
+        else:
+            parts[coord] = (math.prod(_width(shard_range(out_sp[d], split[d], coord[d])) for d in range(n)),
+                            math.prod(out_sp))
+    return parts, plans
+
+
 def _shard_layer(layer: LayerFlops, split: tuple[int, ...], world: int, elem: int) -> list[RankFlops]:
     """Per-rank work of one layer; ranks beyond the split's size repeat it (``rank % parts``)."""
-    g = layer.geometry
     n = len(split)
-    out_sp, in_sp = layer.output_shape[-n:], layer.input_shape[-n:]
+    in_sp = layer.input_shape[-n:]
     batch_ch = math.prod(layer.input_shape[:-n])  # N * C_in (and any leading dims)
-    window = g.kind in ("conv", "conv_transposed", "window")
-    plans = [_halo_plans(layer, d, split[d]) if window and split[d] > 1 else None for d in range(n)]
+    parts, plans = _parts(layer.geometry, layer.input_shape, layer.output_shape, split, layer.name)
     per_coord: dict[tuple[int, ...], RankFlops] = {}
-    for coord in itertools.product(*(range(s) for s in split)):
+    for coord, (part, whole) in parts.items():
         own_in = [_width(shard_range(in_sp[d], split[d], coord[d])) for d in range(n)]
-        local_out = math.prod(_width(shard_range(out_sp[d], split[d], coord[d])) for d in range(n))
         r = RankFlops(-1)
-        if g.kind == "conv_transposed":  # the rank runs the transposed conv on its gathered input
-            ext = [plans[d][coord[d]].extended if plans[d] else in_sp[d] for d in range(n)]
-            part, whole = math.prod(ext), math.prod(in_sp)
-        elif g.kind == "adaptive":
-            part, whole = math.prod(own_in), math.prod(in_sp)
-        else:
-            part, whole = local_out, math.prod(out_sp)
         r.forward, r.input_grad = _scale(layer.forward, part, whole), _scale(layer.input_grad, part, whole)
         r.weight_grad = _scale(layer.weight_grad, part, whole)
         r.forward_other = _scale(layer.forward_other, part, whole)
@@ -192,9 +217,7 @@ def count_sharded(model: nn.Module, input_shape: Sequence[int], splits: Mapping[
     over globs, then the first matching glob in order. Globs skip layers without spatial dims
     (linear layers, (N, C) tensors); naming one exactly is an error.
 
-    Rules: a layer's local work is its share of output voxels (``geometry.shard_range`` of each output
-    extent) times the per-voxel cost; a transposed conv's is its gathered input (own shard plus
-    halo) times the per-input-voxel cost, so its redundant work shows. A rank receives, per split dim,
+    Rules: a rank's work is its :func:`work_shares` of the layer's. A rank receives, per split dim,
     ``(recv_lo + recv_hi) x (the other local input extents) x N x C_in x element size`` bytes
     (``geometry.window_plans``; corner regions of multi-dim splits not counted); the backward sends the
     same volume of halo gradients back when the layer's input needs a gradient. The group has

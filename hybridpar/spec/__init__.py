@@ -19,7 +19,7 @@ Example::
 
     grid: {data: 2, pipe: 2, spatial: [2, 1, 1]}   # -1 in one place = the ranks left over
     pipeline: {schedule: gpipe, microbatches: 4, stages: auto, recompute: false}
-    layers:                                         # module-name globs; first match wins
+    layers:                                         # names or globs: an exact name, else the first glob
       "head.*": {spatial: replicate}
 """
 

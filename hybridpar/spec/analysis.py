@@ -20,6 +20,7 @@ from torch import nn
 from hybridpar import flops as flop_count
 from hybridpar import geometry
 from hybridpar.nn import registry
+from hybridpar.nn.formulas import LayerGeometry
 from hybridpar.spec.config import SpecError, Split
 from hybridpar.spec.faithful import check_faithful
 from hybridpar.spec.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
@@ -124,6 +125,17 @@ def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tup
         return 0
     x, y = torch.empty(in_shape, device="meta"), torch.empty(out_shape, device="meta")
     return entry.flops(m, x, y)[0].get("forward", 0)
+
+
+def node_geometry(m: nn.Module | None, in_shape: tuple[int, ...],
+                  out_shape: tuple[int, ...]) -> LayerGeometry | None:
+    """The geometry that splits a node's work (its registry entry's; None for a function or an
+    unregistered module: voxel by voxel)."""
+    entry = registry.lookup(m) if m is not None else None
+    if entry is None:
+        return None
+    x, y = torch.empty(in_shape, device="meta"), torch.empty(out_shape, device="meta")
+    return entry.work(m, x, y)[1]
 
 
 def leaf_flop_sums(counted: flop_count.FlopCount,

@@ -220,7 +220,7 @@ class LayerRule:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """The whole spec: the grid, the pipeline, and per-layer rules (first match wins)."""
+    """The whole spec: the grid, the pipeline, and per-layer rules (which applies: :mod:`hybridpar.globs`)."""
 
     grid: GridSpec = field(default_factory=GridSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)

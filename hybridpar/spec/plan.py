@@ -8,11 +8,12 @@ memory, no FLOPs spent); what each layer is comes from the layer registry
 (:mod:`hybridpar.nn.registry`), halos from :mod:`hybridpar.geometry`, the same arithmetic the
 distributed layers run.
 
-Split rules, in order: a layer rule (first matching glob) wins; window and resampling layers (conv,
-pool, upsample) take the grid's spatial split; pointwise layers and elementwise functions (norms,
-activations, ``+``, ``torch.cat`` along channels) keep the split of the activation they receive, so
-they never add a redistribute; whole-volume reductions (global pooling) run on their input's split
-and return a replicated output; everything else (Flatten, Linear) runs replicated, after a gather.
+Split rules, in order: a layer rule (its exact name, else the first matching glob) wins; window and
+resampling layers (conv, pool, upsample) take the grid's spatial split; pointwise layers and
+elementwise functions (norms, activations, ``+``, ``torch.cat`` along channels) keep the split of the
+activation they receive, so they never add a redistribute; whole-volume reductions (global pooling)
+run on their input's split and return a replicated output; everything else (Flatten, Linear) runs
+replicated, after a gather.
 A gather inside a split region (a replicated node whose output is split again later) is what a
 layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
 the engine and marked by ``explain``. An unregistered module on a split input is an error.
@@ -21,7 +22,6 @@ the engine and marked by ``explain``. An unregistered module on a split input is
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridpar import globs
+from hybridpar.flops import work_shares
 from hybridpar.geometry import shard_range
 from hybridpar.nn import registry
-from hybridpar.spec.analysis import REPLICATED, Analysis, analyse, check_input_shape
+from hybridpar.spec.analysis import REPLICATED, Analysis, analyse, check_input_shape, node_geometry
 from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
 from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.spec.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
@@ -72,14 +74,10 @@ class LayerPlan:
     out_split: Split | None = None
     gather: bool = False
     transpose_bytes: int = 0  # what a spectral layer's FFT transposes bring the most loaded rank, forward
-
-    @property
-    def rank_share(self) -> float:
-        """The most loaded rank's share of this node's work in one micro-batch: its output elements over
-        the whole global batch's. Planning's one per-rank work rule: the performance model times it and
-        ``explain`` prints it (:func:`hybridpar.flops.count_sharded` counts every rank exactly instead)."""
-        whole = math.prod(self.output_shape)
-        return math.prod(self.local_output_shape) / whole if whole else 0.0
+    # the most loaded rank's share of this node's work (whole global batch) in one micro-batch:
+    # hybridpar.flops.work_shares, the rule count_sharded counts every rank by; the performance model
+    # times it, explain prints it, automatic stages balance it
+    rank_share: float = 0.0
 
     @property
     def replicated(self) -> bool:
@@ -178,16 +176,15 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     grid, pipe = spec.grid, spec.pipeline
     micro = _batch(grid, pipe.microbatches, a.input_shape[0])
     nodes, leaves, shapes = a.graph.nodes, a.leaves, a.shapes
-    rule_of: dict[str, LayerRule] = {}
     for rule in spec.layers:
-        hits = [n for n, _ in leaves if fnmatch.fnmatchcase(n, rule.pattern)]
-        if not hits:
+        if not any(globs.matches(n, rule.pattern) for n, _ in leaves):
             near = difflib.get_close_matches(rule.pattern, [n for n, _ in leaves], n=3, cutoff=0.5)
             hint = f" (close: {', '.join(near)})" if near else ""
             raise SpecError(f"layers[{rule.pattern!r}]: the glob matches no layer{hint}; layer names look "
                             f"like {describe_layers(leaves)}")
-        for n in hits:
-            rule_of.setdefault(n, rule)  # first match wins
+    patterns = [rule.pattern for rule in spec.layers]
+    rule_of: dict[str, LayerRule] = {n: spec.layers[k] for n, _ in leaves
+                                     if (k := globs.rule_for(n, patterns)) is not None}
 
     index = a.graph.index()
     out_split: dict[str, Split] = {}
@@ -248,10 +245,13 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
     act = [0 if n.name in a.graph.values or n.name == OUTPUT else BYTES_PER_ELEMENT * math.prod(lo)
            for n, lo in zip(nodes, local_out, strict=True)]  # values and the outputs' structure hold none
+    shares = [rank_share(n.module, shapes[i][0], shapes[i][1], local_out[i], splits[i])
+              for i, n in enumerate(nodes)]
     if pipe.stages == "auto":
         in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, micro, input_split))
         sends = live_bytes(a.graph, act, in_bytes)
-        starts = auto_stages(a.train_flops, splits, act, grid.pipe, sends)
+        starts = auto_stages([f * sh for f, sh in zip(a.train_flops, shares, strict=True)], act, grid.pipe,
+                             sends)
     else:
         starts = named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
     stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
@@ -279,8 +279,20 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
-        transpose_bytes=_transpose_bytes(node, shapes[i][0], splits[i], micro))
+        transpose_bytes=_transpose_bytes(node, shapes[i][0], splits[i], micro), rank_share=shares[i])
         for i, node in enumerate(nodes)]
+
+
+def rank_share(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+               local_out: tuple[int, ...], split: Split) -> float:
+    """The most loaded rank's share of one node's work in one micro-batch: the micro-batch's share of
+    the batch times the largest of :func:`hybridpar.flops.work_shares` (the layer's registered geometry
+    decides: output voxels, a transposed conv's gathered input, a reduction's own input)."""
+    batch = local_out[0] / out_shape[0] if out_shape and out_shape[0] else 0.0
+    if split == REPLICATED or len(out_shape) != 5 or len(in_shape) != 5:
+        whole = math.prod(out_shape)
+        return math.prod(local_out) / whole if whole else 0.0
+    return batch * max(work_shares(node_geometry(m, in_shape, out_shape), in_shape, out_shape, split))
 
 
 def _transpose_bytes(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> int:

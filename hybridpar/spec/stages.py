@@ -9,12 +9,11 @@ model (to cost the sends). All of it is arithmetic on node names, inputs and siz
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Sequence
 
 from torch import nn
 
-from hybridpar.spec.config import SpecError, Split
+from hybridpar.spec.config import SpecError
 from hybridpar.spec.graph import INPUT, ModelGraph
 
 
@@ -67,12 +66,12 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
     return starts[::-1]
 
 
-def auto_stages(train_flops: Sequence[int], splits: Sequence[Split], activation_bytes: Sequence[int],
-                stages: int, sends: Sequence[int] | None = None) -> list[int]:
-    """``pipeline.stages: auto``: balance the training FLOPs each rank of a stage runs per
-    micro-batch (a layer's FLOPs divided over its spatial shards), then the bytes sent between
-    stages, then the activation memory each rank keeps (:func:`balance_stages`)."""
-    per_rank = [-(-f // math.prod(s)) for f, s in zip(train_flops, splits, strict=True)]
+def auto_stages(rank_flops: Sequence[float], activation_bytes: Sequence[int], stages: int,
+                sends: Sequence[int] | None = None) -> list[int]:
+    """``pipeline.stages: auto``: balance the training FLOPs the most loaded rank of a stage runs
+    per micro-batch (``rank_flops``, per layer: its FLOPs times ``LayerPlan.rank_share``), then the
+    bytes sent between stages, then the activation memory each rank keeps (:func:`balance_stages`)."""
+    per_rank = [round(f) for f in rank_flops]
     return balance_stages(per_rank, stages, sends=activation_bytes if sends is None else sends,
                           memory=activation_bytes)
 

@@ -37,13 +37,19 @@ def no_grad_sync() -> AbstractContextManager[None]:
     return _SYNC.set(False)
 
 
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real pairs (a view), to be flattened beside real ones into one buffer
+    (``torch.cat`` would make the whole buffer complex); a real tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, async_op: bool = False):
     """Sum ``tensors`` in place across ``group`` with one collective (flattened when several)."""
     if group is None or dist.get_world_size(group) == 1:
         return None
     if len(tensors) == 1:
         return dist.all_reduce(tensors[0], group=group, async_op=async_op)
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([real_view(t).reshape(-1) for t in tensors])
     work = dist.all_reduce(flat, group=group, async_op=async_op)
 
     class _Unflatten:
@@ -51,7 +57,7 @@ def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, as
             if work is not None:
                 work.wait()
             off = 0
-            for t in tensors:
+            for t in map(real_view, tensors):
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
 
@@ -166,14 +172,15 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGr
         size += p.grad.numel() * p.grad.element_size()
     pending = []
     for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) * (grad_split(p) / n) for p in bucket])
+        flat = torch.cat([real_view(p.grad).reshape(-1) * (grad_split(p) / n) for p in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for bucket, flat, work in pending:
         work.wait()
         off = 0
         for p in bucket:
-            p.grad.copy_(flat[off:off + p.grad.numel()].view_as(p.grad))
-            off += p.grad.numel()
+            g = real_view(p.grad)
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
 
 
 class ReplicatedIntoShards(torch.autograd.Function):

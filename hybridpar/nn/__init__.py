@@ -4,7 +4,7 @@ Each layer file registers its torch counterpart in :mod:`hybridpar.nn.registry`,
 converter, the planner, the FLOP counter and the performance model learn about a layer from.
 """
 
-from hybridpar.nn import registry
+from hybridpar.nn import neuralop, registry  # noqa: F401 (neuralop: neuraloperator's layers, once imported)
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.lppool import DistLPPool3d

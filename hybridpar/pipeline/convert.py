@@ -33,8 +33,8 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn
         return d
     d = entry.to_dist(m, grid, overlap)
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
-    if ref is not None:
-        d = d.to(dtype=ref.dtype, device=ref.device)
+    if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
+        d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)
     share_state(m, d)
     d.train(m.training)
     return d

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridpar.comm.reduce import grad_split
+from hybridpar.comm.reduce import grad_split, real_view
 from hybridpar.profiling import range as prange
 
 
@@ -64,7 +64,7 @@ class GradReducer:
         for p in bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) * (grad_split(p) / self.n) for p in bucket])
+        flat = torch.cat([real_view(p.grad).reshape(-1) * (grad_split(p) / self.n) for p in bucket])
         with prange("grad_reduce_launch", "grad_reduce"):
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.pending.append((i, flat, work))
@@ -79,7 +79,8 @@ class GradReducer:
                 work.wait()
                 off = 0
                 for p in self.buckets[i]:
-                    p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-                    off += p.numel()
+                    g = real_view(p.grad)  # a complex gradient travels as its real pairs
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
         self.armed = False
         self._reset()

@@ -11,6 +11,9 @@ forward never calls are read from the model's own tensors.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +41,7 @@ class ModelKeys:
             groups.setdefault(id(v), []).append(k)
         self.names = {k: g for g in groups.values() for k in g}  # key -> every key of its tensor
         # the model's own tensors: an optimizer over model.parameters() may still change them (decay)
-        self.unheld = {g[0]: entries[g[0]].detach() for g in groups.values() if not any(held(k) for k in g)}
+        self.unheld = {g[0]: _detached(entries[g[0]]) for g in groups.values() if not any(held(k) for k in g)}
 
     def complete(self, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``entries`` with every other name of each of their tensors."""
@@ -57,14 +60,25 @@ def local_state(layers: Layers, keys: ModelKeys | None = None, first: bool = Tru
 
 def full_state(layers: Layers, grid: ProcessGrid, keys: ModelKeys) -> dict[str, torch.Tensor]:
     """Every stage's entries, gathered over the pipeline (on CPU), in the original model's keys."""
-    local = {k: v.detach().cpu().clone() for k, v in local_state(layers).items()}
+    local = {k: _on_cpu(v) for k, v in local_state(layers).items()}
     parts = [local]
     if grid.pipe > 1:
         parts = [None] * grid.pipe
         dist.all_gather_object(parts, local, group=grid.pipe_group)
-    unheld = {k: v.cpu().clone() for k, v in keys.unheld.items()}
+    unheld = {k: _on_cpu(v) for k, v in keys.unheld.items()}
     merged = keys.complete({**unheld, **{k: v for p in parts for k, v in p.items()}})
     return {k: merged[k] for k in keys.keys if k in merged}
+
+
+def _detached(v: Any) -> Any:
+    """A state entry without its autograd history; an entry that is no tensor (neuraloperator's
+    models keep their constructor arguments under ``_metadata``) as it is."""
+    return v.detach() if isinstance(v, torch.Tensor) else v
+
+
+def _on_cpu(v: Any) -> Any:
+    """A CPU copy of a state entry (one that is no tensor: a deep copy)."""
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
 def load_state(layers: Layers, state: dict[str, torch.Tensor]) -> None:

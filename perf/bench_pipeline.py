@@ -64,8 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.pipeline.schedule import makespan
-from hybridpar.pipeline.schedule import schedule as schedule_ops
+from hybridpar.spec.schedule import makespan
+from hybridpar.spec.schedule import schedule as schedule_ops
 from perf import common
 
 STAGES = 2
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                                               "M/(M+S-1) of the bubble-free throughput of the same "
                                               "stages on the same machine)",
                        "schedule_efficiency": "schedule bound / T_pipe; schedule bound = "
-                                              "hybridpar.pipeline.schedule.makespan of the schedule with "
+                                              "hybridpar.spec.schedule.makespan of the schedule with "
                                               "f_k, b_k = stage k's forward / backward phase of "
                                               "T_stage_k over M, no transfers: the same schedule's bubble "
                                               "for these (possibly unbalanced) stages",

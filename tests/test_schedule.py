@@ -7,8 +7,15 @@ import random
 
 import pytest
 
-from hybridpar.perfmodel.pipeline import bubble_fraction
-from hybridpar.pipeline.schedule import SCHEDULES, actions, in_flight, makespan, schedule
+from hybridpar.spec.schedule import (
+    SCHEDULES,
+    actions,
+    bubble_fraction,
+    fill_drain_time,
+    in_flight,
+    makespan,
+    schedule,
+)
 
 GRID = list(itertools.product(SCHEDULES, range(1, 5), range(1, 9)))
 
@@ -132,3 +139,20 @@ def test_actions_example_in_docstring():
     got = actions("gpipe", 2, 2, 1, split_last=True)
     got = ", ".join(f"{kind} {m}" if m >= 0 else kind for kind, m in got)
     assert doc == got
+
+
+def test_fill_drain_time_is_the_closed_form_of_makespan():
+    """The performance model's closed form equals the simulated op lists for GPipe when one stage is
+    the slowest both ways and for balanced 1F1B, and bounds unbalanced 1F1B from above."""
+    rng = random.Random(4)
+    for _ in range(200):
+        stages, micro = rng.randint(1, 4), rng.randint(1, 6)
+        fwd = [rng.uniform(1, 2) for _ in range(stages)]
+        bwd = [rng.uniform(2, 4) for _ in range(stages)]
+        k = rng.randrange(stages)
+        fwd[k], bwd[k] = 3.0, 5.0
+        closed = fill_drain_time([f + b for f, b in zip(fwd, bwd)], [0.0] * stages, micro)
+        assert makespan("gpipe", stages, micro, fwd, bwd) == pytest.approx(closed)
+        assert makespan("1f1b", stages, micro, fwd, bwd) <= closed + 1e-9
+        assert makespan("1f1b", stages, micro, [1.0] * stages, [2.0] * stages) == pytest.approx(
+            fill_drain_time([3.0] * stages, [0.0] * stages, micro))

@@ -57,9 +57,10 @@ from hybridpar.perfmodel.machine import (
     load_machine,
     save_machine,
 )
-from hybridpar.perfmodel.pipeline import bubble_fraction, drain_saving
+from hybridpar.perfmodel.pipeline import drain_saving
 from hybridpar.perfmodel.predict import Prediction, StageCost, predict
 from hybridpar.perfmodel.workload import Workload, kernel_shape, layer_entries, layer_key
+from hybridpar.spec.schedule import bubble_fraction
 
 __all__ = ["Compute", "Cost", "LayerCost", "Link", "Machine", "PRESETS", "Prediction", "StageCost",
            "Workload", "allreduce_time", "bubble_fraction", "calibrate_compute", "default_cache",

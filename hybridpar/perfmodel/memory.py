@@ -15,9 +15,9 @@ import math
 from collections.abc import Sequence
 
 from hybridpar.perfmodel.compute import LayerCost
-from hybridpar.perfmodel.pipeline import microbatches_in_flight
 from hybridpar.spec.config import ParallelSpec
 from hybridpar.spec.plan import LayerPlan
+from hybridpar.spec.schedule import microbatches_in_flight
 
 __all__ = ["stage_memory"]
 

@@ -10,8 +10,8 @@ more micro-batches there, those of its first conv or linear layer where it holds
 :mod:`hybridpar.pipeline.deferred`): the drain then runs the stages' input gradients back to back
 and each stage's deferred weight gradients beside it (:func:`drain_saving`).
 
-The schedules' facts used here are closed forms of :mod:`hybridpar.pipeline.schedule`'s op lists
-(tested against them), so that the model does not import the runtime.
+The schedules' facts (in flight, bubble, fill-drain step, which weights wait) are
+:mod:`hybridpar.spec.schedule`'s, the runtime's own.
 """
 
 from __future__ import annotations
@@ -19,32 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridpar.perfmodel.compute import LayerCost
+from hybridpar.spec.schedule import all_weights_wait, microbatches_in_flight
 
-__all__ = ["bubble_fraction", "deferred_weights", "drain_saving", "fill_drain_time", "microbatches_in_flight"]
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of a synchronous pipeline step: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-def microbatches_in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
-    """Most micro-batches whose forward has run and backward has not, at once, on ``stage``: how many
-    micro-batches' activations it holds at its peak (GPipe: M; 1F1B: min(M, S - stage))."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, stages - stage)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; use gpipe or 1f1b")
-
-
-def fill_drain_time(stage_times: Sequence[float], send_latencies: Sequence[float],
-                    microbatches: int) -> float:
-    """``sum_s t_s + (M - 1) max_s (t_s - send latency_s)``: a step of ``M`` micro-batches through
-    stages taking ``stage_times`` each per micro-batch (receives posted ahead hide the latencies once
-    the pipeline is full)."""
-    steady = [t - lat for t, lat in zip(stage_times, send_latencies, strict=True)]
-    return sum(stage_times) + (microbatches - 1) * max(steady)
+__all__ = ["deferred_weights", "drain_saving"]
 
 
 def deferred_weights(layers: Sequence[LayerCost], schedule: str, stages: int,
@@ -55,7 +32,7 @@ def deferred_weights(layers: Sequence[LayerCost], schedule: str, stages: int,
     weights = [0.0] * stages
     for s in range(1, stages):
         w = [lc.weight_backward for lc in layers if lc.stage == s and lc.weight_backward > 0]
-        whole = microbatches_in_flight(schedule, stages, microbatches, s) >= 2
+        whole = all_weights_wait(microbatches_in_flight(schedule, stages, microbatches, s))
         weights[s] = sum(w) if whole else (w[0] if w else 0.0)
     return weights
 

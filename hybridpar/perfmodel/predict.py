@@ -29,11 +29,12 @@ from hybridpar.perfmodel.comm import allreduce_parts, allreduce_time, link_betwe
 from hybridpar.perfmodel.compute import LayerCost, layer_costs
 from hybridpar.perfmodel.machine import Link, Machine, get_machine
 from hybridpar.perfmodel.memory import stage_memory
-from hybridpar.perfmodel.pipeline import bubble_fraction, deferred_weights, drain_saving, fill_drain_time
+from hybridpar.perfmodel.pipeline import deferred_weights, drain_saving
 from hybridpar.perfmodel.workload import Workload
 from hybridpar.spec.config import ParallelSpec
 from hybridpar.spec.graph import INPUT, ModelGraph
 from hybridpar.spec.plan import REPLICATED, LayerPlan
+from hybridpar.spec.schedule import bubble_fraction, fill_drain_time
 from hybridpar.spec.stages import live_bytes
 
 __all__ = ["Prediction", "StageCost", "predict"]

@@ -1,7 +1,6 @@
 """Pipeline and hybrid parallelism: schedules, the stage builder, gradient reduction, the engine."""
 
-from hybridpar.perfmodel.pipeline import bubble_fraction
 from hybridpar.pipeline.engine import Engine, parallelize
-from hybridpar.pipeline.schedule import schedule
+from hybridpar.spec.schedule import bubble_fraction, schedule
 
 __all__ = ["Engine", "parallelize", "schedule", "bubble_fraction"]

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hybridpar.spec.schedule import all_weights_wait
+
 Kept = list[tuple[torch.Tensor, list[nn.Parameter]]]
 Prefix = tuple[torch.Tensor, torch.Tensor]  # the split prefix's output, and the leaf the rest ran on
 
@@ -90,7 +92,7 @@ def split_end(modules: Sequence[nn.Module], defer: Sequence[bool], in_flight: in
     up to its first deferrable layer (:func:`prefix_end`)."""
     if not any(defer):
         return None
-    return len(modules) if in_flight >= 2 else prefix_end(modules, defer)
+    return len(modules) if all_weights_wait(in_flight) else prefix_end(modules, defer)
 
 
 def run_keeping(modules: Sequence[nn.Module], defer: Sequence[bool], x: torch.Tensor,

@@ -8,7 +8,7 @@ run only once it is shown to make the forward's own operations, :mod:`hybridpar.
 transport (:mod:`~hybridpar.pipeline.stage_transport`), (3) build this rank's stage: Dist layers per
 the plan holding the model's own parameters and buffers (an optimizer over ``model.parameters()``
 trains it, as with FSDP2), Redistributes where splits change (:mod:`~hybridpar.pipeline.stage`), (4) run a
-training step as the schedule's action list over micro-batches (:mod:`~hybridpar.pipeline.schedule`
+training step as the schedule's action list over micro-batches (:mod:`~hybridpar.spec.schedule`
 says what, :mod:`~hybridpar.pipeline.runtime` does it), activations and gradients moving shard to
 shard between stages, (5) reduce gradients once, bucketed and overlapped with the last backward,
 over the stage's data × spatial ranks, and average norm layers' running statistics over the
@@ -58,7 +58,6 @@ from hybridpar.pipeline.batch import shard, split_sizes
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
-from hybridpar.pipeline.schedule import Action, actions, in_flight, schedule
 from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
 from hybridpar.precision import autocast_state
@@ -69,6 +68,7 @@ from hybridpar.spec.faithful import check_faithful
 from hybridpar.spec.graph import ModelGraph, UntraceableError
 from hybridpar.spec.graph import trace as trace_graph
 from hybridpar.spec.plan import build_plan
+from hybridpar.spec.schedule import Action, actions, in_flight, schedule
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridpar.spec.config import ParallelSpec, Split
 from hybridpar.spec.plan import LayerPlan, build_plan
+from hybridpar.spec.schedule import microbatches_in_flight
 from hybridpar.spec.stages import live_values
 
 COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
@@ -89,7 +90,7 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         rank_flops = sum(r.flops * r.rank_share * p.microbatches for r in recs)
         rank_train = sum(r.train_flops * r.rank_share * p.microbatches for r in recs)
         act = sum(r.activation_bytes for r in recs)
-        kept = p.microbatches if p.schedule == "gpipe" else min(p.microbatches, g.pipe - s)
+        kept = microbatches_in_flight(p.schedule, g.pipe, p.microbatches, s)
         lines.append(
             f"stage {s}: {recs[0].name} .. {recs[-1].name} ({len(recs)} layers): "
             f"{_si(sum(r.params for r in recs))} params, {_si(rank_flops)} FLOPs fwd "

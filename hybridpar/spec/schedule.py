@@ -17,6 +17,10 @@ GPipe, S = 3 stages, M = 4 micro-batches (a column per clock tick, Fm/Bm = micro
     stage 2 | .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. .. ..
 
 Bubble fraction, both: (S - 1) / (M + S - 1).
+
+This module is the one home of the pipeline's facts (micro-batches in flight, the bubble, the step's
+length, which weight gradients wait): torch-free, read by the runtime, the performance model and
+``explain`` alike.
 """
 
 from __future__ import annotations
@@ -61,6 +65,35 @@ def in_flight(ops: Sequence[Op]) -> int:
         live += 1 if op == "F" else -1
         most = max(most, live)
     return most
+
+
+def microbatches_in_flight(name: str, stages: int, microbatches: int, stage: int) -> int:
+    """:func:`in_flight` of ``stage``'s op list under schedule ``name``."""
+    return in_flight(schedule(name, stages, microbatches, stage))
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle share of a synchronous pipeline step of balanced stages: (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def all_weights_wait(in_flight_count: int) -> bool:
+    """Whether a stage's last backward defers *all* its weight gradients until its input gradient is
+    sent: where the schedule holds two or more micro-batches on it (their activations are kept
+    anyway), or only those of its first deferrable layer where it holds one
+    (:mod:`hybridpar.pipeline.deferred`)."""
+    return in_flight_count >= 2
+
+
+def fill_drain_time(stage_times: Sequence[float], send_latencies: Sequence[float],
+                    microbatches: int) -> float:
+    """``sum_s t_s + (M - 1) max_s (t_s - send latency_s)``: a step of ``M`` micro-batches through
+    stages taking ``stage_times`` (forward plus backward) each per micro-batch; receives posted ahead
+    hide the latencies once the pipeline is full. With no latency it is :func:`makespan` of GPipe
+    where one stage is the slowest both forward and backward, and of balanced 1F1B; of unbalanced
+    1F1B, which interleaves, it is an upper bound (tested against the simulation)."""
+    steady = [t - lat for t, lat in zip(stage_times, send_latencies, strict=True)]
+    return sum(stage_times) + (microbatches - 1) * max(steady)
 
 
 def makespan(name: str, stages: int, microbatches: int, forward: Sequence[float],

@@ -50,6 +50,21 @@ class IsInstanceNet(nn.Module):
         return self.block(h, h * 2)
 
 
+class PReLUNet(nn.Module):
+    """A pointwise layer with parameters and no Dist class (PReLU) in a model run by module swapping
+    (the isinstance check): its gradient on each shard is partial and must be summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.act = nn.PReLU(2, init=-0.3)
+        self.block = _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.stem(x))
+        return self.block(h, h * 2)
+
+
 class AliasNet(nn.Module):
     """Blocks kept under two names (DynUNet's ``downsamples`` and ``skip_layers``), and a head the
     forward never calls."""
@@ -211,6 +226,7 @@ CASES = [
     (4, "deep supervision at two extents, data x spatial", "DeepNet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "aliased modules, spatial", "AliasNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "PReLU by module swapping, 2x2", "PReLUNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",

@@ -27,6 +27,10 @@ from hybridpar.spec.swapped import leaves
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 
 
+def _own_params(m: nn.Module) -> bool:
+    return next(m.parameters(recurse=False), None) is not None
+
+
 def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
     """A copy of ``model`` (sharing its parameters and buffers) whose registered layers are their split
     counterparts under ``grid`` (``convert(name, module, grid)``), a ``Flatten`` gathering its split
@@ -36,8 +40,8 @@ def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
         entry = registry.lookup(m)
         if entry is not None and entry.extra.get("flattens"):
             new: nn.Module = nn.Sequential(Gather(grid), m) if grid.spatial_size > 1 else m
-        elif entry is not None and entry.to_dist is not None:
-            new = convert(name, m, grid)
+        elif entry is not None and (entry.to_dist is not None or _own_params(m)):
+            new = convert(name, m, grid)  # a copy whose parameters' shard gradients are summed
         else:
             continue
         parent, _, leaf = name.rpartition(".")

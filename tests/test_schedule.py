@@ -12,6 +12,7 @@ from hybridpar.spec.schedule import (
     actions,
     bubble_fraction,
     fill_drain_time,
+    forward_actions,
     in_flight,
     makespan,
     schedule,
@@ -156,3 +157,20 @@ def test_fill_drain_time_is_the_closed_form_of_makespan():
         assert makespan("1f1b", stages, micro, fwd, bwd) <= closed + 1e-9
         assert makespan("1f1b", stages, micro, [1.0] * stages, [2.0] * stages) == pytest.approx(
             fill_drain_time([3.0] * stages, [0.0] * stages, micro))
+
+
+def test_forward_actions_run_every_forward_once_in_order():
+    """The inference list: each micro-batch received (after the first stage) before its forward, its
+    output sent (kept on the last stage), running statistics synced once at the end."""
+    for stages in range(1, 5):
+        for micro in range(1, 6):
+            for stage in range(stages):
+                acts = forward_actions(stages, micro, stage)
+                assert [m for k, m in acts if k == "F"] == list(range(micro))
+                out = "KEEP" if stage == stages - 1 else "SEND_F"
+                assert [m for k, m in acts if k == out] == list(range(micro))
+                for m in range(micro):
+                    if stage:
+                        assert acts.index(("RECV_F", m)) < acts.index(("F", m))
+                    assert acts.index(("F", m)) < acts.index((out, m))
+                assert acts[-1] == ("SYNC_STATS", -1)

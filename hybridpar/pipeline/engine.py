@@ -68,7 +68,7 @@ from hybridpar.spec.faithful import check_faithful
 from hybridpar.spec.graph import ModelGraph, UntraceableError
 from hybridpar.spec.graph import trace as trace_graph
 from hybridpar.spec.plan import build_plan
-from hybridpar.spec.schedule import Action, actions, in_flight, schedule
+from hybridpar.spec.schedule import Action, actions, forward_actions, in_flight, schedule
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 
@@ -358,24 +358,13 @@ class Engine:
         x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self._dtype_device(x_local)
-        stage, outs, sends = self.grid.pipe_index, [], []
-        for m, b in enumerate(sizes):
-            if self.first_stage:
-                inp = xs[m]
-            else:
-                inp, work = self.transport.irecv(self._in_shape(b), dtype, device, stage - 1, FWD_TAG + m)
-                with prange("pipeline_recv", "pipeline"):
-                    work.wait()
-            out = self._run(inp)
-            if self.last_stage:
-                outs.append(tree_leaves(out))
-            else:
-                sends.append(self._send(out.to(dtype) if out.is_floating_point() else out, stage + 1,
-                                        FWD_TAG + m))
-        for w in sends:
-            w.wait()
-        if self.replica_stats is not None and self._training:  # it updated running statistics
-            self.replica_stats.sync()
+        ctx = StepContext(self.grid, self.transport, [m for _, m in self.layers], self._defer, self._forward,
+                          self._loss, self._send, self._in_shape, self._params, None, self.replica_stats,
+                          self._training, None)
+        steps = forward_actions(self.grid.pipe, len(sizes), self.grid.pipe_index)
+        runtime = StepRuntime(ctx, steps, xs, [], sizes, dtype, device, None, None)
+        runtime.run()
+        outs = [tree_leaves(out) for out in runtime.outputs]
         ys = []
         for k, rec in enumerate(self.stage.outputs):
             if self.last_stage:

@@ -55,7 +55,9 @@ class StepContext:
 
 
 class StepRuntime:
-    """One training step of one stage: ``run`` does the actions in order and returns the loss."""
+    """One step of one stage: ``run`` does the actions in order and returns the loss (a training
+    step) or None (an inference pass, :func:`~hybridpar.spec.schedule.forward_actions`, whose last
+    stage's outputs are ``outputs``)."""
 
     def __init__(self, ctx: StepContext, actions: Sequence[sched.Action], xs: Sequence[Any],
                  ys: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype,
@@ -76,7 +78,10 @@ class StepRuntime:
         self.prefix: deferred.Prefix | None = None
         # the loss stays on the device: a .cpu() per micro-batch would stall a GPU pipeline
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss_x = LossExchange(ctx.grid, ctx.transport, device)
+        backward = (sched.FULL_BACKWARD, sched.BACKWARD_INPUT)
+        self.inference = not any(kind in backward for kind, _ in self.actions)
+        self.loss_x = LossExchange(ctx.grid, ctx.transport, device) if not self.inference else None
+        self.outputs: list[Any] = []  # what KEEP kept (inference), in micro-batch order
 
     def run(self) -> torch.Tensor:
         """Every action, then the step's ends: sends, gradient reduction, running statistics, loss."""
@@ -89,7 +94,7 @@ class StepRuntime:
             self.ctx.reducer.finish()
         if self.ctx.replica_stats is not None:
             self.ctx.replica_stats.finish()
-        return self.loss_x.finish()
+        return self.loss_x.finish() if self.loss_x is not None else None
 
     # ------------------------------------------------------------------ transfers
     def recv_f(self, m: int) -> None:
@@ -110,7 +115,10 @@ class StepRuntime:
     def send_f(self, m: int) -> None:
         inp, out = self.held[m]
         out = out.to(self.dtype) if out.is_floating_point() else out  # a cut carries the autocast dtype
-        self.held[m] = (inp, out)  # the gradient that comes back is of what was sent
+        if self.inference:
+            del self.held[m]
+        else:
+            self.held[m] = (inp, out)  # the gradient that comes back is of what was sent
         self.sends.append(self.ctx.send(out, self.stage + 1, FWD_TAG + m))
 
     def send_b(self, m: int) -> None:
@@ -137,6 +145,9 @@ class StepRuntime:
         loss = self.ctx.loss(out, self.ys[m].to(self.device)) * (self.sizes[m] / self.batch)
         self.loss_sum += loss.detach().double()
         self.held[m] = (inp, loss)
+
+    def keep(self, m: int) -> None:
+        self.outputs.append(self.held.pop(m)[1])
 
     def _grad(self, m: int) -> torch.Tensor | None:
         return self.loss_scale if self.last else self._take((sched.FULL_BACKWARD, m))
@@ -200,7 +211,8 @@ _HANDLERS: dict[str, Callable[[StepRuntime, int], None]] = {
     sched.LOSS: StepRuntime.loss, sched.SEND_F: StepRuntime.send_f, sched.SHARE_LOSS: StepRuntime.share_loss,
     sched.SYNC_STATS: StepRuntime.sync_stats, sched.ARM_REDUCE: StepRuntime.arm_reduce,
     sched.FULL_BACKWARD: StepRuntime.full_backward, sched.BACKWARD_INPUT: StepRuntime.backward_input,
-    sched.SEND_B: StepRuntime.send_b, sched.BACKWARD_WEIGHT: StepRuntime.backward_weight}
+    sched.SEND_B: StepRuntime.send_b, sched.BACKWARD_WEIGHT: StepRuntime.backward_weight,
+    sched.KEEP: StepRuntime.keep}
 
 
 class LossExchange:

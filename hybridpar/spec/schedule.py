@@ -146,8 +146,9 @@ def makespan(name: str, stages: int, microbatches: int, forward: Sequence[float]
 # the compute that needs it, so that data moves while the stage computes), SEND_F / SEND_B post a
 # send. Step events: SHARE_LOSS (the last stage's replica loss is complete), SYNC_STATS (the last
 # update of running statistics is done), ARM_REDUCE (the next backward is the last: start reducing
-# gradients as they are accumulated). Events carry micro-batch -1.
-FORWARD, LOSS, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "LOSS", "B", "I", "W"
+# gradients as they are accumulated). Events carry micro-batch -1. Inference keeps the last stage's
+# outputs instead of a loss: KEEP.
+FORWARD, LOSS, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, KEEP = "F", "LOSS", "B", "I", "W", "KEEP"
 RECV_F, SEND_F, RECV_B, SEND_B = "RECV_F", "SEND_F", "RECV_B", "SEND_B"
 SHARE_LOSS, SYNC_STATS, ARM_REDUCE = "SHARE_LOSS", "SYNC_STATS", "ARM_REDUCE"
 Action = tuple[str, int]
@@ -201,3 +202,19 @@ def actions(name: str, stages: int, microbatches: int, stage: int, split_last: b
         if ahead and not early(i + 1):
             out += recv(i + 1)
     return out
+
+
+def forward_actions(stages: int, microbatches: int, stage: int) -> list[Action]:
+    """The action list of an inference pass (``Engine.predict``) on ``stage``: each micro-batch's
+    forward in order, its receive posted one forward ahead, its output sent on (or kept, on the last
+    stage), then the update of running statistics. Stages 2 of 2, M = 2::
+
+        RECV_F 0, RECV_F 1, F 0, KEEP 0, F 1, KEEP 1, SYNC_STATS
+    """
+    first, last = stage == 0, stage == stages - 1
+    out: list[Action] = [] if first else [(RECV_F, 0)]
+    for m in range(microbatches):
+        if not first and m + 1 < microbatches:
+            out.append((RECV_F, m + 1))
+        out += [(FORWARD, m), (KEEP, m) if last else (SEND_F, m)]
+    return [*out, (SYNC_STATS, -1)]

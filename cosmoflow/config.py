@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from hybridpar.spec.config import check_keys
+from hybridpar.planner.config import check_keys
 
 
 class ConfigError(ValueError):
@@ -233,7 +233,7 @@ def validate(cfg: Config) -> None:
     if not 1 <= cfg.data.channels <= 4:
         raise ConfigError(f"data.channels: {cfg.data.channels} redshift channels; the universes have 1 to 4 "
                           "(z = 0, 0.5, 1.5, 3, read from the first)")
-    from hybridpar.accel import check  # noqa: PLC0415 (torch, only when validating)
+    from hybridpar.device.accel import check  # noqa: PLC0415 (torch, only when validating)
 
     problem = check(cfg.train.precision, cfg.train.cuda_graphs)
     if problem:

@@ -4,7 +4,7 @@ Why a module of its own: the loop (:mod:`cosmoflow.trainer`) should read as a lo
 messages that make a failure actionable (a resume with another model names the keys that differ; a NaN
 loss names its batch's files and the newest good checkpoint) and the split of failures into
 configuration errors (exit 2: fix the command line) and runtime faults (exit 1), which
-:func:`hybridpar.failure.report` prints once per job.
+:func:`hybridpar.process.failure.report` prints once per job.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import hybridpar as hp
 from cosmoflow.config import ConfigError
 from cosmoflow.data import CosmoDataset
 from cosmoflow.validate import DataError
-from hybridpar import failure
 from hybridpar.checkpoint import Checkpointer
 from hybridpar.checkpoint.format import CheckpointError
 from hybridpar.comm import liveness
 from hybridpar.data import WorkerError
+from hybridpar.process import failure
 
 
 class Stop(Exception):
@@ -106,7 +106,7 @@ _CONFIG_ERRORS = (ConfigError, hp.SpecError, FileNotFoundError, ValueError)
 
 
 def failure_line(err: BaseException) -> tuple[str, int]:
-    """The one line that reports ``err``, and the exit code (see :mod:`hybridpar.failure`)."""
+    """The one line that reports ``err``, and the exit code (see :mod:`hybridpar.process.failure`)."""
     if isinstance(err, WorkerError) and err.original is not None:
         err = err.original  # a loader worker's error, reported as if read here
     if liveness.is_timeout(err):

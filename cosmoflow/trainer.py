@@ -43,8 +43,6 @@ from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, sav
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
-from hybridpar import failure
-from hybridpar.accel import Accel
 from hybridpar.checkpoint import (
     Checkpointer,
     faults,
@@ -54,10 +52,12 @@ from hybridpar.checkpoint import (
     set_rng_state,
 )
 from hybridpar.data import Augment, VolumeLoader
-from hybridpar.hostinfo import machine_info
-from hybridpar.launch import collective_timeout
+from hybridpar.device.accel import Accel
+from hybridpar.process import failure
+from hybridpar.process.launchers import collective_timeout
 from hybridpar.profiling import StepTimer
 from hybridpar.profiling import range as prange
+from hybridpar.profiling.hostinfo import machine_info
 
 
 def _signals() -> dict[str, bool]:
@@ -209,7 +209,7 @@ def run(cfg: Config) -> dict[str, Any]:
     train_ds = open_dataset(cfg.data.train, sample_size=S, channels=channels, target=target, skip_bad=skip)
     val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target, skip_bad=skip)
     t = cfg.train
-    accel = Accel(hp.launch.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
+    accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
     model = _build_model(cfg, channels).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     batch = cfg.train.batch_size

@@ -4,13 +4,14 @@ The public surface is small: :func:`init_distributed`, :class:`ProcessGrid`, the
 :mod:`hybridpar.nn`, and the layout changes :func:`scatter`, :func:`gather` and :class:`Redistribute`.
 """
 
-from hybridpar import fft, flops, nn, profiling, timeline
+from hybridpar import fft, flops, nn, profiling
 from hybridpar.comm import gather, no_grad_sync, redistribute, scatter
 from hybridpar.grid import ProcessGrid
-from hybridpar.launch import init_distributed
 from hybridpar.nn.layout import Redistribute
 from hybridpar.pipeline import Engine, parallelize
-from hybridpar.spec import GridSpec, LayerRule, ParallelSpec, PipelineSpec, SpecError, load_spec
+from hybridpar.planner import GridSpec, LayerRule, ParallelSpec, PipelineSpec, SpecError, load_spec
+from hybridpar.process.launchers import init_distributed
+from hybridpar.profiling import timeline
 
 __all__ = ["ProcessGrid", "init_distributed", "nn", "scatter", "gather", "redistribute", "Redistribute",
            "no_grad_sync", "parallelize", "Engine", "load_spec", "ParallelSpec", "GridSpec", "PipelineSpec",

@@ -10,7 +10,7 @@ runners-up. It writes the chosen spec as YAML that :func:`hybridpar.load_spec` r
 What it enumerates, for a global batch N on W ranks:
 
 * the data degree ``d`` (dividing W and N), pipeline stages ``p`` (dividing W/d, 1F1B, stages
-  balanced by :func:`hybridpar.spec.balance_stages`), micro-batches ``M`` (1, 2, 4, ... up to 8 per
+  balanced by :func:`hybridpar.planner.balance_stages`), micro-batches ``M`` (1, 2, 4, ... up to 8 per
   stage, dividing the replica batch);
 * a spatial split of the stage's ``W/(d p)`` ranks for the convolutional part (every 3-factor split;
   only ``d >= h >= w`` ones when the volume is a cube), the dense head replicated;
@@ -38,9 +38,9 @@ from pathlib import Path
 from torch import nn
 
 from hybridpar import perfmodel as pm
-from hybridpar.spec import ParallelSpec, SpecError
-from hybridpar.spec.cli_args import load_model, parse_shape
-from hybridpar.spec.config import Split
+from hybridpar.planner import ParallelSpec, SpecError
+from hybridpar.planner.cli_args import load_model, parse_shape
+from hybridpar.planner.terms import Split
 
 __all__ = ["Advice", "Candidate", "advise", "format_advice", "main", "parse_bytes"]
 

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from hybridpar.launch import collective_timeout
+from hybridpar.process.launchers import collective_timeout, on_shutdown
 
 AXES = ("d", "h", "w")
 _GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
@@ -46,9 +46,12 @@ def _partition_groups(partition: list[list[int]], purpose: str = "") -> list[dis
 
 
 def forget_groups() -> None:
-    """Drop the cached groups (:func:`hybridpar.launch.shutdown` calls it): they belong to a process group
-    that is being destroyed, and a later ``init_distributed`` must create its own."""
+    """Drop the cached groups (:func:`hybridpar.process.launchers.shutdown` calls it): they belong to a
+    process group that is being destroyed, and a later ``init_distributed`` must create its own."""
     _GROUP_CACHE.clear()
+
+
+on_shutdown(forget_groups)
 
 
 def _self_group() -> dist.ProcessGroup:

@@ -7,7 +7,7 @@
 
 Override any entry with ``--set key=value`` (e.g. ``--set train.epochs=2 --set run_dir=runs/try``).
 Starting again on the same ``run_dir`` resumes from its newest complete checkpoint. Exit status: 0 done,
-1 a runtime fault, 2 a configuration error (see :mod:`hybridpar.failure`).
+1 a runtime fault, 2 a configuration error (see :mod:`hybridpar.process.failure`).
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cosmoflow.trainer import main  # noqa: E402
-from hybridpar import failure  # noqa: E402
+from hybridpar.process import failure  # noqa: E402
 
 if __name__ == "__main__":
     failure.leave(main())

@@ -32,7 +32,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from hybridpar.memory import SavedActivations
+from hybridpar.profiling.saved_memory import SavedActivations
 from perf import common
 
 RANKS = 2

@@ -18,7 +18,7 @@ default keeps every kernel on oneDNN.
 Configurations: all of them inside the same 2 fresh processes (gloo group), 1 thread each,
 alternated ``--reps`` times per (schedule, M), since this VM's speed drifts by up to 1.5x within
 minutes and a ratio is only meaningful between neighbours in time. Every process applies
-``hybridpar.cpu_alloc`` (see perf/common.py).
+``hybridpar.device.cpu_alloc`` (see perf/common.py).
 
 * ``whole``: rank 0 alone (rank 1 waits in a barrier), the whole batch through plain ``torch.nn``;
 * ``accum``: the same, the M micro-batches one after another with gradient accumulation;
@@ -64,8 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.spec.schedule import makespan
-from hybridpar.spec.schedule import schedule as schedule_ops
+from hybridpar.planner.schedule import makespan
+from hybridpar.planner.schedule import schedule as schedule_ops
 from perf import common
 
 STAGES = 2
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                                               "M/(M+S-1) of the bubble-free throughput of the same "
                                               "stages on the same machine)",
                        "schedule_efficiency": "schedule bound / T_pipe; schedule bound = "
-                                              "hybridpar.spec.schedule.makespan of the schedule with "
+                                              "hybridpar.planner.schedule.makespan of the schedule with "
                                               "f_k, b_k = stage k's forward / backward phase of "
                                               "T_stage_k over M, no transfers: the same schedule's bubble "
                                               "for these (possibly unbalanced) stages",

@@ -6,10 +6,10 @@ upsampling, periodic padding) keeps a full-resolution activation in every level,
 networks need spatial parallelism most. The figure that matters is the activation memory each rank
 keeps for backward: it must fall as ~1/P of the whole model's, plus halos; a layer silently gathered
 onto every rank would hold the whole volume and show here at once. Memory is measured exactly with
-:class:`hybridpar.memory.SavedActivations` (the distinct storages autograd holds, peak over the step),
-the same counter for the baseline and the ranks. Times are step-time medians; a distributed step
-lasts as long as its slowest rank. The jobs alternate, round after round, so that the VM's drift
-spreads over all of them.
+:class:`hybridpar.profiling.saved_memory.SavedActivations` (the distinct storages autograd holds, peak
+over the step), the same counter for the baseline and the ranks. Times are step-time medians; a
+distributed step lasts as long as its slowest rank. The jobs alternate, round after round, so that
+the VM's drift spreads over all of them.
 
     python -m perf unet                       # 64^3 and 128^3, 1/2/4 ranks
     python -m perf unet --sizes 32 --rounds 1 --steps 1 --no-wait --out /tmp/unet.json
@@ -41,7 +41,7 @@ def _inputs(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def baseline_job(rank: int, world: int, cfg: dict) -> dict:
     """One process, the plain torch model on the whole volume (no process group)."""
-    from hybridpar.memory import SavedActivations
+    from hybridpar.profiling.saved_memory import SavedActivations
 
     model = _model()
     x, y = _inputs(cfg["size"])
@@ -59,7 +59,7 @@ def baseline_job(rank: int, world: int, cfg: dict) -> dict:
 def dist_job(rank: int, world: int, cfg: dict) -> dict:
     """hp.parallelize on ``world`` ranks, the volume split along depth."""
     import hybridpar as hp
-    from hybridpar.memory import SavedActivations
+    from hybridpar.profiling.saved_memory import SavedActivations
 
     x, y = _inputs(cfg["size"])
     engine = hp.parallelize(_model(), {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss)

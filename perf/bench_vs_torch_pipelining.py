@@ -18,7 +18,7 @@ conv depth // 2), batch (micro-batch ``--micro`` samples, batch micro * M) and m
 Each step sets gradients to None first; no optimizer step. A step lasts until its slowest rank is done.
 Timing: both implementations are built in the same 2 processes and alternated ``--reps`` times per M
 (this VM's speed drifts by up to 1.5x within minutes), in ``--rounds`` fresh pairs of processes;
-every process applies ``hybridpar.cpu_alloc`` (perf/common.py), torch's included.
+every process applies ``hybridpar.device.cpu_alloc`` (perf/common.py), torch's included.
 
 Memory per stage, three ways, each rank in a fresh process per (implementation, M), after 2 warm-up
 steps, glibc told to return every block >= 64 KiB to the OS (``MALLOC_MMAP_THRESHOLD_=65536``) so the
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.memory import SavedActivations
+from hybridpar.profiling.saved_memory import SavedActivations
 from perf import common, heapcount
 from perf.bench_pipeline import add_model_args, make_stack, model_config, split_layer, stack_data
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridpar.hostinfo import cpu_model, machine_info  # noqa: F401 (re-exported to the benchmarks)
+from hybridpar.profiling.hostinfo import cpu_model, machine_info  # noqa: F401 (re-exported to the benchmarks)
 from perf.ranks import launch  # noqa: F401 (re-exported to the benchmarks)
 
 ROOT = Path(__file__).resolve().parent.parent

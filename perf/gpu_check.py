@@ -141,7 +141,7 @@ def _sync(device: torch.device) -> None:
 
 def environment() -> dict[str, Any]:
     """GPU, driver, CUDA and torch versions (and the host's CPU facts)."""
-    from hybridpar.hostinfo import machine_info
+    from hybridpar.profiling.hostinfo import machine_info
 
     env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "machine": machine_info()}
     if torch.cuda.is_available():
@@ -312,8 +312,8 @@ def _variant_step(variant: str, size: int, n_conv: int, data: Path, steps: int, 
     import hybridpar as hp
     from cosmoflow.data import open_dataset
     from cosmoflow.model import build_model
-    from hybridpar.accel import Accel
     from hybridpar.data import VolumeLoader
+    from hybridpar.device.accel import Accel
 
     precision = "fp32" if variant == "fp32" else "bf16"
     accel = Accel(device, precision, channels_last="cl" in variant, compile="compile" in variant,

@@ -404,7 +404,7 @@ def probe_problem(cfgs: list[Config]) -> tuple[str, tuple[int, ...]]:
 
 
 def _spec(cfg: Config):
-    from hybridpar.spec import ParallelSpec  # noqa: PLC0415
+    from hybridpar.planner import ParallelSpec  # noqa: PLC0415
 
     return ParallelSpec.from_dict(cfg.spec)
 
@@ -685,7 +685,7 @@ def extrapolate(out: Path) -> dict[str, Any]:
 
 
 def _spec_dict(d: dict[str, Any]):
-    from hybridpar.spec import ParallelSpec  # noqa: PLC0415
+    from hybridpar.planner import ParallelSpec  # noqa: PLC0415
 
     return ParallelSpec.from_dict(d)
 
@@ -740,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                          "like the CUDA caching allocator); default: glibc's defaults")
     ap.add_argument("--timeline", type=Path, default=None,
                     help="log every range of every step here (one folder per config) for "
-                         "`python -m hybridpar.timeline DIR/<config>`")
+                         "`python -m hybridpar.profiling.timeline DIR/<config>`")
     ap.add_argument("--state", default="drift,contention",
                     help="what of the state probed before each configuration the model takes (comma "
                          "list of drift, contention, link; default drift,contention): the probe's "
@@ -792,8 +792,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip {cfg.key}: {err}", flush=True)
             continue
         cfgs.append(cfg)
-    # keep: every rank reuses freed memory, as PyTorch's caching allocator does on GPUs (hybridpar.cpu_alloc,
-    # which perf.ranks applies in each); default: glibc's own settings, cpu_alloc told to leave them
+    # keep: every rank reuses freed memory, as PyTorch's caching allocator does on GPUs
+    # (hybridpar.device.cpu_alloc, which perf.ranks applies in each); default: glibc's own settings,
+    # cpu_alloc told to leave them
     if args.malloc == "default":
         os.environ["HYBRIDPAR_MALLOC_TUNING"] = "0"
     cores = len(os.sched_getaffinity(0))

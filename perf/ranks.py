@@ -5,7 +5,7 @@ Why fresh processes: a benchmark's configurations must not share allocator or ke
 a test's deadlock must fail with the ranks' state instead of hanging the suite. Each process sets its
 thread count (and, asked to, its cores) before any work, and every one, one-process baselines
 included, keeps glibc from trimming its heap between steps as hybridpar's own ranks do
-(``hybridpar.cpu_alloc``; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
+(``hybridpar.device.cpu_alloc``; ``HYBRIDPAR_MALLOC_TUNING=0`` turns it off), so that a comparison is not
 decided by the allocator. Every rank's return value comes back through a file.
 
 ``launch(..., mpi=True)`` starts the ranks with ``mpiexec`` instead (``python -m perf.ranks JOB``
@@ -81,7 +81,7 @@ def _settle(rank: int, threads: int, group: bool, pin: bool, group_timeout_s: fl
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(threads)})
     import hybridpar as hp  # noqa: PLC0415
-    from hybridpar import cpu_alloc  # noqa: PLC0415
+    from hybridpar.device import cpu_alloc  # noqa: PLC0415
 
     cpu_alloc.tune()  # every job alike, baselines included (what hybridpar does in its own CPU ranks)
     if group:
@@ -104,7 +104,7 @@ def _run(rank: int, world: int, out: str, fn: Callable, args: tuple) -> None:
         traceback.print_exc()
         raise
     finally:  # while the interpreter is whole: a thread back for the GIL at finalization aborts
-        from hybridpar.launch import shutdown  # noqa: PLC0415
+        from hybridpar.process.launchers import shutdown  # noqa: PLC0415
 
         shutdown()
 
@@ -228,7 +228,7 @@ def _launch_mpiexec(fn: Callable, world: int, args: tuple, threads: int, group: 
 
 def _mpi_rank(job: str) -> None:
     """One rank started by :func:`_launch_mpiexec`: its place from the MPI launcher's environment."""
-    from hybridpar.launch import detect_launcher  # noqa: PLC0415
+    from hybridpar.process.launchers import detect_launcher  # noqa: PLC0415
 
     found = detect_launcher()
     if found is None:

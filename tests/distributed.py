@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmoflow.generate import generate
-from hybridpar.launch import shutdown
+from hybridpar.process.launchers import shutdown
 from perf.ranks import context, free_port, launch, prepare_rank
 
 from forked import run_python

@@ -24,7 +24,7 @@ import hybridpar as hp  # noqa: E402
 import layer_cases  # noqa: E402
 
 
-def halo(info: hp.launch.LaunchInfo, fails: layer_cases.Failures) -> str:
+def halo(info: hp.process.launchers.LaunchInfo, fails: layer_cases.Failures) -> str:
     grid = hp.ProcessGrid(spatial=(info.world_size, 1, 1))
     count = layer_cases.run_conv(fails, grid, random.Random(3), n_random=8, transport="mpi")
     layer_cases.compare_layer(fails, "mpi maxpool", grid, torch.nn.MaxPool3d(3, 2, 1),
@@ -63,7 +63,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(6, 2, generator=g, dtype=torch.float64))
 
 
-def pipeline(info: hp.launch.LaunchInfo, fails: layer_cases.Failures) -> str:
+def pipeline(info: hp.process.launchers.LaunchInfo, fails: layer_cases.Failures) -> str:
     ref_model = _model()
     x, y = _data()
     ref_out = ref_model(x)

@@ -51,7 +51,7 @@ def _step(hp, layout, dtype, autocast: bool, scale=None, fmt=torch.contiguous_fo
 
 def _body(rank: int, world: int) -> None:
     import hybridpar as hp
-    from hybridpar.memfmt import CL
+    from hybridpar.device.memfmt import CL
 
     fails = []
     bf_loss, bf_grads = _reference(torch.float32, True)

@@ -12,7 +12,7 @@ import torch
 from test_train_app import _args, tiny_data  # noqa: F401 (a module fixture)
 
 from cosmoflow.config import ConfigError, load_config
-from hybridpar.accel import Accel
+from hybridpar.device.accel import Accel
 
 from distributed import train_script
 

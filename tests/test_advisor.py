@@ -12,7 +12,7 @@ from cosmoflow.model import build_model
 from hybridpar import load_spec
 from hybridpar import perfmodel as pm
 from hybridpar.advisor import advise, main, parse_bytes
-from hybridpar.spec import SpecError
+from hybridpar.planner import SpecError
 
 MODEL = f"{__file__}:cosmoflow_64"
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from hybridpar.checkpoint import manifest as mf
+from hybridpar.checkpoint.file_placement import STAGE, Placement, rank_file, stage_file
 from hybridpar.checkpoint.format import CorruptFile, RankFile, pack_tree, write_file
-from hybridpar.checkpoint.placement import STAGE, Placement, rank_file, stage_file
 from hybridpar.checkpoint.retention import Policy, Record, keep
-from hybridpar.checkpoint.state import load_optimizer_state, optimizer_state
+from hybridpar.checkpoint.train_state import load_optimizer_state, optimizer_state
 from hybridpar.checkpoint.tree import flatten, key_filter, keys_for, merge, select, unflatten
 
 

@@ -1,4 +1,4 @@
-"""hybridpar.cpu_alloc: glibc takes the settings, the switch turns them off, and with them a GPipe-like
+"""hybridpar.device.cpu_alloc: glibc takes the settings, the switch turns them off, and with them a GPipe-like
 pattern (allocate many activation-sized blocks, free them all, again) stops returning the heap's top
 to the kernel between steps (the resident set stays, instead of being faulted back in every step)."""
 
@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 
-from hybridpar import cpu_alloc
+from hybridpar.device import cpu_alloc
 
 glibc = pytest.mark.skipif(cpu_alloc._libc() is None, reason="needs glibc's mallopt")
 
 # Minor page faults of 5 rounds of: allocate 40 blocks of 1.7 MiB, touch them, free them all.
 FAULTS = textwrap.dedent("""
     import resource, sys, torch
-    from hybridpar import cpu_alloc
+    from hybridpar.device import cpu_alloc
     took = cpu_alloc.tune() if sys.argv[1] == "tune" else False
     def step():
         held = [torch.ones(2, 16, 24, 24, 24) for _ in range(40)]

@@ -17,7 +17,7 @@ def _body(rank: int, world: int) -> None:
     from test_engine import make_model
 
     import hybridpar as hp
-    from hybridpar.accel import Accel
+    from hybridpar.device.accel import Accel
 
     torch.manual_seed(0)
     data = [(torch.randn(2, 2, 16, 16, 16, device="cuda"), torch.randn(2, 4, device="cuda"))

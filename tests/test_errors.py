@@ -24,7 +24,7 @@ def grid():
                 make()
     hp.init_distributed()
     yield hp.ProcessGrid()
-    hp.launch.shutdown()
+    hp.process.launchers.shutdown()
 
 
 def test_single_process_needs_no_launcher(grid):

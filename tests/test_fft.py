@@ -182,7 +182,7 @@ def test_explain_and_the_performance_model_count_the_transposes():
     import hybridpar as hp
     from hybridpar import perfmodel as pm
     from hybridpar.fft import transpose_elements
-    from hybridpar.spec.explain import explain
+    from hybridpar.planner.explain import explain
 
     assert transpose_elements((8, 8, 8), (2, 1, 1), 1, 1) == 320
     assert transpose_elements((8, 8, 8), (1, 1, 1), 4, 4) == 0

@@ -67,9 +67,9 @@ def test_graph_models_match_torch(pools, world, desc, model, spec):
 
 def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
     """The plan carries every live tensor across a cut; each stage's module holds its layers only."""
-    from hybridpar.spec import ParallelSpec
-    from hybridpar.spec.analysis import analyse
-    from hybridpar.spec.stages import live_across
+    from hybridpar.planner import ParallelSpec
+    from hybridpar.planner.analysis import analyse
+    from hybridpar.planner.stages import live_across
 
     a = analyse(graph_models.UNet3d(), SHAPE)
     index = a.graph.index()
@@ -79,7 +79,7 @@ def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
                                                                       "stages": ["enc.0.0", "enc.2.0"]}})
     plan = spec.plan(graph_models.UNet3d(), SHAPE, 2)
     assert {r.stage for r in plan if r.name.startswith("dec")} == {1}
-    from hybridpar.spec import explain
+    from hybridpar.planner import explain
 
     assert "cut 0 -> 1 carries enc.0.2, enc.1.2, pool.1" in explain(spec, graph_models.UNet3d(), SHAPE, 2)
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from hybridpar.grid import _resolve
-from hybridpar.launch import _first_slurm_host, detect_launcher
+from hybridpar.process.launchers import _first_slurm_host, detect_launcher
 
 import distributed
 
@@ -29,7 +29,7 @@ def test_slurm_master_is_first_node(nodes, first):
 
 
 def test_world_without_rendezvous_is_a_clear_error(monkeypatch):
-    import hybridpar.launch as launch
+    import hybridpar.process.launchers as launch
 
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -134,7 +134,7 @@ def check():  # registered before init_distributed, so it runs after the exit ho
 atexit.register(check)
 hp.init_distributed()
 first = hp.ProcessGrid().pipe_group
-hp.launch.shutdown()
+hp.process.launchers.shutdown()
 hp.init_distributed()  # a second world gets groups of its own, not the destroyed world's
 second = hp.ProcessGrid().pipe_group
 t = torch.ones(3)
@@ -171,7 +171,7 @@ def _heartbeat_body(rank: int, world: int) -> None:
 
     beating = [t for t in threading.enumerate() if t.name == "hybridpar-heartbeat"]
     assert len(beating) == 1 and beating[0].is_alive(), threading.enumerate()
-    hp.launch.shutdown()
+    hp.process.launchers.shutdown()
     assert not beating[0].is_alive() and not dist.is_initialized()
     assert [t.name for t in threading.enumerate() if t.name == "hybridpar-heartbeat"] == []
 

@@ -2,8 +2,9 @@
 
 Why: the advisor rejects layouts by predicted memory per rank, so the estimate of saved activations
 (layer outputs, halo-extended inputs, max-pool indices, times the micro-batches in flight) must hold
-on real layouts. ``hybridpar.memory.SavedActivations`` counts the distinct storages autograd keeps
-for backward, exactly and on any device; one 2-rank group checks data, spatial and pipeline layouts.
+on real layouts. ``hybridpar.profiling.saved_memory.SavedActivations`` counts the distinct storages
+autograd keeps for backward, exactly and on any device; one 2-rank group checks data, spatial and
+pipeline layouts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.memory import SavedActivations
+from hybridpar.profiling.saved_memory import SavedActivations
 
 import distributed
 

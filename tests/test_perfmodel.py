@@ -15,8 +15,8 @@ from torch import nn
 
 from hybridpar import flops
 from hybridpar import perfmodel as pm
-from hybridpar.spec import ParallelSpec, SpecError
-from hybridpar.spec.schedule import SCHEDULES, in_flight, microbatches_in_flight, schedule
+from hybridpar.planner import ParallelSpec, SpecError
+from hybridpar.planner.schedule import SCHEDULES, in_flight, microbatches_in_flight, schedule
 
 GB = 1e9
 

@@ -85,7 +85,7 @@ def _body(rank: int, world: int, grids: list, device: str = "cpu") -> None:
     from torch import nn
 
     import hybridpar as hp
-    from hybridpar.memfmt import CL
+    from hybridpar.device.memfmt import CL
 
     fails: list[str] = []
     for shape in grids:
@@ -127,7 +127,7 @@ def _body(rank: int, world: int, grids: list, device: str = "cpu") -> None:
 
 def _layout_changes(hp, torch, grid, device: str) -> list[str]:
     """Scatter, Redistribute and gather move bf16 channels_last_3d tensors exactly, keeping both."""
-    from hybridpar.memfmt import CL
+    from hybridpar.device.memfmt import CL
 
     fails = []
     x = torch.randn(2, 3, 9, 8, 7, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -152,7 +152,7 @@ def _no_full_copies(hp, torch, grid, device: str) -> list[str]:
     (clone, copy_, _to_copy) of a tensor as large as the shard, and torch's format kept."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hybridpar.memfmt import CL, memory_format
+    from hybridpar.device.memfmt import CL, memory_format
 
     class Copies(TorchDispatchMode):
         def __init__(self, limit: int) -> None:

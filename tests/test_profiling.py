@@ -1,4 +1,4 @@
-"""hybridpar.profiling and hybridpar.timeline: attribution rules, logs, traces and the critical path.
+"""hybridpar.profiling and its timeline: attribution rules, logs, traces and the critical path.
 
 What is checked against what:
 * nested ranges charge the innermost category and a breakdown sums to the step time, with a fake
@@ -18,8 +18,8 @@ import threading
 import pytest
 import torch
 
-from hybridpar import profiling, timeline
-from hybridpar.profiling import CATEGORIES, StepTimer
+from hybridpar import profiling
+from hybridpar.profiling import CATEGORIES, StepTimer, timeline
 
 
 class FakeClock:

@@ -99,7 +99,7 @@ def test_every_converted_layer_has_a_complete_entry():
 
 def _user_layer(rank: int, world: int) -> None:
     import hybridpar as hp
-    from hybridpar.spec import explain
+    from hybridpar.planner import explain
 
     _register_blur()
     fails = Failures()

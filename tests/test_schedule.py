@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hybridpar.spec.schedule import (
+from hybridpar.planner.schedule import (
     SCHEDULES,
     actions,
     bubble_fraction,

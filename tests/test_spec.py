@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybridpar.spec import (
+from hybridpar.planner import (
     GridSpec,
     LayerRule,
     ParallelSpec,
@@ -30,9 +30,9 @@ from hybridpar.spec import (
     explain,
     load_spec,
 )
-from hybridpar.spec.__main__ import main
-from hybridpar.spec.analysis import forward_flops, layer_flops, sequential_layers, trace_shapes
-from hybridpar.spec.explain import COLUMNS
+from hybridpar.planner.__main__ import main
+from hybridpar.planner.analysis import forward_flops, layer_flops, sequential_layers, trace_shapes
+from hybridpar.planner.explain import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 COSMO = (1, 4, 128, 128, 128)

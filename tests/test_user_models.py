@@ -243,8 +243,8 @@ def test_unfaithful_trace_is_found_and_never_planned():
     """The graph that drops ``x + e`` is named at the node where it parts from the forward; the plan
     is the module-swapping one (the forward itself), and a pipeline is refused."""
     import hybridpar as hp
-    from hybridpar.spec.analysis import analyse
-    from hybridpar.spec.graph import UntraceableError
+    from hybridpar.planner.analysis import analyse
+    from hybridpar.planner.graph import UntraceableError
 
     with pytest.raises(UntraceableError, match=r"at node block\.conv .*aten\.add.*aten\.convolution"):
         analyse(IsInstanceNet(), SHAPE)
@@ -257,7 +257,7 @@ def test_unfaithful_trace_is_found_and_never_planned():
 
 def test_faithful_graphs_pass_the_check():
     """Models whose traces are right are not refused: residual and U-Net graphs, functions, shapes."""
-    from hybridpar.spec.analysis import analyse
+    from hybridpar.planner.analysis import analyse
 
     import graph_models
 

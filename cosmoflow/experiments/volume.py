@@ -40,7 +40,7 @@ from cosmoflow.experiments.study import SizeRun, Study, load_study
 from cosmoflow.generate import generate
 from cosmoflow.metrics import CsvLog
 from cosmoflow.model import count_parameters
-from hybridpar.hostinfo import machine_info
+from hybridpar.profiling.hostinfo import machine_info
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 

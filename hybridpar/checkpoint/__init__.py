@@ -46,7 +46,7 @@ into one model and any other split picks its own part back out.
 
 from hybridpar.checkpoint.checkpointer import Checkpointer
 from hybridpar.checkpoint.format import CheckpointError, CorruptFile
-from hybridpar.checkpoint.state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from hybridpar.checkpoint.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.checkpoint.tree import keys_for, keys_of
 from hybridpar.checkpoint.version import Version
 

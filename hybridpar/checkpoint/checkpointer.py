@@ -39,10 +39,10 @@ import torch
 
 from hybridpar.checkpoint import faults
 from hybridpar.checkpoint import manifest as mf
+from hybridpar.checkpoint.file_placement import GLOBAL, RANK, STAGE, Placement
 from hybridpar.checkpoint.format import CheckpointError, CorruptFile, pack_tree
 from hybridpar.checkpoint.group import Group
 from hybridpar.checkpoint.levels import Found, Levels, available, complete_levels, scan
-from hybridpar.checkpoint.placement import GLOBAL, RANK, STAGE, Placement
 from hybridpar.checkpoint.restore import read_version
 from hybridpar.checkpoint.retention import Policy
 from hybridpar.checkpoint.snapshot import HostBuffers, Snapshot

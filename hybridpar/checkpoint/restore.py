@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridpar.checkpoint.file_placement import GLOBAL_FILE, RANK, STAGE, rank_file
 from hybridpar.checkpoint.format import CorruptFile, RankFile
 from hybridpar.checkpoint.levels import Levels, locations
-from hybridpar.checkpoint.placement import GLOBAL_FILE, RANK, STAGE, rank_file
 from hybridpar.checkpoint.tree import ROOT, Flat, KeyFilter, merge, select
 
 

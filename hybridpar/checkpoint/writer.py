@@ -32,10 +32,10 @@ import torch
 
 from hybridpar.checkpoint import faults
 from hybridpar.checkpoint import manifest as mf
+from hybridpar.checkpoint.file_placement import Copy, FileRole, Placement
 from hybridpar.checkpoint.format import FOOTER, CheckpointError, fsync_dir, make_dirs, write_bytes, write_file
 from hybridpar.checkpoint.group import Group
 from hybridpar.checkpoint.levels import L1, L2, Levels, copy_durable, remove_version, scan_dir
-from hybridpar.checkpoint.placement import Copy, FileRole, Placement
 from hybridpar.checkpoint.retention import Policy, Record, keep
 from hybridpar.checkpoint.snapshot import Snapshot
 

@@ -12,7 +12,8 @@ voxels they copy).
 
 Memory format and dtype: every message, receive buffer and extended tensor is allocated in the
 format of the shard (``channels_last_3d`` stays so, packed from strided views without a copy of the
-shard) and travels in the shard's dtype (see :mod:`hybridpar.memfmt`, :mod:`hybridpar.precision`).
+shard) and travels in the shard's dtype (see :mod:`hybridpar.device.memfmt`,
+:mod:`hybridpar.device.precision`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridpar import memfmt
 from hybridpar.comm import background
 from hybridpar.comm.transport import Transport
-from hybridpar.eager import eager
+from hybridpar.device import memfmt
+from hybridpar.device.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.profiling import range as prange
 

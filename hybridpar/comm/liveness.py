@@ -76,11 +76,11 @@ def start(timeout_s: float) -> None:
 def stop(wait_s: float = 10.0) -> None:
     """End this process's heartbeat and wait (up to ``wait_s``) for its thread to leave.
 
-    Why before the interpreter exits (:func:`hybridpar.launch.shutdown` calls it): a store call releases
-    the GIL in C++, and a daemon thread that comes back from one while the interpreter finalises is
-    ended by ``pthread_exit`` inside a ``noexcept`` destructor: ``terminate called without an active
-    exception`` and SIGABRT after a run that succeeded. The beat waits on an event, so it leaves at once
-    unless a store call is under way.
+    Why before the interpreter exits (:func:`hybridpar.process.launchers.shutdown` calls it): a store
+    call releases the GIL in C++, and a daemon thread that comes back from one while the interpreter
+    finalises is ended by ``pthread_exit`` inside a ``noexcept`` destructor: ``terminate called
+    without an active exception`` and SIGABRT after a run that succeeded. The beat waits on an event,
+    so it leaves at once unless a store call is under way.
     """
     while _heart:
         heart = _heart.pop()

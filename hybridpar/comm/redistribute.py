@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridpar import memfmt
 from hybridpar.comm.transport import point_to_point
-from hybridpar.eager import eager
+from hybridpar.device import memfmt
+from hybridpar.device.eager import eager
 from hybridpar.geometry import Range, shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange

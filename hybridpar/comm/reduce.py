@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.eager import eager
+from hybridpar.device.eager import eager
+from hybridpar.device.switch import Switch
 from hybridpar.profiling import range as prange
-from hybridpar.switch import Switch
 
 _SYNC = Switch(True)
 

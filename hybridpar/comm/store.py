@@ -1,6 +1,6 @@
 """The default process group's key-value store: the one reach into torch's private names for it.
 
-Why: heartbeats (:mod:`.liveness`), the failure report (:mod:`hybridpar.failure`) and same-host
+Why: heartbeats (:mod:`.liveness`), the failure report (:mod:`hybridpar.process.failure`) and same-host
 transfers talk through the store that ``init_process_group`` created, which torch hands out only
 through a private function. Reaching for it here, once, keeps a change of torch's to one line.
 """

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.comm import devices
-from hybridpar.memfmt import wire
+from hybridpar.device.memfmt import wire
 
 
 class Transport(Protocol):

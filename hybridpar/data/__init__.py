@@ -5,7 +5,7 @@ The pieces, one idea per module:
 * :mod:`~hybridpar.data.dataset` - what a dataset must offer (``len``, ``read(i, region)``);
 * :mod:`~hybridpar.data.sampler` - a global shuffle per epoch from a shared seed, *then* a shard per
   data-parallel replica;
-* :mod:`~hybridpar.data.placement` - which replica and which spatial shard a rank reads;
+* :mod:`~hybridpar.data.input_placement` - which replica and which spatial shard a rank reads;
 * :mod:`~hybridpar.data.augment` - random symmetries (flips, transposes, periodic rolls) of a sample,
   each rank reading only the pre-image of its shard;
 * :mod:`~hybridpar.data.workers` - reader processes prefetching batches through shared memory;
@@ -24,8 +24,8 @@ Example::
 
 from hybridpar.data.augment import Augment, View
 from hybridpar.data.dataset import FileBacked, Region, VolumeDataset, read_batch
+from hybridpar.data.input_placement import Placement
 from hybridpar.data.loader import VolumeLoader
-from hybridpar.data.placement import Placement
 from hybridpar.data.sampler import ShardedSampler, epoch_permutation
 from hybridpar.data.staging import ProgressBar, stage_dataset, stage_files
 from hybridpar.data.workers import WorkerError

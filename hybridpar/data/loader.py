@@ -2,7 +2,7 @@
 
 Why: in hybrid spatial/data parallel training no rank should ever hold a whole sample. Every rank of
 a spatial group walks the same batches in the same order (:mod:`~hybridpar.data.sampler`) and reads
-only its own balanced shard of each sample (:mod:`~hybridpar.data.placement`), so the input lands
+only its own balanced shard of each sample (:mod:`~hybridpar.data.input_placement`), so the input lands
 split exactly as the first distributed layer expects, and I/O per rank shrinks as 1/P. Reads run in
 background processes (:mod:`~hybridpar.data.workers`) ``prefetch`` batches ahead, and the time the
 training loop still spends blocked on data is measured, since that is what a data-wait share reports.
@@ -24,7 +24,7 @@ import torch
 
 from hybridpar.data.augment import Augment
 from hybridpar.data.dataset import VolumeDataset, read_batch, spatial_extent, take_skipped
-from hybridpar.data.placement import Placement
+from hybridpar.data.input_placement import Placement
 from hybridpar.data.sampler import ShardedSampler
 from hybridpar.data.staging import stage_dataset
 from hybridpar.data.workers import WorkerPool

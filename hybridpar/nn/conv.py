@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.reduce import sync_grads
-from hybridpar.eager import eager
+from hybridpar.device import memfmt
+from hybridpar.device.eager import eager
+from hybridpar.device.precision import narrowed, result_dtype
 from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
 from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.precision import narrowed, result_dtype
 
 
 class DistConv3d(SpatialLayer, nn.Conv3d):

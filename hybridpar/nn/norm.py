@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar import precision
 from hybridpar.comm.reduce import sync_grads
+from hybridpar.device import precision
+from hybridpar.device.switch import Switch
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.switch import Switch
 
 _RECOMPUTING = Switch(False)
 
@@ -69,7 +69,7 @@ def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
 
     Without autocast, the input's. Under autocast it depends on the device's op lists: ``group_norm``
     is a float32 op under CUDA's autocast (float32 out for a bfloat16 input) and no listed op under
-    the CPU's (the input's dtype out), so torch is asked (:func:`hybridpar.precision.result_dtype`).
+    the CPU's (the input's dtype out), so torch is asked (:func:`hybridpar.device.precision.result_dtype`).
     """
     return precision.result_dtype(op, _PROBES[op], x)
 

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv3d_input, conv3d_weight
 
-from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger
 from hybridpar.comm.reduce import all_reduce_async, grad_sync_enabled
+from hybridpar.device import memfmt
+from hybridpar.device.precision import no_autocast
 from hybridpar.geometry import interior
-from hybridpar.precision import no_autocast
 
 Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 

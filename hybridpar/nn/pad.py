@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.comm.halo import HaloExchanger, exchange
+from hybridpar.device.precision import narrowed, result_dtype, widened
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.precision import narrowed, result_dtype, widened
 
 Pads = list[tuple[int, int]]
 

@@ -9,7 +9,7 @@ all-reduce into a replicated output (see :class:`DistAdaptiveAvgPool3d` for why)
 
 Under autocast, the window pools leave the dtype to torch's kernel (halos travel in the activation's
 dtype); the global and adaptive pools give the dtype torch's adaptive pool gives (CPU autocast
-promotes them to float32), found with :func:`hybridpar.precision.result_dtype`.
+promotes them to float32), found with :func:`hybridpar.device.precision.result_dtype`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from torch import nn
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import sum_to_replicated
+from hybridpar.device.precision import no_autocast, result_dtype, widened
 from hybridpar.geometry import Range, avg_pool_divisors, ntuple
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.precision import no_autocast, result_dtype, widened
 
 
 def _dims(args: list[dict], key: str) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from hybridpar.comm.halo import DimExchange, HaloExchanger
 from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.comm.transport import get_transport
-from hybridpar.eager import eager
+from hybridpar.device.eager import eager
 from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry

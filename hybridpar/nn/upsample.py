@@ -20,7 +20,7 @@ itself (``F.interpolate`` of a 1-D ramp, exact in float64), the linear ones from
 
 Reduced precision: the weighted sum runs in the opmath type (float32 for bf16/fp16, as torch's
 kernel) and is rounded once; under autocast the output has the dtype torch's interpolation gives
-(:mod:`hybridpar.precision`). A ``channels_last_3d`` input gives a ``channels_last_3d`` output, as
+(:mod:`hybridpar.device.precision`). A ``channels_last_3d`` input gives a ``channels_last_3d`` output, as
 torch's kernel does (the selections write into buffers of the input's format).
 """
 
@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar import memfmt
 from hybridpar.comm.halo import HaloExchanger, exchange
+from hybridpar.device import memfmt
+from hybridpar.device.precision import narrowed, result_dtype, widened
 from hybridpar.geometry import HaloError, HaloPlan, Range, check_split, plans_from_needs
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import formulas, registry
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
-from hybridpar.precision import narrowed, result_dtype, widened
 
 MODES = ("nearest", "nearest-exact", "trilinear")
 

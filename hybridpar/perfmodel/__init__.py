@@ -3,7 +3,7 @@
 Why a package of its own: the scaling harness validates it against measurements on this machine, the
 advisor (:mod:`hybridpar.advisor`) ranks thousands of layouts with it, and the extrapolations to
 published systems run it on machines we do not have. All three need the same arithmetic, and none
-may allocate a model: everything comes from the one plan (:mod:`hybridpar.spec.plan`), the FLOP
+may allocate a model: everything comes from the one plan (:mod:`hybridpar.planner.plan`), the FLOP
 count (:mod:`hybridpar.flops`) and a small :class:`Machine` description. The package sits below the
 runtime: only the calibration modules touch the engine, inside the functions that time it.
 
@@ -44,7 +44,7 @@ from hybridpar.perfmodel.calibrate_layers import (
     measure_layer,
     measure_layers,
 )
-from hybridpar.perfmodel.comm import allreduce_time, halo_bytes, redistribute_volume
+from hybridpar.perfmodel.comm_cost import allreduce_time, halo_bytes, redistribute_volume
 from hybridpar.perfmodel.compute import LayerCost
 from hybridpar.perfmodel.machine import (
     PRESETS,
@@ -57,10 +57,10 @@ from hybridpar.perfmodel.machine import (
     load_machine,
     save_machine,
 )
-from hybridpar.perfmodel.pipeline import drain_saving
+from hybridpar.perfmodel.pipeline_cost import drain_saving
 from hybridpar.perfmodel.predict import Prediction, StageCost, predict
 from hybridpar.perfmodel.workload import Workload, kernel_shape, layer_entries, layer_key
-from hybridpar.spec.schedule import bubble_fraction
+from hybridpar.planner.schedule import bubble_fraction
 
 __all__ = ["Compute", "Cost", "LayerCost", "Link", "Machine", "PRESETS", "Prediction", "StageCost",
            "Workload", "allreduce_time", "bubble_fraction", "calibrate_compute", "default_cache",

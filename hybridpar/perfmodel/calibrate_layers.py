@@ -91,7 +91,7 @@ def measure_engine_overhead(repeats: int = 20) -> tuple[float, float]:
     import torch.nn.functional as F  # noqa: PLC0415
 
     from hybridpar.pipeline import parallelize  # noqa: PLC0415
-    from hybridpar.spec import ParallelSpec  # noqa: PLC0415
+    from hybridpar.planner import ParallelSpec  # noqa: PLC0415
 
     times = {}
     for m in (1, 4):

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.nn import registry
-from hybridpar.perfmodel.comm import halo_bytes, redistribution
+from hybridpar.perfmodel.comm_cost import halo_bytes, redistribution
 from hybridpar.perfmodel.machine import Compute, Link, Machine
 from hybridpar.perfmodel.workload import Leaf, Workload, input_grads, kernel_shape, layer_key
-from hybridpar.spec.config import Split
-from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan
+from hybridpar.planner.analysis import REPLICATED
+from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan
+from hybridpar.planner.terms import Split
 
 __all__ = ["LayerCost", "layer_costs"]
 

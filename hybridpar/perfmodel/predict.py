@@ -25,17 +25,18 @@ from typing import Any
 
 from torch import nn
 
-from hybridpar.perfmodel.comm import allreduce_parts, allreduce_time, link_between, redistribution
+from hybridpar.perfmodel.comm_cost import allreduce_parts, allreduce_time, link_between, redistribution
 from hybridpar.perfmodel.compute import LayerCost, layer_costs
 from hybridpar.perfmodel.machine import Link, Machine, get_machine
-from hybridpar.perfmodel.memory import stage_memory
-from hybridpar.perfmodel.pipeline import deferred_weights, drain_saving
+from hybridpar.perfmodel.memory_cost import stage_memory
+from hybridpar.perfmodel.pipeline_cost import deferred_weights, drain_saving
 from hybridpar.perfmodel.workload import Workload
-from hybridpar.spec.config import ParallelSpec
-from hybridpar.spec.graph import INPUT, ModelGraph
-from hybridpar.spec.plan import REPLICATED, LayerPlan
-from hybridpar.spec.schedule import bubble_fraction, fill_drain_time
-from hybridpar.spec.stages import live_bytes
+from hybridpar.planner.analysis import REPLICATED
+from hybridpar.planner.config import ParallelSpec
+from hybridpar.planner.graph import INPUT, ModelGraph
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.schedule import bubble_fraction, fill_drain_time
+from hybridpar.planner.stages import live_bytes
 
 __all__ = ["Prediction", "StageCost", "predict"]
 

@@ -2,8 +2,8 @@
 
 Why a module of its own: the performance model, the advisor and the harness predict thousands of
 layouts of one model; the model is traced, its shapes and FLOPs counted once
-(:func:`hybridpar.spec.analysis.analyse`), and every layout resolved against that analysis by the
-one planner (:func:`hybridpar.spec.plan.resolve`). Each layer is classed for timing (the registry
+(:func:`hybridpar.planner.analysis.analyse`), and every layout resolved against that analysis by the
+one planner (:func:`hybridpar.planner.plan.resolve`). Each layer is classed for timing (the registry
 entry's ``op``: conv, linear, pool, pointwise, norm, free) and keyed for measured times
 (:func:`layer_key`) by the input shape its kernel runs on (:func:`kernel_shape`).
 """
@@ -17,9 +17,10 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
-from hybridpar.spec.analysis import analyse, leaf_flop_sums
-from hybridpar.spec.config import ParallelSpec
-from hybridpar.spec.plan import LayerPlan, resolve
+from hybridpar.planner.analysis import analyse, leaf_flop_sums
+from hybridpar.planner.config import ParallelSpec
+from hybridpar.planner.plan import resolve
+from hybridpar.planner.records import LayerPlan
 
 __all__ = ["Leaf", "Workload", "input_grads", "kernel_shape", "layer_entries", "layer_key"]
 
@@ -88,7 +89,7 @@ class Workload:
         return sum(lf.params for lf in self.layers)
 
     def plan(self, spec: ParallelSpec, world_size: int | None = None) -> list[LayerPlan]:
-        """:func:`hybridpar.spec.plan.resolve` of ``spec`` on this workload's analysis."""
+        """:func:`hybridpar.planner.plan.resolve` of ``spec`` on this workload's analysis."""
         return resolve(spec, self.analysis, world_size)
 
 

@@ -1,6 +1,6 @@
 """Pipeline and hybrid parallelism: schedules, the stage builder, gradient reduction, the engine."""
 
 from hybridpar.pipeline.engine import Engine, parallelize
-from hybridpar.spec.schedule import bubble_fraction, schedule
+from hybridpar.planner.schedule import bubble_fraction, schedule
 
 __all__ = ["Engine", "parallelize", "schedule", "bubble_fraction"]

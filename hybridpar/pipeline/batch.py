@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridpar import memfmt
 from hybridpar.comm.redistribute import local_box
+from hybridpar.device import memfmt
 from hybridpar.grid import ProcessGrid
 
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridpar.spec.schedule import all_weights_wait
+from hybridpar.planner.schedule import all_weights_wait
 
 Kept = list[tuple[torch.Tensor, list[nn.Parameter]]]
 Prefix = tuple[torch.Tensor, torch.Tensor]  # the split prefix's output, and the leaf the rest ran on

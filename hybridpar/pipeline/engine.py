@@ -2,13 +2,13 @@
 
 Why: a scientist writes an ``nn.Module`` (a sequence, a residual network, a U-Net) and a YAML file;
 the engine does the rest in a fixed order: (1) trace the model and resolve the spec against it and
-the input shape (one plan every rank computes alike, :mod:`hybridpar.spec.plan`; a traced graph is
-run only once it is shown to make the forward's own operations, :mod:`hybridpar.spec.faithful`),
+the input shape (one plan every rank computes alike, :mod:`hybridpar.planner.plan`; a traced graph is
+run only once it is shown to make the forward's own operations, :mod:`hybridpar.planner.faithful`),
 (2) create every process group any rank will use, in the same order everywhere, and the stage
 transport (:mod:`~hybridpar.pipeline.stage_transport`), (3) build this rank's stage: Dist layers per
 the plan holding the model's own parameters and buffers (an optimizer over ``model.parameters()``
 trains it, as with FSDP2), Redistributes where splits change (:mod:`~hybridpar.pipeline.stage`), (4) run a
-training step as the schedule's action list over micro-batches (:mod:`~hybridpar.spec.schedule`
+training step as the schedule's action list over micro-batches (:mod:`~hybridpar.planner.schedule`
 says what, :mod:`~hybridpar.pipeline.runtime` does it), activations and gradients moving shard to
 shard between stages, (5) reduce gradients once, bucketed and overlapped with the last backward,
 over the stage's data × spatial ranks, and average norm layers' running statistics over the
@@ -48,27 +48,28 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from hybridpar import cpu_alloc
 from hybridpar.comm.redistribute import gather
 from hybridpar.comm.transport import Work
+from hybridpar.device import cpu_alloc
+from hybridpar.device.precision import autocast_state
 from hybridpar.grid import ProcessGrid, require_group
 from hybridpar.nn.norm import recomputing
-from hybridpar.pipeline import deferred, state
+from hybridpar.pipeline import deferred
+from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline.batch import shard, split_sizes
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
 from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
-from hybridpar.precision import autocast_state
+from hybridpar.planner import ParallelSpec, load_spec
+from hybridpar.planner.faithful import check_faithful
+from hybridpar.planner.graph import ModelGraph, UntraceableError
+from hybridpar.planner.graph import trace as trace_graph
+from hybridpar.planner.plan import build_plan
+from hybridpar.planner.schedule import Action, actions, forward_actions, in_flight, schedule
+from hybridpar.planner.terms import SpecError
 from hybridpar.profiling import range as prange
-from hybridpar.spec import ParallelSpec, load_spec
-from hybridpar.spec.config import SpecError
-from hybridpar.spec.faithful import check_faithful
-from hybridpar.spec.graph import ModelGraph, UntraceableError
-from hybridpar.spec.graph import trace as trace_graph
-from hybridpar.spec.plan import build_plan
-from hybridpar.spec.schedule import Action, actions, forward_actions, in_flight, schedule
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 

@@ -1,7 +1,7 @@
 """The runtime of one training step on one stage: it interprets the stage's action list.
 
 Why a module of its own: the schedule says what a stage does and in which order
-(:func:`hybridpar.spec.schedule.actions`: forwards, backwards, the B/W split, where receives are
+(:func:`hybridpar.planner.schedule.actions`: forwards, backwards, the B/W split, where receives are
 posted, when the loss is complete); this module does each action and nothing else, as
 ``torch.distributed.pipelining`` interprets its action lists and torchgpipe runs its clock cycles.
 Deferring weight gradients is thus a schedule (an input pass, a send, a weight pass) rather than a
@@ -24,14 +24,14 @@ from torch import nn
 
 from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.comm.transport import Work
+from hybridpar.device.precision import no_autocast
 from hybridpar.grid import ProcessGrid
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
-from hybridpar.precision import no_autocast
+from hybridpar.planner import schedule as sched
 from hybridpar.profiling import range as prange
-from hybridpar.spec import schedule as sched
 
 
 @dataclass
@@ -56,7 +56,7 @@ class StepContext:
 
 class StepRuntime:
     """One step of one stage: ``run`` does the actions in order and returns the loss (a training
-    step) or None (an inference pass, :func:`~hybridpar.spec.schedule.forward_actions`, whose last
+    step) or None (an inference pass, :func:`~hybridpar.planner.schedule.forward_actions`, whose last
     stage's outputs are ``outputs``)."""
 
     def __init__(self, ctx: StepContext, actions: Sequence[sched.Action], xs: Sequence[Any],

@@ -30,10 +30,10 @@ from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
-from hybridpar.spec import ParallelSpec
-from hybridpar.spec.config import SpecError
-from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
-from hybridpar.spec.plan import REPLICATED
+from hybridpar.planner import ParallelSpec
+from hybridpar.planner.analysis import REPLICATED
+from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
+from hybridpar.planner.terms import SpecError
 
 Layers = list[tuple[str | None, nn.Module]]  # (name in the original model or None, module)
 

@@ -25,8 +25,10 @@ from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
-from hybridpar.spec.graph import INPUT, ModelGraph
-from hybridpar.spec.plan import LayerPlan, broadcasts, live_across
+from hybridpar.planner.graph import INPUT, ModelGraph
+from hybridpar.planner.plan import broadcasts
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.stages import live_across
 
 Split = tuple[int, int, int]
 

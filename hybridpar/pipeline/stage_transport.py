@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridpar import memfmt
 from hybridpar.comm import devices
 from hybridpar.comm.transport import MPIP2P, PointToPoint, StagedP2P, TorchP2P, Work, choose, requested
+from hybridpar.device import memfmt
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange
 

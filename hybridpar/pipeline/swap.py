@@ -9,7 +9,7 @@ its split input first (the dense head then runs replicated, as after a planned g
 
 What it cannot do: cut the model into pipeline stages (that needs the data flow), or let one layer run
 under another split. Python code that reads a split tensor's spatial shape sees the shard's (the plan
-warns where the forward reads one: :func:`hybridpar.spec.swapped.swapped_plan`).
+warns where the forward reads one: :func:`hybridpar.planner.swapped.swapped_plan`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.layout import Gather
 from hybridpar.pipeline.convert import sharing_copy
-from hybridpar.spec.swapped import leaves
+from hybridpar.planner.swapped import leaves
 
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 

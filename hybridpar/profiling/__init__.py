@@ -5,8 +5,8 @@ reduction, data loader, checkpointer) marks its work with the same :class:`range
 read those marks: Nsight Systems (through NVTX, the ``nvtx`` package: nearly free when no tool listens,
 and unlike ``torch.cuda.nvtx`` it works on CPU-only builds), the per-step breakdown of a
 :class:`StepTimer` (cheap enough to leave on), and torch.profiler chrome traces (:func:`trace`, on
-request). ``python -m hybridpar.timeline`` merges the per-rank outputs. :mod:`.ranges` holds the marks
-and the trace, :mod:`.timer` the accounting.
+request). ``python -m hybridpar.profiling.timeline`` merges the per-rank outputs. :mod:`.ranges`
+holds the marks and the trace, :mod:`.timer` the accounting.
 
 Accounting rules
 ----------------

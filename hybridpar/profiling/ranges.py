@@ -181,7 +181,7 @@ def trace(path: str | os.PathLike, *, rank: int | None = None, activities: list 
     """Run torch.profiler inside the block and export a chrome trace on exit.
 
     ``path`` is a ``.json`` file, or a directory that receives ``rank{rank}.trace.json`` (the layout
-    ``python -m hybridpar.timeline`` reads). While it runs, :class:`range` and :class:`StepTimer`
+    ``python -m hybridpar.profiling.timeline`` reads). While it runs, :class:`range` and :class:`StepTimer`
     also emit ``record_function`` annotations (``category/name``, ``hybridpar.step#N``), so the trace
     alone is enough for the timeline's breakdown. Extra keyword arguments go to
     ``torch.profiler.profile`` (``schedule``, ``record_shapes``, ``with_stack``...).

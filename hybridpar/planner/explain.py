@@ -12,10 +12,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from hybridpar.spec.config import ParallelSpec, Split
-from hybridpar.spec.plan import LayerPlan, build_plan
-from hybridpar.spec.schedule import microbatches_in_flight
-from hybridpar.spec.stages import live_values
+from hybridpar.planner.config import ParallelSpec
+from hybridpar.planner.plan import build_plan
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.schedule import microbatches_in_flight
+from hybridpar.planner.stages import live_values
+from hybridpar.planner.terms import Split
 
 COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
 

@@ -1,4 +1,4 @@
-"""``python -m hybridpar.spec explain SPEC --model MODULE:FACTORY --input-shape N,C,D,H,W``.
+"""``python -m hybridpar.planner explain SPEC --model MODULE:FACTORY --input-shape N,C,D,H,W``.
 
 Why a command: the plan (splits, halos, stage balance, memory per rank) should be checked on a
 laptop before a job is queued; this prints it from the spec and the model alone, launching nothing.
@@ -10,13 +10,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hybridpar.spec.cli_args import load_model, parse_shape
-from hybridpar.spec.config import SpecError, load_spec
-from hybridpar.spec.explain import explain
+from hybridpar.planner.cli_args import load_model, parse_shape
+from hybridpar.planner.config import load_spec
+from hybridpar.planner.explain import explain
+from hybridpar.planner.terms import SpecError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridpar.spec", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hybridpar.planner", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="print the resolved per-layer plan; launches nothing")
     ex.add_argument("spec", help="the YAML spec file")

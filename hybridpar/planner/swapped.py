@@ -21,9 +21,9 @@ from torch.overrides import TorchFunctionMode
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.spec.analysis import leaf_flop_sums, node_halos
-from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.plan import BYTES_PER_ELEMENT, REPLICATED, LayerPlan, local_shape
+from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
+from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share
+from hybridpar.planner.terms import SpecError, Split
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -100,6 +100,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     when the forward does not run on the meta device (it branches on tensor values) or a layer
     nobody registered reads a split activation."""
     records: list[LayerPlan] = []
+    modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
     watch = _Watch()
     split_so_far = [False]
@@ -132,6 +133,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         if out_split != REPLICATED:
             watch.mark(out)
         calls[names[m]] = calls.get(names[m], -1) + 1  # the k-th further call is "name#k", as in a graph
+        modules.append(m)
         records.append(LayerPlan(
             name=names[m] if not calls[names[m]] else f"{names[m]}#{calls[names[m]]}",
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
@@ -174,5 +176,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
                         f"nn.Upsample, nn.AdaptiveAvgPool3d), or make the forward traceable by torch.fx")
     sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
-                                activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape))
-            for r, f in zip(records, sums, strict=True)]
+                                activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
+                                rank_share=rank_share(m, r.input_shape, r.output_shape, r.local_output_shape,
+                                                      r.split))
+            for r, f, m in zip(records, sums, modules, strict=True)]

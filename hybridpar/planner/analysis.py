@@ -1,6 +1,6 @@
 """A model on a global input, analysed once: its traced graph, every node's shapes, FLOPs and halos.
 
-Why a module of its own: the plan (:mod:`hybridpar.spec.plan`) resolves a spec against this analysis,
+Why a module of its own: the plan (:mod:`hybridpar.planner.plan`) resolves a spec against this analysis,
 and a planner that tries thousands of specs for one model (the advisor, the performance model) must
 not trace, run the meta forward or count FLOPs again for each. Everything here depends on the model
 and the input shape only, never on a spec; halos depend on a split too, and are memoised per
@@ -21,9 +21,9 @@ from hybridpar import flops as flop_count
 from hybridpar import geometry
 from hybridpar.nn import registry
 from hybridpar.nn.formulas import LayerGeometry
-from hybridpar.spec.config import SpecError, Split
-from hybridpar.spec.faithful import check_faithful
-from hybridpar.spec.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
+from hybridpar.planner.faithful import check_faithful
+from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
+from hybridpar.planner.terms import SpecError, Split
 
 REPLICATED: Split = (1, 1, 1)
 
@@ -43,7 +43,7 @@ def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
 # ---------------------------------------------------------------------- the model's layers
 def sequential_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module | None]], dict[str, int]]:
     """Nodes ``(name, module)`` in forward order (module None for a function), and each container's
-    first node index. Any model torch.fx can trace (see :mod:`hybridpar.spec.graph`)."""
+    first node index. Any model torch.fx can trace (see :mod:`hybridpar.planner.graph`)."""
     graph = trace(model)
     return [(n.name, n.module) for n in graph.nodes], graph.containers
 
@@ -198,7 +198,7 @@ def layer_flop_costs(model: nn.Module, leaves: list[tuple[str, nn.Module | None]
 class Analysis:
     """A model on a global input, analysed once: its graph, every node's shapes and FLOPs, and a
     memo of halo widths per (node, split). Resolving a spec against it
-    (:func:`hybridpar.spec.plan.resolve`) costs no tracing, so a planner can try thousands of specs.
+    (:func:`hybridpar.planner.plan.resolve`) costs no tracing, so a planner can try thousands of specs.
     ``terse``: a split too fine for a layer raises a short error instead of searching for what
     would fit (see :func:`node_halos`)."""
 

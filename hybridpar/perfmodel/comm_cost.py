@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from hybridpar.flops import received_halo
 from hybridpar.geometry import redistribute_volume
 from hybridpar.perfmodel.machine import Link, Machine
-from hybridpar.spec.config import Split
+from hybridpar.planner.terms import Split
 
 __all__ = ["allreduce_parts", "allreduce_time", "halo_bytes", "link_between", "redistribute_volume",
            "redistribution"]

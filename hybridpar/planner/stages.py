@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from hybridpar.spec.config import SpecError
-from hybridpar.spec.graph import INPUT, ModelGraph
+from hybridpar.planner.graph import INPUT, ModelGraph
+from hybridpar.planner.terms import SpecError
 
 
 def _prefix(values: Sequence[int]) -> list[int]:

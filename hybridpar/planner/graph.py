@@ -31,7 +31,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.spec.config import SpecError
+from hybridpar.planner.terms import SpecError
 
 INPUT = "(input)"
 OUTPUT = "(output)"  # the node that puts together a forward's tuple, list or dict of outputs
@@ -299,7 +299,7 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
     """Every node's output on the meta device for a global input of ``input_shape``: tensors (meta,
     shapes only) and the non-tensor values computed from them. Nothing is allocated or copied.
     Memoised per input shape on the graph; ``watch(where)`` runs the graph (again) under a context
-    (a dispatch mode, :mod:`hybridpar.spec.faithful`), ``where()`` naming the node that runs."""
+    (a dispatch mode, :mod:`hybridpar.planner.faithful`), ``where()`` naming the node that runs."""
     shape = tuple(input_shape)
     if watch is None and shape in graph.traced:
         return graph.traced[shape]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridpar import cpu_alloc
+from hybridpar.device import cpu_alloc
 
 
 def cpu_model() -> str:

@@ -6,7 +6,7 @@ different parameters, so one stage's overflow is not another's: ``ShardedGradSca
 it); bf16 needs none. ``channels_last_3d`` is a property of the activations the engine hands out.
 ``compile`` compiles each stage's layers in place (state-dict keys unchanged; communication runs
 eagerly between the graphs). ``cuda_graphs`` replays the whole captured step
-(:mod:`hybridpar.cuda_graphs`), which needs CUDA and NCCL; asking for it elsewhere is an error when
+(:mod:`hybridpar.device.cuda_graphs`), which needs CUDA and NCCL; asking for it elsewhere is an error when
 the configuration is checked, not a silent fallback.
 """
 
@@ -70,7 +70,7 @@ class Accel:
             else:
                 self.scaler = torch.amp.GradScaler(self.device.type)
         if self.cuda_graphs:
-            from hybridpar.cuda_graphs import GraphedStep  # noqa: PLC0415
+            from hybridpar.device.cuda_graphs import GraphedStep  # noqa: PLC0415
 
             self.graphed = GraphedStep(engine, self.autocast)
 

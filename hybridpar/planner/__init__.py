@@ -4,16 +4,16 @@ Why a package of its own: the spec is the one place where a user's intent (a sma
 the model and the world size, and every mistake it can hold should surface here, before a single
 process starts, with a message that prints the arithmetic and says what would fit.
 
-* :mod:`~hybridpar.spec.config`: YAML -> typed dataclasses (``GridSpec``, ``PipelineSpec``,
+* :mod:`~hybridpar.planner.config`: YAML -> typed dataclasses (``GridSpec``, ``PipelineSpec``,
   ``LayerRule``, ``ParallelSpec``), validated when built.
-* :mod:`~hybridpar.spec.graph`: the model traced by torch.fx into nodes with their inputs.
-* :mod:`~hybridpar.spec.analysis`: a model on a global input analysed once (graph, shapes, FLOPs,
+* :mod:`~hybridpar.planner.graph`: the model traced by torch.fx into nodes with their inputs.
+* :mod:`~hybridpar.planner.analysis`: a model on a global input analysed once (graph, shapes, FLOPs,
   memoised halos), so that many specs can be resolved against it.
-* :mod:`~hybridpar.spec.stages`: where pipeline stages begin and what crosses each cut.
-* :mod:`~hybridpar.spec.plan`: the spec resolved against a model and a global input shape, one
+* :mod:`~hybridpar.planner.stages`: where pipeline stages begin and what crosses each cut.
+* :mod:`~hybridpar.planner.plan`: the spec resolved against a model and a global input shape, one
   ``LayerPlan`` per graph node (split, stage, shapes, halos, FLOPs, activation bytes).
-* :mod:`~hybridpar.spec.explain`: that plan as a table; ``python -m hybridpar.spec explain`` prints it.
-* :mod:`~hybridpar.spec.cli_args`: the ``--model`` and ``--input-shape`` arguments the commands share.
+* :mod:`~hybridpar.planner.explain`: that plan as a table; ``python -m hybridpar.planner explain`` prints it.
+* :mod:`~hybridpar.planner.cli_args`: the ``--model`` and ``--input-shape`` arguments the commands share.
 
 Example::
 
@@ -23,8 +23,8 @@ Example::
       "head.*": {spatial: replicate}
 """
 
-from hybridpar.spec.analysis import sequential_layers
-from hybridpar.spec.config import (
+from hybridpar.planner.analysis import sequential_layers
+from hybridpar.planner.config import (
     REPLICATE,
     SCHEDULES,
     GridSpec,
@@ -34,9 +34,10 @@ from hybridpar.spec.config import (
     SpecError,
     load_spec,
 )
-from hybridpar.spec.explain import explain, format_plan
-from hybridpar.spec.plan import LayerPlan, build_plan
-from hybridpar.spec.stages import balance_stages
+from hybridpar.planner.explain import explain, format_plan
+from hybridpar.planner.plan import build_plan
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.stages import balance_stages
 
 __all__ = [
     "REPLICATE",

@@ -71,7 +71,7 @@ class GraphedStep:
     def _capture(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor | None) -> None:
         problem = capture_problem(self.engine)
         if problem:
-            raise RuntimeError(f"hybridpar.cuda_graphs: cannot capture the training step: {problem}")
+            raise RuntimeError(f"hybridpar.device.cuda_graphs: cannot capture the training step: {problem}")
         device = self.engine.parameters()[0].device
         fmt = self.engine.memory_format if x.dim() == 5 else torch.contiguous_format
         self.static = {"x": x.to(device).contiguous(memory_format=fmt), "y": y.to(device).clone(),
@@ -94,7 +94,7 @@ class GraphedStep:
             self._capture(x, y, scale)
         s = self.static
         if tuple(x.shape) != tuple(s["x"].shape) or tuple(y.shape) != tuple(s["y"].shape):
-            raise ValueError(f"hybridpar.cuda_graphs: the step was captured for a batch of "
+            raise ValueError(f"hybridpar.device.cuda_graphs: the step was captured for a batch of "
                              f"{tuple(s['x'].shape)}, got {tuple(x.shape)}; a captured step needs one batch "
                              f"shape (drop the last partial batch)")
         s["x"].copy_(x, non_blocking=True)

@@ -3,7 +3,7 @@
 Why: ``parallelize`` and ``explain`` must agree on every decision (which split each layer runs
 under, where the stages begin, where activations are redistributed), and every check that needs
 the model (globs, halos, batch arithmetic) must run before any process starts. The model is traced
-into a graph (:mod:`hybridpar.spec.graph`); shapes come from one forward pass on the meta device (no
+into a graph (:mod:`hybridpar.planner.graph`); shapes come from one forward pass on the meta device (no
 memory, no FLOPs spent); what each layer is comes from the layer registry
 (:mod:`hybridpar.nn.registry`), halos from :mod:`hybridpar.geometry`, the same arithmetic the
 distributed layers run.
@@ -24,84 +24,23 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hybridpar import globs
-from hybridpar.flops import work_shares
-from hybridpar.geometry import shard_range
 from hybridpar.nn import registry
-from hybridpar.spec.analysis import REPLICATED, Analysis, analyse, check_input_shape, node_geometry
-from hybridpar.spec.config import GridSpec, LayerRule, ParallelSpec, SpecError, Split
-from hybridpar.spec.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
-from hybridpar.spec.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
+from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
+from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
+from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share
+from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
+from hybridpar.planner.terms import SpecError, Split
 
-__all__ = ["BYTES_PER_ELEMENT", "REPLICATED", "LayerPlan", "broadcasts", "build_plan", "live_across",
-           "local_shape", "resolve"]
+if TYPE_CHECKING:  # the spec reader imports this module to plan
+    from hybridpar.planner.config import GridSpec, LayerRule, ParallelSpec
 
-BYTES_PER_ELEMENT = 4  # activations are planned in float32
-
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What one node (a layer, or a function such as ``+`` or ``torch.cat``) runs as. Local shapes are
-    those of the most loaded rank (shard 0) for one micro-batch; ``halo`` is, per dim (d, h, w), the
-    widest (low, high) halo any rank receives. ``split`` is the layout the node computes in (its inputs
-    are redistributed to it where they differ: ``redistribute``), ``out_split`` that of its output
-    (replicated after a whole-volume reduction). ``inputs`` names the nodes it reads (``"(input)"``:
-    the model input); ``gather`` marks a replicated node that gathers a split input inside a split
-    region."""
-
-    name: str
-    kind: str
-    stage: int
-    split: Split
-    rule: str | None
-    input_shape: tuple[int, ...]
-    output_shape: tuple[int, ...]
-    local_input_shape: tuple[int, ...]
-    local_output_shape: tuple[int, ...]
-    halo: tuple[tuple[int, int], ...]
-    params: int
-    flops: int
-    activation_bytes: int
-    redistribute: bool
-    train_flops: int = 0  # forward + input gradient + weight gradient, whole global batch
-    inputs: tuple[str, ...] = ()
-    out_split: Split | None = None
-    gather: bool = False
-    transpose_bytes: int = 0  # what a spectral layer's FFT transposes bring the most loaded rank, forward
-    # the most loaded rank's share of this node's work (whole global batch) in one micro-batch:
-    # hybridpar.flops.work_shares, the rule count_sharded counts every rank by; the performance model
-    # times it, explain prints it, automatic stages balance it
-    rank_share: float = 0.0
-
-    @property
-    def replicated(self) -> bool:
-        return self.split == REPLICATED
-
-    @property
-    def output_split(self) -> Split:
-        return self.split if self.out_split is None else self.out_split
-
-
-
-def _shard(extent: int, parts: int) -> int:
-    """Extent held by the most loaded rank: the first shard (the first shards take the remainder)."""
-    lo, hi = shard_range(extent, parts, 0)
-    return hi - lo
-
-
-def local_shape(shape: tuple[int, ...], micro: int, split: Split) -> tuple[int, ...]:
-    """The most loaded rank's shape of a value of global ``shape`` under ``split``, per micro-batch."""
-    if len(shape) != 5:
-        return (micro, *shape[1:])
-    return (micro, shape[1], *(_shard(shape[2 + i], split[i]) for i in range(3)))
-
-
+__all__ = ["broadcasts", "build_plan", "resolve"]
 
 def _batch(grid: GridSpec, microbatches: int, batch: int) -> int:
     """Micro-batch size, after the checks that make data parallelism and the pipeline well defined."""
@@ -283,18 +222,6 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         for i, node in enumerate(nodes)]
 
 
-def rank_share(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
-               local_out: tuple[int, ...], split: Split) -> float:
-    """The most loaded rank's share of one node's work in one micro-batch: the micro-batch's share of
-    the batch times the largest of :func:`hybridpar.flops.work_shares` (the layer's registered geometry
-    decides: output voxels, a transposed conv's gathered input, a reduction's own input)."""
-    batch = local_out[0] / out_shape[0] if out_shape and out_shape[0] else 0.0
-    if split == REPLICATED or len(out_shape) != 5 or len(in_shape) != 5:
-        whole = math.prod(out_shape)
-        return math.prod(local_out) / whole if whole else 0.0
-    return batch * max(work_shares(node_geometry(m, in_shape, out_shape), in_shape, out_shape, split))
-
-
 def _transpose_bytes(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> int:
     """Bytes the FFT transposes of a spectral layer bring its most loaded rank per micro-batch."""
     entry = registry.lookup(node.module) if node.module is not None else None
@@ -315,7 +242,7 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
                world_size: int | None = None, graph: ModelGraph | None = None) -> list[LayerPlan]:
     """Resolve ``spec`` for ``model`` (traced once more unless its ``graph`` is given) on a global
     input of ``input_shape`` (N, C, D, H, W). A caller resolving many specs for one model analyses
-    it once (:func:`hybridpar.spec.analysis.analyse`) and calls :func:`resolve` per spec."""
+    it once (:func:`hybridpar.planner.analysis.analyse`) and calls :func:`resolve` per spec."""
     shape = check_input_shape(input_shape)
     if world_size is not None:
         spec = spec.resolve_grid(world_size)
@@ -332,6 +259,6 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
             raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
                             f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "
                             f"traced graph") from None
-    from hybridpar.spec.swapped import swapped_plan  # noqa: PLC0415 (it builds on this module)
+    from hybridpar.planner.swapped import swapped_plan  # noqa: PLC0415 (it builds on this module)
 
     return swapped_plan(model, shape, spec.grid.spatial, micro)

@@ -5,8 +5,9 @@ apart from how long they take. Per rank: weights, gradients and optimizer state 
 stage, plus the activations autograd keeps per micro-batch (layer outputs, halo-extended inputs of
 window layers, max-pool indices: :attr:`LayerCost.saved_bytes`) times the micro-batches in flight
 (GPipe: M; 1F1B: S - s; with recomputation, the stage inputs in flight plus one micro-batch's
-activations), plus the rank's input shard. :class:`hybridpar.memory.SavedActivations` measures the
-activations exactly; the tests compare the two.
+activations), plus the rank's input shard.
+:class:`hybridpar.profiling.saved_memory.SavedActivations` measures the activations exactly; the tests
+compare the two.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import math
 from collections.abc import Sequence
 
 from hybridpar.perfmodel.compute import LayerCost
-from hybridpar.spec.config import ParallelSpec
-from hybridpar.spec.plan import LayerPlan
-from hybridpar.spec.schedule import microbatches_in_flight
+from hybridpar.planner.config import ParallelSpec
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.schedule import microbatches_in_flight
 
 __all__ = ["stage_memory"]
 

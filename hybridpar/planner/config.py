@@ -4,7 +4,7 @@ Why: a layout mistake found after N processes have started costs a queue wait an
 here it costs a line of text. Every dataclass validates itself in ``__post_init__``, so a spec that
 exists is well formed however it was made (YAML, ``from_dict`` or the constructors), and each
 message names the key, the value and what would fit. Checks that need the model or the world size
-live in :mod:`hybridpar.spec.plan` and :meth:`ParallelSpec.resolve_grid`.
+live in :mod:`hybridpar.planner.plan` and :meth:`ParallelSpec.resolve_grid`.
 
 Vocabulary (as in :mod:`hybridpar.grid`): an *axis* is a process-grid axis (data, pipe, d, h, w);
 a *dim* is a tensor dimension.
@@ -12,7 +12,6 @@ a *dim* is a tensor dimension.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,38 +20,15 @@ from typing import Any
 
 import yaml
 
-SCHEDULES = ("gpipe", "1f1b")
+from hybridpar.planner.schedule import SCHEDULES
+from hybridpar.planner.terms import SpecError, Split, check_keys, did_you_mean
+
 REPLICATE = "replicate"
-Split = tuple[int, int, int]
 
 _SPEC_KEYS = ("grid", "pipeline", "layers", "timeout_s")
 _GRID_KEYS = ("data", "pipe", "spatial")
 _PIPELINE_KEYS = ("schedule", "microbatches", "stages", "recompute")
 _RULE_KEYS = ("spatial",)
-
-
-class SpecError(ValueError):
-    """A spec that cannot run as written; the message says where, why, and what would fit."""
-
-
-def did_you_mean(word: Any, choices: Sequence[str]) -> str:
-    """`` (did you mean 'x'?)`` for the nearest choice, ignoring case; empty when nothing is near."""
-    lower = {c.lower(): c for c in choices}
-    near = difflib.get_close_matches(str(word).lower(), list(lower), n=1)
-    return f" (did you mean {lower[near[0]]!r}?)" if near else ""
-
-
-def check_keys(where: str, given: Mapping[Any, Any], valid: Sequence[str],
-               error: type[ValueError] = SpecError) -> None:
-    """Reject keys not in ``valid``, suggesting the nearest one (typos are the common case).
-
-    Every YAML-to-dataclass reader checks its keys here (the spec's, the application's config with its
-    own ``error`` type), so a typo reads the same wherever it is made.
-    """
-    for key in given:
-        if key not in valid:
-            hint = did_you_mean(key, valid)
-            raise error(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(valid)}")
 
 
 def _mapping(where: str, value: Any) -> Mapping[Any, Any]:
@@ -301,9 +277,9 @@ class ParallelSpec:
         return replace(self, grid=self.grid.resolve(world_size))
 
     def plan(self, model: Any, input_shape: Sequence[int], world_size: int | None = None) -> list[Any]:
-        """Per-layer plan records (:class:`hybridpar.spec.plan.LayerPlan`) in forward order, after every
+        """Per-layer plan records (:class:`hybridpar.planner.plan.LayerPlan`) in forward order, after every
         check that needs the model, the global input shape and the world size."""
-        from hybridpar.spec.plan import build_plan  # noqa: PLC0415 (plan imports torch; config must not)
+        from hybridpar.planner.plan import build_plan  # noqa: PLC0415 (plan imports torch; config must not)
 
         return build_plan(self, model, input_shape, world_size)
 

@@ -54,7 +54,7 @@ def _store() -> dist.Store | None:
 
 def _launcher_rank() -> int:
     """This process's rank before (or without) a process group, from the launcher's environment."""
-    from hybridpar.launch import detect_launcher  # noqa: PLC0415 (launch imports torch.distributed)
+    from hybridpar.process.launchers import detect_launcher  # noqa: PLC0415 (launch imports torch.distributed)
 
     found = detect_launcher()
     return found[1] if found else 0

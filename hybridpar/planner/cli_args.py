@@ -1,6 +1,6 @@
 """What the planning commands read from a command line: a model reference and a shape.
 
-Why a module of its own: ``python -m hybridpar.spec explain`` and ``python -m hybridpar.advisor``
+Why a module of its own: ``python -m hybridpar.planner explain`` and ``python -m hybridpar.advisor``
 take the same ``--model MODULE:FACTORY`` and ``--input-shape N,C,D,H,W`` arguments, and a command
 module (``__main__``) is not something another module should import from.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from hybridpar.spec.config import SpecError
+from hybridpar.planner.terms import SpecError
 
 __all__ = ["load_model", "parse_shape"]
 

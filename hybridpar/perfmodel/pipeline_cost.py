@@ -11,7 +11,7 @@ more micro-batches there, those of its first conv or linear layer where it holds
 and each stage's deferred weight gradients beside it (:func:`drain_saving`).
 
 The schedules' facts (in flight, bubble, fill-drain step, which weights wait) are
-:mod:`hybridpar.spec.schedule`'s, the runtime's own.
+:mod:`hybridpar.planner.schedule`'s, the runtime's own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridpar.perfmodel.compute import LayerCost
-from hybridpar.spec.schedule import all_weights_wait, microbatches_in_flight
+from hybridpar.planner.schedule import all_weights_wait, microbatches_in_flight
 
 __all__ = ["deferred_weights", "drain_saving"]
 

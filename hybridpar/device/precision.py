@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from hybridpar.eager import eager
+from hybridpar.device.eager import eager
 
 _PROBES: dict[tuple, torch.dtype] = {}
 

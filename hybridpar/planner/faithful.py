@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.spec.graph import GraphRunError, ModelGraph, UntraceableError, trace_values
+from hybridpar.planner.graph import GraphRunError, ModelGraph, UntraceableError, trace_values
 
 _WHY = ("a Python check on a traced value, such as isinstance, torch.jit.isinstance or hasattr, was fixed "
         "at trace time")

@@ -14,14 +14,15 @@ import atexit
 import gc
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from hybridpar import cpu_alloc
 from hybridpar.comm import devices
+from hybridpar.device import cpu_alloc
 
 # (rank, world size, local rank) variables of each launcher, in the order they are tried.
 _LAUNCHERS: dict[str, tuple[str, str, str]] = {
@@ -197,15 +198,25 @@ def shutdown() -> None:
     objects. Garbage (engines and layers hold groups and work in reference cycles) is collected while
     the groups live, then destroying the groups joins their threads (torch releases the GIL meanwhile).
     """
-    from hybridpar import grid  # noqa: PLC0415 (grid imports this module)
     from hybridpar.comm import liveness  # noqa: PLC0415 (comm imports this module's package)
 
     liveness.stop()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    grid.forget_groups()
+    for forget in _FORGET:
+        forget()
     gc.collect()
+
+
+_FORGET: list[Callable[[], None]] = []
+
+
+def on_shutdown(forget: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``forget`` once the process group is destroyed: a module that caches
+    what belongs to the group (the grids' sub-groups) drops it, so a later ``init_distributed``
+    makes its own."""
+    _FORGET.append(forget)
 
 
 def device() -> torch.device:

@@ -13,7 +13,7 @@ process row per rank (open it in Perfetto or chrome://tracing), and reports per 
   and only the busy time shows the straggler;
 * the **straggler gap**: busiest minus least busy rank, the time the fastest rank spent waiting.
 
-Usage: ``python -m hybridpar.timeline TRACE_DIR [--out merged.json] [--report report.json]``.
+Usage: ``python -m hybridpar.profiling.timeline TRACE_DIR [--out merged.json] [--report report.json]``.
 Timestamps are wall-clock (epoch) on every rank, so ranks on different hosts align to NTP accuracy.
 Breakdowns from chrome traces alone need the ``category/name`` annotations that ranges emit while
 ``profiling.trace`` runs, inside ``hybridpar.step#N`` (or ``ProfilerStep#N``) spans.
@@ -40,7 +40,7 @@ WAITING = ("halo", "pipeline", "bubble", "grad_reduce")
 _STEP_NAME = re.compile(r"^(?:hybridpar\.step#|ProfilerStep#)(\d+)$")
 _CATEGORY_NAME = re.compile(rf"^({'|'.join(CATEGORIES)})/")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)")
-_MERGED_MARK = "hybridpar.timeline"
+_MERGED_MARK = "hybridpar.profiling.timeline"
 
 
 @dataclass
@@ -262,7 +262,8 @@ def format_report(reports: Sequence[StepReport], last: int | None = 10) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridpar.timeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hybridpar.profiling.timeline",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("trace_dir", help="directory of rank*.jsonl logs and/or *.json chrome traces")
     parser.add_argument("--out", help="merged chrome trace (default: TRACE_DIR/merged.trace.json)")
     parser.add_argument("--report", help="also write the per-step report as JSON here")

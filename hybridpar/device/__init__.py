@@ -1,0 +1,2 @@
+"""Device switches: accelerator detection, CUDA graphs, precision, memory format, eager regions,
+process-wide switches, the CPU allocator."""

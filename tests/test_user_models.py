@@ -250,6 +250,7 @@ def test_unfaithful_trace_is_found_and_never_planned():
         analyse(IsInstanceNet(), SHAPE)
     plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(IsInstanceNet(), SHAPE, 2)
     assert [r.name for r in plan] == ["stem", "block.conv"]
+    assert [r.rank_share for r in plan] == [0.5, 0.5]  # 4 samples, one micro-batch, split in two
     with pytest.raises(hp.SpecError, match="computes something other than its forward.*pipeline"):
         hp.ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}).plan(
             IsInstanceNet(), SHAPE, 2)

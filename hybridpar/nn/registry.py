@@ -33,11 +33,13 @@ Register a layer of your own::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridpar import geometry
@@ -309,10 +311,6 @@ def _register_functions() -> None:
     """Functions and tensor methods a traced forward may call on split activations. Elementwise ones
     run on shards whose layouts agree; ``torch.cat`` along channels too (its role ``"concat"``: the
     planner checks the dim); the rest needs the whole tensor."""
-    import operator  # noqa: PLC0415
-
-    import torch.nn.functional as F  # noqa: PLC0415
-
     pointwise = [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.iadd,
                  operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu,
                  torch.sigmoid, torch.tanh, torch.exp, torch.log1p, torch.abs, torch.clamp, torch.square,

@@ -35,6 +35,7 @@ from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_inpu
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
+from hybridpar.planner.swapped import swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
 if TYPE_CHECKING:  # the spec reader imports this module to plan
@@ -259,6 +260,4 @@ def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
             raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
                             f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "
                             f"traced graph") from None
-    from hybridpar.planner.swapped import swapped_plan  # noqa: PLC0415 (it builds on this module)
-
     return swapped_plan(model, shape, spec.grid.spatial, micro)

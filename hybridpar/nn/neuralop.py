@@ -53,6 +53,7 @@ from hybridpar.comm.reduce import mark_grad_split, sync_grads
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.formulas import LayerGeometry, Work
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
+from hybridpar.nn.spectral import kept_indices
 
 __all__ = ["DistGridEmbeddingND", "DistSpectralConv", "register"]
 
@@ -89,18 +90,6 @@ def kept_modes(extent: int, lo: int, hi: int, kept: int,
     return tuple(pos), tuple(idx)
 
 
-@lru_cache(maxsize=256)
-def _indices(modes: tuple[int, int, int], box: tuple[tuple[int, int], ...], kept: tuple[int, ...],
-             device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`kept_modes` of each dim as index tensors on ``device``, made once per shape."""
-    picks, index = [], []
-    for axis in range(3):
-        pos, idx = kept_modes(modes[axis], *box[axis], kept[axis], axis == 2)
-        picks.append(torch.tensor(pos, dtype=torch.long, device=device))
-        index.append(torch.tensor(idx, dtype=torch.long, device=device))
-    return picks, index
-
-
 def weight_slices(fft_size: tuple[int, ...], n_modes: list[int], max_n_modes: list[int],
                   separable: bool) -> tuple[slice, ...]:
     """The slices of the weight their forward uses for a field of ``fft_size`` stored modes (their
@@ -127,7 +116,7 @@ def mix(z: torch.Tensor, modes: tuple[int, int, int], box: tuple[tuple[int, int]
         separable: bool, out_channels: int) -> torch.Tensor:
     """The held modes ``z`` (``box`` of the global ``modes``) of the wave numbers theirs keeps, times
     their entries of ``weight`` (sliced by :func:`weight_slices`), every other mode zero."""
-    picks, index = _indices(modes, box, tuple(weight.shape[-3:]), z.device)
+    picks, index = kept_indices(kept_modes, modes, box, tuple(weight.shape[-3:]), z.device)
     zk = z.index_select(2, picks[0]).index_select(3, picks[1]).index_select(4, picks[2])
     w = weight.index_select(-3, index[0]).index_select(-2, index[1]).index_select(-1, index[2])
     mixed = torch.einsum("nixyz,ixyz->nixyz" if separable else "nixyz,ioxyz->noxyz", zk, w)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -109,12 +109,14 @@ def kept_modes(extent: int, lo: int, hi: int, m: int, half: bool) -> tuple[tuple
 
 
 @functools.lru_cache(maxsize=256)
-def _kept_indices(shape: tuple[int, ...], box: tuple[tuple[int, int], ...], kept: tuple[int, ...],
-                  device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`kept_modes` of each dim as index tensors on ``device``, made once (no copy per step)."""
+def kept_indices(select: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...], kept: tuple[int, ...],
+                 device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``select`` (:func:`kept_modes`, or another layer's rule of which modes it keeps) of each dim as
+    index tensors on ``device``, made once per shape (no copy per step)."""
     picks, index = [], []
     for axis in range(3):
-        pos, idx = kept_modes(shape[axis], *box[axis], kept[axis], axis == 2)
+        pos, idx = select(shape[axis], *box[axis], kept[axis], axis == 2)
         picks.append(torch.tensor(pos, dtype=torch.long, device=device))
         index.append(torch.tensor(idx, dtype=torch.long, device=device))
     return picks, index
@@ -126,7 +128,7 @@ def mix_modes(modes: torch.Tensor, shape: Sequence[int], box: Sequence[tuple[int
     numbers ``|kd| < m1``, ``|kh| < m2``, ``kw < m3`` times the complex ``weight`` (C_in, C_out,
     2 m1 - 1, 2 m2 - 1, m3; index ``k mod (2 m - 1)``) summed over input channels, every other mode
     zero: (N, C_out, ...)."""
-    picks, index = _kept_indices(tuple(shape), tuple(map(tuple, box)), tuple(kept), modes.device)
+    picks, index = kept_indices(kept_modes, tuple(shape), tuple(map(tuple, box)), tuple(kept), modes.device)
     x = modes.index_select(2, picks[0]).index_select(3, picks[1]).index_select(4, picks[2])
     w = weight.index_select(2, index[0]).index_select(3, index[1]).index_select(4, index[2])
     out = modes.new_zeros((modes.shape[0], weight.shape[1], *modes.shape[2:]))

@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 APP_STAMP := $(VENV)/.installed-app
-DEMO_DATA ?= data/demo
+DEMO_DATA ?= data/demo-s0.5
 DEMO_RANKS ?= 4
 DEMO_RUN ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
@@ -37,10 +37,12 @@ $(APP_STAMP): $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15
 
-# 320 + 80 synthetic 64^3 universes (~0.05 s each); files already there are kept.
+# 640 + 160 synthetic 64^3 universes (~0.05 s each; smoothing 0.5 Mpc/h, no linear field: the demo regresses); files already there are kept.
 demo-data: $(STAMP)
-	$(PY) -m cosmoflow.generate --out $(DEMO_DATA)/train --universes 320 --size 64 --seed 1 --smoothing 1 --workers 2
-	$(PY) -m cosmoflow.generate --out $(DEMO_DATA)/val --universes 80 --size 64 --seed 2 --smoothing 1 --workers 2
+	$(PY) -m cosmoflow.generate --out $(DEMO_DATA)/train --universes 640 --size 64 --seed 1 --smoothing 0.5 \
+		--workers 2 --no-linear
+	$(PY) -m cosmoflow.generate --out $(DEMO_DATA)/val --universes 160 --size 64 --seed 2 --smoothing 0.5 \
+		--workers 2 --no-linear
 
 demo: $(APP_STAMP) demo-data
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(DEMO_RANKS) launch/train.py \

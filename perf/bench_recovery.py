@@ -42,7 +42,8 @@ def _universes(d: Path, size: int) -> None:
 def _command(data: Path, run: Path, local: Path | None, size: int) -> list[str]:
     sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", f"data.sample_size={size // 2}",
             "data.workers=0", "model.n_conv=2", "model.base_filters=8", "model.dense=[16]",
-            "model.dropout=0.0", "train.epochs=2", "train.batch_size=4", f"run_dir={run}",
+            "model.dropout=0.0", "data.augment=none",  # crops: the demo's periodic rolls need whole universes
+            "train.epochs=2", "train.batch_size=4", f"run_dir={run}",
             "logging.progress=false", "logging.plots=false", "logging.tensorboard=false",
             "checkpoint.every_steps=2", "parallel={grid: {data: 2, pipe: 1, spatial: [2, 1, 1]}}"]
     if local is not None:

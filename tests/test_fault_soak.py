@@ -45,6 +45,7 @@ def _args(data: Path, run: Path) -> list[str]:
     sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", "data.sample_size=8",
             "data.workers=0", "model.n_conv=2", "model.base_filters=4", "model.dense=[8]",
             "model.dropout=0.0", "model.batchnorm=true", "train.precise_bn_batches=0",
+            "data.augment=none",  # crops: the demo's periodic rolls need whole universes
             f"train.epochs={EPOCHS}", "train.batch_size=4", f"run_dir={run}", "logging.progress=false",
             "logging.plots=false", "logging.tensorboard=false", f"checkpoint.every_steps={EVERY}",
             "checkpoint.keep_last=2", "parallel={grid: {data: 2, pipe: 1, spatial: [2, 1, 1]}}"]

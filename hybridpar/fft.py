@@ -56,11 +56,11 @@ def _move(z: torch.Tensor, shape: tuple[int, int, int], src: ProcessGrid, dst: P
     """A complex shard of a global (D, H, W) = ``shape`` field, from layout ``src`` to ``dst``."""
     if src.spatial_shape == dst.spatial_shape:
         return z
-    # (N, C, 2, d, h, w): the real pairs ride as channels; a view, but an empty shard's pairs are built
-    # (view_as_real's backward cannot view an empty gradient)
-    pairs = torch.view_as_real(z).movedim(-1, -4) if z.numel() else torch.stack([z.real, z.imag], dim=-4)
-    pairs = redistribute(pairs, src, dst, shape)
-    return torch.complex(pairs.select(-4, 0), pairs.select(-4, 1))
+    # (N, C, d, h, w, 2): the real pairs travel as a trailing dim, so that the moved pairs are a complex
+    # tensor again without a copy; an empty shard's pairs are built (view_as_real's backward cannot
+    # view an empty gradient)
+    pairs = torch.view_as_real(z) if z.numel() else torch.stack([z.real, z.imag], dim=-1)
+    return torch.view_as_complex(redistribute(pairs, src, dst, shape, trailing=1))
 
 
 def _pass(fn, z: torch.Tensor, dim: int, **kwargs) -> torch.Tensor:
@@ -149,9 +149,12 @@ def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None
                          f"{held} of a global {shape} split {grid.spatial_shape}")
     a, b, c = _layouts(grid)
     modes = (shape[0], shape[1], shape[2] // 2 + 1)
+    # each step rebinds z, so that a pass's input is freed as soon as its output exists
     z = _pass(torch.fft.rfft, redistribute(x, grid, a, shape), -1)
-    z = _pass(torch.fft.fft, _move(z, modes, a, b), -2)
-    z = _pass(torch.fft.fft, _move(z, modes, b, c), -3)
+    z = _move(z, modes, a, b)
+    z = _pass(torch.fft.fft, z, -2)
+    z = _move(z, modes, b, c)
+    z = _pass(torch.fft.fft, z, -3)
     return Spectrum(z, shape, c)  # type: ignore[arg-type]
 
 
@@ -165,6 +168,9 @@ def irfftn(spectrum: Spectrum, grid: ProcessGrid) -> torch.Tensor:
                          f"grid whose spectra are laid out {c.spatial_shape}; pass the grid rfftn was given")
     shape, modes = spectrum.shape, spectrum.modes
     z = _pass(torch.fft.ifft, spectrum.data, -3)
-    z = _pass(torch.fft.ifft, _move(z, modes, c, b), -2)
-    x = _pass(torch.fft.irfft, _move(z, modes, b, a), -1, n=shape[2])
+    z = _move(z, modes, c, b)
+    z = _pass(torch.fft.ifft, z, -2)
+    z = _move(z, modes, b, a)
+    x = _pass(torch.fft.irfft, z, -1, n=shape[2])
+    del z
     return redistribute(x, a, grid, shape)

@@ -62,8 +62,11 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return None if any(lo >= hi for lo, hi in box) else box  # type: ignore[return-value]
 
 
-def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
-    return (Ellipsis, *(slice(lo - o[0], hi - o[0]) for (lo, hi), o in zip(box, origin)))
+def _slices(box: Box, origin: Box, trailing: int = 0) -> tuple[slice, ...]:
+    """The index of ``box`` in a tensor holding ``origin`` in its spatial dims, which come before
+    ``trailing`` further dims."""
+    return (Ellipsis, *(slice(lo - o[0], hi - o[0]) for (lo, hi), o in zip(box, origin)),
+            *(slice(None),) * trailing)
 
 
 def _source(src: ProcessGrid, dst: ProcessGrid, q_index: int, coord: tuple[int, int, int]) -> int:
@@ -77,17 +80,19 @@ def _source(src: ProcessGrid, dst: ProcessGrid, q_index: int, coord: tuple[int, 
 
 
 def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: ProcessGrid,
-                        dst: ProcessGrid) -> torch.Tensor:
-    """Move ``x`` (this rank's piece under ``src``) to this rank's piece under ``dst`` (no autograd)."""
+                        dst: ProcessGrid, trailing: int = 0) -> torch.Tensor:
+    """Move ``x`` (this rank's piece under ``src``) to this rank's piece under ``dst`` (no autograd).
+    The spatial dims are the last three, or the three before ``trailing`` dims that travel whole (the
+    real and imaginary parts of a complex field viewed as real)."""
     if (src.stage_size, src.data_index, src.pipe_index) != (dst.stage_size, dst.data_index, dst.pipe_index):
         raise ValueError("hybridpar: Redistribute works between layouts of the same stage ranks")
     if src.spatial_shape == dst.spatial_shape:
         return x
-    me = src.spatial_index
+    me, t = src.spatial_index, trailing
+    lead, tail = x.shape[:x.dim() - 3 - t], x.shape[x.dim() - t:]
     rank_of = lambda i: src.global_rank(src.data_index, src.pipe_index, i)  # noqa: E731
     my_src = local_box(shape, src)
     my_dst = local_box(shape, dst)
-    out = memfmt.empty((*x.shape[:-3], *(hi - lo for lo, hi in my_dst)), x)  # x's dtype and format
     src_coords = _coords(src)
     sends, recvs, local, received = [], [], [], []
     for q in range(src.stage_size):
@@ -100,18 +105,25 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
             if sender == me and q == me:
                 local.append(piece)
             elif sender == me:
-                sends.append((rank_of(q), memfmt.dense(x[_slices(piece, my_src)]), _TAG))
+                sends.append((rank_of(q), memfmt.dense(x[_slices(piece, my_src, t)]), _TAG))
             elif q == me:
-                buf = memfmt.empty((*x.shape[:-3], *(hi - lo for lo, hi in piece)), x)
+                buf = memfmt.empty((*lead, *(hi - lo for lo, hi in piece), *tail), x)
                 recvs.append((rank_of(sender), buf, _TAG))
                 received.append((piece, buf))
     # The world group: a layout's own group may hold a single replica, and this runs on the main thread.
     with prange("redistribute", "halo"):
         point_to_point(None).exchange(sends, recvs)
+    # the output is made once the packed sends are freed, and each receive buffer goes once copied:
+    # at most the input, the received pieces and the output live at once
+    sends.clear()
+    recvs.clear()
+    out = memfmt.empty((*lead, *(hi - lo for lo, hi in my_dst), *tail), x)  # x's dtype and format
     for piece in local:
-        out[_slices(piece, my_dst)] = x[_slices(piece, my_src)]
-    for piece, buf in received:
-        out[_slices(piece, my_dst)] = buf
+        out[_slices(piece, my_dst, t)] = x[_slices(piece, my_src, t)]
+    while received:
+        piece, buf = received.pop()
+        out[_slices(piece, my_dst, t)] = buf
+        del buf
     return out
 
 
@@ -119,33 +131,34 @@ class Redistribution(torch.autograd.Function):
     """Differentiable :func:`redistribute_tensor`; backward moves gradients back the other way."""
 
     @staticmethod
-    def forward(ctx, x, shape, src, dst):
-        ctx.meta = (shape, src, dst)
-        return redistribute_tensor(x, shape, src, dst)
+    def forward(ctx, x, shape, src, dst, trailing=0):
+        ctx.meta = (shape, src, dst, trailing)
+        return redistribute_tensor(x, shape, src, dst, trailing)
 
     @staticmethod
     def backward(ctx, g):
-        shape, src, dst = ctx.meta
-        return redistribute_tensor(memfmt.dense(g), shape, dst, src), None, None, None
+        shape, src, dst, trailing = ctx.meta
+        return redistribute_tensor(memfmt.dense(g), shape, dst, src, trailing), None, None, None, None
 
 
 def redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
-                 shape: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x`` split as ``src`` -> the same global tensor split as ``dst`` (differentiable).
+                 shape: tuple[int, int, int] | None = None, trailing: int = 0) -> torch.Tensor:
+    """``x`` split as ``src`` -> the same global tensor split as ``dst`` (differentiable). The spatial
+    dims are the last three, or the three before ``trailing`` whole dims (``shape`` then required).
 
     Communication runs eagerly under ``torch.compile`` (a graph break); between equal splits there
     is none, and no break."""
     same = lambda g: (g.spatial_shape, g.stage_size, g.data_index, g.pipe_index)  # noqa: E731
     if same(src) == same(dst):
         return x
-    return _redistribute(x, src, dst, shape)
+    return _redistribute(x, src, dst, shape, trailing)
 
 
 @eager
 def _redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
-                  shape: tuple[int, int, int] | None) -> torch.Tensor:
+                  shape: tuple[int, int, int] | None, trailing: int = 0) -> torch.Tensor:
     shape = infer_global_shape(x, src) if shape is None else tuple(shape)
-    return Redistribution.apply(x, shape, src, dst)
+    return Redistribution.apply(x, shape, src, dst, trailing)
 
 
 @eager

@@ -43,6 +43,21 @@ class Failures(list):
             raise AssertionError(f"rank {rank}: {len(self)} failures:\n" + "\n".join(self[:40]))
 
 
+def steps_match(fails: Failures, desc: str, engine, opt, ref: nn.Module, ref_opt, local: tuple, whole: tuple,
+                loss_fn, steps: int = 3) -> None:
+    """``steps`` optimizer steps of ``engine`` on this rank's ``local`` (x, y) beside ``ref`` on the
+    ``whole`` (x, y) in one process; each step's loss must agree."""
+    for step in range(steps):
+        opt.zero_grad()
+        loss = engine.train_step(*local)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(whole[0]), whole[1])
+        ref_loss.backward()
+        ref_opt.step()
+        fails.check(f"{desc} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+
+
 def _same_on_all(shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 

@@ -22,7 +22,7 @@ from hybridpar.planner import explain
 
 import distributed
 import layer_cases
-from layer_cases import Failures, compare_layer
+from layer_cases import Failures, compare_layer, steps_match
 
 SHAPE = (4, 1, 9, 8, 7)
 
@@ -89,15 +89,7 @@ def _train_body(rank: int, world: int, spec: dict) -> None:
     engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
     xl, yl = engine.shard_batch(x, y)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for step in range(3):
-        opt.zero_grad()
-        loss = engine.train_step(xl, yl)
-        opt.step()
-        ref_opt.zero_grad()
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        fails.check(f"{spec} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+    steps_match(fails, str(spec), engine, opt, ref, ref_opt, (xl, yl), (x, y), F.mse_loss)
     for k, v in ref.state_dict().items():
         fails.check(f"{spec} {k}", model.state_dict()[k], v, 1e-9)
     split = sum(isinstance(m, hp.nn.DistLPPool3d) for _, lay in engine.stage.layers for m in lay.modules())

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distributed import GRIDS, flat_grids, grid_ids
-from layer_cases import Failures
+from layer_cases import Failures, steps_match
 
 pytest.importorskip("neuralop", reason="the optional extra neuraloperator is not installed")
 
@@ -143,15 +143,7 @@ def _train_body(rank: int, world: int, spec: dict, kwargs: dict) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     with _their_buffer_in_float64(), warnings.catch_warnings():
         warnings.simplefilter("error")  # complex gradients reduced beside real ones, silently
-        for step in range(3):
-            opt.zero_grad()
-            loss = engine.train_step(x_local, y_local)
-            opt.step()
-            ref_opt.zero_grad()
-            ref_loss = F.mse_loss(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            fails.check(f"{spec} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+        steps_match(fails, str(spec), engine, opt, ref, ref_opt, (x_local, y_local), (x, y), F.mse_loss)
         for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
             fails.check(f"{spec} {name} after 3 steps", q.detach(), p.detach(), 1e-9)
         state = engine.full_state_dict()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from layer_cases import Failures
+from layer_cases import Failures, steps_match
 
 SHAPE = (4, 1, 8, 6, 6)
 
@@ -167,15 +167,7 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
     x_local, y_local = engine.shard_batch(x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for step in range(3):
-        opt.zero_grad()
-        loss = engine.train_step(x_local, y_local)
-        opt.step()
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        fails.check(f"{desc} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+    steps_match(fails, desc, engine, opt, ref, ref_opt, (x_local, y_local), (x, y), loss_fn)
     state, want = engine.full_state_dict(), ref.state_dict()
     if list(state) != list(want):
         fails.append(f"{desc}: full_state_dict keys {list(state)} != the model's {list(want)}")

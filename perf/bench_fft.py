@@ -11,7 +11,7 @@ result is checked against ``torch.fft`` first. Memory: the peak heap of one tran
 on the worst rank over its shard of the complex modes (the allocator counter of ``perf/heapcount.py``;
 goal <= 3, no full-volume copy).
 
-Against mpi4py-fft (the usual reference for distributed FFT speed; the issue's goal: hp.fft within
+Against mpi4py-fft (the usual reference for distributed FFT speed; the goal: hp.fft within
 1.25x of it): where ``mpi4py_fft`` imports and ``mpiexec`` is found, each round also starts P ranks x 1
 thread with ``mpiexec`` (``perf.ranks.launch(..., mpi=True)``) in which hp.fft and mpi4py-fft's
 ``PFFT`` take steps in turn (the order swapped every pair), so both see the same processes and the same

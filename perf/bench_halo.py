@@ -6,7 +6,7 @@ Why: a spatially split layer does the work of the plain layer on its shard plus 
 batch 1; forward + backward; float32):
 
 * ``local``: 1 rank x 1 thread, plain ``torch.nn`` on one S^3 shard, no communication (the
-  baseline of issue 2), run on rank 0 while the other rank waits;
+  baseline), run on rank 0 while the other rank waits;
 * ``local pre-padded``: the same, but each conv zero-pads explicitly and runs with ``padding=0``,
   the torch kernel the overlapped DistConv3d runs on its halo-extended shard (the non-overlapped one
   pads only the split dim explicitly and lets the kernel pad the others). torch's CPU conv speed
@@ -16,7 +16,7 @@ batch 1; forward + backward; float32):
   same S^3 shard, with ``overlap=False`` and ``overlap=True``; the global shapes set once with
   ``hp.nn.set_global_shapes``, as the README tells users to.
 
-overhead = T_dist / T_local - 1 on step-time medians (goal of issue 2: <= 10 % without overlap,
+overhead = T_dist / T_local - 1 on step-time medians (goal: <= 10 % without overlap,
 <= 5 % with it); "fastest steps" is the same ratio of the minima, which interference from other work
 on a shared machine (it only ever adds time) distorts least. Every configuration runs inside the
 same 2 processes, alternated ``--reps`` times (order reversed every rep), in ``--rounds`` fresh

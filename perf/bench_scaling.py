@@ -10,7 +10,7 @@ LeakyReLU(0.3), MaxPool3d(2); batch 1; forward + backward; float32) runs on an S
   kernel the overlapped DistConv3d runs; torch's CPU conv speed depends on the padding argument);
 * ``dist``: 2 ranks x 1 thread, split (2, 1, 1), with ``overlap=False`` and ``overlap=True``.
 
-speedup = T(1 process x 2 threads) / T(2 ranks) on step-time medians; goal of issue 2: >= 1.0.
+speedup = T(1 process x 2 threads) / T(2 ranks) on step-time medians; goal: >= 1.0.
 "fastest steps" is the same ratio of the minima, which interference from other work on a shared
 machine (it only ever adds time) distorts least. The jobs run one after another (never at the same
 time) and alternate for ``--rounds`` rounds.

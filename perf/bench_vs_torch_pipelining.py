@@ -1,7 +1,7 @@
 """hybridpar's GPipe against ``torch.distributed.pipelining.ScheduleGPipe``: speed, memory, numbers.
 
-Why: the issue lets the engine build on torch's pipelining or write its own scheduler, and asks that
-either way it be measured against torch's: throughput ratio >= 1.0, peak memory per stage no worse.
+Why: the engine writes its own scheduler rather than building on torch's pipelining, so it is measured
+against torch's: throughput ratio >= 1.0, peak memory per stage no worse.
 
 Both run the same model (``bench_pipeline.make_stack``: depth x [Conv3d C->C k3 p1, LeakyReLU(0.3)],
 MaxPool3d(2), Flatten, Linear -> 4; MSE loss; float32), the same weights, split (stage 1 starts at

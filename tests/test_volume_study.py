@@ -1,4 +1,4 @@
-"""The volume study (issue 15): per-universe averaging, the per-size plan, and a tiny study end to end.
+"""The volume study: per-universe averaging, the per-size plan, and a tiny study end to end.
 
 Checked: the averaging of crop predictions per universe against hand-built predictions (noise that
 cancels within a universe must give zero error, a shuffled row order must not matter, a missing crop

@@ -41,7 +41,7 @@ def baseline(train_labels: np.ndarray, val_labels: np.ndarray) -> dict[str, dict
 
 
 def check_schema(doc: dict[str, Any]) -> None:
-    """Raise ValueError naming the first key of ``doc`` that is not the issue's result schema::
+    """Raise ValueError naming the first key of ``doc`` that is not the study's result schema::
 
         {"sizes": {"32": {"mae": {P: x}, "mae_spread": {P: x}, "seeds": [...]}, ...},
          "baseline": {"mae": {P: x}}, "command": str, "machine": ..., "units": str}
@@ -118,7 +118,7 @@ def _per_crop(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]
 
 
 def _ratios(sizes: dict[str, Any], what: str) -> str:
-    """The issue's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m
+    """The study's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m
     (with the seed spread where the entries have one)."""
     order = sorted(sizes, key=int)
     lo, hi = sizes[order[0]], sizes[order[-1]]

@@ -21,7 +21,6 @@ from hybridpar.planner.terms import Split
 BYTES_PER_ELEMENT = 4  # activations are planned in float32
 
 
-
 @dataclass(frozen=True)
 class LayerPlan:
     """What one node (a layer, or a function such as ``+`` or ``torch.cat``) runs as. Local shapes are
@@ -63,7 +62,6 @@ class LayerPlan:
     @property
     def output_split(self) -> Split:
         return self.split if self.out_split is None else self.out_split
-
 
 
 def _shard(extent: int, parts: int) -> int:

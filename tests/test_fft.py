@@ -175,6 +175,20 @@ def test_spectral_models_train_split_as_in_one_process(pools, model, spec):
     pools(4).run(_model_body, model, spec, timeout=300)
 
 
+class _Untraceable(torch.nn.Module):
+    """The FNO behind a Python check torch.fx fixes at trace time: planned by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fno = FNO()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gate(self.fno(x), x)
+
+    def _gate(self, y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        return y * 2 if x is not None and torch.jit.isinstance(x, torch.Tensor) else y
+
+
 def test_explain_and_the_performance_model_count_the_transposes():
     """A slab transform of 8^3 on 2 ranks moves half the complex modes there and back (160 + 160 real
     numbers per sample); ``explain`` shows each spectral layer's transposes and the performance model
@@ -193,6 +207,8 @@ def test_explain_and_the_performance_model_count_the_transposes():
     moved = {r.name: r.transpose_bytes for r in plan}
     assert moved["spectral.0"] == 4 * 2 * transpose_elements((16, 16, 16), (2, 2, 1), 4, 4) > 0
     assert moved["lift"] == 0
+    swapped = {r.name: r.transpose_bytes for r in spec.plan(_Untraceable(), (2, 1, 16, 16, 16), 4)}
+    assert swapped["fno.spectral.0"] == moved["spectral.0"]  # module swapping plans them alike
     costs = {c.name: c for c in pm.predict(FNO(), spec, MACHINE, 4, input_shape=(2, 1, 16, 16, 16)).layers}
     assert costs["spectral.0"].redistribute_forward > 0 and costs["spectral.0"].redistribute_backward > 0
     assert costs["lift"].redistribute_forward == 0

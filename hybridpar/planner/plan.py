@@ -33,7 +33,7 @@ from hybridpar import globs
 from hybridpar.nn import registry
 from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
-from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share
+from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
 from hybridpar.planner.swapped import swapped_plan
 from hybridpar.planner.terms import SpecError, Split
@@ -219,17 +219,8 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
-        transpose_bytes=_transpose_bytes(node, shapes[i][0], splits[i], micro), rank_share=shares[i])
+        transpose_bytes=transpose_bytes(node.module, shapes[i][0], splits[i], micro), rank_share=shares[i])
         for i, node in enumerate(nodes)]
-
-
-def _transpose_bytes(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> int:
-    """Bytes the FFT transposes of a spectral layer bring its most loaded rank per micro-batch."""
-    entry = registry.lookup(node.module) if node.module is not None else None
-    fn = entry.extra.get("transposes") if entry is not None else None
-    if fn is None or split == REPLICATED or len(in_shape) != 5:
-        return 0
-    return BYTES_PER_ELEMENT * micro * fn(node.module, in_shape, split)
 
 
 def broadcasts(split: Split, shape: Sequence[int]) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 
 from hybridpar.flops import work_shares
 from hybridpar.geometry import shard_range
+from hybridpar.nn import registry
 from hybridpar.planner.analysis import REPLICATED, node_geometry
 from hybridpar.planner.terms import Split
 
@@ -87,3 +88,13 @@ def rank_share(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[
         whole = math.prod(out_shape)
         return math.prod(local_out) / whole if whole else 0.0
     return batch * max(work_shares(node_geometry(m, in_shape, out_shape), in_shape, out_shape, split))
+
+
+def transpose_bytes(m: nn.Module | None, in_shape: tuple[int, ...], split: Split, micro: int) -> int:
+    """Bytes the FFT transposes of a spectral layer bring its most loaded rank per micro-batch (its
+    registry entry's ``transposes``; 0 for any other node)."""
+    entry = registry.lookup(m) if m is not None else None
+    fn = entry.extra.get("transposes") if entry is not None else None
+    if fn is None or split == REPLICATED or len(in_shape) != 5:
+        return 0
+    return BYTES_PER_ELEMENT * micro * fn(m, in_shape, split)

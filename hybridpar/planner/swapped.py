@@ -22,7 +22,7 @@ from hybridpar import flops as flop_count
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
-from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share
+from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.terms import SpecError, Split
 
 
@@ -178,5 +178,6 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
                                 activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
                                 rank_share=rank_share(m, r.input_shape, r.output_shape, r.local_output_shape,
-                                                      r.split))
+                                                      r.split),
+                                transpose_bytes=transpose_bytes(m, r.input_shape, r.split, micro))
             for r, f, m in zip(records, sums, modules, strict=True)]

@@ -90,10 +90,13 @@ class SpatialLayer(nn.Module):
         """This layer's window per dim (D, H, W) as its registry entry describes it (``window_args``):
         the one description of its geometry, which its halos, FLOPs, the planner and the performance
         model all read."""
-        entry = registry.lookup(self)
-        if entry is None or entry.window_args is None:
-            raise TypeError(f"{self.layer_name}: no registered window_args describe this layer's window")
-        return entry.window_args(self)
+        args = self.__dict__.get("_window")  # read once: a layer's hyperparameters are set when it is built
+        if args is None:
+            entry = registry.lookup(self)
+            if entry is None or entry.window_args is None:
+                raise TypeError(f"{self.layer_name}: no registered window_args describe this layer's window")
+            args = self.__dict__["_window"] = entry.window_args(self)
+        return args
 
     def window_exchanger(self, shape: tuple[int, int, int], fill: float = 0.0) -> HaloExchanger:
         """The halo operator of :meth:`window` for a global (D, H, W) = ``shape`` input: a window

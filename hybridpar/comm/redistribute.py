@@ -151,6 +151,9 @@ def redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,
     same = lambda g: (g.spatial_shape, g.stage_size, g.data_index, g.pipe_index)  # noqa: E731
     if same(src) == same(dst):
         return x
+    if trailing and shape is None:
+        raise ValueError("hybridpar.redistribute: with trailing dims, give the global (D, H, W) shape; it "
+                         "cannot be inferred from the shards' last three dims")
     return _redistribute(x, src, dst, shape, trailing)
 
 

@@ -62,15 +62,11 @@ def _refuse(layer: str, what: str, fits: str) -> ValueError:
     return ValueError(f"{layer}: {what} does not run on a split volume; {fits}")
 
 
-def _copy(m: nn.Module, grid: ProcessGrid) -> nn.Module:
-    """``m`` as it is, sharing its tensors (a pointwise layer): on a split input each shard gives a
-    partial gradient of its parameters, summed by the engine."""
+def _copy(m: nn.Module) -> nn.Module:
+    """``m`` as it is, sharing its tensors: what a rank runs where the volume is not split."""
     from hybridpar.pipeline.convert import sharing_copy  # noqa: PLC0415 (the pipeline imports hybridpar.nn)
 
-    d = sharing_copy(m)
-    if grid.spatial_size > 1:
-        mark_grad_split(d.parameters(), grid.spatial_size)
-    return d
+    return sharing_copy(m)
 
 
 # ---------------------------------------------------------------------- the spectral convolution
@@ -306,7 +302,7 @@ def spectral_conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple
 
 def _spectral_conv(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
     if grid.spatial_size == 1:
-        return _copy(m, grid)
+        return _copy(m)
     return DistSpectralConv(m, grid=grid)
 
 
@@ -350,7 +346,7 @@ class DistGridEmbeddingND(SpatialLayer):
 
 def _grid_embedding(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
     if grid.spatial_size == 1:
-        return _copy(m, grid)
+        return _copy(m)
     return DistGridEmbeddingND(m, grid=grid)
 
 
@@ -397,14 +393,11 @@ def register() -> None:
                       transposes=lambda m, shape, split: hfft.transpose_elements(
                           shape[2:], split, m.in_channels, m.out_channels))
     registry.register(GridEmbeddingND, role="pointwise", op="free", flops=no_flops, to_dist=_grid_embedding)
+    # no Dist class: the converter runs a copy on the shard and sums its parameters' shard gradients
     for t in (ChannelMLP, Flattened1dConv):
-        registry.register(t, role="pointwise", op="conv", flops=channel_mlp_flops, to_dist=_pointwise)
-    registry.register(SoftGating, role="pointwise", op="pointwise", flops=gating_flops, to_dist=_pointwise)
+        registry.register(t, role="pointwise", op="conv", flops=channel_mlp_flops)
+    registry.register(SoftGating, role="pointwise", op="pointwise", flops=gating_flops)
     _DONE.append(True)
-
-
-def _pointwise(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
-    return _copy(m, grid)
 
 
 class _OnImport(importlib.abc.MetaPathFinder):

@@ -27,8 +27,9 @@ from hybridpar.planner.swapped import leaves
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 
 
-def _own_params(m: nn.Module) -> bool:
-    return next(m.parameters(recurse=False), None) is not None
+def _has_params(m: nn.Module) -> bool:
+    """Whether a leaf holds parameters (its children's too: a registered container runs as one layer)."""
+    return next(m.parameters(), None) is not None
 
 
 def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
@@ -40,7 +41,7 @@ def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:
         entry = registry.lookup(m)
         if entry is not None and entry.extra.get("flattens"):
             new: nn.Module = nn.Sequential(Gather(grid), m) if grid.spatial_size > 1 else m
-        elif entry is not None and (entry.to_dist is not None or _own_params(m)):
+        elif entry is not None and (entry.to_dist is not None or _has_params(m)):
             new = convert(name, m, grid)  # a copy whose parameters' shard gradients are summed
         else:
             continue

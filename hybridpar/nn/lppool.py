@@ -8,9 +8,9 @@ counter, the planner, ``explain`` and the performance model read; no other modul
 torch computes ``(sum of x**p over a window) ** (1/p)`` as an average pool of ``x**p`` times the
 kernel volume, so with ``ceil_mode`` a window that overhangs the volume is scaled by its full size
 over the part inside it. The distributed layer computes the same average over the split volume (the
-window sums of the exchanged shard over torch's divisors, as :class:`DistAvgPool3d`) and the same
-formula after it. ``x**p`` is taken before the exchange, so the halos carry it and the filled voxels
-beyond the volume are zeros of the sum, not powers of a fill.
+window sums of the exchanged shard over torch's divisors, :func:`~hybridpar.nn.pool.window_divisors`)
+and the same formula after it. ``x**p`` is taken before the exchange, so the halos carry it and the
+filled voxels beyond the volume are zeros of the sum, not powers of a fill.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.comm.halo import exchange
-from hybridpar.geometry import avg_pool_divisors
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
+from hybridpar.nn.pool import window_divisors
 from hybridpar.nn.spatial import SpatialLayer
 
 
@@ -42,10 +42,7 @@ class DistLPPool3d(SpatialLayer, nn.LPPool3d):
                  like: torch.Tensor) -> torch.Tensor:
         key = (tuple(shape), outs, like.dtype, like.device)
         if key not in self._divisors:
-            per_dim = [torch.tensor(avg_pool_divisors(n, out, a["kernel"], a["stride"], 0), dtype=like.dtype)
-                       for n, out, a in zip(shape, outs, w)]
-            div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
-            self._divisors[key] = div.to(like.device)
+            self._divisors[key] = window_divisors(shape, outs, w, like)
         return self._divisors[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,17 @@ def _dims(args: list[dict], key: str) -> tuple[int, ...]:
     return tuple(a[key] for a in args)
 
 
+def window_divisors(shape, outs, w: list[dict], like: torch.Tensor,
+                    count_include_pad: bool = True) -> torch.Tensor:
+    """torch's average-pool divisor of each of this rank's output windows (``outs`` per dim, of a global
+    ``shape`` input, windows ``w``), a (d, h, w) tensor like ``like``: the outer product of the dims'."""
+    per_dim = [torch.tensor(avg_pool_divisors(n, out, a["kernel"], a["stride"], a["pad_lo"],
+                                              count_include_pad), dtype=like.dtype)
+               for n, out, a in zip(shape, outs, w)]
+    div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
+    return div.to(like.device)
+
+
 class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
     """``torch.nn.MaxPool3d`` on a spatially split input (padding and ceil mode included)."""
 
@@ -86,11 +97,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
     def _new_divisor(self, shape, outs, w: list[dict], like: torch.Tensor) -> torch.Tensor:
         if self.divisor_override:
             return torch.tensor(float(self.divisor_override), dtype=like.dtype, device=like.device)
-        per_dim = [torch.tensor(avg_pool_divisors(n, out, a["kernel"], a["stride"], a["pad_lo"],
-                                                  self.count_include_pad), dtype=like.dtype)
-                   for n, out, a in zip(shape, outs, w)]
-        div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
-        return div.to(like.device)
+        return window_divisors(shape, outs, w, like, self.count_include_pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sums, divisor = self.window_sums(x)

@@ -65,6 +65,26 @@ class PReLUNet(nn.Module):
         return self.block(h, h * 2)
 
 
+class WSConv3d(nn.Conv3d):
+    """A subclass with its own forward (weight standardisation, as timm's StdConv3d and BiT write it):
+    a split version of the base class would silently drop what the subclass adds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        w = (w - w.mean((1, 2, 3, 4), keepdim=True)) / (w.std((1, 2, 3, 4), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+class WSNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.ws = WSConv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ws(torch.tanh(self.stem(x)))
+
+
 class AliasNet(nn.Module):
     """Blocks kept under two names (DynUNet's ``downsamples`` and ``skip_layers``), and a head the
     forward never calls."""
@@ -219,6 +239,8 @@ CASES = [
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "aliased modules, spatial", "AliasNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "PReLU by module swapping, 2x2", "PReLUNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "a conv subclass with its own forward, run whole", "WSNet",
+     {"grid": {"spatial": [2, 1, 1]}, "layers": {"ws": {"spatial": "replicate"}}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
@@ -285,6 +307,26 @@ def test_an_empty_shard_is_one_error_on_every_rank(pools):
     assert all(s == said[0] for s in said), said
     for line in said[0]:
         assert "dim W has extent 3, too small to split over 4 ranks" in line and "at most 3" in line, line
+
+
+def test_a_subclass_with_its_own_forward_is_not_split_as_its_base():
+    """WSConv3d(nn.Conv3d) standardises its weight in its forward: split as a Conv3d it would silently
+    lose that. It is refused in one line naming it and its base, in the traced planner and by module
+    swapping alike; torch's own subclasses (Conv1d under _ConvNd) and hybridpar's split layers still
+    resolve to their entries."""
+    import hybridpar as hp
+    from hybridpar.nn import registry
+    from hybridpar.planner.swapped import swapped_plan
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.raises(hp.SpecError, match=r"ws \(WSConv3d\): a Conv3d subclass with its own forward "
+                                           r"\(WSConv3d\.forward\)"):
+        spec.plan(WSNet(), SHAPE, 2)
+    with pytest.raises(hp.SpecError, match=r"ws \(WSConv3d\): a Conv3d subclass with its own forward"):
+        swapped_plan(WSNet(), SHAPE, (2, 1, 1), 1)
+    assert registry.lookup(WSConv3d) is None and registry.lookup(nn.Conv3d) is not None
+    assert registry.lookup(nn.Conv1d) is not None and registry.lookup(nn.SyncBatchNorm) is not None
+    assert registry.lookup(hp.nn.DistConv3d) is registry.lookup(nn.Conv3d)
 
 
 def test_lazy_modules_are_refused_until_materialised():

@@ -161,13 +161,43 @@ def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to
     return entry
 
 
+_TRUSTED_FORWARDS = ("torch.nn.modules.", "hybridpar.")
+"""Modules whose classes' forwards compute what their registered base's entry describes: torch's own
+layer classes (``Conv2d`` under ``_ConvNd``) and hybridpar's split layers."""
+
+
+def overriding_forward(m: nn.Module | type) -> type | None:
+    """The class of ``m``'s MRO that defines its ``forward``, when that class is a subclass of a
+    registered type written elsewhere than torch.nn or hybridpar (a user's ``WSConv3d(nn.Conv3d)``
+    standardising its weight); None otherwise. Such a layer computes something its base's entry does
+    not describe, so it is not that entry's layer: splitting it as its base would silently drop what
+    its forward adds."""
+    cls = m if isinstance(m, type) else type(m)
+    definer = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
+    if definer is None or definer in _REGISTRY or definer.__module__.startswith(_TRUSTED_FORWARDS):
+        return None
+    return definer if any(b in _REGISTRY for b in definer.__mro__[1:]) else None
+
+
+def unregistered(m: nn.Module) -> str:
+    """Why ``m`` has no entry, as an error message says it."""
+    definer = overriding_forward(m)
+    if definer is None:
+        return "this layer type is not registered"
+    base = next(b for b in definer.__mro__[1:] if b in _REGISTRY).__name__
+    return (f"a {base} subclass with its own forward ({definer.__name__}.forward), which {base}'s split "
+            f"version would not run, so the type is not registered")
+
+
 def lookup(m: nn.Module | type) -> LayerEntry | None:
-    """The entry of ``m``'s type or of its nearest registered base class, or None."""
+    """The entry of ``m``'s type or of its nearest registered base class, or None; None too for a
+    subclass of a registered type with a forward of its own (:func:`overriding_forward`), unless that
+    subclass is registered itself."""
     cls = m if isinstance(m, type) else type(m)
     for base in cls.__mro__:
         entry = _REGISTRY.get(base)
         if entry is not None:
-            return entry
+            return entry if base is cls or overriding_forward(cls) is None else None
     return None
 
 

@@ -160,10 +160,10 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             ranks = {len(shapes[index[n]][1]) if n != INPUT else 5 for n in node.inputs}
             split = producer if len(extents) == 1 and ranks == {5} else REPLICATED
         elif role == "unregistered" and _split_input(node, out_split, input_split):
-            raise SpecError(f"{node.name} ({node.kind}): this layer type is not registered and its input is "
-                            f"split {list(producer)}: register it (hybridpar.nn.register, see the README) "
-                            f"so it can run split, or add a rule {{{node.name!r}: {{spatial: replicate}}}} "
-                            f"to run it whole after a gather")
+            raise SpecError(f"{node.name} ({node.kind}): {registry.unregistered(node.module)} and its "
+                            f"input is split {list(producer)}: register it (hybridpar.nn.register, see the "
+                            f"README) so it can run split, or add a rule "
+                            f"{{{node.name!r}: {{spatial: replicate}}}} to run it whole after a gather")
         else:
             split = REPLICATED
         if INPUT in node.inputs and input_split is None:

@@ -122,7 +122,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         entry = registry.lookup(m)
         spatial = x.dim() == 5
         if entry is None and spatial and split_so_far[0]:
-            raise SpecError(f"{names[m]} ({type(m).__name__}): this layer type is not registered and its "
+            raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")
         s = split if spatial and entry is not None and entry.splittable else REPLICATED

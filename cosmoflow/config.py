@@ -47,6 +47,8 @@ class ModelConfig:
     batchnorm: bool = False
     global_pool: bool = False            # global average pooling before the dense head
     head_norm: bool = False              # BatchNorm1d on the pooled features
+    spectrum_stats: str = "batch"        # batch | running: the P(k) features standardised by the batch's
+                                         # statistics or the training set's (RunningStandardize)
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
     power_spectrum: bool = False         # a P(k) branch of the input channels into the head
 
@@ -251,6 +253,9 @@ def validate(cfg: Config) -> None:
         if mode not in ("zeros", "circular"):
             raise ConfigError(f"{section}.padding_mode: {mode!r} is not one of zeros, circular "
                               f"(circular: periodic boxes, as the generator's universes are)")
+    if cfg.model.spectrum_stats not in ("batch", "running"):
+        raise ConfigError(f"model.spectrum_stats: {cfg.model.spectrum_stats!r} is not one of batch, running "
+                          f"(running: the P(k) features standardised with the training set's statistics)")
     if cfg.task == "reconstruct":
         _validate_reconstruct(cfg)
         return

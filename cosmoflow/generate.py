@@ -31,6 +31,7 @@ from cosmoflow.universe import (
     PARAM_NAMES,
     REDSHIFTS,
     SMOOTHING,
+    VOXEL_MPC,
     Cosmology,
     box_size,
     draw_unit_params,
@@ -97,13 +98,14 @@ def universe_path(out: Path, seed: int, index: int) -> Path:
 
 
 def write_universe(path: Path, size: int, seed: int, index: int, smoothing: float = SMOOTHING,
-                   linear: bool = True) -> Path:
+                   linear: bool = True, voxel_mpc: float = VOXEL_MPC) -> Path:
     """Generate universe ``index`` of base seed ``seed`` and write it atomically to ``path``."""
     unit = draw_unit_params((seed, index))
     if linear:
-        full, delta = make_universe_and_linear(size, unit, (seed, index), smoothing=smoothing)
+        full, delta = make_universe_and_linear(size, unit, (seed, index), smoothing=smoothing,
+                                                voxel_mpc=voxel_mpc)
     else:
-        full, delta = make_universe(size, unit, (seed, index), smoothing=smoothing), None
+        full, delta = make_universe(size, unit, (seed, index), smoothing=smoothing, voxel_mpc=voxel_mpc), None
     cosmo = Cosmology.from_unit(unit)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     chunk = min(size, _CHUNK)
@@ -117,9 +119,10 @@ def write_universe(path: Path, size: int, seed: int, index: int, smoothing: floa
         f.attrs["physPar"] = np.array([cosmo.omega_m, cosmo.sigma_8, cosmo.n_s, cosmo.h0])
         f.attrs["physParNames"] = ",".join(PARAM_NAMES)
         f.attrs["redshifts"] = np.asarray(REDSHIFTS)
-        f.attrs["box_mpc_h"] = box_size(size, cosmo.h0)
+        f.attrs["box_mpc_h"] = box_size(size, cosmo.h0, voxel_mpc)
         f.attrs["seed"] = np.array([seed, index])
         f.attrs["smoothing_mpc_h"] = smoothing
+        f.attrs["voxel_mpc"] = voxel_mpc
         f.attrs["generator"] = "hybridpar cosmoflow.universe (EH98 no-wiggle, Zel'dovich, NGP)"
     os.replace(tmp, path)
     return path
@@ -127,7 +130,7 @@ def write_universe(path: Path, size: int, seed: int, index: int, smoothing: floa
 
 def generate(out: str | Path, universes: int, size: int, workers: int = 1, seed: int = 0,
              overwrite: bool = False, progress: bool = True, smoothing: float = SMOOTHING,
-             linear: bool = True) -> list[Path]:
+             linear: bool = True, voxel_mpc: float = VOXEL_MPC) -> list[Path]:
     """Write ``universes`` files of ``size``³ into ``out``; returns all their paths (kept ones too)."""
     if universes < 1:
         raise ValueError(f"--universes must be at least 1, got {universes}")
@@ -137,6 +140,8 @@ def generate(out: str | Path, universes: int, size: int, workers: int = 1, seed:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if smoothing < 0:
         raise ValueError(f"--smoothing must be >= 0 Mpc/h, got {smoothing}")
+    if voxel_mpc <= 0:
+        raise ValueError(f"--voxel-mpc must be positive, got {voxel_mpc}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [universe_path(out, seed, i) for i in range(universes)]
@@ -144,12 +149,12 @@ def generate(out: str | Path, universes: int, size: int, workers: int = 1, seed:
     bar = ProgressBar(len(todo), label=f"universes {size}^3", unit="universe") if progress else None
     if workers == 1 or len(todo) <= 1:
         for i in todo:
-            write_universe(paths[i], size, seed, i, smoothing, linear)
+            write_universe(paths[i], size, seed, i, smoothing, linear, voxel_mpc)
             if bar:
                 bar.update()
     else:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-            futures = [pool.submit(write_universe, paths[i], size, seed, i, smoothing, linear)
+            futures = [pool.submit(write_universe, paths[i], size, seed, i, smoothing, linear, voxel_mpc)
                        for i in todo]
             for fut in as_completed(futures):
                 fut.result()
@@ -171,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoothing", type=float, default=SMOOTHING,
                         help=f"Gaussian smoothing of the linear field, Mpc/h (default {SMOOTHING}); smaller "
                              "keeps more small-scale modes, so sigma_8 is easier to learn from small samples")
+    parser.add_argument("--voxel-mpc", type=float, default=VOXEL_MPC,
+                        help=f"voxel side in Mpc (default {VOXEL_MPC:.4g}, 1 Mpc/h at H_0 = 70); twice it "
+                             "covers the same box with half the voxels per side")
     parser.add_argument("--no-linear", dest="linear", action="store_false",
                         help="do not write the linear density field (the reconstruction target); files "
                              "shrink by a third")
     args = parser.parse_args(argv)
     try:
         paths = generate(args.out, args.universes, args.size, args.workers, args.seed, args.overwrite,
-                         smoothing=args.smoothing, linear=args.linear)
+                         smoothing=args.smoothing, linear=args.linear, voxel_mpc=args.voxel_mpc)
     except ValueError as err:
         parser.error(str(err))
     print(f"{len(paths)} universes of {args.size}^3 in {args.out}", file=sys.stderr)

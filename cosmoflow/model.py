@@ -47,6 +47,41 @@ class OutputScale(nn.Module):
         return f"scale={self.scale}"
 
 
+class RunningStandardize(nn.BatchNorm1d):
+    """Standardises features with running statistics in training too, not with the batch's: for
+    features no parameter moves (the P(k) branch's), where the running statistics converge to the
+    training set's, as a ridge regression standardises.
+
+    Why: BatchNorm1d expresses each sample against the others of its replica's batch. With crops that
+    is hundreds of samples; with whole universes it is a handful (eight at 64³), so the features the
+    head regresses on carry the noise of a few samples' mean and spread, and a comparison between input
+    sizes is decided by batch size rather than by volume. Each training batch updates the running mean
+    and variance first (a cumulative average with ``momentum=None``, the default here; else a
+    cumulative one for the first ``1/momentum`` batches, then an exponential one), which then normalise.
+    The statistics carry no gradient; the engine averages them over data-parallel replicas after each
+    step as it does BatchNorm's; evaluation is BatchNorm's. Not for a trunk's features: those move as
+    it trains and lagging statistics let them grow unchecked (a head so standardised saturated its
+    tanh within an epoch)."""
+
+    def __init__(self, features: int, momentum: float | None = None) -> None:
+        super().__init__(features, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.track_running_stats and x.shape[0] > 1:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
+                if self.momentum is not None:
+                    factor = factor.clamp(min=self.momentum)
+                self.running_mean.lerp_(x.mean(0).to(self.running_mean.dtype), factor)
+                self.running_var.lerp_(x.var(0).to(self.running_var.dtype), factor)
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
+                                        0.0, self.eps)
+
+
+SpectrumStats = Literal["batch", "running"]
+
+
 def _pool(kind: str) -> nn.Module:
     if kind == "max":
         return nn.MaxPool3d(kernel_size=2, stride=2)
@@ -113,8 +148,9 @@ def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: 
 
 class PowerSpectrumBranch(nn.Module):
     """CosmoFlow with a power-spectrum branch (CNN + P(k) hybrids: Ntampaka et al. 2020, Min et al.
-    2024): P(k) of each input channel in shells ``shell_width`` apart up to the Nyquist frequency,
-    log-compressed and standardised across the batch, beside the convolutional summaries at the head.
+    2024): P(k) of each input channel in shells ``shell_width`` apart up to the Nyquist frequency and
+    two beyond it (:meth:`edges`), log-compressed and standardised (over the batch, or with the training
+    set's statistics: ``stats``), beside the convolutional summaries at the head.
     The first channel's log P(k) is given as it is, every later channel's as its growth from the first,
     ``log P_c(k) - log P_0(k)``, shell by shell.
 
@@ -130,18 +166,32 @@ class PowerSpectrumBranch(nn.Module):
     FFT)."""
 
     def __init__(self, trunk: nn.Sequential, head: nn.Sequential, in_channels: int, input_size: int,
-                 shell_width: float = 2.0) -> None:
+                 shell_width: float = 2.0, stats: SpectrumStats = "batch") -> None:
         from hybridpar.nn import PowerSpectrum  # noqa: PLC0415 (the app's models import no engine otherwise)
 
         super().__init__()
-        edges = [0.5 + shell_width * i for i in range(int((input_size / 2 - 0.5) // shell_width) + 1)]
+        edges = self.edges(input_size, shell_width)
         self.trunk, self.head = trunk, head
         self.spectrum = PowerSpectrum(edges)
-        self.spectrum_norm = nn.BatchNorm1d(in_channels * (len(edges) - 1), momentum=0.1)
+        if stats not in ("batch", "running"):
+            raise ValueError(f"spectrum_stats must be 'batch' (BatchNorm1d) or 'running' "
+                             f"(RunningStandardize), got {stats!r}")
+        bins = in_channels * (len(edges) - 1)
+        self.spectrum_norm = (nn.BatchNorm1d(bins, momentum=0.1) if stats == "batch"
+                              else RunningStandardize(bins))
+
+    @staticmethod
+    def edges(input_size: int, shell_width: float = 2.0) -> list[float]:
+        """Shells ``shell_width`` apart inside the Nyquist sphere, then two beyond it, to the faces'
+        diagonals and to the corners (√3·N/2): the cube's corner modes hold the smallest scales, where
+        the smoothing's cut-off (fixed in Mpc/h, so at an H_0-dependent wave number) shows."""
+        half = input_size / 2
+        inner = [0.5 + shell_width * i for i in range(int((half - 0.5) // shell_width) + 1)]
+        return [*inner, half * math.sqrt(2), half * math.sqrt(3) + 1]
 
     @staticmethod
     def bins(input_size: int, shell_width: float = 2.0) -> int:
-        return int((input_size / 2 - 0.5) // shell_width)
+        return len(PowerSpectrumBranch.edges(input_size, shell_width)) - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log_power = torch.log1p(self.spectrum(x))                 # (N, C, bins)
@@ -150,7 +200,8 @@ class PowerSpectrumBranch(nn.Module):
         return self.head(torch.cat([self.trunk(x), spectrum], dim=1))
 
 
-def _with_power_spectrum(model: nn.Sequential, input_size: int, in_channels: int) -> PowerSpectrumBranch:
+def _with_power_spectrum(model: nn.Sequential, input_size: int, in_channels: int,
+                         stats: SpectrumStats = "batch") -> PowerSpectrumBranch:
     """``model`` cut at its first dense layer, which also takes the P(k) features."""
     layers = list(model)
     cut = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
@@ -158,7 +209,7 @@ def _with_power_spectrum(model: nn.Sequential, input_size: int, in_channels: int
     extra = in_channels * PowerSpectrumBranch.bins(input_size)
     layers[cut] = nn.Linear(first.in_features + extra, first.out_features)
     return PowerSpectrumBranch(nn.Sequential(*layers[:cut]), nn.Sequential(*layers[cut:]), in_channels,
-                               input_size)
+                               input_size, stats=stats)
 
 
 def conv_channels(n_conv: int, base_filters: int, max_filters: int) -> list[int]:
@@ -172,7 +223,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 batchnorm: bool = False, leaky_slope: float = 0.3, output_scale: float = 1.2,
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
                 head_norm: bool = False, padding_mode: str = "zeros",
-                power_spectrum: bool = False) -> nn.Module:
+                power_spectrum: bool = False, spectrum_stats: SpectrumStats = "batch") -> nn.Module:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
@@ -184,7 +235,9 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     ``input_size`` must be divisible by 2^n_conv (each max-pool halves it); a 64³ demo model is e.g.
     ``build_model(64, n_conv=4)`` or ``build_model(64, base_filters=8)``. With ``batchnorm`` the convs
     lose their bias (BatchNorm's shift replaces it). ``power_spectrum`` adds a P(k) branch to the head
-    (:class:`PowerSpectrumBranch`; the model is then no longer one ``Sequential``).
+    (:class:`PowerSpectrumBranch`; the model is then no longer one ``Sequential``), whose features
+    are standardised by the batch's statistics (``spectrum_stats="batch"``, BatchNorm1d) or by the
+    training set's (``"running"``, :class:`RunningStandardize`).
     """
     if n_conv < 1:
         raise ValueError(f"n_conv must be at least 1, got {n_conv}")
@@ -199,7 +252,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                    pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum,
                    global_pool, head_norm, padding_mode)
     if power_spectrum:
-        model = _with_power_spectrum(model, input_size, in_channels)
+        model = _with_power_spectrum(model, input_size, in_channels, spectrum_stats)
     _init(model, init, leaky_slope)
     return model
 

@@ -186,7 +186,8 @@ def _build_model(cfg: Config, channels: int) -> torch.nn.Module:
     m = cfg.model
     return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
                        dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
-                       head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum)
+                       head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
+                       spectrum_stats=m.spectrum_stats)
 
 
 def run(cfg: Config) -> dict[str, Any]:

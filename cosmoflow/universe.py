@@ -42,6 +42,8 @@ SIGMA_R = 8.0
 """Radius (Mpc/h) of the top-hat sphere σ_8 is defined in."""
 SMOOTHING = 2.0
 """Gaussian smoothing radius (Mpc/h) applied to the linear field before displacing particles."""
+VOXEL_MPC = 1.0 / 0.7
+"""Default voxel side in Mpc (1 Mpc/h at the fiducial H_0): fixed in Mpc, so the box in Mpc/h follows H_0."""
 
 Seed = int | Sequence[int]
 """Anything ``numpy.random.SeedSequence`` accepts as entropy: an int or a sequence of ints."""
@@ -76,9 +78,11 @@ class Cosmology:
         return self.h0 / 100.0
 
 
-def box_size(n: int, h0: float) -> float:
-    """Box side in Mpc/h for ``n`` voxels: ``n·(H_0/70)``, i.e. a fixed n/0.7 Mpc whatever h is."""
-    return n * h0 / 70.0
+def box_size(n: int, h0: float, voxel_mpc: float = VOXEL_MPC) -> float:
+    """Box side in Mpc/h for ``n`` voxels of ``voxel_mpc`` Mpc: ``n·voxel_mpc·h``; by default ``n·(H_0/70)``,
+    a fixed n/0.7 Mpc whatever h is. A coarser voxel covers the same box with fewer voxels (a 64³
+    universe of 2/0.7 Mpc voxels spans the box of a default 128³ one at an eighth of the cost)."""
+    return n * voxel_mpc * h0 / 100.0
 
 
 def eisenstein_hu_nowiggle(k: np.ndarray, omega_m: float, h: float, omega_b: float = OMEGA_B,
@@ -187,14 +191,15 @@ def draw_unit_params(seed: Seed) -> np.ndarray:
     return _rngs(seed)[0].uniform(-1.0, 1.0, size=4).astype(np.float32)
 
 
-def linear_field_k(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0) -> np.ndarray:
+def linear_field_k(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0,
+                   voxel_mpc: float = VOXEL_MPC) -> np.ndarray:
     """Fourier modes (``rfftn`` layout, complex64) of the z = 0 Gaussian linear density field.
 
     Unit white noise ``w`` has ``<|w_k|²> = N³``; multiplying by ``sqrt(P(k)/ΔV)`` (ΔV the voxel volume)
     gives ``<|δ_k|²> = P N⁶/L³``, i.e. the estimator ``|δ_k|² L³/N⁶`` recovers ``P``. Drawing the
     noise in real space makes the field exactly real and the phases independent of the parameters.
     """
-    box = box_size(n, cosmo.h0)
+    box = box_size(n, cosmo.h0, voxel_mpc)
     noise = _rngs(seed)[1].standard_normal((n, n, n), dtype=np.float32)
     kx, ky, kz = wavenumbers(n, box)
     k = np.sqrt(kx * kx + ky * ky + kz * kz)
@@ -206,9 +211,10 @@ def linear_field_k(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0)
     return delta_k.astype(np.complex64, copy=False)
 
 
-def linear_field(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0) -> np.ndarray:
+def linear_field(n: int, cosmo: Cosmology, seed: Seed, smoothing: float = 0.0,
+                 voxel_mpc: float = VOXEL_MPC) -> np.ndarray:
     """The z = 0 linear density contrast on the grid (float32, n³), deterministic per ``seed``."""
-    return real_field(linear_field_k(n, cosmo, seed, smoothing), n)
+    return real_field(linear_field_k(n, cosmo, seed, smoothing, voxel_mpc), n)
 
 
 def real_field(delta_k: np.ndarray, n: int) -> np.ndarray:
@@ -288,36 +294,40 @@ def ngp_counts(psi: np.ndarray, growth: float, cell: float) -> np.ndarray:
 
 
 def make_universe(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
-                  redshifts: Sequence[float] = REDSHIFTS, smoothing: float = SMOOTHING) -> np.ndarray:
+                  redshifts: Sequence[float] = REDSHIFTS, smoothing: float = SMOOTHING,
+                  voxel_mpc: float = VOXEL_MPC) -> np.ndarray:
     """One universe as the real ``full`` dataset: (n, n, n, len(redshifts)) int16, channels last.
 
     Deterministic for a given ``(n, unit_par, seed)``; the field's phases depend on ``seed`` only, so
     universes that share a seed differ only through their parameters.
     """
-    return _evolve(n, unit_par, seed, redshifts, smoothing, keep_linear=False)[0]
+    return _evolve(n, unit_par, seed, redshifts, smoothing, voxel_mpc, keep_linear=False)[0]
 
 
 def make_universe_and_linear(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed,
                              redshifts: Sequence[float] = REDSHIFTS,
-                             smoothing: float = SMOOTHING) -> tuple[np.ndarray, np.ndarray]:
+                             smoothing: float = SMOOTHING,
+                             voxel_mpc: float = VOXEL_MPC) -> tuple[np.ndarray, np.ndarray]:
     """``(full, linear)``: the universe of :func:`make_universe` and the field that made it.
 
     ``linear`` (n, n, n) float32 is the z = 0 linear density contrast, smoothed exactly as the field
     whose Zel'dovich displacements moved the particles: the truth a reconstruction of the initial
     conditions aims at (modes the smoothing removed left no trace in the counts).
     """
-    full, linear = _evolve(n, unit_par, seed, redshifts, smoothing, keep_linear=True)
+    full, linear = _evolve(n, unit_par, seed, redshifts, smoothing, voxel_mpc, keep_linear=True)
     assert linear is not None
     return full, linear
 
 
 def _evolve(n: int, unit_par: Sequence[float] | np.ndarray, seed: Seed, redshifts: Sequence[float],
-            smoothing: float, keep_linear: bool) -> tuple[np.ndarray, np.ndarray | None]:
+            smoothing: float, voxel_mpc: float, keep_linear: bool) -> tuple[np.ndarray, np.ndarray | None]:
     if n < 2:
         raise ValueError(f"universe size must be at least 2 voxels, got {n}")
     cosmo = Cosmology.from_unit(unit_par)
-    box = box_size(n, cosmo.h0)
-    delta_k = linear_field_k(n, cosmo, seed, smoothing)
+    if voxel_mpc <= 0:
+        raise ValueError(f"voxel side must be positive, got {voxel_mpc} Mpc")
+    box = box_size(n, cosmo.h0, voxel_mpc)
+    delta_k = linear_field_k(n, cosmo, seed, smoothing, voxel_mpc)
     psi = zeldovich_displacement(delta_k, n, box)
     growth = np.atleast_1d(growth_factor(np.asarray(redshifts, dtype=np.float64), cosmo.omega_m))
     full = np.empty((n, n, n, len(redshifts)), dtype=np.int16)

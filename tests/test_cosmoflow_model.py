@@ -108,3 +108,49 @@ def test_optimizer_for_a_stage_without_parameters(name: str) -> None:
     opt.zero_grad()
     assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
     assert opt.state_dict()["param_groups"][0]["params"] == []
+
+
+def test_running_standardize_uses_the_training_sets_statistics() -> None:
+    """In training it normalises with the cumulative mean and variance of every batch so far, this one
+    included, not with the batch's own: after a pass over the data the statistics are the data's, and
+    one odd batch moves them by its share; evaluation is BatchNorm1d's."""
+    from cosmoflow.model import RunningStandardize
+
+    torch.manual_seed(0)
+    data = torch.randn(64, 3, dtype=torch.float64) * torch.tensor([1.0, 5.0, 0.1], dtype=torch.float64) + 2
+    norm = RunningStandardize(3).double()
+    batches = data.split(4)
+    for b in batches:
+        norm(b)
+    assert torch.allclose(norm.running_mean, data.mean(0))
+    assert torch.allclose(norm.running_var, torch.stack([b.var(0) for b in batches]).mean(0))
+    batch = data[:4] * 3                                  # a batch far off: it moves the statistics by 1/17
+    out = norm(batch)
+    want = (batch - norm.running_mean) / (norm.running_var + norm.eps).sqrt()
+    assert torch.allclose(out, want) and not torch.allclose(out, torch.nn.functional.batch_norm(
+        batch, None, None, training=True))
+    assert torch.allclose(norm.running_mean, (16 * data.mean(0) + batch.mean(0)) / 17)
+    ref = torch.nn.BatchNorm1d(3).double()
+    ref.load_state_dict(norm.state_dict())
+    norm.eval(), ref.eval()
+    assert torch.allclose(norm(data), ref(data))
+    x = data[:8].clone().requires_grad_()
+    norm.train()
+    norm(x).sum().backward()                              # no gradient through the statistics
+    assert torch.allclose(x.grad, (norm.weight / (norm.running_var + norm.eps).sqrt()).expand(8, 3))
+
+
+def test_power_spectrum_branch_shells_reach_the_corners() -> None:
+    """The P(k) branch's shells: 2 apart inside the Nyquist sphere, then to the faces' diagonals and
+    to the corners, so every mode of the cube but the zero mode is in a shell."""
+    from cosmoflow.model import PowerSpectrumBranch
+
+    for n in (4, 16, 64):
+        edges = PowerSpectrumBranch.edges(n)
+        assert edges[0] == 0.5 and edges[-1] > n / 2 * 3 ** 0.5 and edges == sorted(edges)
+        assert PowerSpectrumBranch.bins(n) == len(edges) - 1
+    model = build_model(16, 4, 2, 4, 8, dense=[8], dropout=0.0, global_pool=True, head_norm=True,
+                        power_spectrum=True, spectrum_stats="running")
+    assert model(torch.rand(3, 4, 16, 16, 16)).shape == (3, 4)
+    with pytest.raises(ValueError, match="spectrum_stats must be 'batch'.*got 'sum'"):
+        build_model(16, 4, 2, power_spectrum=True, spectrum_stats="sum")

@@ -19,6 +19,7 @@ from cosmoflow import generate as gen
 from cosmoflow.universe import (
     FIDUCIAL,
     REDSHIFTS,
+    VOXEL_MPC,
     Cosmology,
     PowerSpectrum,
     box_size,
@@ -36,16 +37,20 @@ def _log1p_var(full: np.ndarray) -> np.ndarray:
     return np.log1p(full.astype(np.float64)).var(axis=(0, 1, 2))
 
 
-def test_linear_power_spectrum_matches_input() -> None:
+@pytest.mark.parametrize("voxel_mpc", [VOXEL_MPC, 2 / 0.7])
+def test_linear_power_spectrum_matches_input(voxel_mpc: float) -> None:
+    """The field has the spectrum asked for, on the default voxel and on one twice as coarse (whose box,
+    twice as large in Mpc/h, reaches the larger scales)."""
     cosmo = Cosmology.from_unit([0.5, -0.3, 0.7, -0.8])  # off-fiducial in every parameter
     n = 64
-    box = box_size(n, cosmo.h0)
+    box = box_size(n, cosmo.h0, voxel_mpc)
+    assert box == pytest.approx(n * voxel_mpc * cosmo.h)
     kf = 2 * np.pi / box
     edges = kf * np.arange(6, 34, 2)  # well sampled: >= ~450 independent modes per shell and seed
     power = PowerSpectrum(cosmo)
     measured = []
     for seed in range(16):
-        _, p, expected = measure_power(linear_field(n, cosmo, seed), box, edges, power)
+        _, p, expected = measure_power(linear_field(n, cosmo, seed, voxel_mpc=voxel_mpc), box, edges, power)
         measured.append(p)
     ratio = np.mean(measured, axis=0) / expected
     assert np.all(np.abs(ratio - 1) < 0.05), ratio
@@ -148,6 +153,15 @@ def test_generate_cli_layout_and_worker_independence(tmp_path, capsys) -> None:
             np.testing.assert_array_equal(fa["full"][()], fb["full"][()])
             np.testing.assert_array_equal(fa["unitPar"][()], fb["unitPar"][()])
             assert fa.attrs["smoothing_mpc_h"] == 1.5
+            assert fa.attrs["box_mpc_h"] == pytest.approx(16 / 0.7 * fa.attrs["physPar"][3] / 100)
+    assert gen.main(["--out", str(tmp_path / "d"), "--universes", "1", "--size", "8",
+                     "--voxel-mpc", "2.5"]) == 0
+    with h5py.File(tmp_path / "d" / "univ_s0_00000.h5", "r") as f:
+        assert f.attrs["voxel_mpc"] == 2.5
+        assert f.attrs["box_mpc_h"] == pytest.approx(8 * 2.5 * f.attrs["physPar"][3] / 100)
+    with pytest.raises(SystemExit):
+        gen.main(["--out", str(tmp_path / "e"), "--universes", "1", "--size", "8", "--voxel-mpc", "0"])
+    assert "--voxel-mpc must be positive" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gen.main(["--out", str(tmp_path / "c"), "--universes", "0", "--size", "16"])
     assert "--universes must be at least 1" in capsys.readouterr().err

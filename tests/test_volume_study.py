@@ -81,11 +81,17 @@ def test_shipped_plan(tmp_path: Path) -> None:
     """The config of the real study: the same voxels and learning rate per step at every size."""
     study = load_study(ROOT / "launch/configs/volume_study.yaml", out=str(tmp_path))
     plan = {r.size: (r.crops, r.n_conv, r.batch_size, r.base_batch, r.ranks) for r in study.runs}
-    assert plan == {32: (64, 3, 256, 256, 2), 64: (8, 4, 32, 32, 2), 128: (1, 5, 4, 4, 4)}
+    assert plan == {16: (64, 2, 512, 4096, 2), 32: (8, 3, 64, 512, 2), 64: (1, 4, 8, 64, 2)}
     assert study.runs[-1].spatial != (1, 1, 1)                       # the whole volume is split
-    assert study.universes.size == 128 and study.universes.channels == 4 and len(study.seeds) >= 2
+    assert study.universes.size == 64 and study.universes.channels == 4 and len(study.seeds) >= 2
+    assert study.universes.voxel_mpc == pytest.approx(2 / 0.7)      # the 128 Mpc/h box of a 128^3 one
+    assert study.universes.split_dir("val").name == "val_64_n128_seed152_sm1_vox2.85714"
     cfg = study.trainer_config(study.runs[0], study.seeds[0])
-    assert cfg.data.sample_size == 32 and cfg.parallel["grid"]["data"] == 2
+    assert cfg.data.sample_size == 16 and cfg.parallel["grid"]["data"] == 2
+    assert cfg.model.power_spectrum and cfg.model.spectrum_stats == "running"
+    old = load_study(ROOT / "launch/configs/volume_study_128.yaml", out=str(tmp_path / "128"))
+    assert [r.size for r in old.runs] == [32, 64, 128] and old.universes.split_dir("val").name == \
+        "val_128_n48_seed152_sm1"                                      # the default voxel: no suffix
 
 
 def test_set_changes_every_run_but_not_what_the_study_sets(tmp_path: Path) -> None:
@@ -128,7 +134,7 @@ def test_size_that_does_not_fit_is_one_clear_error(tmp_path: Path) -> None:
     tree["sizes"] = {48: {"grid": {"data": 2}}}
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(tree))
-    with pytest.raises(ConfigError, match=r"input size 48 .* sizes that fit: \[128, 64, 32"):
+    with pytest.raises(ConfigError, match=r"input size 48 .* sizes that fit: \[64, 32, 16"):
         load_study(bad, out=str(tmp_path))
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from cosmoflow.config import Config, ConfigError, load_config, set_key
+from cosmoflow.universe import VOXEL_MPC
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,15 @@ class Universes:
     train_seed: int = 151
     val_seed: int = 152
     smoothing: float = 1.0
+    voxel_mpc: float = VOXEL_MPC
     workers: int = 2
 
     def split_dir(self, split: str) -> Path:
         """Where one split lives; the name holds everything that decides its files, so a directory is
         only ever reused for exactly the set asked for."""
         n, seed = (self.train, self.train_seed) if split == "train" else (self.val, self.val_seed)
-        return Path(self.dir) / f"{split}_{self.size}_n{n}_seed{seed}_sm{self.smoothing:g}"
+        voxel = "" if self.voxel_mpc == VOXEL_MPC else f"_vox{self.voxel_mpc:g}"
+        return Path(self.dir) / f"{split}_{self.size}_n{n}_seed{seed}_sm{self.smoothing:g}{voxel}"
 
 
 @dataclass(frozen=True)

@@ -54,18 +54,23 @@ def architecture(study: Study, run: SizeRun) -> tuple[str, int]:
 
     cfg = study.trainer_config(run, study.seeds[0])
     model = _build_model(cfg, cfg.data.channels)
+    branch = getattr(model, "spectrum", None)  # a P(k) branch: trunk and head around it
+    layers = [*model.trunk, *model.head] if branch is not None else list(model)
     x = torch.zeros(2, cfg.data.channels, run.size, run.size, run.size, device="meta")
     parts = [f"{cfg.data.channels}x{run.size}^3"]
     with torch.no_grad():
-        for layer in model.to("meta"):
-            x = layer(x)
+        for layer in layers:
             name = type(layer).__name__
+            if x.dim() == 5 or name in ("Flatten",):
+                x = layer.to("meta")(x)
             if name == "Conv3d":
                 parts.append(f"conv{layer.kernel_size[0]} {layer.in_channels}->{layer.out_channels}")
             elif "Pool" in name:
                 parts.append(f"{name.replace('3d', '').replace('Adaptive', 'global ')} -> {x.shape[-1]}^3"
                              if x.dim() == 5 else name)
             elif name == "Linear":
+                if branch is not None and layer is model.head[0]:
+                    parts.append(f"+ P(k) {len(branch.edges) - 1} shells x {cfg.data.channels}")
                 parts.append(f"dense {layer.in_features}->{layer.out_features}")
             elif name.startswith("BatchNorm"):
                 parts.append(name)
@@ -104,6 +109,7 @@ def prepare_data(study: Study) -> None:
             raise ConfigError(f"{out}: {len(have)} universes, but the study asks for {n}; the directory "
                               "must hold exactly its set (remove the extra files or change universes.dir)")
         generate(out, n, u.size, workers=u.workers, seed=seed, smoothing=u.smoothing, linear=False,
+                 voxel_mpc=u.voxel_mpc,
                  progress=len(have) < n)
 
 

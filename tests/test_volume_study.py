@@ -22,7 +22,7 @@ import yaml
 from cosmoflow.config import ConfigError
 from cosmoflow.experiments import reference
 from cosmoflow.experiments.averaging import per_universe, spread
-from cosmoflow.experiments.report import check_schema
+from cosmoflow.experiments.report import check_schema, convergence, goals
 from cosmoflow.experiments.study import load_study
 from cosmoflow.metrics import mae
 
@@ -193,6 +193,39 @@ def test_schema_check_names_the_key() -> None:
     doc["sizes"]["32"]["mae"] = {"Omega_m": 0.1}
     with pytest.raises(ValueError, match=r"sizes.32.mae: expected one number per parameter"):
         check_schema(doc)
+
+
+def _entry(maes: dict[str, float], spread_: float, curve: list[float] | None = None) -> dict:
+    rec = {"seed": 0, "mae": maes}
+    if curve is not None:
+        rec["curve"] = {"epoch": list(range(1, len(curve) + 1)), **{p: curve for p in maes}}
+    return {"mae": maes, "mae_spread": dict.fromkeys(maes, spread_), "seeds": [rec]}
+
+
+def test_goals_and_convergence_lines_say_met_or_not_with_their_figures() -> None:
+    """The report's goal lines: Omega_m and H_0 must halve from the smallest crops to the whole volume by
+    more than both seed spreads; the network must be at most the reference on Omega_m, sigma_8 and H_0
+    at every size; the learning curve's last quarter is reported as a relative change."""
+    p = ("Omega_m", "sigma_8", "n_s", "H_0")
+    small = dict(zip(p, (0.40, 0.30, 0.40, 0.40)))
+    large = dict(zip(p, (0.14, 0.20, 0.35, 0.25)))
+    doc = {"sizes": {"16": _entry(small, 0.01, [0.6, 0.5, 0.45, 0.44, 0.44, 0.44, 0.44, 0.44]),
+                     "64": _entry(large, 0.02)}}
+    ref = {"sizes": {"16": {"mae": dict(zip(p, (0.45, 0.31, 0.4, 0.41)))},
+                     "64": {"mae": dict(zip(p, (0.16, 0.18, 0.3, 0.18)))}}}
+    text = goals(doc, ref)
+    assert "- Omega_m: 64³ / 16³ = 0.35 (goal <= 0.5; difference -0.2600 against seed spreads 0.0300 " \
+           "together): met; the reference's ratio 0.36" in text
+    assert "- H_0: 64³ / 16³ = 0.62" in text and "H_0: 64³ / 16³ = 0.62 (goal <= 0.5; difference -0.1500 " \
+           "against seed spreads 0.0300 together): not met" in text
+    assert "at 16³: Omega_m 0.4000 vs 0.4500, sigma_8 0.3000 vs 0.3100, H_0 0.4000 vs 0.4100: met" in text
+    assert "at 64³: Omega_m 0.1400 vs 0.1600, sigma_8 0.2000 vs 0.1800 (worse), H_0 0.2500 vs 0.1800 " \
+           "(worse): not met" in text
+    doc["sizes"]["16"]["mae_spread"]["Omega_m"] = 0.3          # the gain within the seeds' noise: not met
+    assert "- Omega_m: 64³ / 16³ = 0.35 (goal <= 0.5; difference -0.2600 against seed spreads 0.3200 " \
+           "together): not met" in goals(doc)
+    assert convergence(doc) == ("Learning curves, mean validation MAE over the last quarter of epochs "
+                                "(each input alone): 16³ seed 0: 0.4400 -> 0.4400 (+0.0%)")
 
 
 def test_reference_features_of_white_noise() -> None:

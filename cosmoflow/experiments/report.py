@@ -13,19 +13,43 @@ from typing import Any
 import numpy as np
 
 from cosmoflow.experiments.averaging import per_universe, spread
-from cosmoflow.metrics import PARAMS, installed, mae
+from cosmoflow.metrics import PARAMS, CsvLog, installed, mae
 
 UNITS = ("unitPar: each parameter normalised to [-1, 1] over the generator's prior range (what the network "
          "predicts); mae of a crop size is that of the mean prediction over all crops of a validation "
          "universe; mae is the mean over seeds, mae_spread their standard deviation (ddof 1)")
 
 
-def score_run(run_dir: Path, crops: int) -> dict[str, dict[str, float]]:
-    """A finished run's validation MAE: per universe (crops averaged) and per crop (each on its own)."""
+def score_run(run_dir: Path, crops: int) -> dict[str, Any]:
+    """A finished run's validation MAE: per universe (crops averaged) and per crop (each on its own), and
+    its learning curve (:func:`curve`)."""
     with np.load(run_dir / "val_predictions.npz") as z:
         pred, true, where = z["pred"], z["true"], z["path"]
     mean, target, _ = per_universe(pred, true, where, crops)
-    return {"mae": mae(mean, target), "mae_per_crop": mae(pred, true)}
+    return {"mae": mae(mean, target), "mae_per_crop": mae(pred, true), "curve": curve(run_dir)}
+
+
+def curve(run_dir: Path) -> dict[str, list[float]]:
+    """The validation MAE after each epoch, per parameter (``{"epoch": [...], P: [...]}``), as the trainer
+    logged it: each input scored alone (crops not averaged), which is what shows whether training
+    converged."""
+    rows = CsvLog(run_dir / "metrics_epochs.csv").read()
+    out: dict[str, list[float]] = {"epoch": [float(r["epoch"]) for r in rows]}
+    for p in PARAMS:
+        out[p] = [float(r[f"mae_{p}"]) for r in rows]
+    return out
+
+
+def last_quarter_change(c: dict[str, list[float]]) -> float | None:
+    """The relative change of the mean validation MAE (over the parameters) across the last quarter of
+    the epochs (from the epoch before it to the last): how flat the curve ends. None when the curve has
+    fewer than four epochs."""
+    n = len(c.get("epoch", []))
+    if n < 4:
+        return None
+    mean = np.mean([c[p] for p in PARAMS], axis=0)
+    start = mean[n - 1 - max(n // 4, 1)]
+    return float(mean[-1] / start - 1)
 
 
 def size_entry(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,8 +127,8 @@ def table(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
             f"± is the standard deviation over seeds {seeds}."
             + (f" In square brackets: no network, a ridge regression on power spectra ({ref['features']})."
                if ref else "")
-            + f"\n\n{_ratios(doc['sizes'], 'whole volume over the smallest crops (goal: sigma_8 <= 0.7)')}"
-            + (f"\n\n{_ratios(ref['sizes'], 'power spectrum + ridge')}" if ref else "")
+            + f"\n\n{goals(doc, ref)}"
+            + f"\n\n{convergence(doc)}"
             + f"\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
 
@@ -117,19 +141,61 @@ def _per_crop(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]
     return spread([r["mae_per_crop"] for r in runs])
 
 
-def _ratios(sizes: dict[str, Any], what: str) -> str:
-    """The study's goal in one line: the largest size's MAE over the smallest's, for sigma_8 and Omega_m
-    (with the seed spread where the entries have one)."""
+GAIN = ("Omega_m", "H_0")
+"""The parameters whose MAE a larger volume must shrink: their information is on the largest scales."""
+BEAT = ("Omega_m", "sigma_8", "H_0")
+"""The parameters on which the network must match the power-spectrum reference at every size."""
+
+
+def goals(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
+    """The study's goals, each with its figures and met or not: on Omega_m and H_0 the whole volume's MAE
+    at most half the smallest crops', by more than both seed spreads; at every size the network's MAE
+    at most the reference's on Omega_m, sigma_8 and H_0."""
+    sizes = doc["sizes"]
     order = sorted(sizes, key=int)
     lo, hi = sizes[order[0]], sizes[order[-1]]
+    lines = []
+    for p in GAIN:
+        ratio = hi["mae"][p] / lo["mae"][p]
+        noise = lo["mae_spread"][p] + hi["mae_spread"][p]
+        met = ratio <= 0.5 and lo["mae"][p] - hi["mae"][p] > noise
+        lines.append(f"- {p}: {order[-1]}³ / {order[0]}³ = {ratio:.2f} (goal <= 0.5; difference "
+                     f"{hi['mae'][p] - lo['mae'][p]:+.4f} against seed spreads {noise:.4f} together): "
+                     f"{'met' if met else 'not met'}")
+        if ref and order[0] in ref["sizes"] and order[-1] in ref["sizes"]:
+            r = ref["sizes"]
+            lines[-1] += f"; the reference's ratio {r[order[-1]]['mae'][p] / r[order[0]]['mae'][p]:.2f}"
+    if ref:
+        for size in order:
+            if size not in ref["sizes"]:
+                continue
+            cells = [f"{p} {sizes[size]['mae'][p]:.4f} vs {ref['sizes'][size]['mae'][p]:.4f}"
+                     + ("" if sizes[size]["mae"][p] <= ref["sizes"][size]["mae"][p] else " (worse)")
+                     for p in BEAT]
+            met = all(sizes[size]["mae"][p] <= ref["sizes"][size]["mae"][p] for p in BEAT)
+            lines.append(f"- network against the reference at {size}³: {', '.join(cells)}: "
+                         f"{'met' if met else 'not met'}")
+    return "Goals:\n" + "\n".join(lines)
+
+
+def convergence(doc: dict[str, Any]) -> str:
+    """Per size and seed: the validation MAE (mean over parameters, each input alone) after the epoch
+    before the last quarter and after the last, and its relative change: a converged run ends flat."""
     parts = []
-    for p in ("sigma_8", "Omega_m"):
-        text = f"{p}: {order[-1]}³ / {order[0]}³ = {hi['mae'][p] / lo['mae'][p]:.2f}"
-        if "mae_spread" in lo:
-            noise = max(lo["mae_spread"][p], hi["mae_spread"][p])
-            text += f" (difference {hi['mae'][p] - lo['mae'][p]:+.4f} against a seed spread of {noise:.4f})"
-        parts.append(text)
-    return f"MAE ratio, {what}: " + "; ".join(parts)
+    for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
+        for rec in entry["seeds"]:
+            c = rec.get("curve")
+            change = last_quarter_change(c) if c else None
+            if change is None:
+                continue
+            mean = np.mean([c[p] for p in PARAMS], axis=0)
+            n = len(mean)
+            parts.append(f"{size}³ seed {rec['seed']}: {mean[n - 1 - max(n // 4, 1)]:.4f} -> {mean[-1]:.4f} "
+                         f"({change:+.1%})")
+    if not parts:
+        return "Learning curves: fewer than four epochs per run, no convergence check."
+    return ("Learning curves, mean validation MAE over the last quarter of epochs (each input alone): "
+            + "; ".join(parts))
 
 
 def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> Path | None:
@@ -162,6 +228,37 @@ def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> 
         ax.minorticks_off()
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(doc: dict[str, Any], path: Path) -> Path | None:
+    """The learning curves: validation MAE per epoch and parameter, one colour per input size, one line
+    per seed; None and nothing written when matplotlib is not installed or no run has a curve."""
+    runs = [r for e in doc["sizes"].values() for r in e["seeds"]]
+    if not installed("matplotlib") or not any(r.get("curve") for r in runs):
+        return None
+    import matplotlib  # noqa: PLC0415 (optional)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, len(PARAMS), figsize=(14, 4.0))
+    for k, (size, entry) in enumerate(sorted(doc["sizes"].items(), key=lambda kv: int(kv[0]))):
+        for j, rec in enumerate(entry["seeds"]):
+            c = rec.get("curve")
+            if not c:
+                continue
+            for ax, p in zip(axes, PARAMS):
+                ax.plot(c["epoch"], c[p], color=f"C{k}", ls=("-", "--", ":")[j % 3],
+                        label=f"{size}³, seed {rec['seed']}")
+    for ax, p in zip(axes, PARAMS):
+        ax.axhline(doc["baseline"]["mae"][p], color="k", ls="--", lw=0.8, label="predict the mean")
+        ax.set(title=p, xlabel="epoch", ylabel="validation MAE, each input alone")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

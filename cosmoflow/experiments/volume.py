@@ -35,7 +35,16 @@ import numpy as np
 from cosmoflow.config import ConfigError
 from cosmoflow.data import open_dataset
 from cosmoflow.experiments import reference
-from cosmoflow.experiments.report import UNITS, baseline, check_schema, plot, score_run, size_entry, table
+from cosmoflow.experiments.report import (
+    UNITS,
+    baseline,
+    check_schema,
+    plot,
+    plot_curves,
+    score_run,
+    size_entry,
+    table,
+)
 from cosmoflow.experiments.study import SizeRun, Study, load_study
 from cosmoflow.generate import generate
 from cosmoflow.metrics import CsvLog
@@ -227,8 +236,8 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
 
 
 def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None = None) -> None:
-    """The result file, the reference's beside it (``_reference.json``), the table (``.md``) and the plot
-    (``_mae.png``); the table printed."""
+    """The result file, the reference's beside it (``_reference.json``), the table (``.md``), the plot
+    (``_mae.png``) and the learning curves (``_curves.png``); the table printed."""
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(doc, indent=2) + "\n")
     if ref is not None:
@@ -239,6 +248,9 @@ def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None 
     png = plot(doc, results.with_name(results.stem + "_mae.png"), ref)
     print(f"plot: {png}" if png else "plot: none (matplotlib is not installed: pip install matplotlib); "
           "the table above holds the same numbers", flush=True)
+    curves = plot_curves(doc, results.with_name(results.stem + "_curves.png"))
+    if curves:
+        print(f"learning curves: {curves}", flush=True)
     print(f"results: {results}", flush=True)
 
 

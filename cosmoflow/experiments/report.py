@@ -226,12 +226,7 @@ def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> 
         ax.set(xscale="log", xticks=[int(s) for s in sizes], xticklabels=[f"{s}³" for s in sizes],
                title=p, xlabel="input size", ylabel="validation MAE (unitPar)")
         ax.minorticks_off()
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, path, ncol=4)
 
 
 def plot_curves(doc: dict[str, Any], path: Path) -> Path | None:
@@ -257,7 +252,14 @@ def plot_curves(doc: dict[str, Any], path: Path) -> Path | None:
     for ax, p in zip(axes, PARAMS):
         ax.axhline(doc["baseline"]["mae"][p], color="k", ls="--", lw=0.8, label="predict the mean")
         ax.set(title=p, xlabel="epoch", ylabel="validation MAE, each input alone")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=7, frameon=False)
+    return _save(fig, axes, path, ncol=7)
+
+
+def _save(fig: Any, axes: Any, path: Path, ncol: int) -> Path:
+    """The first panel's legend under the panels, the figure written to ``path`` and closed."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional; imported by the caller already)
+
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=ncol, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -20,7 +20,8 @@ from torch import nn
 
 from hybridpar.grid import ProcessGrid
 
-Layers = list[tuple[str | None, nn.Module]]  # as pipeline.stage.Layers
+Layers = list[tuple[str | None, nn.Module]]
+"""A stage's layers: (name in the original model, or None for one the engine made, module)."""
 
 
 class ModelKeys:

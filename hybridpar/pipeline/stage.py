@@ -28,14 +28,13 @@ from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
+from hybridpar.pipeline.model_state import Layers
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
 from hybridpar.planner.terms import SpecError
-
-Layers = list[tuple[str | None, nn.Module]]  # (name in the original model or None, module)
 
 
 @dataclass

@@ -218,6 +218,7 @@ def test_displacement_and_power_spectrum_options_build_their_models():
     plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}}).plan(model, (2, 1, 16, 16, 16), 4)
     assert plan[0].name == "displacement" and plan[0].split == (2, 2, 1) and plan[0].transpose_bytes > 0
     regressor = build_model(32, 4, 2, 4, 8, dense=[8], dropout=0.0, global_pool=True, power_spectrum=True)
-    assert regressor.head[0].in_features == 8 + 4 * 7  # 8 pooled features, 7 shells of 2 k_f per channel
+    assert regressor.head[0].in_features == 8 + 4 * 9  # 8 pooled features; per channel 7 shells of 2 k_f
+    # inside the Nyquist sphere and 2 beyond it (to the faces' diagonals and the corners)
     plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(regressor, (2, 4, 32, 32, 32), 2)
     assert {r.name: r.out_split for r in plan}["spectrum"] == (1, 1, 1)

@@ -78,15 +78,15 @@ perf-tiny: $(STAMP)
 perf-%: $(STAMP)
 	$(PY) -m perf $* $(ARGS)
 
-# The volume study: the same universes trained on as 32^3 crops, 64^3 crops and whole 128^3 universes (4 ranks),
-# 2 seeds each; universes and finished runs are reused. About 65 min on 2 cores; writes
-# perf/results/volume_study.{json,md} (and _mae.png with matplotlib).
+# The volume study: the same 64^3 universes (2 Mpc/h voxels) trained on as 16^3 crops, 32^3 crops and whole
+# (2 ranks), 2 seeds each, and the no-network reference; universes and finished runs are reused. About 75 min on
+# 2 cores; writes perf/results/volume_study.{json,md} (and _mae.png, _curves.png with matplotlib).
 VOLUME_CONFIG ?= launch/configs/volume_study.yaml
 volume-study: $(APP_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m cosmoflow.experiments.volume --config $(VOLUME_CONFIG)
 
-# The volume study on a GPU host (its own python and torch, no package registry): the study as above with its
-# ranks sharing the GPU, then universes of 256^3 (64^3, 128^3 crops, whole 256^3 over 4 ranks).
+# The volume study on a GPU host (its own python and torch, no package registry): the 128^3 study
+# (volume_study_128.yaml) with its ranks sharing the GPU, then universes of 256^3 (64^3, 128^3 crops, whole 256^3 over 4 ranks).
 # Writes perf/results/volume_study_gpu{,256}.{json,md}. Like gpu-check it installs nothing: h5py, PyYAML
 # and numpy are in a CUDA image, and nvtx is optional (hybridpar/profiling/ranges.py).
 volume-study-gpu:

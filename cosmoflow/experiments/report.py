@@ -68,7 +68,9 @@ def check_schema(doc: dict[str, Any]) -> None:
     """Raise ValueError naming the first key of ``doc`` that is not the study's result schema::
 
         {"sizes": {"32": {"mae": {P: x}, "mae_spread": {P: x}, "seeds": [...]}, ...},
-         "baseline": {"mae": {P: x}}, "command": str, "machine": ..., "units": str}
+         "baseline": {"mae": {P: x}}, "command": str, "machine": ..., "units": str, "date": str}
+
+    (``date``, when the report was written, is optional: earlier result files lack it).
     """
     def params(where: str, d: Any) -> None:
         if not isinstance(d, dict) or sorted(d) != sorted(PARAMS):
@@ -78,9 +80,9 @@ def check_schema(doc: dict[str, Any]) -> None:
                 raise ValueError(f"{where}.{k}: expected a finite number, got {v!r}")
 
     want = {"sizes", "baseline", "command", "machine", "units"}
-    if not isinstance(doc, dict) or set(doc) != want:
+    if not isinstance(doc, dict) or not want <= set(doc) <= want | {"date"}:
         raise ValueError(f"volume_study.json: top-level keys {sorted(doc) if isinstance(doc, dict) else doc} "
-                         f"must be exactly {sorted(want)}")
+                         f"must be exactly {sorted(want)} (and optionally date)")
     if not doc["sizes"] or not all(isinstance(k, str) and k.isdigit() for k in doc["sizes"]):
         raise ValueError(f"sizes: keys must be input sizes as strings like '32', got {list(doc['sizes'])}")
     for size, entry in doc["sizes"].items():

@@ -226,7 +226,7 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
     val_labels = open_dataset(u.split_dir("val"), channels=u.channels).labels
     doc = {"sizes": {s: size_entry(recs) for s, recs in sizes.items()},
            "baseline": baseline(train_labels, val_labels), "command": command, "machine": machine_info(),
-           "units": UNITS}
+           "units": UNITS, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     check_schema(doc)
     print("the power-spectrum reference (no network) on the same inputs:", flush=True)
     ref = reference.reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs],

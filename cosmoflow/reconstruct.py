@@ -34,7 +34,7 @@ from cosmoflow.correlation import Shells, correlation, shell_centres, shell_edge
 from cosmoflow.displacement import WithDisplacement
 from cosmoflow.metrics import plot_run
 from cosmoflow.unet import UNet3d
-from cosmoflow.universe import Cosmology, box_size
+from cosmoflow.universe import VOXEL_MPC, Cosmology, box_size
 from hybridpar.comm.redistribute import gather
 from hybridpar.data import VolumeLoader
 
@@ -154,10 +154,20 @@ def evaluate_fields(engine: hp.Engine, loader: VolumeLoader, size: int,
     return result.metrics(), result
 
 
-def mean_fundamental(labels: np.ndarray, size: int) -> float:
-    """Mean ``2π/L`` (h/Mpc) over samples of side ``size`` with these unitPar labels (L follows H_0)."""
-    boxes = np.array([box_size(size, Cosmology.from_unit(u).h0) for u in labels])
+def mean_fundamental(labels: np.ndarray, size: int, voxel_mpc: float = VOXEL_MPC) -> float:
+    """Mean ``2π/L`` (h/Mpc) over samples of side ``size`` voxels of ``voxel_mpc`` Mpc with these unitPar
+    labels (L follows H_0)."""
+    boxes = np.array([box_size(size, Cosmology.from_unit(u).h0, voxel_mpc) for u in labels])
     return float(np.mean(2 * np.pi / boxes))
+
+
+def voxel_of(path: str) -> float:
+    """The voxel side (Mpc) a universe file was generated with (its ``voxel_mpc`` attribute; files
+    written before the generator had one used the default), so wave numbers in h/Mpc follow it."""
+    import h5py  # noqa: PLC0415 (the data layer's dependency; only this reads file attributes here)
+
+    with h5py.File(path, "r") as f:
+        return float(f.attrs.get("voxel_mpc", VOXEL_MPC))
 
 
 def print_table(result: FieldResult) -> None:

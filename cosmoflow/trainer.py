@@ -42,7 +42,7 @@ from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
 from cosmoflow.model import build_model
 from cosmoflow.optim import lr_at, make_optimizer, set_lr
-from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report
+from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report, voxel_of
 from hybridpar.checkpoint import (
     Checkpointer,
     faults,
@@ -292,7 +292,7 @@ def run(cfg: Config) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     skipped: set[str] = set()
     pred = true = val_index = fields = None
-    k_fundamental = mean_fundamental(val_ds.labels, S)
+    k_fundamental = mean_fundamental(val_ds.labels, S, voxel_of(val_ds.locate(0)[0].path))
 
     def validate() -> None:
         nonlocal metrics, fields, pred, true, val_index

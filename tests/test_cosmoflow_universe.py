@@ -159,6 +159,10 @@ def test_generate_cli_layout_and_worker_independence(tmp_path, capsys) -> None:
     with h5py.File(tmp_path / "d" / "univ_s0_00000.h5", "r") as f:
         assert f.attrs["voxel_mpc"] == 2.5
         assert f.attrs["box_mpc_h"] == pytest.approx(8 * 2.5 * f.attrs["physPar"][3] / 100)
+    from cosmoflow.reconstruct import mean_fundamental, voxel_of  # r(k)'s wave numbers follow the voxel
+    assert voxel_of(str(tmp_path / "d" / "univ_s0_00000.h5")) == 2.5
+    assert voxel_of(str(files[0])) == pytest.approx(VOXEL_MPC)
+    assert mean_fundamental(np.zeros((1, 4)), 8, 2.5) == pytest.approx(2 * np.pi / (8 * 2.5 * 0.7))
     with pytest.raises(SystemExit):
         gen.main(["--out", str(tmp_path / "e"), "--universes", "1", "--size", "8", "--voxel-mpc", "0"])
     assert "--voxel-mpc must be positive" in capsys.readouterr().err

@@ -8,7 +8,8 @@ the box in Mpc/h. The pipeline is the textbook one:
 
 1. linear power spectrum ``P(k) = A kⁿˢ T²(k)``, ``T`` the Eisenstein & Hu (1998) no-wiggle transfer
    function, ``A`` fixed so that the rms of the field in top-hat spheres of 8 Mpc/h is σ_8;
-2. a Gaussian random field with that spectrum on an N³ grid of a periodic box ``L = N·(H_0/70)`` Mpc/h
+2. a Gaussian random field with that spectrum on an N³ grid of a periodic box ``L = N·v·h`` Mpc/h, the
+   voxel ``v`` fixed in Mpc (1/0.7 by default, so ``L = N·(H_0/70)``; ``voxel_mpc`` coarsens it)
    (white noise in real space, coloured in Fourier space, so it is real and deterministic per seed);
 3. the field smoothed by a Gaussian of ~2 Mpc/h, so that the Zel'dovich approximation does not
    over-cross shells at the voxel scale (which would wash the clustering out again at late times

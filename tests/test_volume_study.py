@@ -123,6 +123,10 @@ def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None
     assert plan == {64: (64, 4, 256, 2), 128: (8, 5, 32, 2), 256: (1, 6, 4, 4)}
     assert big.universes.size == 256 and big.universes.workers == 16   # through volume_study_gpu.yaml
     assert big.trainer_config(big.runs[0], 0).data.workers == 2
+    cnn = load_study(configs / "volume_study_cnn.yaml", out=str(tmp_path / "cnn"))
+    assert [r.size for r in cnn.runs] == [64] and cnn.universes == load_study(
+        configs / "volume_study.yaml", out=str(tmp_path / "base")).universes       # the same universes
+    assert not cnn.trainer_config(cnn.runs[0], 0).model.power_spectrum
     loop = tmp_path / "loop.yaml"
     loop.write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends itself"):

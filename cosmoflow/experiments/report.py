@@ -40,16 +40,16 @@ def curve(run_dir: Path) -> dict[str, list[float]]:
     return out
 
 
-def last_quarter_change(c: dict[str, list[float]]) -> float | None:
-    """The relative change of the mean validation MAE (over the parameters) across the last quarter of
-    the epochs (from the epoch before it to the last): how flat the curve ends. None when the curve has
-    fewer than four epochs."""
+def last_quarter_change(c: dict[str, list[float]]) -> tuple[float, float, float] | None:
+    """The mean validation MAE (over the parameters) after the epoch before the last quarter of the
+    epochs and after the last, and its relative change: how flat the curve ends. None when the curve
+    has fewer than four epochs."""
     n = len(c.get("epoch", []))
     if n < 4:
         return None
     mean = np.mean([c[p] for p in PARAMS], axis=0)
-    start = mean[n - 1 - max(n // 4, 1)]
-    return float(mean[-1] / start - 1)
+    start, end = float(mean[n - 1 - max(n // 4, 1)]), float(mean[-1])
+    return start, end, end / start - 1
 
 
 def size_entry(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
@@ -187,13 +187,11 @@ def convergence(doc: dict[str, Any]) -> str:
     for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
         for rec in entry["seeds"]:
             c = rec.get("curve")
-            change = last_quarter_change(c) if c else None
-            if change is None:
+            ends = last_quarter_change(c) if c else None
+            if ends is None:
                 continue
-            mean = np.mean([c[p] for p in PARAMS], axis=0)
-            n = len(mean)
-            parts.append(f"{size}³ seed {rec['seed']}: {mean[n - 1 - max(n // 4, 1)]:.4f} -> {mean[-1]:.4f} "
-                         f"({change:+.1%})")
+            start, end, change = ends
+            parts.append(f"{size}³ seed {rec['seed']}: {start:.4f} -> {end:.4f} ({change:+.1%})")
     if not parts:
         return "Learning curves: fewer than four epochs per run, no convergence check."
     return ("Learning curves, mean validation MAE over the last quarter of epochs (each input alone): "

@@ -64,6 +64,8 @@ class UNetConfig:
     padding_mode: str = "circular"       # zeros | circular (periodic boxes)
     displacement: bool = False           # also feed the Zel'dovich displacement of the smoothed z = 0 field
     smoothing: float = 2.0               # its smoothing radius, voxels
+    shift_reach: int = 0                 # > 0: also the z = 0 field moved back along it, shifts clamped to
+                                         # this many voxels (a halo this wide on a split volume)
 
 
 @dataclass
@@ -282,6 +284,9 @@ def _validate_reconstruct(cfg: Config) -> None:
         hint = f"fits levels in {fits}" if fits else "fits none: 3 levels need a multiple of 4"
         raise ConfigError(f"unet.levels: {u.levels} levels need a sample size divisible by {step}; "
                           f"data.sample_size {cfg.data.sample_size} {hint}")
+    if u.shift_reach < 0 or (u.shift_reach and not u.displacement):
+        raise ConfigError(f"unet.shift_reach: {u.shift_reach}; it is the reach in voxels (>= 0) of the field "
+                          "moved back along the displacement, which needs unet.displacement: true")
     for name, value in (("unet.width", u.width), ("unet.max_width", u.max_width), ("unet.groups", u.groups)):
         if value < 1:
             raise ConfigError(f"{name}: must be at least 1, got {value}")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import hybridpar as hp
 from cosmoflow.config import Config
 from cosmoflow.correlation import Shells, correlation, shell_centres, shell_edges
-from cosmoflow.displacement import WithDisplacement
+from cosmoflow.displacement import Displacement, WithDisplacement
 from cosmoflow.metrics import plot_run
 from cosmoflow.unet import UNet3d
 from cosmoflow.universe import VOXEL_MPC, Cosmology, box_size
@@ -46,10 +46,11 @@ def build_unet(cfg: Config, in_channels: int) -> torch.nn.Module:
     """The task's network from the ``unet`` section of the config (with ``unet.displacement``, fed the
     displacement channels of :mod:`cosmoflow.displacement` too)."""
     u = cfg.unet
-    model = UNet3d(in_channels + (3 if u.displacement else 0), 1, width=u.width, levels=u.levels,
+    extra = Displacement(u.smoothing, u.shift_reach).added_channels if u.displacement else 0
+    model = UNet3d(in_channels + extra, 1, width=u.width, levels=u.levels,
                    max_width=u.max_width, groups=u.groups, padding_mode=u.padding_mode)
     model.check_extent(cfg.data.sample_size)
-    return WithDisplacement(model, u.smoothing) if u.displacement else model
+    return WithDisplacement(model, u.smoothing, u.shift_reach) if u.displacement else model
 
 
 def overdensity(log_counts: np.ndarray) -> np.ndarray:

@@ -190,17 +190,64 @@ def _displacement_body(rank: int, world: int, split: tuple[int, int, int]) -> No
     fails = Failures()
     grid = hp.ProcessGrid(spatial=split)
     g = torch.Generator().manual_seed(3)
-    x = torch.log1p(torch.rand(2, 2, 9, 8, 7, dtype=torch.float64, generator=g) * 5)
-    layer = Displacement(1.5)
-    ours = hp.pipeline.convert.to_distributed(layer, grid)
-    fails.check(f"displacement split {split}", hp.gather(ours(hp.scatter(x, grid)), grid), layer(x), 1e-10)
+    # contrasted counts, so that ψ reaches about a voxel and the shifts are clamped at reach 1
+    x = torch.log1p(torch.rand(2, 2, 9, 8, 7, dtype=torch.float64, generator=g) ** 6 * 50)
+    weights = torch.randn(2, 6, 9, 8, 7, dtype=torch.float64, generator=g)
+    for smoothing, reach in ((1.5, 0), (0.5, 1), (0.5, 2)):
+        case = f"displacement smoothing {smoothing} reach {reach} split {split}"
+        layer = Displacement(smoothing, reach)
+        ours = hp.pipeline.convert.to_distributed(layer, grid)
+        whole = x.clone().requires_grad_()
+        want = layer(whole)
+        (want * weights[:, :want.shape[1]]).sum().backward()
+        mine = hp.scatter(x, grid).requires_grad_()
+        got = ours(mine)
+        (got * hp.scatter(weights[:, :want.shape[1]], grid)).sum().backward()
+        fails.check(f"{case}: forward", hp.gather(got.detach(), grid), want.detach(), 1e-10)
+        fails.check(f"{case}: input gradient", hp.gather(mine.grad, grid), whole.grad, 1e-10)
     fails.raise_if_any(rank)
 
 
-@pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (4, (2, 2, 1))], ids=["2", "2x2"])
+@pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (3, (3, 1, 1)), (4, (2, 2, 1))],
+                         ids=["2", "3", "2x2"])
 def test_displacement_split_equals_whole(pools, world, split):
-    """The displacement channels of a split volume (hp.fft) are those of the whole, float64 to 1e-10."""
+    """The displacement channels of a split volume (hp.fft), and the field moved back along them (a
+    periodic halo of the reach), are those of the whole, forward and backward, float64 to 1e-10."""
     pools(world).run(_displacement_body, split, timeout=120)
+
+
+def test_the_shifted_channel_reads_the_field_where_the_displacement_points():
+    """Reach > 0 appends channel 0 read at q + ψ(q): periodic trilinear interpolation, the shift
+    clamped to [-reach, reach - 1], checked against a direct evaluation; a reach wider than the
+    volume is refused in one line."""
+    import torch
+
+    from cosmoflow.displacement import Displacement
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.log1p(torch.rand(2, 1, 10, 11, 9, dtype=torch.float64, generator=g) ** 6 * 50)
+    reach = 1
+    out = Displacement(0.5, reach)(x)
+    psi = out[:, 1:4].clamp(-reach, reach - 1)
+    assert (out[:, 1:4] > reach - 1).any(), "the case must clamp"
+    shape = x.shape[2:]
+    lattice = torch.stack(torch.meshgrid(*[torch.arange(e, dtype=torch.float64) for e in shape],
+                                         indexing="ij"))
+    for b in range(2):
+        at = lattice + psi[b]
+        lo = torch.floor(at)
+        frac, lo = at - lo, lo.long()
+        want = 0
+        for dz in (0, 1):
+            for dy in (0, 1):
+                for dx in (0, 1):
+                    w = (frac[0] if dz else 1 - frac[0]) * (frac[1] if dy else 1 - frac[1]) \
+                        * (frac[2] if dx else 1 - frac[2])
+                    want = want + w * x[b, 0][(lo[0] + dz) % shape[0], (lo[1] + dy) % shape[1],
+                                              (lo[2] + dx) % shape[2]]
+        assert torch.allclose(out[b, 4], want, atol=1e-12)
+    with pytest.raises(ValueError, match="reach 12 is wider than the volume"):
+        Displacement(0.5, 12)(x)
 
 
 def test_displacement_and_power_spectrum_options_build_their_models():

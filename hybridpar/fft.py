@@ -12,7 +12,15 @@ transform is the single-process one in another order of the same passes:
                        ->  (1, p1, p2): fft along D   =  Spectrum.data
 
 ``irfftn`` runs the inverse passes in reverse and returns the shard in the input's layout. Complex
-values travel as real pairs beside the channels (N, C, 2, D, H, W), in the activation's dtype.
+values travel as real pairs (a trailing dim), in the activation's dtype.
+
+Memory: a pass and a transpose each hold their input and output at once, so the whole chain run on
+all channels together would peak at about twice the shard above what it keeps (as ``torch.fft`` does
+in one process). The channels are independent, so the chain runs on :data:`GROUPS` groups of them in
+turn, each written into the preallocated result: the transient shrinks by the group count, for as
+many more (smaller) messages. Each direction is one autograd function whose backward is the other
+direction (torch's adjoints of the real transforms: the W modes stored once for two are halved or
+doubled), so backward runs grouped too, and is differentiable again.
 """
 
 from __future__ import annotations
@@ -22,11 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridpar.comm.redistribute import infer_global_shape, local_box, redistribute
+from hybridpar.comm.redistribute import infer_global_shape, local_box, redistribute, redistribute_tensor
+from hybridpar.device import memfmt
+from hybridpar.device.eager import eager
 from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
 
-__all__ = ["Spectrum", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
+__all__ = ["GROUPS", "Spectrum", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
+
+GROUPS = 4
+"""Channel groups a transform runs in turn (fewer where N·C is smaller): the transient memory of the
+passes and transposes is about 1/GROUPS of the shard's, for GROUPS times the messages."""
 
 
 def transpose_elements(shape: tuple[int, int, int], split: tuple[int, int, int], channels_in: int,
@@ -57,23 +71,21 @@ def _move(z: torch.Tensor, shape: tuple[int, int, int], src: ProcessGrid, dst: P
     if src.spatial_shape == dst.spatial_shape:
         return z
     # (N, C, d, h, w, 2): the real pairs travel as a trailing dim, so that the moved pairs are a complex
-    # tensor again without a copy; an empty shard's pairs are built (view_as_real's backward cannot
-    # view an empty gradient)
-    pairs = torch.view_as_real(z) if z.numel() else torch.stack([z.real, z.imag], dim=-1)
+    # tensor again without a copy. Differentiable (the adjoint tests read it so); an empty shard's
+    # pairs are built (view_as_real's backward cannot view an empty gradient)
+    pairs = torch.view_as_real(memfmt.dense(z)) if z.numel() else torch.stack([z.real, z.imag], dim=-1)
     return torch.view_as_complex(redistribute(pairs, src, dst, shape, trailing=1))
 
 
-def _pass(fn, z: torch.Tensor, dim: int, **kwargs) -> torch.Tensor:
+def _pass(fn, z: torch.Tensor, dim: int, **kwargs) -> torch.Tensor:  # noqa: ANN001
     """One 1-D transform of a pencil. A pencil may be empty (more ranks along a dim than voxels), and
-    MKL refuses an empty batch: the empty result is then made by hand, still read from ``z`` so that
-    this rank's backward runs the transposes' collectives with the others."""
+    MKL refuses an empty batch: the empty result is then made by hand."""
     if z.numel():
         return fn(z, dim=dim, **kwargs)
     probe = fn(torch.zeros(z.shape[dim], dtype=z.dtype), dim=0, **kwargs)  # the pass's length and dtype
     shape = [*z.shape]
     shape[dim] = probe.shape[0]
-    link = z.sum() if probe.is_complex() else z.sum().real
-    return torch.zeros(shape, dtype=probe.dtype, device=z.device) + link
+    return torch.zeros(shape, dtype=probe.dtype, device=z.device)
 
 
 def _check(x: torch.Tensor, what: str) -> None:
@@ -134,6 +146,104 @@ class Spectrum:
         return Spectrum(data, self.shape, self.layout)
 
 
+def _groups(n: int, c: int) -> list[tuple[slice, slice]]:
+    """(samples, channels) index pairs of the groups the chain runs in turn: whole samples where
+    there are at least :data:`GROUPS` of them, else each sample's channels in up to
+    ``ceil(GROUPS / n)`` ranges."""
+    if n >= GROUPS:
+        cuts = [n * i // GROUPS for i in range(GROUPS + 1)]
+        return [(slice(a, b), slice(None)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    parts = min(c, -(-GROUPS // max(n, 1)))
+    cuts = [c * i // parts for i in range(parts + 1)] if parts else [0, c]
+    return [(slice(i, i + 1), slice(a, b)) for i in range(n) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _grouped(chain, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """``chain`` (shape-preserving in N and C) of ``x``'s channel groups, written into one result."""
+    groups = _groups(x.shape[0], x.shape[1])
+    if len(groups) <= 1:
+        return chain(x)
+    out = None
+    for samples, channels in groups:
+        piece = chain(x[samples, channels])
+        if out is None:
+            out = piece.new_empty((*x.shape[:2], *piece.shape[2:]))
+        out[samples, channels] = piece
+        del piece
+    return out
+
+
+def _forward_chain(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int],
+                   norm: str) -> torch.Tensor:
+    """The three forward passes and their transposes: this rank's modes in layout ``c`` (no autograd)."""
+    a, b, c = _layouts(grid)
+    modes = (shape[0], shape[1], shape[2] // 2 + 1)
+    # each step rebinds z, so that a pass's input is freed as soon as its output exists
+    z = _pass(torch.fft.rfft, redistribute_tensor(memfmt.dense(x), shape, grid, a), -1, norm=norm)
+    z = _move(z, modes, a, b)
+    z = _pass(torch.fft.fft, z, -2, norm=norm)
+    z = _move(z, modes, b, c)
+    return _pass(torch.fft.fft, z, -3, norm=norm)
+
+
+def _inverse_chain(z: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int],
+                   norm: str) -> torch.Tensor:
+    """The inverse passes in reverse: this rank's real shard in ``grid``'s layout (no autograd)."""
+    a, b, c = _layouts(grid)
+    modes = (shape[0], shape[1], shape[2] // 2 + 1)
+    z = _pass(torch.fft.ifft, z, -3, norm=norm)
+    z = _move(z, modes, c, b)
+    z = _pass(torch.fft.ifft, z, -2, norm=norm)
+    z = _move(z, modes, b, a)
+    x = _pass(torch.fft.irfft, z, -1, n=shape[2], norm=norm)
+    del z
+    return redistribute_tensor(x, shape, a, grid)
+
+
+_FLIP = {"backward": "forward", "forward": "backward"}
+"""The adjoint of a transform normalised one way is the opposite one normalised the other way:
+unscaled forward <-> unscaled inverse, forward scaled by 1/N <-> inverse scaled by 1/N."""
+
+
+def _twice_stored(spectrum_layout: ProcessGrid, shape: tuple[int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Per held W mode: True where the real transform stores one mode for two (0 < kw < W / 2)."""
+    (w0, w1) = local_box((shape[0], shape[1], shape[2] // 2 + 1), spectrum_layout)[2]
+    kw = torch.arange(w0, w1, device=device)
+    return ((kw > 0) & (2 * kw != shape[2])).view(1, 1, -1)
+
+
+class _Forward(torch.autograd.Function):
+    """``rfftn`` of a split field; backward is the grouped inverse of the W-halved gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int], norm: str):  # noqa: ANN205
+        ctx.meta = (grid, shape, norm)
+        return _grouped(lambda t: _forward_chain(t, grid, shape, norm), x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN205
+        grid, shape, norm = ctx.meta
+        twice = _twice_stored(_layouts(grid)[2], shape, g.dtype, g.device)
+        return _Inverse.apply(torch.where(twice, g * 0.5, g), grid, shape, _FLIP[norm]), None, None, None
+
+
+class _Inverse(torch.autograd.Function):
+    """``irfftn`` to a split field; backward is the grouped forward transform, W-doubled."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int], norm: str):  # noqa: ANN205
+        ctx.meta = (grid, shape, norm)
+        return _grouped(lambda t: _inverse_chain(t, grid, shape, norm), z)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN205
+        grid, shape, norm = ctx.meta
+        modes = _Forward.apply(g, grid, shape, _FLIP[norm])
+        twice = _twice_stored(_layouts(grid)[2], shape, g.dtype, g.device)
+        return torch.where(twice, modes * 2, modes), None, None, None
+
+
 def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None = None) -> Spectrum:
     """``torch.fft.rfftn(x_whole, dim=(-3, -2, -1))`` of the field whose shard ``x`` is (laid out as
     ``hp.scatter(x_whole, grid)`` lays it), as this rank's :class:`Spectrum`. Differentiable.
@@ -147,15 +257,7 @@ def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None
     if tuple(x.shape[2:]) != held:  # a given shape this shard is not part of (no collective to check)
         raise ValueError(f"hybridpar.fft.rfftn: a shard of {tuple(x.shape[2:])} voxels is not this rank's "
                          f"{held} of a global {shape} split {grid.spatial_shape}")
-    a, b, c = _layouts(grid)
-    modes = (shape[0], shape[1], shape[2] // 2 + 1)
-    # each step rebinds z, so that a pass's input is freed as soon as its output exists
-    z = _pass(torch.fft.rfft, redistribute(x, grid, a, shape), -1)
-    z = _move(z, modes, a, b)
-    z = _pass(torch.fft.fft, z, -2)
-    z = _move(z, modes, b, c)
-    z = _pass(torch.fft.fft, z, -3)
-    return Spectrum(z, shape, c)  # type: ignore[arg-type]
+    return Spectrum(_transform(_Forward, x, grid, shape), shape, _layouts(grid)[2])
 
 
 def irfftn(spectrum: Spectrum, grid: ProcessGrid) -> torch.Tensor:
@@ -166,11 +268,10 @@ def irfftn(spectrum: Spectrum, grid: ProcessGrid) -> torch.Tensor:
     if spectrum.layout.spatial_shape != c.spatial_shape:
         raise ValueError(f"hybridpar.fft.irfftn: a spectrum laid out {spectrum.layout.spatial_shape} for a "
                          f"grid whose spectra are laid out {c.spatial_shape}; pass the grid rfftn was given")
-    shape, modes = spectrum.shape, spectrum.modes
-    z = _pass(torch.fft.ifft, spectrum.data, -3)
-    z = _move(z, modes, c, b)
-    z = _pass(torch.fft.ifft, z, -2)
-    z = _move(z, modes, b, a)
-    x = _pass(torch.fft.irfft, z, -1, n=shape[2])
-    del z
-    return redistribute(x, a, grid, shape)
+    return _transform(_Inverse, spectrum.data, grid, spectrum.shape)
+
+
+@eager  # communication: runs eagerly under torch.compile (a graph break)
+def _transform(fn: type[torch.autograd.Function], t: torch.Tensor, grid: ProcessGrid,
+               shape: tuple[int, int, int]) -> torch.Tensor:
+    return fn.apply(t, grid, shape, "backward")

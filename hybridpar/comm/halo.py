@@ -238,7 +238,21 @@ class HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return ctx.exchanger.adjoint(memfmt.dense(g)), None
+        return HaloSum.apply(g, ctx.exchanger), None
+
+
+class HaloSum(torch.autograd.Function):
+    """The exchange's adjoint (halo gradients summed into their owners) as an autograd function of its
+    own, whose backward is the exchange: so a gradient of a gradient crosses the halos too."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, exchanger: HaloExchanger) -> torch.Tensor:
+        ctx.exchanger = exchanger
+        return exchanger.adjoint(memfmt.dense(g))
+
+    @staticmethod
+    def backward(ctx, gg: torch.Tensor):
+        return HaloExchange.apply(memfmt.dense(gg), ctx.exchanger), None
 
 
 @eager

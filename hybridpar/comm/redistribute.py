@@ -128,7 +128,8 @@ def redistribute_tensor(x: torch.Tensor, shape: tuple[int, int, int], src: Proce
 
 
 class Redistribution(torch.autograd.Function):
-    """Differentiable :func:`redistribute_tensor`; backward moves gradients back the other way."""
+    """Differentiable :func:`redistribute_tensor`; backward moves gradients back the other way, as
+    this function again (so that it differentiates twice)."""
 
     @staticmethod
     def forward(ctx, x, shape, src, dst, trailing=0):
@@ -138,7 +139,7 @@ class Redistribution(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         shape, src, dst, trailing = ctx.meta
-        return redistribute_tensor(memfmt.dense(g), shape, dst, src, trailing), None, None, None, None
+        return Redistribution.apply(memfmt.dense(g), shape, dst, src, trailing), None, None, None, None
 
 
 def redistribute(x: torch.Tensor, src: ProcessGrid, dst: ProcessGrid,

@@ -83,10 +83,13 @@ class SyncGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        if not grad_sync_enabled():
+            return (None, *grads)
+        if torch.is_grad_enabled():  # a gradient that is differentiated again: one sum per tensor
+            return (None, *(SumToReplicated.apply(g, ctx.group) for g in grads))
         grads = [g.contiguous().clone() for g in grads]
-        if grad_sync_enabled():
-            with prange("grad_sync", "grad_reduce"):
-                _all_reduce(grads, ctx.group)
+        with prange("grad_sync", "grad_reduce"):
+            _all_reduce(grads, ctx.group)
         return (None, *grads)
 
 
@@ -110,19 +113,20 @@ class SumToReplicated(torch.autograd.Function):
     """Partial sums on each shard -> their total on every rank (replicated).
 
     Adjoint under the replicated-counts-once convention: each partial sum's gradient is the
-    (replicated) gradient of the total, so backward needs no communication.
+    (replicated) gradient of the total, so backward needs no communication (it is
+    :class:`ReplicatedIntoShards`, an identity whose own backward sums again: twice differentiable).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
-        y = x.clone()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(y, group=group)
+        ctx.group = group
+        y = x.clone(memory_format=torch.contiguous_format)  # a collective takes dense tensors
+        _all_reduce([y], group)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return g, None
+        return ReplicatedIntoShards.apply(g, ctx.group), None
 
 
 @eager
@@ -198,9 +202,7 @@ class ReplicatedIntoShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        _all_reduce([g], ctx.group)
-        return g, None
+        return SumToReplicated.apply(g, ctx.group), None
 
 
 @eager

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from hybridpar.comm.reduce import sync_grads
 from hybridpar.device import precision
@@ -110,6 +111,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y.to(out_dtype), mean, var
 
     @staticmethod
+    @once_differentiable  # its backward runs collectives outside autograd: a second one is refused
     def backward(ctx, gy, _gmean, _gvar):
         x, parts, invstd, weight = ctx.saved_tensors
         group, count, replicas, bias_dtype = ctx.meta
@@ -233,6 +235,7 @@ class _SyncGroupNorm(torch.autograd.Function):
         return _affine(xhat, weight, bias).to(out_dtype), mean, var
 
     @staticmethod
+    @once_differentiable  # its backward runs collectives outside autograd: a second one is refused
     def backward(ctx, gy, _gmean, _gvar):
         x, parts, invstd, weight = ctx.saved_tensors
         groups, group, count, bias_dtype = ctx.meta

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.grad import conv3d_input, conv3d_weight
 
 from hybridpar.comm.halo import HaloExchanger
@@ -110,6 +111,7 @@ class OverlappedConv3d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its backward runs collectives outside autograd: a second one is refused
     def backward(ctx, gy):
         ext, weight = ctx.saved_tensors
         ex, stride, dilation, groups, group, core, shell, has_bias, x_shape, master = ctx.meta

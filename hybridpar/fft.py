@@ -4,9 +4,8 @@ Why: what a convolution cannot see is global (the power spectrum, the displaceme
 ψ(k) = i k / k² δ(k), an FNO's spectral convolution), and on a split volume a global transform needs
 every rank. A 3D FFT is three 1-D passes; each pass needs its dim whole on a rank, so between passes
 the split moves to another dim: a pencil decomposition (P = p1 · p2 ranks; slabs when p2 = 1), the
-transposes being ``hp.Redistribute`` between layouts of the same ranks, whose adjoint is its backward.
-So autograd composes torch's own 1-D transforms with the redistributions, and the distributed
-transform is the single-process one in another order of the same passes:
+transposes being ``hp.Redistribute`` between layouts of the same ranks. The distributed transform is
+torch's own 1-D transforms in another order of the same passes:
 
     input split (any)  ->  (p1, p2, 1): rfft along W  ->  (p1, 1, p2): fft along H
                        ->  (1, p1, p2): fft along D   =  Spectrum.data
@@ -205,10 +204,9 @@ _FLIP = {"backward": "forward", "forward": "backward"}
 unscaled forward <-> unscaled inverse, forward scaled by 1/N <-> inverse scaled by 1/N."""
 
 
-def _twice_stored(spectrum_layout: ProcessGrid, shape: tuple[int, int, int], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+def _twice_stored(layout: ProcessGrid, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
     """Per held W mode: True where the real transform stores one mode for two (0 < kw < W / 2)."""
-    (w0, w1) = local_box((shape[0], shape[1], shape[2] // 2 + 1), spectrum_layout)[2]
+    (w0, w1) = local_box((shape[0], shape[1], shape[2] // 2 + 1), layout)[2]
     kw = torch.arange(w0, w1, device=device)
     return ((kw > 0) & (2 * kw != shape[2])).view(1, 1, -1)
 
@@ -224,7 +222,7 @@ class _Forward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN205
         grid, shape, norm = ctx.meta
-        twice = _twice_stored(_layouts(grid)[2], shape, g.dtype, g.device)
+        twice = _twice_stored(_layouts(grid)[2], shape, g.device)
         return _Inverse.apply(torch.where(twice, g * 0.5, g), grid, shape, _FLIP[norm]), None, None, None
 
 
@@ -240,7 +238,7 @@ class _Inverse(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):  # noqa: ANN205
         grid, shape, norm = ctx.meta
         modes = _Forward.apply(g, grid, shape, _FLIP[norm])
-        twice = _twice_stored(_layouts(grid)[2], shape, g.dtype, g.device)
+        twice = _twice_stored(_layouts(grid)[2], shape, g.device)
         return torch.where(twice, modes * 2, modes), None, None, None
 
 

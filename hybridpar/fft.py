@@ -211,35 +211,29 @@ def _twice_stored(layout: ProcessGrid, shape: tuple[int, int, int], device: torc
     return ((kw > 0) & (2 * kw != shape[2])).view(1, 1, -1)
 
 
-class _Forward(torch.autograd.Function):
-    """``rfftn`` of a split field; backward is the grouped inverse of the W-halved gradient."""
+class _Transform(torch.autograd.Function):
+    """``rfftn`` (``inverse`` False) or ``irfftn`` of a split field, grouped. Backward is the other
+    direction normalised the other way: the forward's is the inverse of the gradient with its twice
+    stored W modes halved, the inverse's the forward of the gradient with them doubled (torch's
+    adjoints of the real transforms); autograd functions both ways, so it differentiates again."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int], norm: str):  # noqa: ANN205
-        ctx.meta = (grid, shape, norm)
-        return _grouped(lambda t: _forward_chain(t, grid, shape, norm), x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN205
-        grid, shape, norm = ctx.meta
-        twice = _twice_stored(_layouts(grid)[2], shape, g.device)
-        return _Inverse.apply(torch.where(twice, g * 0.5, g), grid, shape, _FLIP[norm]), None, None, None
-
-
-class _Inverse(torch.autograd.Function):
-    """``irfftn`` to a split field; backward is the grouped forward transform, W-doubled."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int], norm: str):  # noqa: ANN205
-        ctx.meta = (grid, shape, norm)
-        return _grouped(lambda t: _inverse_chain(t, grid, shape, norm), z)
+    def forward(ctx, t: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int], norm: str,  # noqa: ANN205
+                inverse: bool):
+        ctx.meta = (grid, shape, norm, inverse)
+        chain = _inverse_chain if inverse else _forward_chain
+        return _grouped(lambda part: chain(part, grid, shape, norm), t)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN205
-        grid, shape, norm = ctx.meta
-        modes = _Forward.apply(g, grid, shape, _FLIP[norm])
+        grid, shape, norm, inverse = ctx.meta
         twice = _twice_stored(_layouts(grid)[2], shape, g.device)
-        return torch.where(twice, modes * 2, modes), None, None, None
+        if inverse:
+            modes = _Transform.apply(g, grid, shape, _FLIP[norm], False)
+            grad = torch.where(twice, modes * 2, modes)
+        else:
+            grad = _Transform.apply(torch.where(twice, g * 0.5, g), grid, shape, _FLIP[norm], True)
+        return grad, None, None, None, None
 
 
 def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None = None) -> Spectrum:
@@ -255,7 +249,7 @@ def rfftn(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int] | None
     if tuple(x.shape[2:]) != held:  # a given shape this shard is not part of (no collective to check)
         raise ValueError(f"hybridpar.fft.rfftn: a shard of {tuple(x.shape[2:])} voxels is not this rank's "
                          f"{held} of a global {shape} split {grid.spatial_shape}")
-    return Spectrum(_transform(_Forward, x, grid, shape), shape, _layouts(grid)[2])
+    return Spectrum(_transform(x, grid, shape, inverse=False), shape, _layouts(grid)[2])
 
 
 def irfftn(spectrum: Spectrum, grid: ProcessGrid) -> torch.Tensor:
@@ -266,10 +260,10 @@ def irfftn(spectrum: Spectrum, grid: ProcessGrid) -> torch.Tensor:
     if spectrum.layout.spatial_shape != c.spatial_shape:
         raise ValueError(f"hybridpar.fft.irfftn: a spectrum laid out {spectrum.layout.spatial_shape} for a "
                          f"grid whose spectra are laid out {c.spatial_shape}; pass the grid rfftn was given")
-    return _transform(_Inverse, spectrum.data, grid, spectrum.shape)
+    return _transform(spectrum.data, grid, spectrum.shape, inverse=True)
 
 
 @eager  # communication: runs eagerly under torch.compile (a graph break)
-def _transform(fn: type[torch.autograd.Function], t: torch.Tensor, grid: ProcessGrid,
-               shape: tuple[int, int, int]) -> torch.Tensor:
-    return fn.apply(t, grid, shape, "backward")
+def _transform(t: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, int],
+               inverse: bool) -> torch.Tensor:
+    return _Transform.apply(t, grid, shape, "backward", inverse)

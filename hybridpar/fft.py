@@ -35,7 +35,7 @@ from hybridpar.device.eager import eager
 from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
 
-__all__ = ["GROUPS", "Spectrum", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
+__all__ = ["GROUPS", "Spectrum", "group_count", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
 
 GROUPS = 4
 """Channel groups a transform runs in turn (fewer where N·C is smaller): the transient memory of the
@@ -155,6 +155,12 @@ def _groups(n: int, c: int) -> list[tuple[slice, slice]]:
     parts = min(c, -(-GROUPS // max(n, 1)))
     cuts = [c * i // parts for i in range(parts + 1)] if parts else [0, c]
     return [(slice(i, i + 1), slice(a, b)) for i in range(n) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def group_count(n: int, c: int) -> int:
+    """How many groups a transform of ``n`` samples of ``c`` channels runs in turn (each transpose
+    sends that many messages to each peer): what the performance model charges latency for."""
+    return max(1, len(_groups(n, c)))
 
 
 def _grouped(chain, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridpar.fft import group_count
 from hybridpar.nn import registry
 from hybridpar.perfmodel.comm_cost import halo_bytes, redistribution
 from hybridpar.perfmodel.machine import Compute, Link, Machine
@@ -114,7 +115,8 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
             latency += lat
         if rec.transpose_bytes:  # a spectral layer's FFT transposes, as much again backward
             moved = rec.transpose_bytes // BYTES_PER_ELEMENT * e
-            messages = 6 * (stage_size - 1)  # up to every other rank, per transpose and direction
+            # up to every other rank, per transpose, direction and channel group
+            messages = 6 * (stage_size - 1) * group_count(*rec.input_shape[:2])
             t = halo_link.time(moved / halo_share, messages)
             r_f, r_b = r_f + t, r_b + t
             latency += 2 * messages * halo_link.latency

@@ -9,7 +9,9 @@ plan's and the performance model's figure) against the least a transform of that
 one transpose each way, every rank receiving all but its own share of its final block. The split
 result is checked against ``torch.fft`` first. Memory: the peak heap of one transform there and back
 on the worst rank over its shard of the complex modes (the allocator counter of ``perf/heapcount.py``;
-goal <= 3, no full-volume copy).
+goal <= 3, no full-volume copy). The channel groups (``hp.fft.GROUPS``) trade time for that memory:
+the split ranks also step with them and with one group in turn, and report the time ratio and the
+peak with one group.
 
 Against mpi4py-fft (the usual reference for distributed FFT speed; the goal: hp.fft within
 1.25x of it): where ``mpi4py_fft`` imports and ``mpiexec`` is found, each round also starts P ranks x 1
@@ -81,18 +83,35 @@ def split_job(rank: int, world: int, cfg: dict) -> dict:
         hp.fft.irfftn(hp.fft.rfftn(x_local, grid), grid)
 
     times = common.time_steps(step, cfg["warmup"], cfg["steps"], before=common.barrier)
-    # peak heap of one transform there and back over this rank's complex modes (the counter is
-    # preloaded where a C compiler exists; 0 otherwise), the worst rank's
     del spec
-    base = heapcount.current()
-    heapcount.reset()
-    step()
     shard = math.prod(hp.fft.rfftn(x_local, grid).data.shape) * 8  # complex64
-    ratio = torch.tensor([(heapcount.peak() - base) / shard if heapcount.active() else float("nan")],
-                         dtype=torch.float64)
-    torch.distributed.all_reduce(ratio, op=torch.distributed.ReduceOp.MAX)
+
+    def peak() -> float:
+        """Peak heap of one transform there and back over this rank's complex modes (the counter is
+        preloaded where a C compiler exists; NaN otherwise), the worst rank's."""
+        base = heapcount.current()
+        heapcount.reset()
+        step()
+        ratio = torch.tensor([(heapcount.peak() - base) / shard if heapcount.active() else float("nan")],
+                             dtype=torch.float64)
+        torch.distributed.all_reduce(ratio, op=torch.distributed.ReduceOp.MAX)
+        return ratio.item()
+
+    # what the channel groups cost and save: steps with them and with one group, in turn (the order
+    # swapped every pair), and the peak with one group
+    grouped, ratios = hp.fft.GROUPS, []
+    for i in range(cfg["steps"]):
+        took = {}
+        for count in ((1, grouped) if i % 2 else (grouped, 1)):
+            hp.fft.GROUPS = count
+            took[count] = common.slowest_rank(common.time_steps(step, 0, 1, before=common.barrier))[0]
+        ratios.append(took[grouped] / took[1])
+    hp.fft.GROUPS = 1
+    one_group = peak()
+    hp.fft.GROUPS = grouped
     return {"times": common.slowest_rank(times), "max_abs_err_modes": err, "max_abs_err_roundtrip": back,
-            "peak_heap_over_complex_shard": ratio.item()}
+            "peak_heap_over_complex_shard": peak(), "peak_heap_one_group": one_group,
+            "grouped_over_one_group": ratios}
 
 
 VARIANTS = ("hp.fft", "hp.fft over MPIP2P", "mpi4py-fft")
@@ -207,7 +226,7 @@ TINY = {"size": 16, "rounds": 1, "steps": 1, "warmup": 1}
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hybridpar.fft import transpose_elements
+    from hybridpar.fft import GROUPS, transpose_elements
 
     ap = common.parser("fft", __doc__, rounds=3, steps=5, warmup=1, max_load=0.5, pin=True)
     ap.add_argument("--size", type=int, default=128, help="edge S of the cubic field (default 128)")
@@ -238,9 +257,16 @@ def main(argv: list[str] | None = None) -> None:
         result[str(p)] = {"split": list(split), "median_ms": ours, "baseline_median_ms": base,
                           "speedup": base / ours, "bytes_per_rank": 4 * moved,
                           "least_bytes_per_rank": 4 * least, "bytes_over_least": moved / least, **errs}
+        if p in _GROUPED:
+            r = sorted(_GROUPED[p])
+            result[str(p)]["channel_groups"] = {
+                "groups": GROUPS, "time_over_one_group_median": statistics.median(r),
+                "iqr": [r[len(r) // 4], r[(3 * len(r)) // 4]], "n": len(r)}
+            grouped = result[str(p)].get("channel_groups", {}).get("time_over_one_group_median", float("nan"))
         rows.append([f"{p} ranks x 1 thread, split {split}", ours, base, base / ours,
                      f"{4 * moved / 2**20:.1f}", f"{4 * least / 2**20:.1f}", moved / least,
-                     errs.get("peak_heap_over_complex_shard", float("nan"))])
+                     errs.get("peak_heap_over_complex_shard", float("nan")),
+                     errs.get("peak_heap_one_group", float("nan")), grouped])
         if compare:
             result[str(p)].update(_comparison(p, rounds, stats))
             c = result[str(p)]
@@ -251,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                              "yes" if c["goal_within_1_25x_met"] else "no"])
     table = common.print_table(
         ["config", "median ms", "1 proc x P threads ms", "speedup", "MiB in per rank", "least MiB",
-         "bytes / least", "peak heap / complex shard (goal <= 3)"], rows,
+         "bytes / least", "peak heap / complex shard (goal <= 3)", "peak, one group",
+         "time / one group's"], rows,
         title=f"Distributed 3D FFT: rfftn + irfftn of {s}^3 x {CHANNELS}, float32, batch 1 "
               f"({args.rounds} rounds x {args.steps} steps){'; DISTURBED by other work' if noisy else ''}")
     if compare:
@@ -274,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 _ERRORS: dict[int, dict] = {}
+_GROUPED: dict[int, list[float]] = {}
 _M4F_ERRORS: dict[int, dict] = {}
+_GROUPED: dict[int, list[float]] = {}
 M4F_CONFIG = {
     "launcher": "mpiexec (perf.ranks.launch(..., mpi=True)); the three variants stepped in turn in the same "
                 "processes, the order swapped every step",
@@ -291,7 +320,8 @@ M4F_CONFIG = {
 def _split(p: int, cfg: dict, pin: bool) -> list[float]:
     out = common.launch(split_job, p, cfg, threads=1, pin=pin, env=heapcount.preload_env())
     _ERRORS[p] = {k: out[k] for k in ("max_abs_err_modes", "max_abs_err_roundtrip",
-                                      "peak_heap_over_complex_shard")}
+                                      "peak_heap_over_complex_shard", "peak_heap_one_group")}
+    _GROUPED.setdefault(p, []).extend(out["grouped_over_one_group"])
     return out["times"]
 
 

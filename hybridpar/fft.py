@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from hybridpar.comm.redistribute import infer_global_shape, local_box, redistribute, redistribute_tensor
-from hybridpar.device import memfmt
 from hybridpar.device.eager import eager
 from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
@@ -72,7 +71,7 @@ def _move(z: torch.Tensor, shape: tuple[int, int, int], src: ProcessGrid, dst: P
     # (N, C, d, h, w, 2): the real pairs travel as a trailing dim, so that the moved pairs are a complex
     # tensor again without a copy. Differentiable (the adjoint tests read it so); an empty shard's
     # pairs are built (view_as_real's backward cannot view an empty gradient)
-    pairs = torch.view_as_real(memfmt.dense(z)) if z.numel() else torch.stack([z.real, z.imag], dim=-1)
+    pairs = torch.view_as_real(z) if z.numel() else torch.stack([z.real, z.imag], dim=-1)
     return torch.view_as_complex(redistribute(pairs, src, dst, shape, trailing=1))
 
 
@@ -184,7 +183,7 @@ def _forward_chain(x: torch.Tensor, grid: ProcessGrid, shape: tuple[int, int, in
     a, b, c = _layouts(grid)
     modes = (shape[0], shape[1], shape[2] // 2 + 1)
     # each step rebinds z, so that a pass's input is freed as soon as its output exists
-    z = _pass(torch.fft.rfft, redistribute_tensor(memfmt.dense(x), shape, grid, a), -1, norm=norm)
+    z = _pass(torch.fft.rfft, redistribute_tensor(x, shape, grid, a), -1, norm=norm)
     z = _move(z, modes, a, b)
     z = _pass(torch.fft.fft, z, -2, norm=norm)
     z = _move(z, modes, b, c)

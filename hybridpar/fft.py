@@ -34,11 +34,15 @@ from hybridpar.device.eager import eager
 from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
 
-__all__ = ["GROUPS", "Spectrum", "group_count", "irfftn", "rfftn", "transpose_elements", "wavenumbers"]
+__all__ = ["GROUPS", "GROUP_BYTES", "Spectrum", "group_count", "irfftn", "rfftn", "transpose_elements",
+           "wavenumbers"]
 
 GROUPS = 4
 """Channel groups a transform runs in turn (fewer where N·C is smaller): the transient memory of the
 passes and transposes is about 1/GROUPS of the shard's, for GROUPS times the messages."""
+GROUP_BYTES = 1 << 20
+"""No group smaller than this (bytes of the rank's shard): below it a group saves less memory than its
+messages cost in latency, so a small transform runs in one piece."""
 
 
 def transpose_elements(shape: tuple[int, int, int], split: tuple[int, int, int], channels_in: int,
@@ -144,27 +148,32 @@ class Spectrum:
         return Spectrum(data, self.shape, self.layout)
 
 
-def _groups(n: int, c: int) -> list[tuple[slice, slice]]:
-    """(samples, channels) index pairs of the groups the chain runs in turn: whole samples where
-    there are at least :data:`GROUPS` of them, else each sample's channels in up to
-    ``ceil(GROUPS / n)`` ranges."""
-    if n >= GROUPS:
-        cuts = [n * i // GROUPS for i in range(GROUPS + 1)]
+def _groups(n: int, c: int, nbytes: int) -> list[tuple[slice, slice]]:
+    """(samples, channels) index pairs of the groups the chain runs in turn on a shard of ``nbytes``:
+    whole samples where there are at least as many as groups, else each sample's channels in up to
+    ``ceil(groups / n)`` ranges; :data:`GROUPS` groups, fewer where each would hold less than
+    :data:`GROUP_BYTES`."""
+    count = max(1, min(GROUPS, nbytes // max(GROUP_BYTES, 1)))
+    if count == 1:
+        return [(slice(None), slice(None))]
+    if n >= count:
+        cuts = [n * i // count for i in range(count + 1)]
         return [(slice(a, b), slice(None)) for a, b in zip(cuts, cuts[1:], strict=False)]
-    parts = min(c, -(-GROUPS // max(n, 1)))
+    parts = min(c, -(-count // max(n, 1)))
     cuts = [c * i // parts for i in range(parts + 1)] if parts else [0, c]
     return [(slice(i, i + 1), slice(a, b)) for i in range(n) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def group_count(n: int, c: int) -> int:
-    """How many groups a transform of ``n`` samples of ``c`` channels runs in turn (each transpose
-    sends that many messages to each peer): what the performance model charges latency for."""
-    return max(1, len(_groups(n, c)))
+def group_count(n: int, c: int, nbytes: int) -> int:
+    """How many groups a transform of ``n`` samples of ``c`` channels, ``nbytes`` on this rank, runs in
+    turn (each transpose sends that many messages to each peer): what the performance model charges
+    latency for."""
+    return len(_groups(n, c, nbytes))
 
 
 def _grouped(chain, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
     """``chain`` (shape-preserving in N and C) of ``x``'s channel groups, written into one result."""
-    groups = _groups(x.shape[0], x.shape[1])
+    groups = _groups(x.shape[0], x.shape[1], x.numel() * x.element_size())
     if len(groups) <= 1:
         return chain(x)
     out = None

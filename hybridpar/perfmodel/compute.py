@@ -116,7 +116,7 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
         if rec.transpose_bytes:  # a spectral layer's FFT transposes, as much again backward
             moved = rec.transpose_bytes // BYTES_PER_ELEMENT * e
             # up to every other rank, per transpose, direction and channel group
-            messages = 6 * (stage_size - 1) * group_count(*rec.input_shape[:2])
+            messages = 6 * (stage_size - 1) * group_count(*rec.input_shape[:2], e * in_n)
             t = halo_link.time(moved / halo_share, messages)
             r_f, r_b = r_f + t, r_b + t
             latency += 2 * messages * halo_link.latency

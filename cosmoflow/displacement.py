@@ -146,9 +146,9 @@ hp.nn.register(Displacement, role="pointwise", op="pointwise", flops=_flops,
 class WithDisplacement(nn.Module):
     """A network fed its input and the input's displacement channels (``unet.displacement``)."""
 
-    def __init__(self, net: nn.Module, smoothing: float = 2.0, reach: int = 0) -> None:
+    def __init__(self, net: nn.Module, displacement: Displacement) -> None:
         super().__init__()
-        self.displacement = Displacement(smoothing, reach)
+        self.displacement = displacement
         self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

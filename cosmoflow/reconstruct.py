@@ -46,11 +46,12 @@ def build_unet(cfg: Config, in_channels: int) -> torch.nn.Module:
     """The task's network from the ``unet`` section of the config (with ``unet.displacement``, fed the
     displacement channels of :mod:`cosmoflow.displacement` too)."""
     u = cfg.unet
-    extra = Displacement(u.smoothing, u.shift_reach).added_channels if u.displacement else 0
+    displacement = Displacement(u.smoothing, u.shift_reach) if u.displacement else None
+    extra = displacement.added_channels if displacement else 0
     model = UNet3d(in_channels + extra, 1, width=u.width, levels=u.levels,
                    max_width=u.max_width, groups=u.groups, padding_mode=u.padding_mode)
     model.check_extent(cfg.data.sample_size)
-    return WithDisplacement(model, u.smoothing, u.shift_reach) if u.displacement else model
+    return WithDisplacement(model, displacement) if displacement else model
 
 
 def overdensity(log_counts: np.ndarray) -> np.ndarray:

@@ -33,6 +33,16 @@ def lr_at(cfg: OptimizerConfig, global_batch: int, epoch: float) -> float:
     return peak * factor
 
 
+def lr_of_step(cfg: OptimizerConfig, global_batch: int, step: int, steps_per_epoch: int) -> float:
+    """Learning rate of the optimizer step that follows ``step`` completed steps.
+
+    The position on the schedule comes from the step count alone (``step / steps_per_epoch`` epochs),
+    never from a loader's position: a loader moves to the next epoch as it hands out an epoch's last
+    batch, so its index reads 0 exactly when that batch is trained on.
+    """
+    return lr_at(cfg, global_batch, step / steps_per_epoch)
+
+
 class LARS(torch.optim.Optimizer):
     """SGD with momentum and layer-wise adaptive rate scaling (You et al., 2017).
 

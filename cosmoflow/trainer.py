@@ -41,7 +41,7 @@ from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
 from cosmoflow.model import build_model
-from cosmoflow.optim import lr_at, make_optimizer, set_lr
+from cosmoflow.optim import lr_of_step, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report, voxel_of
 from hybridpar.checkpoint import (
     Checkpointer,
@@ -312,7 +312,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 loader.set_epoch(epoch)  # keeps a mid-epoch position restored from a checkpoint
             for x_local, y in ([] if finished else loader):
                 errors.note_skipped(loader.skipped, skipped)
-                set_lr(opt, lr_at(cfg.optimizer, batch, epoch + loader.index / steps_per_epoch))
+                set_lr(opt, lr_of_step(cfg.optimizer, batch, step, steps_per_epoch))
                 t0 = time.perf_counter()
                 with timer.step(step):
                     loss = accel.step(engine, opt, x_local, y)

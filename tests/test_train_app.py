@@ -57,22 +57,44 @@ def _args(data: Path, run: Path, *extra: str) -> list[str]:
     return ["--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
 
 
+# Warm-up over the first half epoch, decay by 10 from epoch 1.5: both edges fall inside the two epochs
+# (8 steps each) of the resume test, and so does each epoch's last step.
+SCHEDULE = ("optimizer.base_lr=0.08", "optimizer.base_batch=64", "optimizer.warmup_epochs=0.5",
+            "optimizer.decay_epochs=[1.5]", "optimizer.decay_factors=[0.1]")
+
+
+def _expected_lr(step: int) -> float:
+    """The rate of the step after ``step`` done, written out: from 0.08 to 0.08 * 4 / 64 over 4 steps,
+    then that peak until step 12, then a tenth of it."""
+    peak = 0.08 * 4 / 64
+    if step < 4:
+        return 0.08 + (peak - 0.08) * step / 4
+    return peak if step < 12 else peak * 0.1
+
+
 def test_train_resume_and_outputs(tiny_data, tmp_path):
+    """Also pins every step's learning rate over both epochs (the first run and its resumed second),
+    the epochs' last steps included."""
     run = tmp_path / "run"
-    first = train_script(_args(tiny_data, run, "train.epochs=1"))
+    first = train_script(_args(tiny_data, run, "train.epochs=1", *SCHEDULE))
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["baseline"]) == {"mae_Omega_m", "mae_sigma_8", "mae_n_s", "mae_H_0"}
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 8   # 32 samples / batch 4
     assert "validation MAE per parameter" in first.stdout
-    second = train_script(_args(tiny_data, run, "train.epochs=2"))
+    second = train_script(_args(tiny_data, run, "train.epochs=2", *SCHEDULE))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 8" in second.stdout
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 16
+    with open(run / "metrics_steps.csv") as f:
+        rates = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+    assert sorted(rates) == list(range(1, 17))
+    for step, lr in rates.items():  # the row of step s is the step run after s - 1 were done
+        assert lr == pytest.approx(_expected_lr(step - 1), rel=1e-12), (step, lr, _expected_lr(step - 1))
     assert (run / "config.yaml").exists() and (run / "config.1.yaml").exists()   # nothing overwritten
     done = json.loads((run / "summary.json").read_text())
     (run / "summary.json").unlink()
-    again = train_script(_args(tiny_data, run, "train.epochs=2"))  # a finished run started again
+    again = train_script(_args(tiny_data, run, "train.epochs=2", *SCHEDULE))  # a finished run started again
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from step 16" in again.stdout and "validation MAE per parameter" in again.stdout
     assert json.loads((run / "summary.json").read_text()) == done

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -85,7 +88,7 @@ class TrainConfig:
     epochs: int = 8
     batch_size: int = 8                  # global batch
     seed: int = 0
-    max_steps: int | None = None         # stop early (tests, smoke runs)
+    max_steps: int | None = None         # stop after this many steps, >= 1 (smoke runs; null: no limit)
     precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
                                          # training batches with the weights frozen (0: off)
     log_every: int = 1
@@ -97,10 +100,10 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int | None = 50
-    every_minutes: float | None = None
-    keep_last: int = 3
-    keep_every: int | None = None
+    every_steps: int | None = 50         # save every this many steps (0 or null: not by step count)
+    every_minutes: float | None = None   # and every this many minutes (0 or null: not by time)
+    keep_last: int = 3                   # >= 1 newest versions kept
+    keep_every: int | None = None        # also keep every epoch divisible by this (>= 1; null: none)
     best_metric: str | None = "val_mae"  # pin the version with the lowest value of this metric
     resume: bool = True
     local_dir: str | None = None         # node-local copies (L1) first, flushed to run_dir in the
@@ -143,60 +146,172 @@ class Config:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read: real ones are a few KB."""
+MAX_YAML_NODES = 10_000
+"""Most values a config may hold once its aliases are expanded: real ones hold about a hundred, and a
+1 KB file of nested aliases ("billion laughs") would otherwise expand to 10^9 as it is validated."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader (plain values only: a ``!!python`` or unknown tag is refused), which
+    also refuses a document whose aliases expand it past :data:`MAX_YAML_NODES` values."""
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, {})
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int | None]) -> int:
+    """Values under ``node`` with every alias expanded, each shared node sized once (None: in progress,
+    so meeting it again is an alias inside its own anchor)."""
+    key = id(node)
+    if key in sizes:
+        size = sizes[key]
+        if size is None:
+            raise yaml.YAMLError(f"line {node.start_mark.line + 1}: an alias refers to a value that contains "
+                                 "it (an endless value)")
+        return size
+    sizes[key] = None
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes)
+        if total > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"line {node.start_mark.line + 1}: its aliases expand to more than "
+                                 f"{MAX_YAML_NODES} values (a config holds about a hundred)")
+    sizes[key] = total
+    return total
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """Plain YAML values from ``text`` (bounded, no tags); a :class:`ConfigError` naming ``source``,
+    the line and the problem otherwise."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: {_yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a config") from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: where, and what (a tag: that a config holds plain values only)."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return str(err)
+    mark = err.problem_mark or err.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = str(err.problem or err.context)
+    tag = re.search(r"constructor for the tag '([^']*)'", problem)
+    if tag:
+        name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+        return (f"{where}the tag {name} is not allowed: a config holds plain values (numbers, strings, "
+                "true/false, null, lists and mappings), never objects")
+    return f"{where}not valid YAML ({problem})"
+
+
+def _describe(typ: Any) -> str:
+    """``int``, ``list[float]``, ``int or null``, ... for messages."""
+    if get_origin(typ) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in get_args(typ))
+    if get_origin(typ) is list:
+        return f"a list of {_describe(get_args(typ)[0])} like [1, 2]"
+    if get_origin(typ) is dict or typ is dict:
+        return "a mapping"
+    return "true or false" if typ is bool else typ.__name__
+
+
 def _coerce(where: str, value: Any, typ: Any, default: Any) -> Any:
-    """Check (and, for strings from ``--set``, convert) one value against its declared type."""
-    text = str(typ)
-    if value is None:
-        if "None" in text:
+    """Check (and, for strings from ``--set``, convert) one value against its declared type: ``bool``,
+    ``int``, ``float`` (finite), ``str``, ``list[...]`` of those, ``dict``, and ``X | None``."""
+    wrong = ConfigError(f"{where}: expected {_describe(typ)}, got {_shown(value)} (default {default!r})")
+    if get_origin(typ) in (Union, types.UnionType):
+        if value is None and type(None) in get_args(typ):
             return None
-        raise ConfigError(f"{where}: must not be empty")
-    if "list" in text:
+        (typ,) = [a for a in get_args(typ) if a is not type(None)]
+    if value is None:
+        raise ConfigError(f"{where}: must not be empty; expected {_describe(typ)} (default {default!r})")
+    if get_origin(typ) is list:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = read_yaml(value, where)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list like [1, 2], got {value!r}")
-        return value
-    if text.startswith("dict") or "dict[" in text:
+            raise wrong
+        return [_coerce(f"{where}[{i}]", v, get_args(typ)[0], default) for i, v in enumerate(value)]
+    if get_origin(typ) is dict or typ is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise wrong
         return value
-    for kind in (bool, int, float, str):
-        if kind.__name__ in text.replace("None", ""):
-            if kind is bool and isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ConfigError(f"{where}: expected true or false, got {value!r}")
-                return value.lower() in ("true", "1", "yes")
-            if kind in (int, float) and isinstance(value, bool):
-                break
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        raise wrong
+    if isinstance(value, bool):
+        raise wrong  # true is neither a number nor a name
+    if typ is str:
+        if not isinstance(value, str | int | float):
+            raise wrong
+        if not str(value).strip():
+            raise ConfigError(f"{where}: must not be empty; expected {_describe(typ)} (default {default!r})")
+        return str(value)
+    if typ is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
             try:
-                if kind is int and isinstance(value, float) and not value.is_integer():
-                    break
-                return kind(value)
-            except (TypeError, ValueError):
-                break
-    raise ConfigError(f"{where}: expected {text.replace('typing.', '')}, got {value!r} "
-                      f"(default {default!r})")
+                return int(value.strip())
+            except ValueError:
+                raise wrong from None
+        if not isinstance(value, int):
+            raise wrong
+        return value
+    if typ is float:
+        try:
+            number = float(value) if isinstance(value, int | float | str) else math.nan
+        except ValueError:
+            raise wrong from None
+        if not math.isfinite(number):
+            raise wrong
+        return number
+    raise wrong
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys to values, got {_shown(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where or 'config'}: key {_shown(key)} is not a name; valid keys: "
+                              f"{', '.join(fields)}")
     check_keys(where or "config", data, list(fields), ConfigError)
+    hints = get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        f = fields[key]
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
-            kwargs[key] = _build(f.type, value, path)
-            continue
-        sub = globals().get(str(f.type))
-        if sub is not None and dataclasses.is_dataclass(sub):
-            kwargs[key] = _build(sub, value, path)
+        f, typ = fields[key], hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, path)
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs[key] = _coerce(path, value, f.type, default)
+        kwargs[key] = _coerce(path, value, typ, default)
     return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def set_key(tree: dict[str, Any], assignment: str) -> None:
@@ -210,7 +325,7 @@ def set_key(tree: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    node[parts[-1]] = read_yaml(value, f"--set {key}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -220,7 +335,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = read_yaml(_config_text(p), str(p))
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: the top level is a {type(tree).__name__}; a config is a mapping of "
+                              "sections (run_dir, data, model, train, ...) as in launch/configs/demo.yaml")
     for item in overrides or []:
         set_key(tree, item)
     cfg = _build(Config, tree, "")
@@ -228,8 +348,67 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def _config_text(p: Path) -> str:
+    """The text of config file ``p``: at most :data:`MAX_CONFIG_BYTES`, UTF-8."""
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot be read ({err.strerror or err})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES >> 10} KiB; a config is a few KB of YAML")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); a config is YAML text") from None
+
+
+AT_LEAST: dict[str, int] = {
+    "data.sample_size": 1, "data.prefetch": 1, "data.channels": 1,
+    "model.n_conv": 1, "model.base_filters": 1, "model.max_filters": 1, "model.dense": 1,
+    "unet.width": 1, "unet.levels": 1, "unet.max_width": 1, "unet.groups": 1,
+    "optimizer.base_batch": 1,
+    "train.epochs": 1, "train.batch_size": 1, "train.max_steps": 1, "train.log_every": 1,
+    "checkpoint.keep_last": 1, "checkpoint.keep_every": 1,
+}
+"""Numbers that are sizes, counts or periods: at least 1 (each entry of a list). Every other number
+is at least 0, where 0 means none or off (``data.workers``, ``checkpoint.every_steps``, a rate, a seed):
+no number in a config is negative."""
+ZERO_MEANS: dict[str, str] = {
+    "data.workers": "read in the training process", "train.precise_bn_batches": "off",
+    "checkpoint.every_steps": "no saves by step count", "checkpoint.every_minutes": "no saves by time",
+    "unet.shift_reach": "off", "optimizer.warmup_epochs": "no warm-up",
+}
+"""What 0 means where it is the lower bound and means something (for messages)."""
+BELOW: dict[str, float] = {"model.dropout": 1.0, "train.seed": 2 ** 31}
+"""Upper bounds (exclusive): a dropout of 1 drops everything; numpy takes seeds below 2^32 and a
+replica adds its index to the seed."""
+
+
+def _check_ranges(section: Any, where: str = "") -> None:
+    """Every number of ``section`` (and of its lists and subsections) within :data:`AT_LEAST` (else 0)
+    and :data:`BELOW`."""
+    for f in dataclasses.fields(section):
+        key, value = f"{where}{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, f"{key}.")
+            continue
+        values = value if isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                continue
+            low, high = AT_LEAST.get(key, 0), BELOW.get(key, math.inf)
+            if low <= v < high:
+                continue
+            name = f"{key}[{i}]" if isinstance(value, list) else key
+            fits = f"at least {low}" if v < low else f"below {high:g}"
+            note = f" (0: {ZERO_MEANS[key]})" if v < low and key in ZERO_MEANS else ""
+            raise ConfigError(f"{name}: {v} is out of range; it must be {fits}{note}")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch."""
+    _check_ranges(cfg)
     if cfg.task not in TASKS:
         raise ConfigError(f"task: {cfg.task!r} is not one of {', '.join(TASKS)}")
     if cfg.data.augment not in AUGMENTS:
@@ -247,10 +426,10 @@ def validate(cfg: Config) -> None:
     if len(cfg.optimizer.decay_epochs) != len(cfg.optimizer.decay_factors):
         raise ConfigError(f"optimizer.decay_epochs ({len(cfg.optimizer.decay_epochs)} entries) and "
                           f"decay_factors ({len(cfg.optimizer.decay_factors)}) must have equal length")
-    for name, value in (("train.batch_size", cfg.train.batch_size), ("train.epochs", cfg.train.epochs),
-                        ("data.sample_size", cfg.data.sample_size)):
-        if value < 1:
-            raise ConfigError(f"{name}: must be at least 1, got {value}")
+    at = cfg.optimizer.decay_epochs
+    if any(b <= a for a, b in zip(at, at[1:])):
+        raise ConfigError(f"optimizer.decay_epochs: {at} must increase (each entry is the epoch at which "
+                          "its decay factor starts)")
     for section, mode in (("model", cfg.model.padding_mode), ("unet", cfg.unet.padding_mode)):
         if mode not in ("zeros", "circular"):
             raise ConfigError(f"{section}.padding_mode: {mode!r} is not one of zeros, circular "
@@ -287,9 +466,6 @@ def _validate_reconstruct(cfg: Config) -> None:
     if u.shift_reach < 0 or (u.shift_reach and not u.displacement):
         raise ConfigError(f"unet.shift_reach: {u.shift_reach}; it is the reach in voxels (>= 0) of the field "
                           "moved back along the displacement, which needs unet.displacement: true")
-    for name, value in (("unet.width", u.width), ("unet.max_width", u.max_width), ("unet.groups", u.groups)):
-        if value < 1:
-            raise ConfigError(f"{name}: must be at least 1, got {value}")
     if u.width % u.groups or u.max_width % u.groups:
         raise ConfigError(f"unet.groups: {u.groups} GroupNorm groups must divide unet.width ({u.width}) and "
                           f"unet.max_width ({u.max_width})")

@@ -101,6 +101,21 @@ class AliasNet(nn.Module):
         return self.dec(h) + x
 
 
+class SwappedUnusedNet(nn.Module):
+    """Run by module swapping (the isinstance check), with heads the forward never calls that are
+    split layers themselves (BasicUNet++'s ``final_conv_0_1..0_3`` without deep supervision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.block = _Block()
+        self.heads = nn.ModuleList([nn.Conv3d(2, 1, 1), nn.Sequential(nn.Conv3d(2, 2, 3), nn.BatchNorm3d(2))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.block(h, h * 2)
+
+
 class ShapeNet(nn.Module):
     """Shapes read in a forward: an output size taken from the input (RegUNet), a ratio of extents, a
     function pad and a channel repeat (MedNeXt, VNet), a batch size."""
@@ -197,6 +212,8 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
             fails.check(f"{desc} full_state_dict {k}", state[k].to(v.dtype), v, 1e-9)
     fresh = make().double()
     fresh.load_state_dict(state, strict=True)
+    if engine.grid.pipe == 1 and list(engine.local_state_dict()) != list(want):
+        fails.append(f"{desc}: local_state_dict keys {list(engine.local_state_dict())} != {list(want)}")
     if engine.grid.pipe == 1:  # every rank runs every layer: the user's model is the trained one
         for k, v in want.items():
             if v.is_floating_point():
@@ -242,6 +259,9 @@ CASES = [
     (2, "a conv subclass with its own forward, run whole", "WSNet",
      {"grid": {"spatial": [2, 1, 1]}, "layers": {"ws": {"spatial": "replicate"}}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "unused split heads by module swapping", "SwappedUnusedNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
+     {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
@@ -251,6 +271,66 @@ CASES = [
 @pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].replace(" ", "_") for c in CASES])
 def test_user_models_match_torch(pools, world, desc, model, spec):
     pools(world).run(_body, [(desc, model, spec)], timeout=300)
+
+
+def _seeded_apart_body(rank: int, world: int, make: str, spec: dict) -> None:
+    """Each rank seeds itself apart before building the model (common before DDP): the engine trains
+    the first rank's weights and buffers, as one process would."""
+    import hybridpar as hp
+
+    fails = Failures()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    y = torch.randn((SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64, generator=g)
+    torch.manual_seed(0)
+    ref = globals()[make]().double()  # rank 0's model, made on every rank
+    torch.manual_seed(rank)
+    model = globals()[make]().double()
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.add_(rank)
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
+    x_local, y_local = engine.shard_batch(x, y)
+    desc = f"seeded apart {make} {spec}"
+    for k, v in ref.state_dict().items():
+        fails.check(f"{desc}: {k} after parallelize", model.state_dict()[k].to(v.dtype), v, 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    steps_match(fails, desc, engine, opt, ref, ref_opt, (x_local, y_local), (x, y), F.mse_loss)
+    fails.raise_if_any(rank)
+
+
+@pytest.mark.parametrize("make,spec", [
+    ("BNNet", {"grid": {"spatial": [2, 2, 1]}}),
+    ("AliasNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+    ("AliasNet", {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
+], ids=["batchnorm_2x2", "data_x_spatial", "pipe_x_spatial"])
+def test_ranks_seeded_apart_train_the_first_ranks_weights(pools, make, spec):
+    pools(4).run(_seeded_apart_body, make, spec, timeout=300)
+
+
+def _direct_layer_body(rank: int, world: int) -> list[str]:
+    """A split layer built directly by ranks seeded apart refuses on its first forward, alike on every
+    rank; built from one seed it runs."""
+    import hybridpar as hp
+
+    grid = hp.ProcessGrid(spatial=(2, 1, 1))
+    x = torch.randn(1, 1, 4, 6, 6)
+    torch.manual_seed(rank)
+    said = []
+    try:
+        hp.nn.DistConv3d(1, 2, 3, padding=1, grid=grid)(x)
+    except ValueError as err:
+        said.append(str(err))
+    torch.manual_seed(0)
+    hp.nn.DistConv3d(1, 2, 3, padding=1, grid=grid)(x)
+    return said
+
+
+def test_a_split_layer_built_from_different_weights_refuses(pools):
+    said = pools(2).run(_direct_layer_body)
+    assert said[0] == said[1] and len(said[0]) == 1, said
+    assert said[0][0].startswith("DistConv3d: its weight, bias differ between the 2 ranks"), said
 
 
 def test_unfaithful_trace_is_found_and_never_planned():

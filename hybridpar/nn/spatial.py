@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridpar.comm.agree import check_agree
 from hybridpar.comm.halo import DimExchange, HaloExchanger
 from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.reduce import mark_grad_split
@@ -22,6 +23,13 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 
 DIM_NAMES = ("D", "H", "W")
+
+
+def _check_weights_once(layer: SpatialLayer, _args: tuple) -> None:
+    if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+        return  # a planning run on the meta device: no values to compare yet
+    if check_agree(layer, layer.grid.spatial_group, layer.layer_name):
+        layer.weights_agreed()
 
 
 class SpatialLayer(nn.Module):
@@ -38,6 +46,17 @@ class SpatialLayer(nn.Module):
         self.global_input_shape = None
         self.layer_name = type(self).__name__
         self._exchangers: dict[tuple, HaloExchanger] = {}
+        # The ranks of the split share this layer's weights: on its first forward they are checked
+        # equal (hybridpar.comm.agree), unless whoever built it has made them so (weights_agreed()).
+        self._agree_hook = self.register_forward_pre_hook(_check_weights_once)
+
+    def weights_agreed(self) -> None:
+        """Say that every rank of the grid holds the same parameters and buffers (they were broadcast):
+        the first forward's check is skipped."""
+        hook = getattr(self, "_agree_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._agree_hook = None
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 5:

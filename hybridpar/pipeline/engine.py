@@ -48,12 +48,14 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from hybridpar.comm.agree import broadcast_state
 from hybridpar.comm.redistribute import gather
 from hybridpar.comm.transport import Work
 from hybridpar.device import cpu_alloc
 from hybridpar.device.precision import autocast_state
 from hybridpar.grid import ProcessGrid, require_group
 from hybridpar.nn.norm import recomputing
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline.batch import shard, split_sizes
@@ -94,6 +96,7 @@ class Engine:
         if all(p.device.type == "cpu" for p in model.parameters()):
             cpu_alloc.tune()  # GPipe frees all micro-batches' activations at once: keep that memory
         self.world = dist.get_world_size()
+        broadcast_state(model)  # one starting point: every rank trains the first rank's weights (as DDP)
         self.spec = spec.resolve_grid(self.world)
         g = self.spec.grid
         self.grid = ProcessGrid(data=g.data, pipe=g.pipe, spatial=g.spatial)
@@ -166,6 +169,10 @@ class Engine:
         self.layers, self.stage_graph, self._defer = stage.layers, stage.stage_graph, stage.defer
         # (micro-batches, grad mode, deferral) -> (split end, action list), for a built stage
         self._step_plans: dict[tuple[int, bool, bool], tuple[int | None, list[Action]]] = {}
+        for _, layer in self.layers:  # their weights are the first rank's (broadcast above)
+            for m in layer.modules():
+                if isinstance(m, SpatialLayer):
+                    m.weights_agreed()
         self.first_layer, self.last_layer = stage.first_layer, stage.last_layer
         self.input_split, self.output_record = stage.input_split, stage.output_record
         self.output_split = stage.output_split
@@ -412,6 +419,10 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     ``hybridpar.init_distributed()`` first (a plain process gets a one-rank group).
     ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
     activations received from the previous stage are in it; the layers keep it).
+
+    Every rank's parameters and buffers of ``model`` become those of rank 0 (a broadcast, as DDP does at
+    construction), so ranks that seeded or loaded their own weights still train one model; load a
+    checkpoint into the engine (``load_full_state_dict``) or into the model on every rank before this call.
     """
     if isinstance(spec, (str, Path)):
         spec = load_spec(spec)

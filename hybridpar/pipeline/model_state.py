@@ -56,7 +56,8 @@ def local_state(layers: Layers, keys: ModelKeys | None = None, first: bool = Tru
            for k, v in m.state_dict().items()}
     if keys is None:
         return own
-    return keys.complete({**own, **(keys.unheld if first else {})})
+    held = keys.complete({**own, **(keys.unheld if first else {})})
+    return {k: held[k] for k in keys.keys if k in held}  # in the model's order
 
 
 def full_state(layers: Layers, grid: ProcessGrid, keys: ModelKeys) -> dict[str, torch.Tensor]:

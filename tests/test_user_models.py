@@ -303,7 +303,8 @@ def _seeded_apart_body(rank: int, world: int, make: str, spec: dict) -> None:
 @pytest.mark.parametrize("make,spec", [
     ("BNNet", {"grid": {"spatial": [2, 2, 1]}}),
     ("AliasNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
-    ("AliasNet", {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
+    ("AliasNet", {"grid": {"pipe": 2, "spatial": [2, 1, 1]},
+                  "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ], ids=["batchnorm_2x2", "data_x_spatial", "pipe_x_spatial"])
 def test_ranks_seeded_apart_train_the_first_ranks_weights(pools, make, spec):
     pools(4).run(_seeded_apart_body, make, spec, timeout=300)

@@ -107,7 +107,7 @@ def check_agree(module: nn.Module, group: dist.ProcessGroup, who: str) -> bool:
         which = [names.get(id(t), "?") for t, d in zip(tensors, differ.tolist()) if d]
         ranks = dist.get_world_size(group)
         raise ValueError(f"{who}: its {', '.join(which)} differ between the {ranks} ranks that share it "
-                         f" (each rank seeded or loaded its own weights); build it from one "
+                         f"(each rank seeded or loaded its own weights); build it from one "
                          f"seed on every rank, or load the same state everywhere (hybridpar.parallelize "
                          f"broadcasts the first rank's)")
     return True

@@ -5,21 +5,24 @@ host buffer go straight to the file (no extra copy), a reader can fetch one tens
 stage reads only its own layers), and each piece carries a crc32 (zlib's, cheap beside the write
 itself). Layout::
 
-    b"HPCKPT01" | tensor bytes, back to back | header (pickle) | footer: <u64 header length,
-                                                                         u32 header crc32, b"HPCKEND1">
+    b"HPCKPT02" | tensor bytes, back to back | header (JSON) | footer: <u64 header length,
+                                                                       u32 header crc32, b"HPCKEND1">
 
-The header lists each tensor (key, dtype, shape, offset, size, crc32) and holds the pickled non-tensor
-leaves and container shapes of the state (:mod:`.tree`). The footer at the end makes a truncated file
+The header lists each tensor (key, dtype, shape, offset, size, crc32) and holds the typed non-tensor
+leaves and container shapes of the state (:mod:`.header`). The footer at the end makes a truncated file
 obvious at once; the manifest records each file's size and header crc32, and the header the crc32 of
 each tensor, so every byte that matters is verified by any read, whole or partial.
 
-Loading a file unpickles its header: only load checkpoints you trust, as with ``torch.load``.
+Reading a file never runs code from it, and a file that fails any check is one :class:`CorruptFile`
+naming it: every length, offset, shape and dtype is checked against the file's size before anything is
+allocated from it (:mod:`.header`). Files of format 1 (magic ``HPCKPT01``, a pickled header) are read by
+an unpickler that admits only the globals such a header holds (:mod:`.legacy`).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Iterable
@@ -29,13 +32,23 @@ from typing import Any
 
 import torch
 
+from hybridpar.checkpoint import legacy
+from hybridpar.checkpoint.header import (
+    DTYPES,
+    BadHeader,
+    TensorEntry,
+    decode_header,
+    dtype_name,
+    encode_header,
+    encode_tree,
+)
 from hybridpar.checkpoint.tree import Flat
 
-MAGIC = b"HPCKPT01"
+MAGIC = b"HPCKPT02"
+MAGIC_V1 = b"HPCKPT01"  # format 1: pickled header (:mod:`.legacy`)
 END = b"HPCKEND1"
 FOOTER = struct.Struct("<QI8s")
 CHUNK = 16 << 20
-FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
@@ -47,32 +60,11 @@ class CorruptFile(CheckpointError):
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    crc: int
-
-
-@dataclass(frozen=True)
 class Written:
     """What the manifest records about one written file."""
 
     size: int
     header_crc: int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in a checkpoint header (written by a newer torch?)")
-    return dt
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -81,8 +73,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def pack_tree(flat: Flat) -> bytes:
-    """The non-tensor part of a state, pickled at snapshot time so later mutation cannot leak in."""
-    return pickle.dumps((flat.values, flat.containers), protocol=pickle.HIGHEST_PROTOCOL)
+    """The non-tensor part of a state as header JSON, taken at save time so later mutation cannot leak in;
+    a TypeError naming the key of anything a checkpoint does not store (:func:`.header.encode_tree`)."""
+    return encode_tree(flat)
 
 
 # ---------------------------------------------------------------------------------------- durability
@@ -142,8 +135,7 @@ def write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], tree: by
             offset += len(view)
             if i == 0 and on_first_tensor is not None:
                 on_first_tensor()
-        header = pickle.dumps({"format": FORMAT, "tensors": table, "tree": tree},
-                              protocol=pickle.HIGHEST_PROTOCOL)
+        header = encode_header(table, tree)
         hcrc = zlib.crc32(header)
         _write_all(fd, memoryview(header + FOOTER.pack(len(header), hcrc, END)))
         os.fsync(fd)
@@ -167,78 +159,102 @@ class RankFile:
 
     def __init__(self, path: Path, size: int | None = None, header_crc: int | None = None) -> None:
         self.path = path
-        try:
-            self._f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+        try:  # O_NONBLOCK: a FIFO planted under the name must not hang the open
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise CorruptFile(f"{path}: cannot open ({e.strerror})") from None
+        self._f = os.fdopen(fd, "rb", buffering=0)
         try:
             self._check(size, header_crc)
+        except OSError as e:
+            self._f.close()
+            raise CorruptFile(f"{path}: cannot read ({e.strerror})") from None
         except BaseException:
             self._f.close()
             raise
 
     def _check(self, size: int | None, header_crc: int | None) -> None:
-        actual = os.fstat(self._f.fileno()).st_size
+        st = os.fstat(self._f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptFile(f"{self.path}: not a regular file")
+        actual = st.st_size
         if size is not None and actual != size:
             raise CorruptFile(f"{self.path}: {actual} bytes, the manifest says {size} (truncated or "
                               f"overwritten)")
         if actual < len(MAGIC) + FOOTER.size:
             raise CorruptFile(f"{self.path}: {actual} bytes is too short for a checkpoint file")
         self._f.seek(actual - FOOTER.size)
-        hlen, hcrc, end = FOOTER.unpack(self._f.read(FOOTER.size))
+        hlen, hcrc, end = FOOTER.unpack(self._read(FOOTER.size))
         self._f.seek(0)
-        if self._f.read(len(MAGIC)) != MAGIC or end != END:
+        magic = self._read(len(MAGIC))
+        if magic not in (MAGIC, MAGIC_V1) or end != END:
             raise CorruptFile(f"{self.path}: not a hybridpar checkpoint file (bad magic; truncated?)")
         if header_crc is not None and hcrc != header_crc:
             raise CorruptFile(f"{self.path}: header checksum {hcrc:08x}, the manifest says {header_crc:08x}")
-        start = actual - FOOTER.size - hlen
-        if start < len(MAGIC):
+        if hlen > actual - len(MAGIC) - FOOTER.size:
             raise CorruptFile(f"{self.path}: header length {hlen} does not fit in {actual} bytes")
+        start = actual - FOOTER.size - hlen
         self._f.seek(start)
-        raw = self._f.read(hlen)
+        raw = self._read(hlen)
         if zlib.crc32(raw) != hcrc:
             raise CorruptFile(f"{self.path}: header fails its checksum")
-        header = pickle.loads(raw)
-        if header.get("format") != FORMAT:
-            raise CorruptFile(f"{self.path}: format {header.get('format')!r}, this reader knows {FORMAT}")
-        self.table: dict[str, TensorEntry] = {e.key: e for e in header["tensors"]}
-        values, containers = pickle.loads(header["tree"])
-        self.flat_tree = Flat({}, values, containers)
+        decode = decode_header if magic == MAGIC else legacy.decode_header
+        try:
+            self.table, self.flat_tree = decode(raw, len(MAGIC), start)
+        except BadHeader as e:
+            raise CorruptFile(f"{self.path}: {e}") from None
+        except (RecursionError, MemoryError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                OverflowError) as e:  # a check this reader missed: still one line naming the file
+            raise CorruptFile(f"{self.path}: unreadable header ({type(e).__name__}: {str(e)[:80]})") from None
         self.data_end = start
 
+    def _read(self, n: int) -> bytes:
+        """Exactly ``n`` bytes (``n`` already checked against the file's size)."""
+        data = self._f.read(n)
+        if len(data) != n:
+            raise CorruptFile(f"{self.path}: short read (the file changed while being read?)")
+        return data
+
     def read(self, key: str) -> torch.Tensor:
-        """One tensor, checked against its crc32."""
+        """One tensor, checked against its crc32 (its entry was checked against the file when opened)."""
         e = self.table[key]
-        t = torch.empty(e.shape, dtype=dtype_of(e.dtype))
+        t = torch.empty(e.shape, dtype=DTYPES[e.dtype])
         view = byte_view(t)
         if len(view) != e.nbytes or e.offset + e.nbytes > self.data_end:
             raise CorruptFile(f"{self.path}: tensor {key!r} entry does not match its shape/dtype")
-        self._f.seek(e.offset)
-        crc = 0
-        for s in range(0, len(view), CHUNK):
-            piece = view[s:s + CHUNK]
-            got = self._f.readinto(piece)
-            if got != len(piece):
-                raise CorruptFile(f"{self.path}: short read in tensor {key!r}")
-            crc = zlib.crc32(piece, crc)
+        try:
+            self._f.seek(e.offset)
+            crc = 0
+            for s in range(0, len(view), CHUNK):
+                piece = view[s:s + CHUNK]
+                got = self._f.readinto(piece)
+                if got != len(piece):
+                    raise CorruptFile(f"{self.path}: short read in tensor {key!r}")
+                crc = zlib.crc32(piece, crc)
+        except OSError as err:
+            raise CorruptFile(f"{self.path}: cannot read tensor {key!r} ({err.strerror})") from None
         if crc != e.crc:
             raise CorruptFile(f"{self.path}: tensor {key!r} fails its checksum (bit rot or a torn write)")
         return t
 
     def verify(self) -> None:
-        """Check every tensor's checksum without keeping the data (``verify`` in the CLI)."""
-        buf = bytearray(CHUNK)
-        for e in sorted(self.table.values(), key=lambda e: e.offset):
-            self._f.seek(e.offset)
-            crc, left = 0, e.nbytes
-            while left:
-                n = self._f.readinto(memoryview(buf)[:min(left, CHUNK)])
-                if not n:
-                    raise CorruptFile(f"{self.path}: short read in tensor {e.key!r}")
-                crc = zlib.crc32(memoryview(buf)[:n], crc)
-                left -= n
-            if crc != e.crc:
-                raise CorruptFile(f"{self.path}: tensor {e.key!r} fails its checksum")
+        """Check every tensor's checksum without keeping the data (``verify`` in the CLI); shapes and dtypes
+        were checked against the byte counts when the file was opened."""
+        buf = bytearray(min(CHUNK, max((e.nbytes for e in self.table.values()), default=0)))
+        try:
+            for e in self.table.values():  # in file order
+                self._f.seek(e.offset)
+                crc, left = 0, e.nbytes
+                while left:
+                    n = self._f.readinto(memoryview(buf)[:min(left, CHUNK)])
+                    if not n:
+                        raise CorruptFile(f"{self.path}: short read in tensor {e.key!r}")
+                    crc = zlib.crc32(memoryview(buf)[:n], crc)
+                    left -= n
+                if crc != e.crc:
+                    raise CorruptFile(f"{self.path}: tensor {e.key!r} fails its checksum")
+        except OSError as err:
+            raise CorruptFile(f"{self.path}: cannot read ({err.strerror})") from None
 
     def close(self) -> None:
         self._f.close()

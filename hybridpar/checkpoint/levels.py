@@ -171,15 +171,22 @@ def available(levels: Levels, found: Found) -> bool:
     return all(any(_has(p, s) for _, p, s, _ in locations(levels, body, f)) for f in body["files"])
 
 
-def remove_version(vdir: Path) -> None:
+def remove_version(vdir: Path) -> bool:
     """Delete a version directory, manifest first, so a crash midway never leaves a half version that
-    looks complete. Tolerates another process deleting the same directory at the same time."""
+    looks complete. Tolerates another process deleting the same directory at the same time.
+
+    Never deletes through a symlink: a version folder that is one (or that resolves outside its level
+    directory) is left as it is, and False returned; what it points to may be another run's.
+    """
+    if vdir.is_symlink() or (vdir.exists() and vdir.resolve().parent != vdir.parent.resolve()):
+        return False
     with contextlib.suppress(FileNotFoundError):
         os.unlink(vdir / mf.MANIFEST)
         fsync_dir(vdir)
-    shutil.rmtree(vdir, ignore_errors=True)
+    shutil.rmtree(vdir, ignore_errors=True)  # does not follow symlinks inside the folder
     with contextlib.suppress(FileNotFoundError):
         fsync_dir(vdir.parent)
+    return True
 
 
 def copy_durable(src: Path, dst: Path) -> None:

@@ -5,6 +5,7 @@ the same way. A file is tried at each level in turn (L1, L2, L3); the first copy
 tensor checksums all match is used, and the damaged copies are reported so the caller can warn. A rank
 reads ``global.bin``, its own ``rank-R.bin`` (if rank R existed when the version was saved) and, from the
 stage files, only the keys it asks for, so a checkpoint saved under one layout loads under another.
+Whatever a file holds, crafted or damaged, it fails as a :class:`CorruptFile`, so a caller falls back.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from hybridpar.checkpoint.file_placement import GLOBAL_FILE, RANK, STAGE, rank_file
 from hybridpar.checkpoint.format import CorruptFile, RankFile
 from hybridpar.checkpoint.levels import Levels, locations
+from hybridpar.checkpoint.manifest import confined
 from hybridpar.checkpoint.tree import ROOT, Flat, KeyFilter, merge, select
 
 
@@ -26,7 +28,7 @@ def read_file(levels: Levels, body: dict[str, Any], fname: str, keep: KeyFilter)
             missing.append(f"{level} copy: {path} is missing")
             continue
         try:
-            with RankFile(path, size, hcrc) as f:
+            with RankFile(confined(path.parent, path.name), size, hcrc) as f:
                 shape = Flat(dict.fromkeys(f.table), f.flat_tree.values, f.flat_tree.containers)
                 sel = select(shape, keep)
                 sel.tensors = {k: f.read(k) for k in sel.tensors}
@@ -81,7 +83,7 @@ def verify_version(levels: Levels, body: dict[str, Any], full: bool = True) -> t
                 continue
             seen = True
             try:
-                with RankFile(path, size, hcrc) as f:
+                with RankFile(confined(path.parent, path.name), size, hcrc) as f:
                     if full:
                         f.verify()
                 intact = True

@@ -4,7 +4,9 @@ Why: ``optimizer.state_dict()`` numbers parameters by their position in *this ra
 numbers mean different tensors under another pipeline split. Keyed by the parameter's full-model name,
 the optimizer state of all stages merges into one, and each stage of a new layout picks its own
 parameters back out. Hyperparameters are stored per parameter for the same reason (a group's index is
-layout-specific too). RNG states are per rank: restoring them makes a resumed run bit-identical.
+layout-specific too). RNG states are per rank: restoring them makes a resumed run bit-identical. Numpy's
+key (624 uint32 words) is kept as an int32 tensor of the same bits: a checkpoint stores tensors and plain
+values, never arrays (:mod:`.header`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 
 def rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from: Python, numpy, torch CPU and (if present) CUDA."""
-    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                           "torch": torch.get_rng_state()}
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy = {"bit_generator": name, "key": torch.from_numpy(key.view(np.int32).copy()), "pos": int(pos),
+             "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -28,7 +32,11 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured (CUDA only when both sides have it)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        key = saved["key"].numpy().view(np.uint32)
+        saved = (saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["gauss"])
+    np.random.set_state(saved)  # a tuple: what format-1 checkpoints hold
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -8,8 +8,9 @@ several stages be merged back into one nested state.
 A key joins the path of dict keys and list indices with ``/`` (a ``/`` or ``%`` inside a dict key is
 escaped as ``%2F`` / ``%25``). Dicts are always walked; lists and plain tuples are walked only when they
 hold a tensor or a dict somewhere (so a Python RNG state, a tuple of 627 ints, stays one leaf); anything
-else is a leaf kept by value (pickled). Containers remember their type and the original keys, so int
-keys (optimizer states) and ``OrderedDict`` come back as they went in.
+else is a leaf kept by value (typed JSON in the file: :mod:`.header` says which values it stores).
+Containers remember their type and the original keys, so int keys (optimizer states) and ``OrderedDict``
+come back as they went in.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def _flatten(obj: Any, path: str, out: Flat) -> None:
         keys = list(obj.keys())
         seen: dict[str, Any] = {}
         for k in keys:
-            if not isinstance(k, str | int):
+            if not isinstance(k, str | int | float | None):
                 raise TypeError(f"checkpoint state key {k!r} at {path or '<root>'!r} is a "
-                                f"{type(k).__name__}: only str and int keys can be stored")
+                                f"{type(k).__name__}: only str, int, float, bool and None keys can be stored")
             if str(k) in seen:
                 raise ValueError(f"keys {seen[str(k)]!r} and {k!r} at {path or '<root>'!r} collide once "
                                  f"written as text; rename one of them")

@@ -228,6 +228,20 @@ def test_split_finer_than_halo_names_layer_input_and_split():
            spec_of({"spatial": [16, 1, 1]}).plan, cosmoflow_like(), COSMO)
 
 
+def test_split_finer_than_the_volume_is_the_same_error_in_explain_and_plan():
+    """A grid finer than the model input (17 parts of 16 voxels) is refused by the layer that would
+    split the input, as a split that empties a shard further on is: not every layer run whole."""
+    from hybridpar.planner.explain import explain
+
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                          nn.Linear(2, 1))
+    want = ["0 (Conv3d)", "split [17, 1, 1]", "input of 16x16x16 voxels", "input extent 16",
+            "at most 16 along d"]
+    spec = spec_of({"spatial": [17, 1, 1]})
+    raises(want, spec.plan, model, (1, 1, 16, 16, 16))
+    raises(want, explain, spec, model, (1, 1, 16, 16, 16))
+
+
 def test_batch_arithmetic_errors():
     """Global batch vs data, micro-batches vs per-replica batch, and a pipeline asked of one sample."""
     model, vol = small(), (2, 16, 16, 16)

@@ -150,9 +150,12 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             split = REPLICATED
         elif role in ("window", "transposed", "resample"):
             # split by the grid; a layer on an already replicated input too small to split (after a
-            # global pooling) stays replicated
+            # global pooling) stays replicated. The model input is not such an input: a grid finer than
+            # it is refused by the layer that would split it first, as any split that empties a shard
             small = any(in_shape[2 + k] < p for k, p in enumerate(grid.spatial))
-            split = REPLICATED if small and not _split_input(node, out_split, input_split) else grid.spatial
+            first_reader = INPUT in node.inputs and input_split is None
+            replicate = small and not first_reader and not _split_input(node, out_split, input_split)
+            split = REPLICATED if replicate else grid.spatial
         elif role in ("pointwise", "reduce", "shape"):  # a shape read takes its input as it is
             split = producer
         elif role == "output":  # split outputs stay split where one share of the volume weighs them all

@@ -8,7 +8,10 @@ keep a browsable history of models. The package, one idea per module:
 * :mod:`.writer` its background threads (files, partner copies, manifest, L3 flush, retention);
 * :mod:`.version` the :class:`Version` record and the lineage stamped into every save;
 * :mod:`.snapshot` host buffers and the copy that may overlap the next forward/backward;
-* :mod:`.format` the per-rank file (raw tensor bytes, header, footer, crc32 per piece);
+* :mod:`.format` the per-rank file (raw tensor bytes, header, footer, crc32 per piece); :mod:`.header`
+  its JSON header and every check on it (reading never runs code); :mod:`.legacy` format-1 files;
+* :mod:`.export` weights as a ``torch.load(weights_only=True)`` state dict or safetensors, and
+  :func:`load_weights` to read either back;
 * :mod:`.manifest` the manifest written last and atomically: a version exists once it is there;
 * :mod:`.placement` who writes which file and who keeps which partner copy (pure geometry);
 * :mod:`.levels` L1 node-local / L2 partner / L3 shared directories and what is visible in them;
@@ -45,6 +48,7 @@ into one model and any other split picks its own part back out.
 """
 
 from hybridpar.checkpoint.checkpointer import Checkpointer
+from hybridpar.checkpoint.export import load_weights
 from hybridpar.checkpoint.format import CheckpointError, CorruptFile
 from hybridpar.checkpoint.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.checkpoint.tree import keys_for, keys_of
@@ -58,6 +62,7 @@ __all__ = [
     "keys_for",
     "keys_of",
     "load_optimizer_state",
+    "load_weights",
     "optimizer_state",
     "rng_state",
     "set_rng_state",

@@ -2,15 +2,19 @@
 
 Why: versions are kept for later study (fine-tuning, population-based search, watching weights evolve)
 and for users leaving hybridpar, so they must be listable, checkable and exportable with nothing but
-this package. Read-only: nothing here writes into ``ROOT``.
+this package. Read-only: nothing here writes into ``ROOT``, and nothing read runs code.
 
     ls ROOT [--full]                     versions, metadata, levels, verified or not
     verify ROOT [STEP]                   read every byte against its checksum (exit 1 if unusable)
-    export ROOT OUT.pt [--step S]        plain PyTorch state dict of the full model
+    export ROOT OUT [--step S]           the full model's state dict: OUT.pt (torch.load(weights_only=True)
+                                         reads it) or OUT.safetensors (--format safetensors)
     diff ROOT A B                        per-tensor change norms between two versions
 
-``--local DIR`` (with ``{node}`` and ``--nodes N`` for several node directories) also looks at L1/L2.
-STEP, A and B are steps (the newest version of that step) or version names.
+ROOT is a checkpoint root or a run directory holding one as ``checkpoints/``. ``--local DIR`` (with
+``{node}`` and ``--nodes N`` for several node directories) also looks at L1/L2. STEP, A and B are steps
+(the newest version of that step) or version names. ``export`` without ``--step`` exports the newest
+version, and refuses it if it is damaged rather than export an older one unasked. Every error is one line
+on stderr: exit 2 for a wrong command line, 1 for anything else.
 """
 
 from __future__ import annotations
@@ -24,28 +28,71 @@ from typing import Any
 
 import torch
 
+from hybridpar.checkpoint import manifest as mf
+from hybridpar.checkpoint.export import SAFETENSORS, TORCH, plain, save_safetensors, tensors_only
 from hybridpar.checkpoint.format import CheckpointError
 from hybridpar.checkpoint.levels import Found, Levels, available, complete_levels, scan
 from hybridpar.checkpoint.restore import read_version, verify_version
 from hybridpar.checkpoint.tree import key_filter, unflatten
 
 
+class Usage(Exception):
+    """A command line that cannot be carried out as written (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def root_of(arg: str) -> Path:
+    """The checkpoint root: ``arg`` itself, or ``arg/checkpoints`` for a run directory with no versions of
+    its own."""
+    root = Path(arg)
+    if not root.is_dir():
+        raise Usage(f"{root}: no such directory")
+    sub = root / "checkpoints"
+    if sub.is_dir() and not any(mf.parse_name(p.name) for p in root.iterdir()):
+        return sub
+    return root
+
+
 def _levels(args: argparse.Namespace) -> Levels:
-    return Levels(Path(args.root), args.local, 0, args.nodes)
+    if args.nodes < 1:
+        raise Usage(f"--nodes must be >= 1, got {args.nodes}")
+    return Levels(root_of(args.root), args.local, 0, args.nodes)
 
 
 def _found(levels: Levels) -> list[Found]:
     return sorted((f for f in scan(levels).values() if f.manifest is not None), key=lambda f: f.order)
 
 
-def _pick(levels: Levels, spec: str | None) -> Found:
-    found = [f for f in _found(levels) if available(levels, f)]
+def _steps(levels: Levels) -> str:
+    return ", ".join(str(f.step) for f in _found(levels)) or "none"
+
+
+def _pick(levels: Levels, spec: str | None, complete: bool = True) -> Found:
+    found = [f for f in _found(levels) if not complete or available(levels, f)]
     if spec is not None:
         found = [f for f in found if f.name == spec or (spec.isdigit() and f.step == int(spec))]
     if not found:
-        have = ", ".join(str(f.step) for f in _found(levels)) or "none"
-        raise SystemExit(f"no complete version {spec or ''} under {levels.root} (steps: {have})")
+        raise CheckpointError(f"no complete version {spec or ''} under {levels.root} "
+                              f"(steps: {_steps(levels)})")
     return found[-1]
+
+
+def _newest(levels: Levels) -> Found:
+    """The newest version, whatever its state: what ``export`` without ``--step`` must export or refuse."""
+    found = _found(levels)
+    if not found:
+        raise CheckpointError(f"no complete version under {levels.root}")
+    newest = found[-1]
+    for f in scan(levels).values():
+        if f.manifest is None and f.problems and f.step >= newest.step:
+            raise CheckpointError(f"the newest version {f.name} is damaged ({f.problems[0]}); pass --step to "
+                                  f"export an older one (steps: {_steps(levels)})")
+    return newest
 
 
 def _size(n: int) -> str:
@@ -84,7 +131,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                                str(meta.get("epoch", "-")), metrics or "-", _size(body["bytes"]),
                                ",".join(complete_levels(levels, f)) or "-", check]))
     if not rows:
-        print(f"no versions under {args.root}")
+        print(f"no versions under {levels.root}")
         return 0
     rows.sort(key=lambda r: r[0])
     print(_table([r for _, r in rows], ["version", "step", "saved", "epoch", "metrics", "size", "levels",
@@ -94,8 +141,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     levels = _levels(args)
-    targets = [_pick(levels, args.step)] if args.step else _found(levels)
+    targets = [_pick(levels, args.step, complete=False)] if args.step else _found(levels)
     worst = 0
+    if not args.step:  # a damaged manifest makes a version unusable too
+        for f in sorted(scan(levels).values(), key=lambda f: f.name):
+            if f.manifest is None and f.problems:
+                print(f"{f.name}: UNUSABLE")
+                for p in f.problems:
+                    print(f"  {p}")
+                worst = 1
     for f in targets:
         assert f.manifest is not None
         usable, problems = verify_version(levels, f.manifest, full=True)
@@ -104,7 +158,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  {p}")
         worst = max(worst, 0 if usable else 1)
     if not targets:
-        print(f"no versions under {args.root}")
+        print(f"no versions under {levels.root}")
     return worst
 
 
@@ -116,18 +170,39 @@ def _load(levels: Levels, f: Found, entry: str | None) -> dict[str, Any]:
     state = unflatten(flat)
     if entry is not None and entry not in state:
         have = sorted({e for rec in f.manifest["files"].values() for e in rec["entries"]})
-        raise SystemExit(f"{f.name} has no entry {entry!r} (entries: {', '.join(have)}); "
-                         f"use --entry or --all")
+        raise CheckpointError(f"{f.name} has no entry {entry!r} (entries: {', '.join(have)}); "
+                              f"use --entry or --all")
     return state
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    fmt = args.format or (SAFETENSORS if args.out.endswith(".safetensors") else TORCH)
+    if fmt == SAFETENSORS and args.all:
+        raise Usage("--format safetensors writes one state dict of tensors (--entry); --all needs "
+                    "--format torch")
     levels = _levels(args)
-    f = _pick(levels, args.step)
+    if args.step is not None:
+        f = _pick(levels, args.step)
+    else:
+        f = _newest(levels)
     entry = None if args.all else args.entry
-    state = _load(levels, f, entry)
-    torch.save(state if entry is None else state[entry], args.out)
-    print(f"wrote {args.out} from {f.name} ({'all entries' if entry is None else entry})")
+    try:
+        state = _load(levels, f, entry)
+    except CheckpointError as e:
+        if args.step is not None:
+            raise
+        raise CheckpointError(f"the newest version {f.name} is damaged ({e}); pass --step to export an older "
+                              f"one (steps: {_steps(levels)})") from None
+    out = plain(state if entry is None else state[entry])
+    if fmt == SAFETENSORS:
+        save_safetensors(out, args.out, {"hybridpar.version": f.name, "hybridpar.step": str(f.step),
+                                         "hybridpar.entry": entry or ""})
+    else:
+        if entry is not None:
+            tensors_only(out, f"{f.name} entry {entry!r}")
+        torch.save(out, args.out)
+    print(f"exported {f.name} (step {f.step}, {'all entries' if entry is None else entry}) to {args.out} "
+          f"({fmt})")
     return 0
 
 
@@ -175,37 +250,46 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridpar.checkpoint", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="python -m hybridpar.checkpoint", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("root", help="the checkpoint root (L3)")
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("root", help="the checkpoint root (L3), or a run directory holding it as checkpoints/")
         p.add_argument("--local", default=None, help="local_dir of the run, to look at L1/L2 too")
-        p.add_argument("--nodes", type=int, default=1, help="node directories to look at with {node}")
+        p.add_argument("--nodes", type=int, default=1,
+                       help="node directories to look at with {node} in --local (default: 1)")
         return p
 
+    version = "a step (its newest version) or a version name"
     p = add("ls", "list versions")
     p.add_argument("--full", action="store_true", help="verify every byte, not just headers")
     p.set_defaults(fn=cmd_ls)
-    p = add("verify", "verify every byte of one or all versions")
-    p.add_argument("step", nargs="?", default=None)
+    p = add("verify", "verify every byte of one or all versions (exit 1 if one is unusable)")
+    p.add_argument("step", nargs="?", default=None, help=f"the version to verify: {version} (default: all)")
     p.set_defaults(fn=cmd_verify)
-    p = add("export", "write a plain PyTorch state dict")
-    p.add_argument("out")
-    p.add_argument("--step", default=None)
+    p = add("export", "write the model's state dict as a PyTorch (.pt) or safetensors file")
+    p.add_argument("out", help="the file to write (a name ending .safetensors implies --format safetensors)")
+    p.add_argument("--step", default=None, help=f"the version to export: {version} (default: the newest, "
+                   f"refused if damaged)")
     p.add_argument("--entry", default="model", help="which entry of the state (default: model)")
-    p.add_argument("--all", action="store_true", help="export every entry, as one dict")
+    p.add_argument("--all", action="store_true", help="export every entry as one dict (--format torch only)")
+    p.add_argument("--format", choices=(TORCH, SAFETENSORS), default=None,
+                   help="torch: read with torch.load(path, weights_only=True); safetensors: read with "
+                   "safetensors.torch.load_file (default: from OUT's suffix, else torch)")
     p.set_defaults(fn=cmd_export)
     p = add("diff", "per-tensor change norms between two versions")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help=f"the version compared from: {version}")
+    p.add_argument("b", help=f"the version compared to: {version}")
     p.add_argument("--entry", default="model", help="which entry to compare (default: model)")
     p.set_defaults(fn=cmd_diff)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except CheckpointError as e:
+    except Usage as e:
+        print(f"{ap.prog} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,97 @@
+"""Weights in the ecosystem's formats: a plain PyTorch state dict and safetensors, written and read back.
+
+Why: trained weights must go both ways between hybridpar and the rest of the ecosystem, and neither way
+may trust a pickle. ``python -m hybridpar.checkpoint export`` writes what ``torch.load(path,
+weights_only=True)`` reads (tensors, dicts, lists, tuples and plain values only) or, with ``--format
+safetensors``, what ``safetensors.torch.load_file`` reads; :func:`load_weights` reads either, so a run can
+start from weights trained elsewhere (the application's ``model.init_from``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridpar.checkpoint.format import CheckpointError
+
+SAFETENSORS = "safetensors"
+TORCH = "torch"
+
+
+def plain(x: Any) -> Any:
+    """``x`` with numpy arrays as tensors and numpy numbers as Python numbers (what a format-1 checkpoint
+    may hold), so that ``torch.load(weights_only=True)`` reads it back."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x))
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, OrderedDict):
+        return OrderedDict((k, plain(v)) for k, v in x.items())
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(plain(v) for v in x)
+    return x
+
+
+def tensors_only(weights: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
+    """``weights`` if it maps names to tensors, else a CheckpointError naming what is not one."""
+    bad = [str(k) for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{what}: entries {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not "
+                              f"name -> tensor; a weights file holds tensors only")
+    return dict(weights)
+
+
+def save_safetensors(weights: Mapping[str, Any], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """Write a state dict of tensors as one safetensors file (``metadata``: text that travels with it)."""
+    from safetensors.torch import save_file  # noqa: PLC0415 (only the CLI's export needs it)
+
+    flat = tensors_only(weights, str(path))
+    save_file({k: v.detach().cpu().contiguous() for k, v in flat.items()}, str(path),
+              metadata={"format": "pt", **metadata})
+
+
+def _is_safetensors(p: Path) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON object (a torch.save zip
+    starts ``PK``)."""
+    with open(p, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    return int.from_bytes(head[:8], "little") <= p.stat().st_size - 8
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict in a safetensors file or in a ``torch.save`` file of tensors (read with
+    ``weights_only=True``: it never runs code), on the CPU, for ``model.load_state_dict``.
+
+    Reads what ``python -m hybridpar.checkpoint export`` writes in either format, and the same files from
+    elsewhere; of an ``export --all`` file, its ``model`` entry. Any failure is one CheckpointError line
+    naming the file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such weights file")
+    try:
+        if _is_safetensors(p):
+            from safetensors.torch import load_file  # noqa: PLC0415
+
+            return load_file(str(p), device="cpu")
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (safetensors, zip and unpickling errors alike: one line)
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise CheckpointError(f"{p}: not a safetensors file or a weights-only PyTorch state dict "
+                              f"({type(e).__name__}: {first})") from None
+    if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping) \
+            and not all(isinstance(v, torch.Tensor) for v in state.values()):
+        state = state["model"]  # an ``export --all`` file
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
+    return tensors_only(state, str(p))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -56,6 +57,9 @@ def _grid_body(rank: int, world: int) -> None:
 
     import hybridpar as hp
 
+    # a job on one host (the rendezvous address is 127.0.0.1): every socket the ranks listen on, the
+    # store's rank 0 hosts and gloo's, is on the loopback interface
+    assert set(listening_addresses()) <= LOOPBACK, (rank, listening_addresses())
     g = hp.ProcessGrid(data=2, pipe=2, spatial=(2, 1, 1))
     # rank order (data, pipe, d, h, w): spatial neighbours are adjacent ranks
     assert (g.data_index, g.pipe_index, g.spatial_coord) == (rank // 4, (rank // 2) % 2, (rank % 2, 0, 0))
@@ -86,6 +90,64 @@ def _grid_body(rank: int, world: int) -> None:
 
 def test_grid_groups_and_neighbours():
     distributed.run(_grid_body, 8, timeout=300)
+
+
+def listening_addresses() -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) of this process's listening TCP sockets."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    found.append(cols[1].rsplit(":", 1)[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+
+
+PLAIN = """
+import os, sys, torch, torch.distributed as dist
+import hybridpar as hp
+sys.path.insert(0, os.environ["TESTS"])
+from test_launch_grid import listening_addresses
+hp.init_distributed()
+t = torch.ones(2)
+dist.all_reduce(t)
+print("mpi started:", "mpi4py.MPI" in sys.modules, flush=True)
+print("listening:", sorted(set(listening_addresses())), flush=True)
+"""
+
+
+def test_a_plain_process_starts_no_mpi_and_listens_on_loopback_only(tmp_path):
+    """A single process with no launcher neither initialises MPI (MPICH's singleton listens on every
+    interface and leaves /dev/shm segments behind) nor opens a socket beyond the loopback interface."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    launched = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+    env = {k: v for k, v in os.environ.items() if k not in launched}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(distributed.ROOT),
+                              "TESTS": str(distributed.ROOT / "tests")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "mpi started: False" in res.stdout, res.stdout
+    addresses = ast.literal_eval(res.stdout.split("listening:", 1)[1].strip())
+    assert set(addresses) <= LOOPBACK, res.stdout
 
 
 RESTARTED = """

@@ -14,7 +14,8 @@ import atexit
 import gc
 import os
 import re
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,8 +67,17 @@ def detect_launcher(env: dict[str, str] | None = None) -> tuple[str, int, int, i
     return None
 
 
-def _mpi4py_world() -> tuple[int, int, int] | None:
-    """(rank, size, local rank) from mpi4py if it is installed and MPI was initialised by a launcher."""
+# Variables an MPI launcher's process manager sets (PMI, PMIx, Open MPI, MVAPICH, Cray PALS, Intel MPI):
+# without one of them the process was not started by mpirun, and initialising MPI would only start a
+# singleton (MPICH's opens a listening socket on every interface and a /dev/shm segment a crash leaks).
+_MPI_HINTS = ("PMI_", "PMIX_", "OMPI_", "MV2_", "PALS_", "HYDRA_", "I_MPI_")
+
+
+def _mpi4py_world(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(rank, size, local rank) from mpi4py if it is installed and a launcher started this process
+    (an MPI launcher's variables are set): a plain process never initialises MPI."""
+    if not any(k.startswith(_MPI_HINTS) for k in env):
+        return None
     try:
         from mpi4py import MPI  # noqa: PLC0415 (optional dependency)
     except ImportError:
@@ -89,6 +99,55 @@ def _rendezvous(launcher: str, rank: int, env: dict[str, str]) -> None:
     if "MASTER_PORT" not in env:
         job = env.get("SLURM_JOB_ID", "0")
         env["MASTER_PORT"] = str(29500 + int(job) % 1000 if job.isdigit() else 29500)
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.")
+
+
+def loopback_interface() -> str | None:
+    """The name of this host's loopback interface (``lo`` on Linux, ``lo0`` on macOS), if it has one."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def keep_on_loopback(env: MutableMapping[str, str], world: int) -> None:
+    """Bind gloo's and NCCL's sockets to the loopback interface when every rank is on this host.
+
+    Why: by default they listen on the address the host name resolves to, so a job on one machine
+    (a laptop, one node, a test) would accept connections from the network. A job whose launcher says
+    all ranks are local (its local world size is the world size), or whose rendezvous address is a
+    loopback one, needs nothing else. A variable the user set is kept.
+    """
+    addr = env.get("MASTER_ADDR", "")
+    local = devices.local_world_size(env)
+    if not (world == 1 or local == world or _is_loopback(addr)):
+        return
+    lo = loopback_interface()
+    if lo is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", lo)
+        env.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def _loopback_store(env: Mapping[str, str], rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store, listening on the loopback address only, where the job's address is a
+    loopback one and a rank of the job hosts it (not torchrun's agent); else None (``env://``).
+
+    Why: torch's store server listens on every interface whatever ``MASTER_ADDR`` says; rank 0 binds
+    the listening socket itself and hands it over (``master_listen_fd``).
+    """
+    addr = env["MASTER_ADDR"]
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(addr):
+        return None
+    port = int(env["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1" if addr == "localhost" else addr, port))
+        listener.listen(max(world, 128))
+        return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
+                             master_listen_fd=os.dup(listener.fileno()))
 
 
 def _restart_store(env: dict[str, str], world: int, timeout) -> dist.Store | None:
@@ -132,7 +191,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     env = os.environ
     found = detect_launcher()
     if found is None:
-        mpi = _mpi4py_world()
+        mpi = _mpi4py_world(env)
         found = ("mpi4py", *mpi) if mpi else ("none", 0, 1, 0)
     launcher, rank, world, local = found
     if world > 1 and launcher in ("openmpi", "mpich", "slurm", "mpi4py"):
@@ -152,6 +211,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     else:
         cpu_alloc.tune()  # activations come from glibc malloc: keep freed memory between steps
     if not dist.is_initialized():
+        keep_on_loopback(env, world)
         _TIMEOUT_S[0] = float(timeout_s)
         atexit.unregister(shutdown)  # once, however often a process joins and leaves
         atexit.register(shutdown)
@@ -166,7 +226,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
             nccl = "nccl" in backend
             kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if nccl else {}
             timeout = timedelta(seconds=timeout_s)
-            store = _restart_store(env, world, timeout)
+            store = _restart_store(env, world, timeout) or _loopback_store(env, rank, world, timeout)
             if store is not None:
                 kwargs["store"] = store
             else:

@@ -75,7 +75,7 @@ def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     flip changes the second). Copies that are bit-identical give bit-identical numbers."""
     parts = []
     for t in tensors:
-        v = t.detach().reshape(-1).double()
+        v = (torch.view_as_real(t.detach()) if t.is_complex() else t.detach()).reshape(-1).double()
         weight = torch.arange(v.numel(), device=v.device, dtype=torch.float64).remainder_(7).add_(1)
         parts.append(torch.stack([v.sum(), (v * weight).sum()]))
     return torch.stack(parts).reshape(-1)

@@ -2,7 +2,9 @@
 
 Why: a damaged universe is cheaper to find before a run than in one. Every sample of every file is
 read whole and judged by the loader's own rules (:mod:`cosmoflow.validate`: layout, dtype, the range of
-counts and parameters, HDF5 checksums); each problem is one line naming the file and the sample.
+counts and parameters, a dataset of zeros, HDF5 checksums; and before any read, links that leave the
+folder and datasets the file does not hold, :mod:`hybridpar.data.hdf5`); each problem is one line
+naming the file and the sample.
 
     python -m cosmoflow.check data/train [data/val ...] [--sample-size 64] [--channels 4]
 
@@ -37,7 +39,11 @@ def check_paths(paths: list[str], sample_size: int | None, channels: int,
         try:
             for i in range(len(ds)):
                 samples += 1
-                problem = ds.problem(i)
+                try:
+                    problem = ds.problem(i)
+                except MemoryError:
+                    problem = (f"{ds.describe(i)}: a sample of {ds.sample_nbytes / 2 ** 30:.1f} GiB does not "
+                               "fit in memory to be read whole; check it in pieces with --sample-size")
                 if problem is not None:
                     bad += 1
                     out(problem)

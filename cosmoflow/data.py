@@ -26,7 +26,9 @@ the same region of the raw universe's ``linear`` dataset (the initial density fi
 h5py handles cannot cross a fork or be pickled, so files are opened lazily, on the first read in
 each process; pickling drops them and a process that finds handles opened by another pid discards
 them. The files are inspected once in :func:`open_dataset` (and closed again) to detect the
-formats and keep all labels in memory, which also gives the loader ``labels`` for free.
+formats and keep all labels in memory, which also gives the loader ``labels`` for free; before that,
+:func:`hybridpar.data.hdf5.check_datasets` refuses a file whose datasets link outside its folder or
+declare more than the file holds.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from cosmoflow.validate import (
     field_problem,
     label_problem,
 )
+from hybridpar.data.hdf5 import check_datasets
 
 Region = tuple[slice, slice, slice]
 """Three slices (start/stop, no step) in a sample's voxel coordinates along D, H, W."""
@@ -160,6 +163,7 @@ def inspect_file(path: str, sample_size: int | None, channels: int = 4, n_output
     except OSError as err:
         raise ValueError(f"{path}: not a readable HDF5 file ({err})") from None
     with f:
+        check_datasets(f, ("full", "unitPar", "linear", "x", "y"))  # before any is opened (or read)
         if "full" in f:
             full = _dataset(f, path, "full")
             want = f"(U, U, U, C >= {channels}) with U a multiple of the sample size"
@@ -366,7 +370,7 @@ class CosmoDataset:
                 lead = ((local, local + 1),) if entry.format == "packed" else ()
                 ds = self._file(entry.path)[name]
                 x = checked_read(lambda: ds[tuple(slice(a, b) for a, b in (*lead, *sel))], where)
-                problem = count_problem(x[0] if lead else x, of="the sample")
+                problem = count_problem(x[0] if lead else x, of="the sample", name=name)
             if problem is None and entry.format == "universe" and "linear" in self._file(entry.path):
                 lin = self._file(entry.path)["linear"]
                 problem = field_problem(checked_read(lambda: lin[tuple(slice(a, b) for a, b in sel)], where))
@@ -441,7 +445,7 @@ class CosmoDataset:
             x = checked_read(lambda: self._read_slab(f["x"], sel), where, _HINT)
         else:
             x = checked_read(lambda: self._read_slab(f["x"], ((local, local + 1), *sel))[0], where, _HINT)
-        problem = count_problem(x)
+        problem = count_problem(x, name="full" if entry.format == "universe" else "x")
         if problem is not None:
             raise DataError(f"{where}: {problem}{_HINT}")
         return x, self.labels[index].copy()

@@ -6,11 +6,11 @@ read (:mod:`cosmoflow.data`), so a damaged file stops a run, or with ``data.skip
 the sample that is wrong; and in :mod:`cosmoflow.check`, over every sample of a directory.
 
 Besides the layout and dtype (:func:`cosmoflow.data.inspect_file`): particle counts are non-negative
-and at most :data:`MAX_COUNT` in a voxel; parameters are finite and within [-1, 1] (``unitPar`` is
-normalised); the initial density field, where a file has one, is finite; and HDF5's Fletcher-32
-checksums, where the file was written with them (``cosmoflow.pack`` and ``cosmoflow.generate`` write
-them): HDF5 verifies a chunk on every read, and a mismatch comes back as an ``OSError`` that only says
-"filter returned failure", named here as what it is.
+and at most :data:`MAX_COUNT` in a voxel, and not all 0 (a dataset never written); parameters are
+finite and within [-1, 1] (``unitPar`` is normalised); the initial density field, where a file has one,
+is finite; and HDF5's Fletcher-32 checksums, where the file was written with them (``cosmoflow.pack``
+and ``cosmoflow.generate`` write them): HDF5 verifies a chunk on every read, and a mismatch comes back
+as an ``OSError`` that only says "filter returned failure", named here as what it is.
 """
 
 from __future__ import annotations
@@ -33,13 +33,21 @@ class DataError(Exception):
     """A sample whose content is wrong; the message names the file, the sample and what is wrong."""
 
 
-def count_problem(x: np.ndarray, of: str = "the region read") -> str | None:
+def count_problem(x: np.ndarray, of: str = "the region read", name: str = "full") -> str | None:
     """What is wrong with particle counts ``x`` (d, h, w, C), or None: negative or implausible values
-    (the first one located in ``of``)."""
-    if x.size == 0 or (x.dtype == np.int16 and int(x.view(np.uint16).max()) <= MAX_COUNT):
-        return None  # one pass over int16: a negative count reads as >= 32768 unsigned
-    if x.dtype != np.int16 and 0 <= int(x.min()) and int(x.max()) <= MAX_COUNT:
+    (the first one located in ``of``), or no particle at all: dataset ``name`` was never written (a
+    universe holds about one particle per voxel and channel, so even a thin region holds hundreds)."""
+    if x.size == 0:
         return None
+    if x.dtype == np.int16:  # one pass: a negative count reads as >= 32768 unsigned
+        low, high = 0, int(x.view(np.uint16).max())
+    else:
+        low, high = int(x.min()), int(x.max())
+    if low >= 0 and 0 < high <= MAX_COUNT:
+        return None
+    if low == high == 0:
+        return (f"every particle count of {of} in dataset '{name}' is 0: the dataset was never written (or "
+                "written empty); expected the particle counts of a universe")
     bad = (x < 0) | (x > MAX_COUNT)
     where = tuple(int(i) for i in np.argwhere(bad)[0])
     value = int(x[where])

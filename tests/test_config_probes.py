@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from cosmoflow import trainer
@@ -149,3 +151,18 @@ def test_unreadable_files_are_one_line(tmp_path, capsys):
     assert "not UTF-8 text" in _fails(capsys, "--config", str(binary))
     keys = _write(tmp_path, "1: 2\n", "keys.yaml")
     assert "config: key 1 is not a name" in _fails(capsys, "--config", keys)
+
+
+def test_data_that_cannot_be_trusted_stops_training_in_one_line(tmp_path, capsys):
+    """The data probes through the training entry: a 2 KB file declaring 64 GiB used to hang the run;
+    it is one line naming the file, exit 2 (running again would not help)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with h5py.File(data / "big.h5", "w") as f:
+        f.create_dataset("full", shape=(2048, 2048, 2048, 4), dtype=np.int16, chunks=(16, 16, 16, 4))
+        f.create_dataset("unitPar", data=np.zeros(4, np.float32))
+    line = _fails(capsys, "--set", f"data.train={data}", "--set", f"data.val={data}", "--set",
+                  f"run_dir={tmp_path / 'run'}", "--set", "data.sample_size=64", "--set", "model.n_conv=2",
+                  "--set", "parallel={grid: {data: 1}}")
+    assert line.startswith(f"error: {data / 'big.h5'}: dataset 'full': declares (2048, 2048, 2048, 4) int16 "
+                           "(64.0 GiB) but stores 0 of its 2097152 chunks"), line

@@ -5,6 +5,8 @@ loader, naming the file and the sample, whether HDF5's Fletcher-32 checksum catc
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import h5py
@@ -18,6 +20,7 @@ from cosmoflow.generate import generate
 from cosmoflow.pack import pack
 from cosmoflow.validate import DataError
 from hybridpar.data import VolumeLoader, WorkerError
+from hybridpar.data.hdf5 import UntrustedFile, check_datasets
 
 S = 16
 
@@ -126,3 +129,148 @@ def test_skip_bad_reads_the_next_good_sample_on_every_rank(tmp_path):
     (x, y), = list(loader)
     loader.close()
     assert y[:, 0].tolist() == [-0.5, -0.5] and len(loader.skipped) == 1
+
+
+# Hostile and never-written files (issue 36): each is one line naming the file and the dataset, from
+# python -m cosmoflow.check and from the loader, before anything outside the data folder is opened or
+# more than the file holds is allocated.
+
+def _zeros(path: Path, written: bool = True) -> Path:
+    """A raw universe whose counts are all 0: written as zeros, or declared and never written."""
+    with h5py.File(path, "w") as f:
+        if written:
+            f.create_dataset("full", data=np.zeros((S, S, S, 4), np.int16), chunks=(8, 8, 8, 4))
+        else:
+            f.create_dataset("full", shape=(S, S, S, 4), dtype=np.int16, chunks=(8, 8, 8, 4))
+        f.create_dataset("unitPar", data=np.array([0.5, 0.1, -0.2, 0.3], dtype=np.float32))
+    return path
+
+
+def test_all_zero_universe_is_flagged(tmp_path, capsys):
+    """Written as zeros: judged when read (the check, the loader in and out of a worker, skip_bad);
+    declared and never written: refused when opened."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _plain_universe(data / "a.h5", 0)
+    zero = _zeros(data / "z.h5")
+    assert check.main([str(data)]) == 1
+    out = capsys.readouterr()
+    assert out.out.strip().splitlines() == [
+        f"{zero}: sample 0: every particle count of the sample in dataset 'full' is 0: the dataset was never "
+        "written (or written empty); expected the particle counts of a universe"]
+    ds = open_dataset(data, sample_size=8)
+    with pytest.raises(DataError, match=rf"{zero}: sample 3 \(sub-cube \(0, 1, 1\)\), region .*: every "
+                                        r"particle count of the region read in dataset 'full' is 0"):
+        ds.read(11)
+    loader = VolumeLoader(ds, None, batch_size=16, shuffle=False, workers=1)
+    with pytest.raises(WorkerError) as caught:  # a worker's failure reaches the trainer, naming the file
+        list(loader)
+    loader.close()
+    assert isinstance(caught.value.original, DataError) and str(zero) in str(caught.value.original)
+    skipping = open_dataset(data, skip_bad=True)
+    skipping.read(1)
+    assert skipping.take_skipped() == [out.out.strip()]
+    never = _zeros(tmp_path / "never.h5", written=False)
+    with pytest.raises(ValueError, match=rf"{never}: dataset 'full': declares \(16, 16, 16, 4\) int16 \(32.0 "
+                                         r"KiB\) but stores 0 of its 8 chunks"):
+        open_dataset(never)
+
+
+def test_declared_size_is_checked_against_the_file(tmp_path, capsys):
+    """A 2 KB file declaring 64 GiB (chunked or contiguous, nothing written) is refused before a read,
+    and a file cut short (HDF5 finds that itself) too: one line each, no MemoryError."""
+    big = (2048, 2048, 2048, 4)
+    par = np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "chunked.h5", "w") as f:
+        f.create_dataset("full", shape=big, dtype=np.int16, chunks=(16, 16, 16, 4))
+        f.create_dataset("unitPar", data=par)
+    with h5py.File(tmp_path / "contiguous.h5", "w") as f:
+        f.create_dataset("full", shape=big, dtype=np.int16)
+        f.create_dataset("unitPar", data=par)
+    with h5py.File(tmp_path / "short.h5", "w") as f:
+        f.create_dataset("unitPar", data=par)
+        f.create_dataset("full", data=np.ones((S, S, S, 4), np.int16))
+    short = tmp_path / "short.h5"
+    short.write_bytes(short.read_bytes()[:-4096])
+    assert check.main([str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0] == (f"{tmp_path / 'chunked.h5'}: dataset 'full': declares (2048, 2048, 2048, 4) int16 "
+                        "(64.0 GiB) but stores 0 of its 2097152 chunks (the file is 2.0 KiB): never written, "
+                        "or written in part; expected every chunk in the file")
+    assert lines[1].startswith(f"{tmp_path / 'contiguous.h5'}: dataset 'full': declares (2048, 2048, 2048, "
+                               "4) int16 (64.0 GiB) but the file (2.0 KiB) holds nothing of it"), lines[1]
+    assert lines[2].startswith(f"{short}: not a readable HDF5 file (") and "truncated" in lines[2], lines[2]
+    with pytest.raises(ValueError, match=r"chunked\.h5: dataset 'full': declares \(2048, 2048, 2048, 4\)"):
+        open_dataset(tmp_path / "chunked.h5", sample_size=128)
+
+
+def test_links_out_of_the_data_folder_are_refused(tmp_path, monkeypatch, capsys):
+    """External links (direct, or behind a soft link), virtual datasets and external raw storage that
+    reach a file outside the data folder are refused, naming the target; a link inside it is read."""
+    outside, data = tmp_path / "outside", tmp_path / "data"
+    outside.mkdir()
+    data.mkdir()
+    _plain_universe(outside / "secret.h5", 7)
+    (outside / "raw.bin").write_bytes(np.ones((S, S, S, 4), np.int16).tobytes())
+    _plain_universe(data / "sibling.h5", 8)
+    par = np.zeros(4, np.float32)
+    with h5py.File(data / "elink.h5", "w") as f:
+        f["full"] = h5py.ExternalLink("../outside/secret.h5", "/full")
+        f["unitPar"] = par
+    with h5py.File(data / "soft.h5", "w") as f:
+        f["g"] = h5py.ExternalLink(str(outside / "secret.h5"), "/")
+        f["full"] = h5py.SoftLink("/g/full")
+        f["unitPar"] = par
+    layout = h5py.VirtualLayout(shape=(S, S, S, 4), dtype=np.int16)
+    layout[:] = h5py.VirtualSource("../outside/secret.h5", "full", shape=(S, S, S, 4))
+    with h5py.File(data / "virtual.h5", "w") as f:
+        f.create_virtual_dataset("full", layout)
+        f["unitPar"] = par
+    monkeypatch.chdir(tmp_path)  # HDF5 finds relative external raw files from the working directory
+    with h5py.File(data / "raw.h5", "w") as f:
+        f.create_dataset("full", shape=(S, S, S, 4), dtype=np.int16,
+                         external=[("outside/raw.bin", 0, S ** 3 * 8)])
+        f["unitPar"] = par
+    with h5py.File(data / "inside.h5", "w") as f:
+        f["full"] = h5py.ExternalLink("sibling.h5", "/full")
+        f["unitPar"] = par
+    secret = outside / "secret.h5"
+    expected = {
+        "elink.h5": f"an external link to '../outside/secret.h5' ({secret}), outside the data folder {data}",
+        "raw.h5": f"external raw storage in 'outside/raw.bin' ({outside / 'raw.bin'}), outside the data",
+        "soft.h5": f"an external link to '{secret}', outside the data folder {data}",
+        "virtual.h5": f"a virtual dataset drawing on '../outside/secret.h5' ({secret}), outside the data",
+    }
+    for name, message in expected.items():
+        with pytest.raises(ValueError) as err:
+            open_dataset(data / name)
+        assert str(err.value).startswith(f"{data / name}: dataset 'full': {message}"), str(err.value)
+    assert check.main([str(data)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and all(any(n in line for n in expected) for line in lines), lines
+    x, _ = open_dataset(data / "inside.h5").read(0)
+    ref, _ = open_dataset(data / "sibling.h5").read(0)
+    torch.testing.assert_close(x, ref)
+
+
+def test_link_loops_fifos_and_unmapped_virtual_values_are_refused(tmp_path):
+    """Links that never end, a link to something that is not a file, and a virtual dataset whose
+    unmapped values would read as fill values: each one line, found by the walk alone."""
+    with h5py.File(tmp_path / "loop.h5", "w") as f:
+        f["full"] = h5py.SoftLink("/a")
+        f["a"] = h5py.SoftLink("/full")
+        f["x"] = h5py.ExternalLink("loop.h5", "/x")
+        f["src"] = np.ones((2, 4), np.int16)
+        layout = h5py.VirtualLayout(shape=(4, 4), dtype=np.int16)
+        layout[:2] = h5py.VirtualSource(".", "src", shape=(2, 4))
+        f.create_virtual_dataset("y", layout)
+        f["pipe"] = h5py.ExternalLink("fifo", "/x")
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer forever
+    with h5py.File(tmp_path / "loop.h5", "r") as f:
+        fifo = f"an external link to 'fifo' ({tmp_path / 'fifo'}), which is not a regular file"
+        for name, message in [("full", "more than 8 links to follow"), ("x", "more than 8 links to follow"),
+                              ("y", "maps 8 of its 16 values to sources"), ("pipe", fifo)]:
+            with pytest.raises(UntrustedFile, match=re.escape(f"loop.h5: dataset '{name}': ")) as err:
+                check_datasets(f, [name])
+            assert message in str(err.value), err.value

@@ -10,6 +10,8 @@ The pieces, one idea per module:
   each rank reading only the pre-image of its shard;
 * :mod:`~hybridpar.data.workers` - reader processes prefetching batches through shared memory;
 * :mod:`~hybridpar.data.staging` - copying the dataset's files to node-local storage first;
+* :mod:`~hybridpar.data.hdf5` - what an HDF5 file may point at (nothing outside its folder) and claim
+  (no more than it holds), checked before it is read;
 * :mod:`~hybridpar.data.loader` - :class:`VolumeLoader`, which puts them together and keeps the
   position a checkpoint saves.
 

@@ -2,6 +2,10 @@
 
 Why: a run must fail in its first second, with a message that names the key and what would fit, not
 an hour later. The config is also copied into the run directory, so a run can be repeated exactly.
+
+A config is plain data: YAML without tags (``!!python/...`` constructs nothing), its aliases bounded
+(:data:`MAX_YAML_NODES`), every value checked against its field's type and range (:data:`AT_LEAST`);
+any of these is a :class:`ConfigError`, which the training entry reports in one line with exit 2.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         meta = body["metadata"]
         usable, problems = verify_version(levels, body, full=args.full)
         check = ("ok" if not problems else f"ok, {len(problems)} damaged cop(ies)") if usable else \
-            f"BAD: {problems[-1]}"
+            f"BAD: {problems[-1]}" + (f" ({problems[0]})" if len(problems) > 1 else "")
         if usable and not args.full:
             check += " (headers; --full reads all)"
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -154,7 +154,8 @@ def _unleaf(x: Any, depth: int = 0) -> Any:
 
 def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     if type(x) is not int or not lo <= x <= hi:
-        raise BadHeader(f"{what} is {str(x)[:40]}, not an integer in {lo}..{hi}")
+        span = "0..2**62" if (lo, hi) == (0, 1 << 62) else f"{lo}..{hi}"
+        raise BadHeader(f"{what} is {repr(x)[:40]}, not an integer in {span}")
     return x
 
 
@@ -172,10 +173,10 @@ def check_table(entries: Iterable[Any], data_start: int, data_end: int) -> dict[
             raise BadHeader(f"{name} has dtype {str(e.dtype)[:40]!r}, not one a checkpoint stores")
         if type(e.shape) not in (list, tuple) or len(e.shape) > MAX_DIMS:
             raise BadHeader(f"{name} has shape {str(e.shape)[:60]}, not a list of at most {MAX_DIMS} sizes")
-        shape = tuple(_int(d, f"{name}'s shape {str(e.shape)[:60]} holds a size that") for d in e.shape)
-        offset = _int(e.offset, f"{name}'s offset")
-        nbytes = _int(e.nbytes, f"{name}'s byte count")
-        crc = _int(e.crc, f"{name}'s crc32", hi=0xFFFFFFFF)
+        shape = tuple(_int(d, f"{name} has shape {str(e.shape)[:60]}: a size") for d in e.shape)
+        offset = _int(e.offset, f"{name} offset")
+        nbytes = _int(e.nbytes, f"{name} byte count")
+        crc = _int(e.crc, f"{name} crc32", hi=0xFFFFFFFF)
         want = math.prod(shape) * DTYPES[e.dtype].itemsize
         if want != nbytes:
             raise BadHeader(f"{name} of shape {list(shape)[:8]} and dtype {e.dtype} holds {want} bytes, its "

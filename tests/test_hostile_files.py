@@ -451,14 +451,20 @@ def test_manifest_names_stay_inside_the_version_folder(tmp_path, name, capsys):
     assert "not a checkpoint file's name" in capsys.readouterr().out
 
 
-def test_a_symlink_out_of_the_version_folder_is_refused(tmp_path):
+@pytest.mark.parametrize("target", ["outside", "a loop"])
+def test_a_symlink_out_of_the_version_folder_is_refused(tmp_path, target, capsys):
     root = tmp_path / "run"
     old, new = _two_versions(root)
     outside = tmp_path / "elsewhere.bin"
     (new / "stage-000.bin").rename(outside)
-    (new / "stage-000.bin").symlink_to(outside)
-    with Checkpointer(root) as ck, pytest.warns(UserWarning, match="symlink out of its version folder"):
+    (new / "stage-000.bin").symlink_to(outside if target == "outside" else new / "stage-000.bin")
+    says = "symlink out of its version folder" if target == "outside" else "symlink loop"
+    with Checkpointer(root) as ck, pytest.warns(UserWarning, match=says):
         assert ck.load()["step"] == 1
+    (new / mf.MANIFEST).rename(new / "m.json")
+    (new / mf.MANIFEST).symlink_to(new / mf.MANIFEST if target == "a loop" else new / "m.json")
+    assert cli(["verify", str(root)]) == 1
+    assert "UNUSABLE" in capsys.readouterr().out
 
 
 def test_retention_never_deletes_through_a_symlinked_version(tmp_path):

@@ -56,12 +56,16 @@ def _admitted() -> dict[tuple[str, str], Any]:
 ADMITTED = _admitted()
 
 
+def _admit(module: str, name: str) -> Any:
+    found = ADMITTED.get((module, name))
+    if found is None:
+        raise BadHeader(f"header references {module}.{name}, refused (a checkpoint is data)")
+    return found
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        found = ADMITTED.get((module, name))
-        if found is None:
-            raise BadHeader(f"header references {module}.{name}, refused (a checkpoint is data)")
-        return found
+        return _admit(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise BadHeader("header holds a persistent id, refused (a checkpoint is data)")
@@ -74,7 +78,7 @@ def _loads(raw: bytes) -> Any:
         for op, arg, _ in pickletools.genops(io.BytesIO(raw)):
             if op.name == "GLOBAL":  # protocol <= 3 names the global inline: refuse before unpickling
                 module, _, name = str(arg).partition(" ")
-                _Unpickler.find_class(None, module, name)  # type: ignore[arg-type]
+                _admit(module, name)
     except BadHeader:
         raise
     except Exception as e:  # noqa: BLE001 (pickletools raises ValueError and others on a bad stream)

@@ -85,8 +85,13 @@ def confined(vdir: Path, name: str) -> Path:
         raise CorruptFile(f"{vdir}: file name {name[:80]!r} is not a checkpoint file's name (names stay "
                           f"inside their version folder)")
     path = vdir / name
-    if path.is_symlink() and not path.resolve().is_relative_to(vdir.resolve()):
-        raise CorruptFile(f"{path}: a symlink out of its version folder, refused")
+    if path.is_symlink():
+        try:
+            inside = path.resolve().is_relative_to(vdir.resolve())
+        except (OSError, RuntimeError):  # RuntimeError before Python 3.13
+            raise CorruptFile(f"{path}: a symlink loop, refused") from None
+        if not inside:
+            raise CorruptFile(f"{path}: a symlink out of its version folder, refused")
     return path
 
 

@@ -4,7 +4,7 @@ Why: a run must fail in its first second, with a message that names the key and 
 an hour later. The config is also copied into the run directory, so a run can be repeated exactly.
 
 A config is plain data: YAML without tags (``!!python/...`` constructs nothing), its aliases bounded
-(:data:`MAX_YAML_NODES`), every value checked against its field's type and range (:data:`AT_LEAST`);
+(:mod:`hybridpar.plain_yaml`), every value checked against its field's type and range (:data:`AT_LEAST`);
 any of these is a :class:`ConfigError`, which the training entry reports in one line with exit 2.
 """
 
@@ -14,14 +14,12 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-import yaml
-
+from hybridpar.plain_yaml import YamlProblem, read_plain
 from hybridpar.planner.config import check_keys
 
 
@@ -152,75 +150,13 @@ class Config:
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest config file read: real ones are a few KB."""
-MAX_YAML_NODES = 10_000
-"""Most values a config may hold once its aliases are expanded: real ones hold about a hundred, and a
-1 KB file of nested aliases ("billion laughs") would otherwise expand to 10^9 as it is validated."""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader (plain values only: a ``!!python`` or unknown tag is refused), which
-    also refuses a document whose aliases expand it past :data:`MAX_YAML_NODES` values."""
-
-    def get_single_node(self) -> yaml.Node | None:
-        node = super().get_single_node()
-        if node is not None:
-            _expanded_size(node, {})
-        return node
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int | None]) -> int:
-    """Values under ``node`` with every alias expanded, each shared node sized once (None: in progress,
-    so meeting it again is an alias inside its own anchor)."""
-    key = id(node)
-    if key in sizes:
-        size = sizes[key]
-        if size is None:
-            raise yaml.YAMLError(f"line {node.start_mark.line + 1}: an alias refers to a value that contains "
-                                 "it (an endless value)")
-        return size
-    sizes[key] = None
-    children: list[yaml.Node] = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
-    total = 1
-    for child in children:
-        total += _expanded_size(child, sizes)
-        if total > MAX_YAML_NODES:
-            raise yaml.YAMLError(f"line {node.start_mark.line + 1}: its aliases expand to more than "
-                                 f"{MAX_YAML_NODES} values (a config holds about a hundred)")
-    sizes[key] = total
-    return total
-
-
 def read_yaml(text: str, source: str) -> Any:
     """Plain YAML values from ``text`` (bounded, no tags); a :class:`ConfigError` naming ``source``,
     the line and the problem otherwise."""
-    loader = _BoundedLoader(text)
     try:
-        return loader.get_single_data()
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: {_yaml_problem(err)}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: nested too deeply to be a config") from None
-    finally:
-        loader.dispose()
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """One line for a YAML error: where, and what (a tag: that a config holds plain values only)."""
-    if not isinstance(err, yaml.MarkedYAMLError):
-        return str(err)
-    mark = err.problem_mark or err.context_mark
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    problem = str(err.problem or err.context)
-    tag = re.search(r"constructor for the tag '([^']*)'", problem)
-    if tag:
-        name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
-        return (f"{where}the tag {name} is not allowed: a config holds plain values (numbers, strings, "
-                "true/false, null, lists and mappings), never objects")
-    return f"{where}not valid YAML ({problem})"
+        return read_plain(text)
+    except YamlProblem as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def _describe(typ: Any) -> str:

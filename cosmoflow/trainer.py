@@ -36,7 +36,7 @@ import yaml
 
 import hybridpar as hp
 from cosmoflow import errors
-from cosmoflow.config import Config, ConfigError
+from cosmoflow.config import Config, ConfigError, read_yaml
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
@@ -90,7 +90,7 @@ def _write_config(run_dir: Path, cfg: Config) -> None:
     path = run_dir / "config.yaml"
     n = 1
     while path.exists():
-        if yaml.safe_load(path.read_text()) == cfg.to_dict():
+        if read_yaml(path.read_text(), str(path)) == cfg.to_dict():
             return
         path = run_dir / f"config.{n}.yaml"
         n += 1

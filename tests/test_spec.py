@@ -577,3 +577,13 @@ def test_explain_cli_dotted_module_world_size_and_errors(tmp_path, capsys, monke
     assert capsys.readouterr().err.startswith("error: grid: data(-1) * pipe(1) * spatial(2*1*1)")
     assert main([*args, "4", "--model", "fake_models:nope"]) == 2
     assert "has no attribute 'nope'" in capsys.readouterr().err
+
+
+def test_spec_yaml_is_plain_and_bounded():
+    """A spec file is data: a tag constructs nothing, and nested aliases are refused before they expand."""
+    raises(["spec.yaml: line 1, column 7", "the tag !!python/object/apply:os.system is not allowed"],
+           ParallelSpec.from_yaml, 'grid: !!python/object/apply:os.system ["true"]\n', "spec.yaml")
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdef", "bcdefg"))
+    raises(["spec.yaml: line", "its aliases expand to more than 10000 values"], ParallelSpec.from_yaml, bomb,
+           "spec.yaml")

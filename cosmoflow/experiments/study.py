@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from cosmoflow.config import Config, ConfigError, load_config, set_key
+from cosmoflow.config import Config, ConfigError, load_config, read_yaml, set_key
 from cosmoflow.universe import VOXEL_MPC
 
 
@@ -134,7 +134,7 @@ def read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"study config {path} does not exist (see launch/configs/volume_study.yaml)")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, seen))}")
-    tree = yaml.safe_load(path.read_text()) or {}
+    tree = read_yaml(path.read_text(), str(path)) or {}
     unknown = set(tree) - _KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (valid: {', '.join(sorted(_KEYS))})")

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from hybridpar.plain_yaml import YamlProblem, read_plain
 from hybridpar.planner.schedule import SCHEDULES
 from hybridpar.planner.terms import SpecError, Split, check_keys, did_you_mean
 
@@ -253,9 +254,9 @@ class ParallelSpec:
     def from_yaml(cls, text: str, source: str = "<string>") -> ParallelSpec:
         """Parse YAML text; errors are prefixed with ``source``."""
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise SpecError(f"{source}: not valid YAML: {err}") from None
+            data = read_plain(text)
+        except YamlProblem as err:
+            raise SpecError(f"{source}: {err}") from None
         try:
             return cls.from_dict(data)
         except SpecError as err:

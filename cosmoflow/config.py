@@ -56,6 +56,9 @@ class ModelConfig:
                                          # statistics or the training set's (RunningStandardize)
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
     power_spectrum: bool = False         # a P(k) branch of the input channels into the head
+    init_from: str | None = None         # start from these weights: a safetensors file or a weights-only
+                                         # torch state dict (hybridpar.checkpoint export writes both);
+                                         # a resumed checkpoint still wins
 
 
 @dataclass

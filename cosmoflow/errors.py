@@ -34,23 +34,37 @@ class IncompatibleCheckpoint(ConfigError):
     """The run directory's checkpoint holds another model than this config builds."""
 
 
-def check_resumable(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], where: str) -> None:
-    """Raise :class:`IncompatibleCheckpoint` naming the keys that differ (a few, and how many), instead of
-    torch's one ``size mismatch`` line per tensor."""
+def _differences(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any]) -> list[str]:
+    """The keys in which a saved state dict differs from a model's (a few of each kind, and how many)."""
     have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
     wrong = [f"{k} {have[k]} saved, {shapes[k]} now" for k in shapes if k in have and have[k] != shapes[k]]
     parts = []
     missing, unexpected = sorted(set(shapes) - set(have)), sorted(set(have) - set(shapes))
-    for what, keys in (("shape mismatches", wrong), ("missing from the checkpoint", missing),
+    for what, keys in (("shape mismatches", wrong), ("missing from the file", missing),
                        ("unexpected (not in this model)", unexpected)):
         if keys:
             more = f", and {len(keys) - 3} more" if len(keys) > 3 else ""
             parts.append(f"{len(keys)} {what} ({'; '.join(keys[:3])}{more})")
+    return parts
+
+
+def check_resumable(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], where: str) -> None:
+    """Raise :class:`IncompatibleCheckpoint` naming the keys that differ (a few, and how many), instead of
+    torch's one ``size mismatch`` line per tensor."""
+    parts = _differences(shapes, saved)
     if parts:
         raise IncompatibleCheckpoint(
             f"cannot resume: {where} holds another model than this config builds: {'; '.join(parts)}. The "
             f"model settings changed since it was saved; start afresh with --set checkpoint.resume=false "
             f"or use a new run_dir")
+
+
+def check_initial(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], where: str) -> None:
+    """As :func:`check_resumable`, for the weights ``model.init_from`` names."""
+    parts = _differences(shapes, saved)
+    if parts:
+        raise ConfigError(f"model.init_from: {where} holds another model than this config builds: "
+                          f"{'; '.join(parts)}")
 
 
 def newest_checkpoint(ckpt: Checkpointer) -> str:

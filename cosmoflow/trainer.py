@@ -45,8 +45,10 @@ from cosmoflow.optim import lr_of_step, make_optimizer, set_lr
 from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report, voxel_of
 from hybridpar.checkpoint import (
     Checkpointer,
+    CheckpointError,
     faults,
     load_optimizer_state,
+    load_weights,
     optimizer_state,
     rng_state,
     set_rng_state,
@@ -190,6 +192,17 @@ def _build_model(cfg: Config, channels: int) -> torch.nn.Module:
                        spectrum_stats=m.spectrum_stats)
 
 
+def _init_from(model: torch.nn.Module, path: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Load a safetensors or weights-only PyTorch state dict (``python -m hybridpar.checkpoint export``
+    writes both) into ``model``, every key matching; a bad file or another model is one config line."""
+    try:
+        state = load_weights(path)
+    except CheckpointError as err:
+        raise ConfigError(f"model.init_from: {err}") from None
+    errors.check_initial(shapes, state, path)
+    model.load_state_dict(state, strict=True)
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline, or
     the reconstruction's scores)."""
@@ -213,6 +226,8 @@ def run(cfg: Config) -> dict[str, Any]:
     accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
     model = _build_model(cfg, channels).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.model.init_from:  # weights trained elsewhere (a resumed checkpoint still wins over them)
+        _init_from(model, cfg.model.init_from, shapes)
     batch = cfg.train.batch_size
     # the mean over every voxel (reconstruct) or output: hybridpar weighs each shard by its volume share
     engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(batch, channels, S, S, S),

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from cosmoflow.config import ConfigError, load_config
 from hybridpar.checkpoint.faults import ENV
@@ -186,3 +187,31 @@ def test_augmented_training_rolls_whole_universes_only(tiny_data, tmp_path):
     errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")]   # once per job
     assert bad.returncode != 0 and 2 in bad.codes, (bad.codes, bad.stderr[-3000:])   # a config error
     assert len(errors) == 1 and "data.augment: symmetries+shifts rolls samples periodically" in errors[0]
+
+
+def test_init_from_exported_weights(tiny_data, tmp_path):
+    """Weights go both ways: a run's checkpoint exported as safetensors starts another run
+    (``model.init_from``), which at learning rate 0 ends with exactly those weights; a file of another
+    model is one line with exit 2."""
+    from safetensors.torch import load_file
+
+    from hybridpar.checkpoint.__main__ import main as checkpoint_cli
+
+    first = train_script(_args(tiny_data, tmp_path / "a", "train.epochs=1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    exported = tmp_path / "a.safetensors"
+    assert checkpoint_cli(["export", str(tmp_path / "a"), str(exported), "--format", "safetensors"]) == 0
+    frozen = ("optimizer.base_lr=0.0", "optimizer.momentum=0.0", "train.epochs=1")
+    second = train_script(_args(tiny_data, tmp_path / "b", f"model.init_from={exported}", *frozen))
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = tmp_path / "b.safetensors"
+    assert checkpoint_cli(["export", str(tmp_path / "b"), str(again), "--format", "safetensors"]) == 0
+    want, got = load_file(str(exported)), load_file(str(again))
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    other = train_script(_args(tiny_data, tmp_path / "c", f"model.init_from={exported}", "model.dense=[16]"))
+    assert set(other.codes) == {2}, (other.codes, other.stderr[-3000:])
+    lines = [ln for ln in other.stderr.splitlines() if "model.init_from" in ln]
+    assert len(lines) == 1 and "holds another model than this config builds" in lines[0], other.stderr[-3000:]
+    assert "Traceback" not in other.stderr, other.stderr[-3000:]

@@ -43,14 +43,14 @@ def _body(rank: int, world: int, split: tuple[int, int, int]) -> None:
         pool = nn.AdaptiveAvgPool3d(1)
         dconv, dpool = to_distributed(copy.deepcopy(conv), grid), to_distributed(pool, grid)
 
-        def whole(t: torch.Tensor) -> torch.Tensor:
+        def whole(t: torch.Tensor, conv: nn.Module = conv, pool: nn.Module = pool) -> torch.Tensor:
             y = torch.tanh(conv(t))
             y = y * torch.sigmoid(pool(y))  # a squeeze-and-excitation gate, replicated
             modes = torch.fft.rfftn(y, dim=(-3, -2, -1))
             k = hp.fft.wavenumbers(tuple(t.shape[2:]), torch.float64, t.device)
             return torch.fft.irfftn(modes * _filter(*k), s=t.shape[2:], dim=(-3, -2, -1))
 
-        def split_(t: torch.Tensor) -> torch.Tensor:
+        def split_(t: torch.Tensor, dconv: nn.Module = dconv, dpool: nn.Module = dpool) -> torch.Tensor:
             y = torch.tanh(dconv(hp.scatter(t, grid)))
             y = y * replicated_into_shards(torch.sigmoid(dpool(y)), group)
             s = hp.fft.rfftn(y, grid)

@@ -78,13 +78,8 @@ def write(vdir: Path, body: dict[str, Any], tag: str,
     fsync_dir(vdir)
 
 
-def confined(vdir: Path, name: str) -> Path:
-    """``vdir / name``, or CorruptFile unless ``name`` is a plain file name whose path resolves inside
-    ``vdir`` (a version folder that is itself a symlink is followed; nothing inside it may lead out)."""
-    if not (_FILE.match(name) or name == MANIFEST):
-        raise CorruptFile(f"{vdir}: file name {name[:80]!r} is not a checkpoint file's name (names stay "
-                          f"inside their version folder)")
-    path = vdir / name
+def _inside(vdir: Path, path: Path) -> Path:
+    """``path``, or CorruptFile if it is a symlink that resolves outside ``vdir`` (or loops)."""
     if path.is_symlink():
         try:
             inside = path.resolve().is_relative_to(vdir.resolve())
@@ -95,9 +90,18 @@ def confined(vdir: Path, name: str) -> Path:
     return path
 
 
+def confined(vdir: Path, name: str) -> Path:
+    """``vdir / name``, or CorruptFile unless ``name`` is a plain rank-file name whose path resolves inside
+    ``vdir`` (a version folder that is itself a symlink is followed; nothing inside it may lead out)."""
+    if not _FILE.match(name):
+        raise CorruptFile(f"{vdir}: file name {name[:80]!r} is not a checkpoint file's name (names stay "
+                          f"inside their version folder)")
+    return _inside(vdir, vdir / name)
+
+
 def read(vdir: Path) -> dict[str, Any] | None:
     """The manifest of ``vdir``; None if there is none (an incomplete version); CorruptFile if damaged."""
-    path = confined(vdir, MANIFEST)
+    path = _inside(vdir, vdir / MANIFEST)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -127,7 +131,7 @@ def read(vdir: Path) -> dict[str, Any] | None:
     if problem:
         raise CorruptFile(f"{path}: {problem}")
     for fname in body["files"]:
-        confined(vdir, fname if fname != MANIFEST else "/")
+        confined(vdir, fname)
     return body
 
 

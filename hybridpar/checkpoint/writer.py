@@ -313,8 +313,8 @@ class Writer:
         else:
             kept = keep(policy, complete)
         for name, body, problem in entries:
-            if name in kept or name in protected or problem is not None or (d / name).is_symlink():
-                continue  # a symlinked version is never deleted through (remove_version refuses it too)
+            if name in kept or name in protected or problem is not None:
+                continue
             parsed = mf.parse_name(name)
             assert parsed is not None
             if body is None and parsed[1] == self.session and parsed[2] >= seq:

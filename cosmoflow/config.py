@@ -151,8 +151,6 @@ class Config:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-MAX_CONFIG_BYTES = 1 << 20
-"""Largest config file read: real ones are a few KB."""
 def read_yaml(text: str, source: str) -> Any:
     """Plain YAML values from ``text`` (bounded, no tags); a :class:`ConfigError` naming ``source``,
     the line and the problem otherwise."""
@@ -289,6 +287,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read: real ones are a few KB."""
 
 
 def _config_text(p: Path) -> str:

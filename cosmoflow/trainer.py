@@ -56,7 +56,7 @@ from hybridpar.checkpoint import (
 from hybridpar.data import Augment, VolumeLoader
 from hybridpar.device.accel import Accel
 from hybridpar.process import failure
-from hybridpar.process.launchers import collective_timeout
+from hybridpar.process.lifetime import collective_timeout
 from hybridpar.profiling import StepTimer
 from hybridpar.profiling import range as prange
 from hybridpar.profiling.hostinfo import machine_info

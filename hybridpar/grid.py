@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from hybridpar.process.launchers import collective_timeout, on_shutdown
+from hybridpar.process.lifetime import collective_timeout, on_shutdown
 
 AXES = ("d", "h", "w")
 _GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}

@@ -154,8 +154,7 @@ def path_for(results: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from cosmoflow.config import ConfigError  # noqa: PLC0415
-    from cosmoflow.experiments.study import load_study  # noqa: PLC0415
-    from cosmoflow.experiments.volume import prepare_data  # noqa: PLC0415
+    from cosmoflow.experiments.study import load_study, prepare_data  # noqa: PLC0415
 
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m cosmoflow.experiments.reference",

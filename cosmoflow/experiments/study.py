@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from cosmoflow.config import Config, ConfigError, load_config, read_yaml, set_key
+from cosmoflow.generate import generate
 from cosmoflow.universe import VOXEL_MPC
 
 
@@ -217,3 +218,18 @@ def load_study(path: str | Path, out: str | None = None, results: str | None = N
         except ConfigError as err:
             raise ConfigError(f"{p}: sizes.{run.size}: {err}") from None
     return study
+
+
+def prepare_data(study: Study) -> None:
+    """Generate the study's universes, or reuse those already there: the training runs and the
+    classical reference (:mod:`.reference`) read the same files."""
+    u = study.universes
+    for split, n, seed in (("train", u.train, u.train_seed), ("val", u.val, u.val_seed)):
+        out = u.split_dir(split)
+        have = sorted(out.glob("*.h5")) if out.is_dir() else []
+        if len(have) > n:
+            raise ConfigError(f"{out}: {len(have)} universes, but the study asks for {n}; the directory "
+                              "must hold exactly its set (remove the extra files or change universes.dir)")
+        generate(out, n, u.size, workers=u.workers, seed=seed, smoothing=u.smoothing, linear=False,
+                 voxel_mpc=u.voxel_mpc,
+                 progress=len(have) < n)

@@ -45,8 +45,7 @@ from cosmoflow.experiments.report import (
     size_entry,
     table,
 )
-from cosmoflow.experiments.study import SizeRun, Study, load_study
-from cosmoflow.generate import generate
+from cosmoflow.experiments.study import SizeRun, Study, load_study, prepare_data
 from cosmoflow.metrics import CsvLog
 from cosmoflow.model import count_parameters
 from hybridpar.profiling.hostinfo import machine_info
@@ -107,19 +106,6 @@ def _launch(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, float]
 def _failed(what: str, rc: int, log: Path) -> RuntimeError:
     tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
     return RuntimeError(f"{what} failed (exit {rc}); the end of {log}:\n{tail}")
-
-
-def prepare_data(study: Study) -> None:
-    u = study.universes
-    for split, n, seed in (("train", u.train, u.train_seed), ("val", u.val, u.val_seed)):
-        out = u.split_dir(split)
-        have = sorted(out.glob("*.h5")) if out.is_dir() else []
-        if len(have) > n:
-            raise ConfigError(f"{out}: {len(have)} universes, but the study asks for {n}; the directory "
-                              "must hold exactly its set (remove the extra files or change universes.dir)")
-        generate(out, n, u.size, workers=u.workers, seed=seed, smoothing=u.smoothing, linear=False,
-                 voxel_mpc=u.voxel_mpc,
-                 progress=len(have) < n)
 
 
 def _train(study: Study, run: SizeRun, seed: int, env: dict[str, str]) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from hybridpar.comm.redistribute import local_box, redistribute
 from hybridpar.comm.reduce import mark_grad_split, sync_grads
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.formulas import LayerGeometry, Work
+from hybridpar.nn.sharing import sharing_copy
 from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
 from hybridpar.nn.spectral import kept_indices
 
@@ -60,13 +61,6 @@ __all__ = ["DistGridEmbeddingND", "DistSpectralConv", "register"]
 
 def _refuse(layer: str, what: str, fits: str) -> ValueError:
     return ValueError(f"{layer}: {what} does not run on a split volume; {fits}")
-
-
-def _copy(m: nn.Module) -> nn.Module:
-    """``m`` as it is, sharing its tensors: what a rank runs where the volume is not split."""
-    from hybridpar.pipeline.convert import sharing_copy  # noqa: PLC0415 (the pipeline imports hybridpar.nn)
-
-    return sharing_copy(m)
 
 
 # ---------------------------------------------------------------------- the spectral convolution
@@ -302,7 +296,7 @@ def spectral_conv_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple
 
 def _spectral_conv(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
     if grid.spatial_size == 1:
-        return _copy(m)
+        return sharing_copy(m)  # where the volume is not split: theirs, sharing its tensors
     return DistSpectralConv(m, grid=grid)
 
 
@@ -346,7 +340,7 @@ class DistGridEmbeddingND(SpatialLayer):
 
 def _grid_embedding(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
     if grid.spatial_size == 1:
-        return _copy(m)
+        return sharing_copy(m)  # where the volume is not split: theirs, sharing its tensors
     return DistGridEmbeddingND(m, grid=grid)
 
 

@@ -5,18 +5,18 @@ Why: users write ordinary models; the spec says per layer how it is split. The l
 (so they agree by construction); this module then hands it the torch layer's own parameters and
 buffers (the same tensors, not copies), as FSDP2's ``fully_shard`` keeps the user's: an optimizer
 built on ``model.parameters()`` trains what the engine runs, and ``model.state_dict()`` is current
-after training. Layers that work voxel by voxel run as copies of the module sharing those tensors.
+after training (:mod:`hybridpar.nn.sharing`). Layers that work voxel by voxel run as copies of the module
+sharing those tensors.
 """
 
 from __future__ import annotations
 
-import copy
-
 from torch import nn
 
-from hybridpar.comm.reduce import grad_split, mark_grad_split
+from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
+from hybridpar.nn.sharing import share_state, sharing_copy
 
 
 def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn.Module:
@@ -38,25 +38,3 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False) -> nn
     share_state(m, d)
     d.train(m.training)
     return d
-
-
-def sharing_copy(m: nn.Module) -> nn.Module:
-    """A copy of ``m`` whose parameters and buffers are ``m``'s own tensors."""
-    return copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers())})
-
-
-def share_state(src: nn.Module, dst: nn.Module) -> None:
-    """Make ``dst``'s state-dict entries ``src``'s own tensors (the two have the same keys and shapes),
-    with what ``dst`` recorded of its own (how many shards contribute to a parameter's gradient)."""
-    own = dst.state_dict(keep_vars=True)
-    for key, t in src.state_dict(keep_vars=True).items():
-        if key not in own or own[key].shape != t.shape:
-            raise ValueError(f"{type(dst).__name__}: has no state entry {key} of shape {list(t.shape)} "
-                             f"like {type(src).__name__}'s")
-        path, _, name = key.rpartition(".")
-        holder = dst.get_submodule(path)
-        if name in holder._parameters:
-            mark_grad_split([t], grad_split(own[key]))
-            holder._parameters[name] = t
-        else:
-            holder._buffers[name] = t

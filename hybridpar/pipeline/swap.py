@@ -21,7 +21,7 @@ from torch import nn
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.layout import Gather
-from hybridpar.pipeline.convert import sharing_copy
+from hybridpar.nn.sharing import sharing_copy
 from hybridpar.planner.swapped import leaves
 
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]

@@ -15,7 +15,7 @@ import gc
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hybridpar.comm import devices
 from hybridpar.device import cpu_alloc
+from hybridpar.process.lifetime import forget_group_state, set_collective_timeout
 
 # (rank, world size, local rank) variables of each launcher, in the order they are tried.
 _LAUNCHERS: dict[str, tuple[str, str, str]] = {
@@ -166,16 +167,6 @@ def _restart_store(env: dict[str, str], world: int, timeout) -> dist.Store | Non
     return dist.PrefixStore(f"hybridpar/attempt{env['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
-_TIMEOUT_S = [600.0]  # the job's collective timeout, set when init_distributed creates the group
-
-
-def collective_timeout() -> timedelta:
-    """How long any collective or transfer of this job waits for a peer: ``init_distributed``'s
-    ``timeout_s``, given to every group hybridpar creates (``new_group`` would otherwise take
-    torch's 30-minute default, not the default group's)."""
-    return timedelta(seconds=_TIMEOUT_S[0])
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> LaunchInfo:
     """Join the job's process group (idempotent) and return where this process sits.
 
@@ -184,9 +175,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
     runs unchanged. A world larger than one without rendezvous information is an error naming the
     variables looked for.
 
-    ``timeout_s`` bounds every wait for a peer (:func:`collective_timeout`); each rank also beats a
-    heartbeat into the rendezvous store, so that a timeout can name the ranks that stopped answering
-    (:mod:`hybridpar.comm.liveness`).
+    ``timeout_s`` bounds every wait for a peer (:func:`hybridpar.process.lifetime.collective_timeout`);
+    each rank also beats a heartbeat into the rendezvous store, so that a timeout can name the ranks
+    that stopped answering (:mod:`hybridpar.comm.liveness`).
     """
     env = os.environ
     found = detect_launcher()
@@ -212,7 +203,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> La
         cpu_alloc.tune()  # activations come from glibc malloc: keep freed memory between steps
     if not dist.is_initialized():
         keep_on_loopback(env, world)
-        _TIMEOUT_S[0] = float(timeout_s)
+        set_collective_timeout(timeout_s)
         atexit.unregister(shutdown)  # once, however often a process joins and leaves
         atexit.register(shutdown)
         if world == 1 and "MASTER_ADDR" not in env:
@@ -264,19 +255,8 @@ def shutdown() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    for forget in _FORGET:
-        forget()
+    forget_group_state()
     gc.collect()
-
-
-_FORGET: list[Callable[[], None]] = []
-
-
-def on_shutdown(forget: Callable[[], None]) -> None:
-    """Have :func:`shutdown` call ``forget`` once the process group is destroyed: a module that caches
-    what belongs to the group (the grids' sub-groups) drops it, so a later ``init_distributed``
-    makes its own."""
-    _FORGET.append(forget)
 
 
 def device() -> torch.device:

@@ -31,8 +31,8 @@ import torch
 
 from hybridpar.comm.redistribute import infer_global_shape, local_box, redistribute, redistribute_tensor
 from hybridpar.device.eager import eager
-from hybridpar.geometry import pencil, redistribute_volume
 from hybridpar.grid import ProcessGrid
+from hybridpar.relayout import pencil, redistribute_volume
 
 __all__ = ["GROUPS", "GROUP_BYTES", "Spectrum", "group_count", "irfftn", "rfftn", "transpose_elements",
            "wavenumbers"]

@@ -12,9 +12,9 @@ import math
 from collections.abc import Sequence
 
 from hybridpar.flops import received_halo
-from hybridpar.geometry import redistribute_volume
 from hybridpar.perfmodel.machine import Link, Machine
 from hybridpar.planner.terms import Split
+from hybridpar.relayout import redistribute_volume
 
 __all__ = ["allreduce_parts", "allreduce_time", "halo_bytes", "link_between", "redistribute_volume",
            "redistribution"]

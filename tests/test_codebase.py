@@ -1,6 +1,6 @@
 """Rules of the code's shape that a reviewer would otherwise check by hand (no process group, no
-model), each checked on the tree and, so that a rule cannot pass by seeing nothing, on a small example
-that breaks it:
+model). The two that read code (the import graph, the layer-type tests) are also run on small examples
+that break them, so that neither can pass by seeing nothing:
 
 * the import graph of ``hybridpar/`` and ``cosmoflow/`` has no cycle, counting imports inside
   functions and the package ``__init__`` files an import runs (importing ``a.b`` runs ``a/__init__``
@@ -187,6 +187,7 @@ def test_the_cycle_rule_sees_init_files_and_function_level_imports(tmp_path):
 
 def test_layers_import_nothing_from_the_pipeline():
     graph, modules = _graph(ROOT, SCANNED)
+
     def inside(m: str, pkg: str) -> bool:
         return m == pkg or m.startswith(pkg + ".")
 

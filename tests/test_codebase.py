@@ -34,8 +34,8 @@ SCANNED = ("hybridpar", "cosmoflow")
 PACKAGE = ROOT / "hybridpar"
 ALLOWED_TYPES = {"Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "ParameterList",
                  "ParameterDict", "LazyModuleMixin"}  # containers, and a state of any module: not layers
-FIRST = ("hybridpar.grid", "hybridpar.flops", "hybridpar.nn", "hybridpar.comm", "hybridpar.pipeline",
-         "hybridpar.process.launchers", "cosmoflow.experiments.reference")
+FIRST = ("hybridpar.grid", "hybridpar.process.launchers", "hybridpar.flops", "hybridpar.nn",
+         "cosmoflow.experiments.reference")
 """Modules once caught in a cycle: each is imported first, on its own, in a fresh interpreter."""
 
 

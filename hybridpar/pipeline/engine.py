@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.comm.agree import broadcast_state
-from hybridpar.comm.redistribute import gather
+from hybridpar.comm.redistribute import gather as gather_volume
+from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device import cpu_alloc
 from hybridpar.device.precision import autocast_state
@@ -62,6 +63,7 @@ from hybridpar.pipeline.batch import shard, split_sizes
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
+from hybridpar.pipeline.sizes import SizePlans, agree_size
 from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
 from hybridpar.planner import ParallelSpec, load_spec
@@ -166,6 +168,10 @@ class Engine:
         stage = StageBuilder(self.model, self.graph, self.spec, self.grid, self.overlap,
                              self._untraced).build(self.plan, input_shape)  # no builder left to hold it
         self.stage = stage
+        # the plans at other sizes (predict, shard_batch), from the model's structure kept on the meta device
+        self._sizes = SizePlans(self.model, self.graph is not None, self.spec, self.world, self.plan,
+                                input_shape)
+        self._size = tuple(input_shape[1:])  # (C, D, H, W) the stage's shapes are bound to
         self.layers, self.stage_graph, self._defer = stage.layers, stage.stage_graph, stage.defer
         # (micro-batches, grad mode, deferral) -> (split end, action list), for a built stage
         self._step_plans: dict[tuple[int, bool, bool], tuple[int | None, list[Action]]] = {}
@@ -173,9 +179,8 @@ class Engine:
             for m in layer.modules():
                 if isinstance(m, SpatialLayer):
                     m.weights_agreed()
-        self.first_layer, self.last_layer = stage.first_layer, stage.last_layer
-        self.input_split, self.output_record = stage.input_split, stage.output_record
-        self.output_split = stage.output_split
+        self._ends()
+        self.input_split, self.output_split = stage.input_split, stage.output_split
         self.input_grid = self._layout(self.input_split)
         self.train(self._training)
         # Keep only what the original model is still needed for (its state-dict keys, in order): every
@@ -194,6 +199,30 @@ class Engine:
             self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
         if self.grid.data > 1:  # norm layers' running statistics, the same on every replica
             self.replica_stats = ReplicaStats([m for _, m in self.layers], self.grid.data_group)
+
+    def _ends(self) -> None:
+        """The plan rows of the stage's ends at the size its shapes are bound to."""
+        self.first_layer, self.last_layer = self.stage.first_layer, self.stage.last_layer
+        self.output_record = self.stage.output_record
+
+    def _at_size(self, size: tuple[int, ...], caller: str) -> None:
+        """Bind the stage's shapes to a global input of ``size`` (C, D, H, W): the plan at that size
+        (derived once, refused alike on every rank where the built split cannot take it), applied to
+        every split layer, Redistribute and stage end. The build size restores the built shapes."""
+        size = tuple(int(s) for s in size)
+        if size == self._size:
+            return
+        plan = self._sizes.at(size, caller)
+        shape = self._sizes.shape(size)
+        self.stage.bind(plan, shape, self.stage.outputs_at(plan, self._sizes.model, shape))
+        self._size = size
+        self._ends()
+
+    @property
+    def input_size(self) -> tuple[int, ...]:
+        """(C, D, H, W) of the global input the stage's shapes are bound to now (the build size, or the
+        last size ``shard_batch`` or ``predict`` ran at)."""
+        return self._size
 
     # ------------------------------------------------------------------ user API
     def parameters(self) -> list[nn.Parameter]:
@@ -225,9 +254,15 @@ class Engine:
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
         """Global batch (the same on every rank) -> this rank's piece: its replica's samples, and of the
         input only the shard its first reader computes on. Targets are this replica's: whole, or, for a
-        volume target (N, C', D, H, W) of a model whose output stays split, split like the output."""
+        volume target (N, C', D, H, W) of a model whose output stays split, split like the output.
+
+        A volume ``x`` of another extent than the build size is laid out as the model's output at that
+        size (:meth:`predict` takes its shards); a size the built split cannot take is refused in one
+        line, alike on every rank."""
         if not self.built:
             self._build(tuple(x.shape))
+        elif len(self.input_shape) == 5 and x.dim() == 5:
+            self._at_size(tuple(x.shape[1:]), "Engine.shard_batch")
         out = self.stage.lead_output.output_shape
         return shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
                      tuple(out[2:]) if len(out) == 5 else None, self.memory_format)
@@ -341,6 +376,7 @@ class Engine:
         self._require_built("train_step")
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
+        self._at_build_size(x_local)
         sizes = split_sizes(y_local.shape[0], self.spec.pipeline.microbatches)
         x_local = self._placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
@@ -353,14 +389,46 @@ class Engine:
                           self._layout(self.output_split).spatial_group if split_output else None)
         return StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
 
+    def _at_build_size(self, x_local: torch.Tensor) -> None:
+        """Training runs at the build size: its shapes are bound back (after a prediction at another
+        size), and a first stage's input shard of another size is refused before any collective."""
+        if len(self.input_shape) != 5:
+            return
+        self._at_size(self.input_shape[1:], "Engine.train_step")
+        if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
+            box = local_box(tuple(self.input_shape[2:]), self.input_grid)
+            want, got = tuple(hi - lo for lo, hi in box), tuple(x_local.shape[2:])
+            if got != want:
+                voxels = lambda s: "x".join(map(str, s))  # noqa: E731
+                raise ValueError(f"Engine.train_step: trains at the build size "
+                                 f"{voxels(self.input_shape[2:])}, whose shard on this rank is "
+                                 f"{voxels(want)} voxels; got {voxels(got)} "
+                                 f"(predict and shard_batch take other sizes)")
+
     @torch.no_grad()
-    def predict(self, x_local: torch.Tensor, batch: int | None = None) -> Any:
-        """Model outputs for this replica's samples, on every rank of the replica (all stages), whole,
-        in the structure the model returns them in.
+    def predict(self, x_local: torch.Tensor | None, batch: int | None = None, gather: bool = True) -> Any:
+        """Model outputs for this replica's samples, in the structure the model returns them in.
+
+        ``x_local``: this rank's input shard (``shard_batch(x)[0]``, or a shard read as it lays one out)
+        of a global volume of any extent the model and the built split accept (the plan at each size is
+        derived once and cached; a size the split cannot take is refused in one line naming the layer
+        and the largest split that fits, alike on every rank). Finding that extent costs one
+        all-gather of a few integers over the job per call. On a pipeline's later stages ``x_local``
+        may be None (the batch is the first stage's, or ``batch``).
+
+        ``gather=True``: every output whole, on every rank of the replica (all stages). ``gather=False``:
+        a volume output the model leaves split is this rank's shard of it, laid out exactly as
+        ``shard_batch(x, y)`` lays out a target ``y`` of its shape; only the last pipeline stage holds
+        those shards, the other stages return None in their place (outputs that are not split volumes
+        are whole on every stage, as with ``gather=True``).
 
         In training mode the forward updates running statistics, which are then averaged over the
         data-parallel replicas: call it on every replica alike."""
         self._require_built("predict")
+        if len(self.input_shape) == 5:
+            size, first_batch = agree_size(x_local, self.grid, self.input_grid, "Engine.predict")
+            self._at_size(size, "Engine.predict")
+            batch = first_batch if batch is None else batch
         batch = x_local.shape[0] if batch is None else batch
         sizes = split_sizes(batch, self.spec.pipeline.microbatches)
         x_local = self._placed(x_local) if self.first_stage else x_local
@@ -375,13 +443,16 @@ class Engine:
         outs = [tree_leaves(out) for out in runtime.outputs]
         ys = []
         for k, rec in enumerate(self.stage.outputs):
+            split = self.output_split != REPLICATED and len(rec.output_shape) == 5
             if self.last_stage:
                 y = torch.cat([leaves[k] for leaves in outs])
-                if self.output_split != REPLICATED and y.dim() == 5:  # predictions are whole volumes
-                    y = gather(y, self._layout(self.output_split), tuple(rec.output_shape[2:]))
+                if split and gather:  # whole volumes
+                    y = gather_volume(y, self._layout(self.output_split), tuple(rec.output_shape[2:]))
+            elif split and not gather:
+                y = None  # the last stage holds the shards
             else:
                 y = torch.empty((batch, *rec.output_shape[1:]), dtype=dtype, device=device)
-            if self.grid.pipe > 1:
+            if self.grid.pipe > 1 and (gather or not split):
                 dist.broadcast(y, self.transport.peer(self.grid.pipe - 1), group=self.grid.pipe_group)
             ys.append(y)
         return ys[0] if self.stage.output_spec is None else tree_unflatten(ys, self.stage.output_spec)

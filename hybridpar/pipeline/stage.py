@@ -51,6 +51,35 @@ class Stage:
     output_split: tuple[int, int, int]
     outputs: list[Any]  # the plan rows of the outputs (one, or those of a returned tuple, list, dict)
     output_spec: TreeSpec | None  # the structure the outputs are returned in (None: one tensor)
+    # Where the plan's shapes live in the built layers, each as (module, plan row index, "in" | "out"):
+    # a split layer's global input shape, a Redistribute's global shape (see bind)
+    sinks: list[tuple[nn.Module, int, str]] = dataclasses.field(default_factory=list)
+    ends: tuple[int, int, int] = (0, 0, 0)  # the plan row indices of first_layer, last_layer, output_record
+    output_rows: list[int] | None = None  # the plan row indices of outputs (None: rows of their own)
+
+    def bind(self, plan: list[Any], input_shape: tuple[int, ...], outputs: list[Any]) -> None:
+        """Give every shape the built layers hold the value it has in ``plan``, a plan of the same
+        decisions as the built one (every row in the same split) for the global ``input_shape``:
+        the layers then run on inputs of that size, their halo plans memoised per shape. The one
+        place a stage's shapes are set, at build and at any other size."""
+        for m, row, end in self.sinks:
+            shape = tuple(plan[row].input_shape[2:] if end == "in" else plan[row].output_shape[2:])
+            if isinstance(m, SpatialLayer):
+                m.global_input_shape = shape
+            else:  # a Redistribute
+                m.shape = shape
+        first, last, out = self.ends
+        self.first_layer, self.last_layer, self.output_record = plan[first], plan[last], plan[out]
+        self.outputs = outputs
+        if self.stage_graph is not None:
+            self.stage_graph.bind(plan, input_shape)
+
+    def outputs_at(self, plan: list[Any], model: nn.Module, input_shape: tuple[int, ...]) -> list[Any]:
+        """The rows of the outputs in ``plan`` (for the global ``input_shape``; ``model``: the model, or
+        a copy of it on the meta device, for the rows a module-swapped model's structure makes)."""
+        if self.output_rows is not None:
+            return [plan[i] for i in self.output_rows]
+        return swapped_outputs(model, plan[-1], self.output_split, input_shape)[0]
 
     @property
     def lead_output(self) -> Any:
@@ -67,6 +96,28 @@ class Stage:
             box = local_box(tuple(shape[2:]), layout(self.first_layer.split))
             return (b, shape[1], *(hi - lo for lo, hi in box))
         return (b, *shape[1:])
+
+
+def swapped_outputs(model: nn.Module, last: Any, split: tuple[int, int, int], input_shape: tuple[int, ...]
+                    ) -> tuple[list[Any], TreeSpec | None]:
+    """What a model run by module swapping returns (one meta forward of ``model``, or of its copy on
+    the meta device): one row per output, each the last layer's row with that output's shape, and the
+    structure (None: one tensor). Its volumes are split as the last layer's output is, so they must
+    share its extent."""
+    state, dtype = meta_state(model)
+    leaves, spec = tree_flatten(meta_call(model, state, torch.empty(input_shape, dtype=dtype, device="meta")))
+    if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and spec.is_leaf():
+        return [last], None
+    volume = tuple(last.output_shape[2:])
+    for k, t in enumerate(leaves):
+        odd = not isinstance(t, torch.Tensor) or t.dim() != 5 or tuple(t.shape[2:]) != volume
+        if split != REPLICATED and odd:
+            raise SpecError(f"model ({type(model).__name__}): run by module swapping, it returns "
+                            f"output {k} of shape {list(getattr(t, 'shape', []))} beside a volume split "
+                            f"{list(split)} of {list(volume)} voxels; returned volumes must share the "
+                            f"split layer's extent (a traced forward gathers them instead)")
+    return [dataclasses.replace(last, name=f"{OUTPUT}[{k}]", output_shape=tuple(t.shape))
+            for k, t in enumerate(leaves)], spec
 
 
 def make_groups(plan: list[Any], grid: ProcessGrid) -> None:
@@ -99,18 +150,25 @@ class StageBuilder:
         rows = [i for i, lp in enumerate(plan) if lp.stage == stage]
         lo, hi = rows[0], rows[-1] + 1
         mine = plan[lo:hi]
+        self.index = {id(lp): i for i, lp in enumerate(plan)}  # a row's index (names repeat when swapped)
+        self.sinks: list[tuple[nn.Module, int, str]] = []
         reader = next(lp for lp in plan if INPUT in lp.inputs)
         input_split = reader.split if len(reader.input_shape) == 5 else REPLICATED
         graph = self.graph
-        out = plan[-1] if graph is None else next(lp for lp in plan if lp.name == graph.output)
+        out_row = len(plan) - 1 if graph is None else next(i for i, lp in enumerate(plan)
+                                                            if lp.name == graph.output)
+        out = plan[out_row]
         output_split = out.output_split if len(out.output_shape) == 5 else REPLICATED
+        output_rows: list[int] | None = [out_row]
         outputs, spec = [out], None
         if graph is not None and graph.output == OUTPUT:  # a structure: its volumes in one split
-            rows = {lp.name: lp for lp in plan}
-            outputs, output_split = [rows[n] for n in out.inputs], out.split
+            index = {lp.name: i for i, lp in enumerate(plan)}
+            output_rows, output_split = [index[n] for n in out.inputs], out.split
+            outputs = [plan[i] for i in output_rows]
             spec = tree_flatten(pack_output(out_node(graph).fx_node.args[0]))[1]
         elif graph is None:
-            outputs, spec = self._swapped_outputs(out, output_split, input_shape)
+            outputs, spec = swapped_outputs(self.model, out, output_split, input_shape)
+            output_rows = None if spec is not None else output_rows
         stage_graph = None
         if graph is None:
             layers: Layers = [("", self._swapped(plan))]
@@ -120,16 +178,27 @@ class StageBuilder:
             stage_graph = StageGraph(graph, plan, lo, hi, input_shape, input_split, self.layout, self.convert)
             layers = [("", stage_graph)]
         self._warn_gathers(plan)
-        return Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
-                     input_split, out, output_split, outputs, spec)
+        built = Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
+                      input_split, out, output_split, [], spec, self.sinks, (lo, hi - 1, out_row),
+                      output_rows)
+        built.bind(plan, input_shape, outputs)
+        return built
 
     def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
-        """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split."""
+        """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split (its global input
+        shape is set by :meth:`Stage.bind`)."""
         m = to_distributed(module, self.layout(lp.split), self.overlap)
         if isinstance(m, SpatialLayer):
-            m.global_input_shape = tuple(lp.input_shape[2:])
+            self.sinks.append((m, self.index[id(lp)], "in"))
             m.layer_name = f"{type(m).__name__}({name})"
         return m
+
+    def _redistribute(self, src: tuple[int, int, int], dst: tuple[int, int, int], lp: Any,
+                      end: str) -> Redistribute:
+        """A Redistribute of ``lp``'s input (``end`` "in") or output ("out") from ``src`` to ``dst``."""
+        r = Redistribute(self.layout(src), self.layout(dst))
+        self.sinks.append((r, self.index[id(lp)], end))
+        return r
 
     def _swapped(self, plan: list[Any]) -> nn.Module:
         """The untraceable model with its layers swapped for their split versions (said once)."""
@@ -146,27 +215,6 @@ class StageBuilder:
 
         return swap(self.model, self.layout(self.spec.grid.spatial), convert)
 
-    def _swapped_outputs(self, last: Any, split: tuple[int, int, int], input_shape: tuple[int, ...]
-                         ) -> tuple[list[Any], TreeSpec | None]:
-        """What a model run by module swapping returns (one meta forward): one row per output, each the
-        last layer's row with that output's shape, and the structure (None: one tensor). Its volumes
-        are split as the last layer's output is, so they must share its extent."""
-        state, dtype = meta_state(self.model)
-        leaves, spec = tree_flatten(meta_call(self.model, state, torch.empty(input_shape, dtype=dtype,
-                                                                             device="meta")))
-        if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and spec.is_leaf():
-            return [last], None
-        volume = tuple(last.output_shape[2:])
-        for k, t in enumerate(leaves):
-            odd = not isinstance(t, torch.Tensor) or t.dim() != 5 or tuple(t.shape[2:]) != volume
-            if split != REPLICATED and odd:
-                raise SpecError(f"model ({type(self.model).__name__}): run by module swapping, it returns "
-                                f"output {k} of shape {list(getattr(t, 'shape', []))} beside a volume split "
-                                f"{list(split)} of {list(volume)} voxels; returned volumes must share the "
-                                f"split layer's extent (a traced forward gathers them instead)")
-        return [dataclasses.replace(last, name=f"{OUTPUT}[{k}]", output_shape=tuple(t.shape))
-                for k, t in enumerate(leaves)], spec
-
     def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
                       output_split: tuple[int, int, int]) -> Layers:
         """A sequence's stage: its layers in order, Redistributes where the split changes, and one at
@@ -174,8 +222,7 @@ class StageBuilder:
         layers: Layers = []
         for i, lp in enumerate(mine):
             if i > 0 and mine[i - 1].output_split != lp.split:
-                layers.append((None, Redistribute(self.layout(mine[i - 1].output_split),
-                                                  self.layout(lp.split), tuple(lp.input_shape[2:]))))
+                layers.append((None, self._redistribute(mine[i - 1].output_split, lp.split, lp, "in")))
             path = lp.name.split("#")[0]  # a module without weights called again: "act#1"
             layers.append((None if path != lp.name else lp.name,
                            self.convert(lp.name, self.model.get_submodule(path), lp)))
@@ -183,8 +230,7 @@ class StageBuilder:
         out_split = mine[-1].output_split
         target = following[0].split if following else output_split
         if target != out_split:  # hand over in the next stage's split (or the output's for the loss)
-            layers.append((None, Redistribute(self.layout(out_split), self.layout(target),
-                                              tuple(mine[-1].output_shape[2:]))))
+            layers.append((None, self._redistribute(out_split, target, mine[-1], "out")))
         return layers
 
     @staticmethod

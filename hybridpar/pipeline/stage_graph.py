@@ -87,17 +87,15 @@ class StageGraph(nn.Module):
         self.graph, self.lo, self.hi = graph, lo, hi
         self.n_nodes = len(graph.nodes)
         self.nodes = graph.nodes[lo:hi]
-        self.records = list(plan[lo:hi])
         self.layout = layout
         live = live_across(graph)
         self.recv = [INPUT] if lo == 0 else live[lo - 1]
         self.send = [graph.output] if hi == len(graph.nodes) else live[hi - 1]
         self.last = hi == self.n_nodes
         self.value_split: dict[str, Split] = {INPUT: input_split}
-        self.value_shape: dict[str, tuple[int, ...]] = {INPUT: tuple(input_shape)}
         for r in plan:
             self.value_split[r.name] = r.output_split
-            self.value_shape[r.name] = tuple(r.output_shape)
+        self.bind(plan, input_shape)
         # Calls with their arguments' nodes replaced by names: no reference to the traced graph (and
         # through it to every stage's weights) is kept.
         name_of = {n.fx_node: n.name for n in graph.nodes}
@@ -121,6 +119,14 @@ class StageGraph(nn.Module):
         for i, call in enumerate(self.calls):
             for src in call[3]:
                 self.last_use[src] = i
+
+    def bind(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...]) -> None:
+        """Take every value's global shape from ``plan`` (for a global input of ``input_shape``), a plan
+        of the built one's decisions: what the stage receives, sends and reads as shapes follows."""
+        self.records = list(plan[self.lo:self.hi])
+        self.value_shape: dict[str, tuple[int, ...]] = {INPUT: tuple(input_shape)}
+        for r in plan:
+            self.value_shape[r.name] = tuple(r.output_shape)
 
     # ------------------------------------------------------------------ packing
     def local_shape(self, name: str, batch: int) -> tuple[int, ...]:

@@ -1,0 +1,182 @@
+"""The built engine at other input sizes: one plan per size, kept where it decides as the built one.
+
+Why: an engine's groups, stages and split layers are built for one input shape, yet a fully
+convolutional model accepts other extents, and inference on a whole box should need no second
+engine. What changes with the size is shapes alone (every split layer's global input shape, whose
+halo plans it memoises per shape; the Redistributes'; the stage's ends and receive buffers), as long
+as the plan at the new size decides as the built one did: every node in the same split, the same
+redistributes and gathers. The plan at a size comes from the one planner
+(:func:`hybridpar.planner.plan.build_plan`) run on a copy of the model on the meta device (its
+structure, no weights: the engine lets the model itself go after the build), so every rank derives
+it alike, and refuses a size alike, before any collective. :meth:`Stage.bind` then sets its shapes.
+
+The size itself: ``shard_batch`` sees the global batch; ``predict`` sees only this rank's shard, from
+which no rank can tell the whole volume's extent alone (a shard of 5 voxels of 2 is a part of 9 or of
+10), so :func:`agree_size` gathers every rank's input shape once per call (a few integers over the
+CPU side of the default group).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.geometry import shard_range
+from hybridpar.grid import ProcessGrid
+from hybridpar.planner import ParallelSpec
+from hybridpar.planner.graph import trace
+from hybridpar.planner.plan import build_plan
+from hybridpar.planner.records import LayerPlan
+
+DIMS = "dhw"
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (shapes, dtypes and ties as
+    the model's; no memory): what the planner needs of a model to plan it at another size."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _voxels(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def _differs(built: LayerPlan, other: LayerPlan) -> bool:
+    keys = lambda lp: (lp.name, lp.kind, lp.split, lp.output_split, lp.redistribute, lp.gather,  # noqa: E731
+                       len(lp.input_shape), len(lp.output_shape), lp.input_shape[1:2], lp.output_shape[1:2])
+    return keys(built) != keys(other)
+
+
+def _what_fits(row: LayerPlan, split: tuple[int, int, int]) -> str:
+    """What a split layer whose input at the new size is too small would need (the largest split)."""
+    small = [(k, row.input_shape[2 + k]) for k in range(3)
+             if len(row.input_shape) == 5 and row.input_shape[2 + k] < split[k]]
+    if small:
+        return "; ".join(f"use a split of at most {extent} along {DIMS[k]}" for k, extent in small)
+    return "build an engine for this size (parallelize(..., input_shape=...))"
+
+
+class SizePlans:
+    """Plans of the model at other input sizes, per (C, D, H, W), for the engine built on ``plan``
+    (see the module doc). ``model``: the model at build time (copied to the meta device here);
+    ``traced``: whether the engine runs its traced graph (else module swapping)."""
+
+    def __init__(self, model: nn.Module, traced: bool, spec: ParallelSpec, world: int, plan: list[LayerPlan],
+                 input_shape: tuple[int, ...]) -> None:
+        self.spec, self.world, self.traced = spec, world, traced
+        self.built, self.batch = plan, input_shape[0]
+        self.plans: dict[tuple[int, ...], list[LayerPlan]] = {tuple(input_shape[1:]): plan}
+        self.why_not = ""
+        try:
+            self.model: nn.Module | None = meta_copy(model)
+        except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: other sizes are refused too)
+            self.model, self.why_not = None, f"the model cannot be copied to the meta device ({err})"
+        self.graph: Any = None
+
+    def shape(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        """The global input shape the plan at ``size`` (C, D, H, W) is made for (the built batch)."""
+        return (self.batch, *size)
+
+    def at(self, size: tuple[int, ...], caller: str) -> list[LayerPlan]:
+        """The plan at ``size`` (C, D, H, W), its rows in the built plan's stages; ValueError (one
+        line naming the layer and what would fit) where the built plan's decisions do not hold."""
+        size = tuple(int(s) for s in size)
+        found = self.plans.get(size)
+        if found is not None:
+            return found
+        where = f"{caller}: an input of {_voxels(size[1:])} voxels ({size[0]} channels)"
+        if self.model is None:
+            raise ValueError(f"{where}: the engine runs only its build size "
+                             f"{_voxels(self.built[0].input_shape[2:])}: {self.why_not}")
+        try:
+            if self.traced and self.graph is None:
+                self.graph = trace(self.model)
+            plan = build_plan(self.spec, self.model, self.shape(size), self.world, self.graph)
+        except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{where}: {first}") from None
+        if len(plan) != len(self.built):
+            raise ValueError(f"{where}: the model makes {len(plan)} nodes at this size where the engine "
+                             f"was built on {len(self.built)}; build an engine for this size")
+        for built, row in zip(self.built, plan, strict=True):
+            if _differs(built, row):
+                raise ValueError(f"{where}: layers: {row.name} ({row.kind}) would run split "
+                                 f"{list(row.split)} (output {list(row.output_split)}) at this size, where "
+                                 f"the engine runs it split {list(built.split)} (output "
+                                 f"{list(built.output_split)}); {_what_fits(row, built.split)}")
+        plan = [dataclasses.replace(row, stage=built.stage)
+                for built, row in zip(self.built, plan, strict=True)]
+        self.plans[size] = plan
+        return plan
+
+
+def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[int, ...]) -> tuple[int, ...]:
+    """The global (D, H, W) of a volume whose shards, by spatial coordinate under a split ``parts``,
+    have the (D, H, W) extents ``shards``; ValueError where they are not the boxes the engine's
+    layout (:func:`hybridpar.geometry.shard_range`) gives that volume."""
+    along = lambda axis, i: tuple(i if a == axis else 0 for a in range(3))  # noqa: E731
+    extent = tuple(sum(shards[along(axis, i)][axis] for i in range(parts[axis])) for axis in range(3))
+    for coord, local in sorted(shards.items()):
+        want = tuple(hi - lo for lo, hi in (shard_range(extent[a], parts[a], coord[a]) for a in range(3)))
+        if tuple(local) != want:
+            raise ValueError(f"the shards do not tile one volume as shard_batch lays it out: the shard at "
+                             f"{list(coord)} of a split {list(parts)} holds {_voxels(local)} voxels where a "
+                             f"volume of {_voxels(extent)} gives it {_voxels(want)}")
+    return extent
+
+
+def agree_size(x_local: Any, grid: ProcessGrid, input_grid: ProcessGrid, caller: str
+               ) -> tuple[tuple[int, ...], int]:
+    """(C, D, H, W) of the global volume whose shards the first stage's ranks hold in ``x_local``, and
+    this replica's batch: one all-gather of a few integers over the job, then the same arithmetic
+    on every rank, so that a refusal is raised alike everywhere. Every replica predicts at one size."""
+    first = grid.pipe_index == 0 and isinstance(x_local, torch.Tensor)
+    shape = list(x_local.shape) if first else []
+    ndim = len(shape)
+    shape = (shape + [0] * 5)[:5]
+    mine = torch.tensor([int(first), ndim, *shape, grid.data_index, *input_grid.spatial_coord],
+                        dtype=torch.int64)
+    if dist.get_world_size() == 1:
+        rows = [mine.tolist()]
+    else:
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        rows = [t.tolist() for t in everyone]
+    replicas: dict[int, dict[tuple[int, int, int], tuple[int, ...]]] = {}
+    for rank, (has, nd, *rest) in enumerate(rows):
+        if not has:
+            continue
+        full, data, coord = tuple(rest[:5]), rest[5], tuple(rest[6:9])
+        if nd != 5:
+            raise ValueError(f"{caller}: rank {rank}'s input is {nd}-D; the model takes N, C, D, H, W shards")
+        seen = replicas.setdefault(data, {}).setdefault(coord, full)
+        if seen != full:
+            raise ValueError(f"{caller}: two ranks of replica {data} hold the input shard at {list(coord)} "
+                             f"with shapes {list(seen)} and {list(full)}")
+    sizes: dict[int, tuple[int, ...]] = {}
+    batches: dict[int, int] = {}
+    for data, shards in sorted(replicas.items()):
+        heads = {s[:2] for s in shards.values()}
+        if len(heads) != 1:
+            raise ValueError(f"{caller}: the input shards of replica {data} disagree on N, C: "
+                             f"{sorted(heads)}")
+        try:
+            dhw = volume_of({c: s[2:] for c, s in shards.items()}, input_grid.spatial_shape)
+        except ValueError as err:
+            raise ValueError(f"{caller}: replica {data}: {err}") from None
+        (n, c), = heads
+        sizes[data], batches[data] = (c, *dhw), n
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{caller}: every data-parallel replica predicts at one size; got "
+                         + ", ".join(f"replica {d}: {_voxels(s[1:])}" for d, s in sorted(sizes.items())))
+    return next(iter(sizes.values())), batches[grid.data_index]

@@ -1,0 +1,188 @@
+"""Prediction at any size, kept split, against one process running the plain torch model (float64,
+1e-10 relative to the output's largest value).
+
+An engine built at one size predicts inputs larger than, smaller than and of another aspect than it:
+with ``gather=False`` each rank's output equals ``shard_batch(x, y)[1]`` of the single-process output
+``y`` (its shard, laid out as a volume target), with ``gather=True`` the whole output. Each input is
+sharded by ``shard_batch`` first and predicted afterwards, in turn, so that ``predict`` finds each size
+from the shards themselves. Models: a U-Net (average pooling, trilinear upsampling, concatenated skips,
+GroupNorm) with zero and with circular (periodic) padding, and a sequence with a strided convolution and
+an upsampling on odd sizes. Layouts: spatial (2,1,1), (2,2,1), data 2 x (2,1,1), and a pipeline of two
+stages x (2,1,1), whose first stage returns None in place of the shards. Training after a prediction at
+another size stays exact at the build size (losses and weights against one process), and a size the
+split cannot take is refused in one line naming the layer and the largest split that fits, alike on
+every rank, after which the engine still predicts exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graph_models import UNet3d
+
+TOL = 1e-10
+
+
+def make_model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "strided":
+        model: nn.Module = nn.Sequential(
+            nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4),
+            nn.LeakyReLU(0.1), nn.Upsample(scale_factor=2, mode="trilinear"), nn.Conv3d(4, 1, 3, padding=1))
+    else:
+        model = UNet3d(1, 1, width=2, levels=2, padding_mode="circular" if name == "periodic" else "zeros")
+    return model.double()
+
+
+# build size, then sizes larger than, smaller than and of another aspect than it
+SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
+         "periodic": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (16, 8, 12)],
+         "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)]}
+
+
+def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1)) -> dict:
+    return {"grid": {"data": data, "pipe": pipe, "spatial": list(spatial)},
+            "pipeline": {"microbatches": 2 if pipe > 1 else 1}}
+
+
+def _volume(size: tuple[int, int, int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 1, *size, generator=g, dtype=torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
+    import hybridpar as hp
+
+    model = make_model(name).eval()
+    engine = hp.parallelize(make_model(name), layout)
+    engine.eval()
+    sizes = SIZES[name]
+    cases = []
+    with torch.no_grad():
+        for k, size in enumerate(sizes):
+            x = _volume(size, k)
+            y = model(x)
+            cases.append((size, *engine.shard_batch(x, y), y))  # the first builds the engine
+    per = 2 // engine.grid.data
+    rows = slice(engine.grid.data_index * per, (engine.grid.data_index + 1) * per)
+    failures = []
+    for size, x_local, y_local, y in [*cases[1:], cases[0]]:  # each predict finds its size from the shards
+        out = engine.predict(x_local, gather=False)
+        if not engine.last_stage:
+            if out is not None:
+                failures.append(f"{size}: a stage before the last got {type(out).__name__}, not None")
+        elif out.shape != y_local.shape or not _rel(out, y_local) <= TOL:
+            failures.append(f"{size}: gather=False shard {tuple(out.shape)} vs shard_batch's "
+                            f"{tuple(y_local.shape)}, relative error {_rel(out, y_local) if out.shape == y_local.shape else '-'}")
+        if size == sizes[1]:  # gather=True at another size: the whole output on every rank
+            whole = engine.predict(x_local)
+            if whole.shape != y[rows].shape or not _rel(whole, y[rows]) <= TOL:
+                failures.append(f"{size}: gather=True output {tuple(whole.shape)} vs {tuple(y[rows].shape)}")
+    assert not failures, f"rank {rank} ({name}, {layout['grid']}):\n" + "\n".join(failures)
+
+
+PREDICT_CASES = [
+    (2, "unet", _layout()), (2, "periodic", _layout()), (2, "strided", _layout()),
+    (4, "unet", _layout(spatial=(2, 2, 1))), (4, "periodic", _layout(spatial=(2, 2, 1))),
+    (4, "strided", _layout(spatial=(2, 2, 1))),
+    (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),
+    (4, "unet", _layout(pipe=2)), (4, "strided", _layout(pipe=2)),
+]
+
+
+def _id(world: int, name: str, layout: dict) -> str:
+    g = layout["grid"]
+    return f"{world}-d{g['data']}p{g['pipe']}s{''.join(map(str, g['spatial']))}-{name}"
+
+
+@pytest.mark.parametrize("world,name,layout", PREDICT_CASES, ids=[_id(*c) for c in PREDICT_CASES])
+def test_predict_at_any_size(pools, world, name, layout):
+    pools(world).run(_predict_body, name, layout, timeout=600)
+
+
+def _train_body(rank: int, world: int, name: str, layout: dict) -> None:
+    """Two SGD steps at the build size with a prediction at a larger one between them."""
+    import hybridpar as hp
+
+    build, other = SIZES[name][0], SIZES[name][1]
+    batches = [(_volume(build, 10 + s), _volume(build, 20 + s)) for s in range(2)]
+    ref = make_model(name)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    x_big = _volume(other, 3)
+    for x, y in batches:
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+        if len(ref_losses) == 1:
+            with torch.no_grad():
+                y_big = ref(x_big)  # what the prediction after the first step gives
+    engine = hp.parallelize(make_model(name), layout, loss_fn=F.mse_loss)
+    failures = []
+    opt = None
+    for step, (x, y) in enumerate(batches):
+        x_local, y_local = engine.shard_batch(x, y)
+        opt = opt or torch.optim.SGD(engine.parameters(), lr=0.1)
+        loss = engine.train_step(x_local, y_local)
+        opt.step()
+        opt.zero_grad()
+        if not abs(loss.item() - ref_losses[step]) <= TOL * abs(ref_losses[step]):
+            failures.append(f"step {step}: loss {loss.item()} vs {ref_losses[step]}")
+        if step == 0:  # predict at another size, with the weights after the first step
+            want = engine.shard_batch(x_big, y_big)[1]
+            got = engine.predict(engine.shard_batch(x_big)[0], gather=False)
+            if not _rel(got, want) <= TOL:
+                failures.append(f"predict at {other} after a step: relative error {_rel(got, want):.2e}")
+    state = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        if not _rel(state[k], v) <= TOL:
+            failures.append(f"{k}: relative error {_rel(state[k], v):.2e}")
+    assert not failures, f"rank {rank} ({name}, {layout['grid']}):\n" + "\n".join(failures)
+
+
+TRAIN_CASES = [(2, "unet", _layout()), (4, "strided", _layout(data=2))]
+
+
+@pytest.mark.parametrize("world,name,layout", TRAIN_CASES, ids=[_id(*c) for c in TRAIN_CASES])
+def test_training_stays_exact_after_predict_at_another_size(pools, world, name, layout):
+    pools(world).run(_train_body, name, layout, timeout=600)
+
+
+def _refuse_body(rank: int, world: int) -> str:
+    """An input of 2x8x8 on a split (2, 1, 1): the pooled 1x4x4 cannot be split in two along d."""
+    import hybridpar as hp
+
+    model = make_model("unet").eval()
+    engine = hp.parallelize(make_model("unet"), _layout()).eval()
+    x = _volume(SIZES["unet"][0], 0)
+    x_local = engine.shard_batch(x)[0]
+    small = engine.shard_batch(_volume((12, 12, 12), 1))[0][:, :, :1, :8, :8]  # a 2x8x8 volume's shard
+    try:
+        engine.predict(small, gather=False)
+    except ValueError as err:
+        line = str(err)
+    else:
+        raise AssertionError("a 2x8x8 input on a split (2, 1, 1) was not refused")
+    with torch.no_grad():
+        want = engine.shard_batch(x, model(x))[1]
+    got = engine.predict(x_local, gather=False)
+    assert _rel(got, want) <= TOL, f"after the refusal: relative error {_rel(got, want):.2e}"
+    return line
+
+
+def test_a_size_the_split_cannot_take_is_one_line(pools):
+    lines = pools(2).run(_refuse_body, timeout=600)
+    assert lines[0] == lines[1], f"the ranks refused differently:\n{lines[0]}\n{lines[1]}"
+    line = lines[0]
+    assert "\n" not in line, line
+    assert line.startswith("Engine.predict: an input of 2x8x8 voxels"), line
+    assert "pool.0" in line and "use a split of at most 1 along d" in line, line

@@ -5,13 +5,16 @@ An engine built at one size predicts inputs larger than, smaller than and of ano
 with ``gather=False`` each rank's output equals ``shard_batch(x, y)[1]`` of the single-process output
 ``y`` (its shard, laid out as a volume target), with ``gather=True`` the whole output. Each input is
 sharded by ``shard_batch`` first and predicted afterwards, in turn, so that ``predict`` finds each size
-from the shards themselves. Models: a U-Net (average pooling, trilinear upsampling, concatenated skips,
-GroupNorm) with zero and with circular (periodic) padding, and a sequence with a strided convolution and
-an upsampling on odd sizes. Layouts: spatial (2,1,1), (2,2,1), data 2 x (2,1,1), and a pipeline of two
-stages x (2,1,1), whose first stage returns None in place of the shards. Training after a prediction at
-another size stays exact at the build size (losses and weights against one process), and a size the
-split cannot take is refused in one line naming the layer and the largest split that fits, alike on
-every rank, after which the engine still predicts exactly.
+from the shards themselves.
+
+Models: a U-Net (average pooling, trilinear upsampling, concatenated skips, GroupNorm) with zero and
+with circular (periodic) padding, a sequence with a strided convolution and an upsampling on odd
+sizes, and a model torch.fx cannot trace (run by module swapping). Layouts: spatial (2,1,1), (2,2,1),
+data 2 x (2,1,1), and a pipeline of two stages x (2,1,1), whose first stage returns None in place of
+the shards. Training after a prediction at another size stays exact at the build size (losses and
+weights against one process), and a size the split cannot take is refused in one line naming the
+layer and the largest split that fits, alike on every rank, after which the engine still predicts
+exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +29,29 @@ from graph_models import UNet3d
 TOL = 1e-10
 
 
+class Untraceable(nn.Module):
+    """An encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot follow
+    it): run by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 2))
+        self.down, self.mid = nn.MaxPool3d(2), nn.Conv3d(2, 2, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="trilinear")
+        self.dec = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        m = self.mid(self.down(e))
+        if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
+            m = torch.relu(m) + m
+        return self.dec(torch.cat([e, self.up(m)], dim=1))
+
+
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "swapped":
+        return Untraceable().double()
     if name == "strided":
         model: nn.Module = nn.Sequential(
             nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4),
@@ -40,7 +64,8 @@ def make_model(name: str) -> nn.Module:
 # build size, then sizes larger than, smaller than and of another aspect than it
 SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "periodic": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (16, 8, 12)],
-         "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)]}
+         "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)],
+         "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)]}
 
 
 def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1)) -> dict:
@@ -122,7 +147,7 @@ def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
 
 
 PREDICT_CASES = [
-    (2, "unet", _layout()), (2, "periodic", _layout()), (2, "strided", _layout()),
+    (2, "unet", _layout()), (2, "periodic", _layout()), (2, "strided", _layout()), (2, "swapped", _layout()),
     (4, "unet", _layout(spatial=(2, 2, 1))), (4, "periodic", _layout(spatial=(2, 2, 1))),
     (4, "strided", _layout(spatial=(2, 2, 1))),
     (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),

@@ -213,3 +213,23 @@ TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(d
 @pytest.mark.parametrize("world,name,layout", TRAIN_CASES, ids=[_id(*c) for c in TRAIN_CASES])
 def test_training_stays_exact_after_predict_at_another_size(pools, world, name, layout):
     pools(world).run(_train_body, name, layout, timeout=600)
+
+
+def test_the_volume_is_found_from_its_shards_alone():
+    """``volume_of`` (no communication): the extent of an odd volume from the shards of a (2, 3, 1)
+    split as ``shard_batch`` cuts it; a shard of another extent than the volume's layout gives it, or
+    a missing shard, is one line."""
+    from hybridpar.geometry import shard_range
+    from hybridpar.pipeline.sizes import volume_of
+
+    parts, volume = (2, 3, 1), (9, 10, 7)
+    shards = {(i, j, k): tuple(b - a for a, b in (shard_range(volume[x], parts[x], c)
+                                                  for x, c in enumerate((i, j, k))))
+              for i in range(2) for j in range(3) for k in range(1)}
+    assert volume_of(shards, parts) == volume
+    assert shards[(1, 2, 0)] == (4, 3, 7)
+    with pytest.raises(ValueError, match=r"do not tile one volume .*: the shard at \[1, 2, 0\] .* holds "
+                                         r"4x4x7 voxels where a volume of 9x10x7 gives it 4x3x7"):
+        volume_of({**shards, (1, 2, 0): (4, 4, 7)}, parts)
+    with pytest.raises(ValueError, match=r"no input shard came from the ranks at \[\[0, 1, 0\]\]"):
+        volume_of({c: s for c, s in shards.items() if c != (0, 1, 0)}, parts)

@@ -26,6 +26,14 @@ single-process numbers. A forward may return a tuple, list or dict of tensors: `
 ``predict`` see that structure (its split volumes stay split when they share one extent; the plan
 gathers them otherwise).
 
+Inference: ``predict`` runs the forwards alone, on inputs of any extent the model and the built
+split accept (:mod:`~hybridpar.pipeline.sizes`: the plan at each size, derived once from a copy of the
+model on the meta device and kept where it makes the built plan's decisions; a size the split cannot
+take is one line naming the layer and the largest split that fits), its split volume outputs whole on
+every rank or, with ``gather=False``, left split as ``shard_batch`` lays out a target (on the last
+stage), so that no rank holds a whole volume. ``shard_batch`` takes any such size too; training runs
+at the build size (its shapes are bound back before a step).
+
 Reduced precision and layouts: ``train_step`` under ``torch.autocast`` runs the forward passes and
 losses under it and every backward outside it (as torch recommends); activations crossing a pipeline
 cut travel in the autocast dtype (what the convolutions after the cut compute in). A
@@ -222,6 +230,7 @@ class Engine:
     def input_size(self) -> tuple[int, ...]:
         """(C, D, H, W) of the global input the stage's shapes are bound to now (the build size, or the
         last size ``shard_batch`` or ``predict`` ran at)."""
+        self._require_built("input_size")
         return self._size
 
     # ------------------------------------------------------------------ user API

@@ -124,6 +124,11 @@ def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[
     """The global (D, H, W) of a volume whose shards, by spatial coordinate under a split ``parts``,
     have the (D, H, W) extents ``shards``; ValueError where they are not the boxes the engine's
     layout (:func:`hybridpar.geometry.shard_range`) gives that volume."""
+    every = {(i, j, k) for i in range(parts[0]) for j in range(parts[1]) for k in range(parts[2])}
+    if set(shards) != every:
+        missing = sorted(every - set(shards))
+        raise ValueError(f"no input shard came from the ranks at {[list(c) for c in missing]} of the split "
+                         f"{list(parts)} (each rank of the first stage passes its shard)")
     along = lambda axis, i: tuple(i if a == axis else 0 for a in range(3))  # noqa: E731
     extent = tuple(sum(shards[along(axis, i)][axis] for i in range(parts[axis])) for axis in range(3))
     for coord, local in sorted(shards.items()):
@@ -163,18 +168,20 @@ def agree_size(x_local: Any, grid: ProcessGrid, input_grid: ProcessGrid, caller:
         if seen != full:
             raise ValueError(f"{caller}: two ranks of replica {data} hold the input shard at {list(coord)} "
                              f"with shapes {list(seen)} and {list(full)}")
+    for data in range(grid.data):
+        replicas.setdefault(data, {})
     sizes: dict[int, tuple[int, ...]] = {}
     batches: dict[int, int] = {}
     for data, shards in sorted(replicas.items()):
         heads = {s[:2] for s in shards.values()}
-        if len(heads) != 1:
+        if len(heads) > 1:
             raise ValueError(f"{caller}: the input shards of replica {data} disagree on N, C: "
                              f"{sorted(heads)}")
         try:
             dhw = volume_of({c: s[2:] for c, s in shards.items()}, input_grid.spatial_shape)
         except ValueError as err:
             raise ValueError(f"{caller}: replica {data}: {err}") from None
-        (n, c), = heads
+        (n, c), = heads or {(0, 0)}
         sizes[data], batches[data] = (c, *dhw), n
     if len(set(sizes.values())) != 1:
         raise ValueError(f"{caller}: every data-parallel replica predicts at one size; got "

@@ -94,7 +94,7 @@ class SizePlans:
         found = self.plans.get(size)
         if found is not None:
             return found
-        where = f"{caller}: an input of {_voxels(size[1:])} voxels ({size[0]} channels)"
+        where = f"{caller}: an input of {_voxels(size[1:])} voxels (C={size[0]})"
         if self.model is None:
             raise ValueError(f"{where}: the engine runs only its build size "
                              f"{_voxels(self.built[0].input_shape[2:])}: {self.why_not}")

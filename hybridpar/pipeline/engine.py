@@ -265,9 +265,9 @@ class Engine:
         input only the shard its first reader computes on. Targets are this replica's: whole, or, for a
         volume target (N, C', D, H, W) of a model whose output stays split, split like the output.
 
-        A volume ``x`` of another extent than the build size is laid out as the model's output at that
-        size (:meth:`predict` takes its shards); a size the built split cannot take is refused in one
-        line, alike on every rank."""
+        A volume batch of another extent than the build size is cut as the plan at that size says (its
+        target as the model's output there), for :meth:`predict`; a size the built split cannot take is
+        refused in one line, alike on every rank."""
         if not self.built:
             self._build(tuple(x.shape))
         elif len(self.input_shape) == 5 and x.dim() == 5:

@@ -10,11 +10,11 @@ from the shards themselves.
 Models: a U-Net (average pooling, trilinear upsampling, concatenated skips, GroupNorm) with zero and
 with circular (periodic) padding, a sequence with a strided convolution and an upsampling on odd
 sizes, and a model torch.fx cannot trace (run by module swapping). Layouts: spatial (2,1,1), (2,2,1),
-data 2 x (2,1,1), and a pipeline of two stages x (2,1,1), whose first stage returns None in place of
-the shards. Training after a prediction at another size stays exact at the build size (losses and
-weights against one process), and a size the split cannot take is refused in one line naming the
-layer and the largest split that fits, alike on every rank, after which the engine still predicts
-exactly.
+data 2 x (2,1,1), and a pipeline of two stages x (2,1,1), whose second stage passes no input (None)
+and whose first stage returns None in place of the shards. Training after a prediction at another
+size stays exact at the build size (losses and weights against one process), and a size the split
+cannot take is refused in one line naming the layer and the largest split that fits, alike on every
+rank, after which the engine still predicts exactly.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
     rows = slice(engine.grid.data_index * per, (engine.grid.data_index + 1) * per)
     failures = []
     for size, x_local, y_local, y in [*cases[1:], cases[0]]:  # each predict finds its size from the shards
-        out = engine.predict(x_local, gather=False)
+        out = engine.predict(x_local if engine.first_stage else None, gather=False)  # later: no input
         if not engine.last_stage:
             if out is not None:
                 failures.append(f"{size}: a stage before the last got {type(out).__name__}, not None")
@@ -140,7 +140,7 @@ def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
         elif not _rel(out, y_local) <= TOL:
             failures.append(f"{size}: gather=False relative error {_rel(out, y_local):.2e}")
         if size == sizes[1]:  # gather=True at another size: the whole output on every rank
-            whole = engine.predict(x_local)
+            whole = engine.predict(x_local if engine.first_stage else None)
             if whole.shape != y[rows].shape or not _rel(whole, y[rows]) <= TOL:
                 failures.append(f"{size}: gather=True output {tuple(whole.shape)} vs {tuple(y[rows].shape)}")
     assert not failures, f"rank {rank} ({name}, {layout['grid']}):\n" + "\n".join(failures)

@@ -74,8 +74,9 @@ class SizePlans:
     def __init__(self, model: nn.Module, traced: bool, spec: ParallelSpec, world: int, plan: list[LayerPlan],
                  input_shape: tuple[int, ...]) -> None:
         self.spec, self.world, self.traced = spec, world, traced
-        self.built, self.batch = plan, input_shape[0]
+        self.built, self.batch, self.build_volume = plan, input_shape[0], tuple(input_shape[2:])
         self.plans: dict[tuple[int, ...], list[LayerPlan]] = {tuple(input_shape[1:]): plan}
+        self.refused: dict[tuple[int, ...], str] = {}  # size -> its line (a refusal is derived once too)
         self.why_not = ""
         try:
             self.model: nn.Module | None = meta_copy(model)
@@ -95,29 +96,37 @@ class SizePlans:
         if found is not None:
             return found
         where = f"{caller}: an input of {_voxels(size[1:])} voxels (C={size[0]})"
+        if size not in self.refused:
+            try:
+                self.plans[size] = self._derive(size)
+                return self.plans[size]
+            except ValueError as err:
+                self.refused[size] = str(err)
+        raise ValueError(f"{where}: {self.refused[size]}")
+
+    def _derive(self, size: tuple[int, ...]) -> list[LayerPlan]:
+        """The planner's plan at ``size``, checked against the built one; ValueError says why not."""
         if self.model is None:
-            raise ValueError(f"{where}: the engine runs only its build size "
-                             f"{_voxels(self.built[0].input_shape[2:])}: {self.why_not}")
+            raise ValueError(f"the engine runs only its build size {_voxels(self.build_volume)}: "
+                             f"{self.why_not}")
         try:
             if self.traced and self.graph is None:
                 self.graph = trace(self.model)
             plan = build_plan(self.spec, self.model, self.shape(size), self.world, self.graph)
         except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{where}: {first}") from None
+            raise ValueError(first) from None
         if len(plan) != len(self.built):
-            raise ValueError(f"{where}: the model makes {len(plan)} nodes at this size where the engine "
-                             f"was built on {len(self.built)}; build an engine for this size")
+            raise ValueError(f"the model makes {len(plan)} nodes at this size where the engine was built "
+                             f"on {len(self.built)}; build an engine for this size")
         for built, row in zip(self.built, plan, strict=True):
             if _differs(built, row):
-                raise ValueError(f"{where}: layers: {row.name} ({row.kind}) would run split "
+                raise ValueError(f"layers: {row.name} ({row.kind}) would run split "
                                  f"{list(row.split)} (output {list(row.output_split)}) at this size, where "
                                  f"the engine runs it split {list(built.split)} (output "
                                  f"{list(built.output_split)}); {_what_fits(row, built.split)}")
-        plan = [dataclasses.replace(row, stage=built.stage)
+        return [dataclasses.replace(row, stage=built.stage)  # the built cuts, wherever auto balance would cut
                 for built, row in zip(self.built, plan, strict=True)]
-        self.plans[size] = plan
-        return plan
 
 
 def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[int, ...]) -> tuple[int, ...]:

@@ -68,9 +68,10 @@ SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)]}
 
 
-def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1)) -> dict:
+def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1), **layers) -> dict:
     return {"grid": {"data": data, "pipe": pipe, "spatial": list(spatial)},
-            "pipeline": {"microbatches": 2 if pipe > 1 else 1}}
+            "pipeline": {"microbatches": 2 if pipe > 1 else 1},
+            "layers": {name: {"spatial": list(split)} for name, split in layers.items()}}
 
 
 def _volume(size: tuple[int, int, int], seed: int) -> torch.Tensor:
@@ -148,6 +149,7 @@ def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
 
 PREDICT_CASES = [
     (2, "unet", _layout()), (2, "strided", _layout()), (2, "swapped", _layout()),
+    (2, "strided", _layout(**{"4": (1, 2, 1)})),  # Redistributes before and after the upsampling
     (4, "periodic", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(spatial=(2, 2, 1))),
     (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),
     (4, "unet", _layout(pipe=2)), (4, "strided", _layout(pipe=2)),
@@ -156,7 +158,8 @@ PREDICT_CASES = [
 
 def _id(world: int, name: str, layout: dict) -> str:
     g = layout["grid"]
-    return f"{world}-d{g['data']}p{g['pipe']}s{''.join(map(str, g['spatial']))}-{name}"
+    rules = "".join(f"-{k}s{''.join(map(str, v['spatial']))}" for k, v in layout["layers"].items())
+    return f"{world}-d{g['data']}p{g['pipe']}s{''.join(map(str, g['spatial']))}{rules}-{name}"
 
 
 @pytest.mark.parametrize("world,name,layout", PREDICT_CASES, ids=[_id(*c) for c in PREDICT_CASES])

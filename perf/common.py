@@ -17,7 +17,9 @@ moment the load drops.
 ``parser``/``parse`` give every benchmark the same flags (``--out``, ``--tiny``, the load wait, rounds,
 steps, warm-up, pinning) with each benchmark's own defaults; ``--tiny`` swaps in the benchmark's
 smallest configuration (seconds, no wait for a quiet machine, output to a temporary folder), which
-``tests/test_perf_suite.py`` runs so that no benchmark rots. ``write_json`` is the one result writer.
+``tests/test_perf_suite.py`` runs so that no benchmark rots. Results go to a scratch folder
+(:data:`SCRATCH`) unless ``--record`` names them figures for ``perf/results/``. ``write_json`` is the one
+result writer.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from perf.ranks import launch  # noqa: F401 (re-exported to the benchmarks)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
+"""The recorded figures (tracked): written only with ``--record``."""
+SCRATCH = Path(tempfile.gettempdir()) / "hybridpar-perf"
+"""Where a run without ``--record`` writes: a trial run must not overwrite a recorded figure."""
 TINY_RESULTS = Path(tempfile.gettempdir()) / "hybridpar-perf-tiny"  # --tiny never overwrites a figure
 
 
@@ -61,7 +66,11 @@ def parser(name: str, doc: str | None, *, rounds: int | None = None, steps: int 
     ap.set_defaults(benchmark=name)
     if out:
         ap.add_argument("--out", type=Path, default=None,
-                        help=f"the JSON file (default perf/results/{name}.json; --tiny: a temporary folder)")
+                        help=f"the JSON file (default {SCRATCH}/{name}.json; with --record "
+                             f"perf/results/{name}.json)")
+    ap.add_argument("--record", action="store_true",
+                    help="write the result under perf/results/ (tracked: the figures the READMEs quote); "
+                         f"without it, under {SCRATCH}")
     ap.add_argument("--tiny", action="store_true",
                     help="the smallest configuration, no wait for a quiet machine (what CI runs)")
     if rounds is not None:
@@ -86,9 +95,17 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None,
     if args.tiny:
         ap.set_defaults(**tiny, **({"no_wait": True} if "no_wait" in vars(args) else {}))
         args = ap.parse_args(argv)
+    if args.tiny and args.record:
+        ap.error("--tiny measures nothing worth keeping: it cannot be recorded (drop --record)")
     if getattr(args, "out", "") is None:
-        args.out = (TINY_RESULTS if args.tiny else RESULTS) / f"{args.benchmark}.json"
+        args.out = results_dir(args) / f"{args.benchmark}.json"
     return args
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+    """Where a benchmark's results go unless named: perf/results/ with ``--record``, a scratch folder
+    otherwise (``--tiny``: its own)."""
+    return RESULTS if args.record else TINY_RESULTS if args.tiny else SCRATCH
 
 
 def test_module(name: str) -> ModuleType:

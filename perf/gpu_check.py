@@ -9,9 +9,9 @@ one JSON.
 Why one script with a budget: a GPU is lent for short sessions (minutes, start-up included), so
 everything that needs one runs in one call that must end inside the lease, and leaves its figures
 beside the versions they were measured with (GPU, driver, CUDA, torch) in ``OUT/gpu_check.{md,json}``
-(``--out``, default ``perf/results/gpu``), with the tests' full log in ``OUT/gpu_check_tests.log``. It
-installs nothing: a GPU image has its own torch and no package registry (``nvtx`` is optional in
-:mod:`hybridpar.profiling.ranges`).
+(``--out``; default a scratch folder, ``perf/results/gpu`` with ``--record``), with the tests' full log
+in ``OUT/gpu_check_tests.log``. It installs nothing: a GPU image has its own torch and no package
+registry (``nvtx`` is optional in :mod:`hybridpar.profiling.ranges`).
 
 Sections run in order of value, so that a short lease still returns the figures that matter most:
 
@@ -710,11 +710,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for the whole run; sections and rows that would not fit are skipped")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan and the estimated seconds per section at --budget; run nothing")
-    ap.add_argument("--out", type=Path, default=ROOT / "perf/results/gpu",
-                    help="folder for gpu_check.{json,md} and the tests' log")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for gpu_check.{json,md} and the tests' log (default: a scratch folder; "
+                         "with --record perf/results/gpu)")
+    ap.add_argument("--record", action="store_true",
+                    help="write into perf/results/gpu (tracked: the figures the READMEs quote)")
     ap.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     ap.add_argument("--scaling", action="store_true", help="also run the scaling harness twice on the CPUs")
     args = ap.parse_args(argv)
+    if args.out is None:
+        from perf.common import SCRATCH  # noqa: PLC0415 (as the other perf.common imports here)
+
+        args.out = ROOT / "perf/results/gpu" if args.record else SCRATCH / "gpu"
     mode = "smoke" if args.cpu_smoke else "gpu"
     if args.budget <= 0:
         print(f"gpu_check: --budget must be a positive number of seconds, got {args.budget:g}",

@@ -28,7 +28,7 @@ On a machine with fewer cores than ranks the ranks time-share the cores: the res
 (``oversubscribed``) and the model accounts for it; this is a demonstration and a validation of the
 harness and the model, not a measurement of the library's scalability.
 
-    python -m perf harness                                  # both sweeps, synthetic, 1-8 ranks
+    python -m perf harness --record                         # both sweeps, synthetic, 1-8 ranks
     python -m perf harness --model cosmoflow --sweep strong --ranks 1,2,4
     python -m perf harness --size 16 --steps 2 --no-wait --out-dir /tmp/scaling   # smoke test
     python -m perf harness --calibrate-only                 # refresh calibration.json only
@@ -727,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="global batch of the strong sweep")
     ap.add_argument("--weak-batch", type=int, default=2, help="per-rank batch of the weak sweep")
     ap.add_argument("--repeats", type=int, default=5, help="timings per calibration sample")
-    ap.add_argument("--out-dir", type=Path, default=OUT)
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help=f"the result folder (default {common.SCRATCH}/harness; with --record {OUT})")
     ap.add_argument("--calibration", type=Path, default=None,
                     help="calibration JSON (default: OUT_DIR/calibration.json)")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the calibration from scratch")
@@ -757,8 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extrapolate", action="store_true",
                     help="only predict the published setups (no runs; a few minutes of planning)")
     args = common.parse(ap, argv, TINY)
-    if args.tiny and args.out_dir == OUT:
-        args.out_dir = common.TINY_RESULTS / "harness"
+    if args.out_dir is None:
+        args.out_dir = OUT if args.record else common.results_dir(args) / "harness"
     if args.probe_window <= 0:
         ap.error(f"--probe-window must be a positive number of seconds, got {args.probe_window}")
     bad_state = [u for u in args.state.split(",") if u and u not in STATE_USES]
@@ -768,9 +769,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown layouts {bad}; use {', '.join(FAMILIES)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    if args.tiny and args.calibration is None and (OUT / "calibration.json").is_file():
-        # start from the recorded calibration (a copy: the tiny run adds its own layer shapes to it)
-        shutil.copy(OUT / "calibration.json", args.out_dir / "calibration.json")
+    scratch_calib = args.out_dir / "calibration.json"
+    if not args.record and args.calibration is None and (OUT / "calibration.json").is_file() \
+            and (args.tiny or not scratch_calib.exists()):
+        # start from the recorded calibration (a copy: the run adds its own layer shapes to it)
+        shutil.copy(OUT / "calibration.json", scratch_calib)
     if args.extrapolate:
         extrapolate(args.out_dir)
         return 0

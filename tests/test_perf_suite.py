@@ -122,3 +122,19 @@ def _allocate(rank: int, world: int) -> int:
     heapcount.reset()
     bytearray(50 << 20)  # freed at once; the peak keeps it
     return heapcount.peak()
+
+
+def test_results_go_to_scratch_unless_recorded():
+    """Without ``--record`` a benchmark writes to the scratch folder, never over a tracked figure in
+    perf/results/; with it, to perf/results/; ``--tiny`` cannot be recorded."""
+    from perf import common
+
+    ap = common.parser("unet", "doc", rounds=2)
+    assert common.parse(ap, [], {}).out == common.SCRATCH / "unet.json"
+    assert common.parse(ap, ["--record"], {}).out == common.RESULTS / "unet.json"
+    assert common.parse(ap, ["--tiny"], {}).out == common.TINY_RESULTS / "unet.json"
+    assert not common.SCRATCH.is_relative_to(common.RESULTS)
+    with pytest.raises(SystemExit):
+        common.parse(ap, ["--tiny", "--record"], {})
+    folder = common.parser("harness", "doc", out=False)
+    assert common.results_dir(common.parse(folder, [], {})) == common.SCRATCH

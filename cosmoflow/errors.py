@@ -79,7 +79,8 @@ def newest_checkpoint(ckpt: Checkpointer) -> str:
 
 def diverged(value: float, step: int, epoch: int, ds: CosmoDataset, indices: list[int], ckpt: Checkpointer,
              bad_input: bool) -> Stop:
-    """The stop for a non-finite loss: the step, the files of its batch (every data replica's: a
+    """The stop for a non-finite loss of ``step`` (counted from 1, as the progress line counts; ``epoch``:
+    the epochs done before it): the step, the files of its batch (every data replica's: a
     collective), the newest good checkpoint, and what to try (the data if the batch held non-finite
     values, the learning rate otherwise)."""
     mine = [ds.describe(i) for i in indices]
@@ -91,7 +92,7 @@ def diverged(value: float, step: int, epoch: int, ds: CosmoDataset, indices: lis
     more = f" and {len(files) - 4} more" if len(files) > 4 else ""
     hint = ("the batch holds non-finite values: check the data (python -m cosmoflow.check)" if bad_input
             else "the batch's values are finite: lower optimizer.base_lr")
-    return Stop(f"loss is {value} at step {step} (epoch {epoch}) on the batch of {'; '.join(files[:4])}"
+    return Stop(f"loss is {value} at step {step} (epoch {epoch + 1}) on the batch of {'; '.join(files[:4])}"
                 f"{more}; stopping. The newest good checkpoint: {newest_checkpoint(ckpt)}; {hint}")
 
 

@@ -4,7 +4,9 @@ Why: a scientist watches a run live (progress bar on rank 0), compares runs late
 event files) and looks at what the model learned (loss curves, predicted against true per
 parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies; a
 run resumed from a checkpoint first drops the rows of the steps it will run again. The progress line
-redraws itself on a terminal and is one plain line per ``every`` steps otherwise (log files, mpirun).
+redraws itself on a terminal and is one plain line per ``every`` steps otherwise (log files, mpirun),
+with the time left (:mod:`cosmoflow.eta`); each validation pass says when it starts and what it scored.
+Epochs are counted from 1 in every line a person reads (the CSV files keep their own columns).
 TensorBoard and matplotlib are optional: without them the run still writes CSV, and says so once.
 """
 
@@ -15,11 +17,13 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from cosmoflow.eta import Eta, duration
 from cosmoflow.universe import PARAM_NAMES
 
 PARAMS = PARAM_NAMES  # the generator's order, the outputs' order
@@ -81,11 +85,16 @@ class Reporter:
 
     ``plots``: whether the run will draw plots at its end (only to say now if matplotlib is missing).
     ``every``: without a terminal, the progress line is printed every this many steps.
+    ``epochs``, ``steps_per_epoch``: the run's length, for the progress line's epoch count and time left.
     """
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, progress: bool, *,
-                 plots: bool = False, every: int = 1, stream: TextIO | None = None) -> None:
+                 plots: bool = False, every: int = 1, stream: TextIO | None = None, epochs: int = 0,
+                 steps_per_epoch: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled, self.progress = enabled, progress and enabled
+        self.run_epochs, self.steps_per_epoch, self.clock = epochs, steps_per_epoch, clock
+        self.eta: Eta | None = None
+        self.line_open = False  # a redrawn progress line not yet ended
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every = max(int(every), 1)
@@ -112,18 +121,43 @@ class Reporter:
             self.epochs.truncate_after("last_step", step)
 
     def step(self, row: dict[str, Any], total_steps: int) -> None:
+        """Log one step's ``row`` (``epoch``: the epochs done before it, as the CSV keeps it)."""
         if not self.enabled:
             return
+        if self.eta is None:
+            self.eta = Eta(total_steps, self.steps_per_epoch or total_steps, self.clock)
+        self.eta.total = total_steps
+        left = self.eta.step(row["step"])
         self.steps.write(row)
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"train/{k}", v, row["step"])
         if self.progress and (self.tty or row["step"] % self.every == 0 or row["step"] >= total_steps):
-            self.stream.write(progress_line(row, total_steps, self.tty))
+            self.stream.write(progress_line(row, total_steps, self.tty, left=left, epochs=self.run_epochs))
             self.stream.flush()
+            self.line_open = self.tty
 
-    def epoch(self, row: dict[str, Any]) -> None:
+    def _end_line(self) -> None:
+        if self.line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.line_open = False
+
+    def validating(self, epoch: int, batches: int) -> None:
+        """Say that the validation after (1-based) ``epoch`` starts, over ``batches`` batches."""
+        if self.eta is not None:
+            self.eta.validation_started()
+        if not self.enabled:
+            return
+        self._end_line()
+        if self.progress:
+            print(f"epoch {epoch}: validating ({batches} batch{'es' if batches != 1 else ''})", flush=True)
+
+    def epoch(self, row: dict[str, Any], number: int | None = None) -> None:
+        """Log a validation's ``row`` and print its result; ``number``: the 1-based epoch it followed,
+        when that is not ``row["epoch"]`` (an epoch cut short by ``train.max_steps``)."""
+        took = self.eta.validation_ended() if self.eta is not None else None
         if not self.enabled:
             return
         self.epochs.write(row)
@@ -132,15 +166,17 @@ class Reporter:
                 if k != "epoch" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"val/{k}", v, row["epoch"])
             self.tb.flush()
-        if self.progress and self.tty:  # end the redrawn line
-            self.stream.write("\n")
-        line = f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f}"
+        self._end_line()
+        shown = row["epoch"] if number is None else number
+        line = f"epoch {shown}: train loss {row['train_loss']:.4f} val loss {row['val_loss']:.4f}"
         if "val_mae" in row:
             maes = " ".join(f"{p}={row[f'mae_{p}']:.4f}" for p in PARAMS if f"mae_{p}" in row)
             line += f" val MAE {row['val_mae']:.4f} ({maes})"
         else:  # every other validation figure as it comes, e.g. the reconstruction's r(k) summaries
             line += "".join(f" {k[4:]} {v:.4f}" for k, v in row.items()
                             if k.startswith("val_") and k != "val_loss" and isinstance(v, float))
+        if took is not None:
+            line += f" (validation {duration(took)})"
         print(line, flush=True)
 
     def close(self) -> None:
@@ -148,13 +184,18 @@ class Reporter:
             self.tb.close()
 
 
-def progress_line(row: dict[str, Any], total_steps: int, tty: bool) -> str:
-    """One step's progress: redrawn in place (``\\r``) on a terminal, a whole line otherwise."""
+def progress_line(row: dict[str, Any], total_steps: int, tty: bool, *, left: float | None = None,
+                  epochs: int = 0) -> str:
+    """One step's progress: redrawn in place (``\\r``) on a terminal, a whole line otherwise. The epoch
+    shown is the one the step belongs to, from 1 (``row["epoch"]`` counts the epochs done before it);
+    ``left``: seconds to the run's end (None: not known yet, after the first step)."""
     done = row["step"] / max(total_steps, 1)
     bar = "#" * int(30 * done)
-    text = (f"[{bar:<30}] step {row['step']}/{total_steps} epoch {row['epoch']} "
+    of = f"/{epochs}" if epochs else ""
+    text = (f"[{bar:<30}] step {row['step']}/{total_steps} epoch {row['epoch'] + 1}{of} "
             f"loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s {row['gflops']:.2f} GFLOP/s "
-            f"data {100 * row['data_wait_share']:.0f}% comm {100 * row['comm_share']:.0f}%")
+            f"data {100 * row['data_wait_share']:.0f}% comm {100 * row['comm_share']:.0f}% "
+            f"eta {'?' if left is None else duration(left)}")
     return f"\r{text}  " if tty else f"{text}\n"
 
 

@@ -157,6 +157,14 @@ def precise_bn(engine: hp.Engine, loader: VolumeLoader, batches: int, epoch: int
         m.momentum = mom
 
 
+def _epoch_position(done: int, batch: int, loader_epoch: int) -> str:
+    """Where a resumed run stands, epochs counted from 1: ``epoch 2, batch 3``, or the epoch whose steps
+    are all done but whose validation is not (the loader already at the next epoch)."""
+    if loader_epoch > done:
+        return f"epoch {done + 1} trained, its validation next"
+    return f"epoch {done + 1}, batch {batch}"
+
+
 def _command_line(launcher: str, world: int) -> str:
     """The command that started this run, as far as this process can tell (for result files)."""
     args = " ".join(sys.argv)
@@ -277,15 +285,16 @@ def run(cfg: Config) -> dict[str, Any]:
             epoch_loss.update(state.get("train", {}).get("epoch_loss", {}))
             resumed = True
             if rank == 0:
-                print(f"resumed from step {step} (epoch {epoch}, batch {loader.index}) in {ckpt.root}",
-                      flush=True)
+                print(f"resumed from step {step} ({_epoch_position(epoch, loader.index, loader.epoch)}) in "
+                      f"{ckpt.root}", flush=True)
 
+    steps_per_epoch = len(loader)
     reporter = Reporter(run_dir, rank == 0, cfg.logging.tensorboard, cfg.logging.progress,
-                        plots=cfg.logging.plots, every=cfg.train.log_every)
+                        plots=cfg.logging.plots, every=cfg.train.log_every, epochs=cfg.train.epochs,
+                        steps_per_epoch=steps_per_epoch)
     if resumed:
         reporter.rewind(step)  # the steps after the checkpoint run again: their rows go
     timer = StepTimer(rank=rank)
-    steps_per_epoch = len(loader)
     total = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
@@ -296,8 +305,8 @@ def run(cfg: Config) -> dict[str, Any]:
         nonlocal last_save
         finite = all(bool(torch.isfinite(p).all()) for p in engine.parameters())
         if _agree(not finite):  # never let a diverged model become the newest checkpoint
-            raise Stop(f"weights became non-finite by step {step} (epoch {epoch}); not saving. The newest "
-                       f"good checkpoint: {errors.newest_checkpoint(ckpt)}; lower optimizer.base_lr")
+            raise Stop(f"weights became non-finite by step {step} (epoch {epoch + 1}); not saving. The "
+                       f"newest good checkpoint: {errors.newest_checkpoint(ckpt)}; lower optimizer.base_lr")
         state = {"model": engine.local_state_dict(), "optimizer": optimizer_state(engine, opt),
                  "rng": rng_state(), "loader": loader.state_dict(), "step": step, "epoch": epoch,
                  "train": {"epoch_loss": dict(epoch_loss)}}
@@ -309,8 +318,10 @@ def run(cfg: Config) -> dict[str, Any]:
     pred = true = val_index = fields = None
     k_fundamental = mean_fundamental(val_ds.labels, S, voxel_of(val_ds.locate(0)[0].path))
 
-    def validate() -> None:
+    def validate(number: int) -> None:
+        """Validate after (1-based) epoch ``number``."""
         nonlocal metrics, fields, pred, true, val_index
+        reporter.validating(number, len(val_loader))
         if reconstruct:
             metrics, fields = evaluate_fields(engine, val_loader, S, k_fundamental)
         else:
@@ -336,7 +347,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 if not math.isfinite(value):
                     bad_input = _agree(not (torch.isfinite(x_local).all() and torch.isfinite(y).all()))
                     batch_of = loader.batches(epoch)[(loader.index or len(loader)) - 1]
-                    raise errors.diverged(value, step, epoch, train_ds, batch_of, ckpt, bad_input)
+                    raise errors.diverged(value, step + 1, epoch, train_ds, batch_of, ckpt, bad_input)
                 step += 1
                 faults.hit("step", step, rank)  # a fault-injection point for the recovery tests
                 epoch_loss["sum"] += value
@@ -361,15 +372,16 @@ def run(cfg: Config) -> dict[str, Any]:
                 epoch += 1
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
-            validate()
+            number = epoch if ended else epoch + 1  # the epoch just run, from 1 (cut short: not ended)
+            validate(number)
             n = epoch_loss["steps"]
             train_loss = epoch_loss["sum"] / n if n else float("nan")
-            reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics})
+            reporter.epoch({"epoch": epoch, "last_step": step, "train_loss": train_loss, **metrics}, number)
             if ended:
                 epoch_loss.update(sum=0.0, steps=0)
             save({"metrics": metrics})
         if resumed and not metrics:  # resumed from the run's last checkpoint: the report still needs
-            validate()                # the final validation (the checkpoint's weights: the same one)
+            validate(max(epoch, 1))   # the final validation (the checkpoint's weights: the same one)
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\nstopping on a signal at step {step}: writing a final checkpoint", flush=True)

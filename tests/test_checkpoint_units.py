@@ -14,7 +14,7 @@ import torch
 from hybridpar.checkpoint import manifest as mf
 from hybridpar.checkpoint.file_placement import STAGE, Placement, rank_file, stage_file
 from hybridpar.checkpoint.format import CorruptFile, RankFile, pack_tree, write_file
-from hybridpar.checkpoint.retention import Policy, Record, keep
+from hybridpar.checkpoint.retention import Policy, Record, keep, newest_per_step
 from hybridpar.checkpoint.train_state import load_optimizer_state, optimizer_state
 from hybridpar.checkpoint.tree import flatten, key_filter, keys_for, merge, select, unflatten
 
@@ -202,6 +202,17 @@ def test_retention_keeps_exactly_last_every_and_best():
     assert keep(Policy(keep_last=None), vs) == {v.name for v in vs}
     with pytest.raises(ValueError, match="keep_last"):
         Policy(keep_last=0)
+
+
+def test_retention_keeps_one_version_per_step():
+    """A later save of a step replaces the earlier (a periodic save on an epoch's last step, then the
+    epoch's save with its metrics): one version per step, and the replaced one takes no keep_last slot."""
+    vs = [_rec(1), _rec(2), _rec(3, step=2, metrics={"mae": 9.0}), _rec(4, step=1), _rec(5)]
+    assert [v.name for v in newest_per_step(vs)] == ["v003", "v004", "v005"]
+    assert keep(Policy(keep_last=2), vs) == {"v004", "v005"}
+    assert keep(Policy(keep_last=None), vs) == {"v003", "v004", "v005"}
+    assert keep(Policy(keep_last=1, best=("mae", "min")), vs) == {"v003", "v005"}
+    assert keep(Policy(keep_last=1, keep_every=1), vs) == {"v003", "v004", "v005"}
 
 
 def test_optimizer_state_by_name_moves_between_stage_splits():

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from cosmoflow import metrics
+from cosmoflow.eta import Eta, duration
 from cosmoflow.metrics import CsvLog, Reporter
 
 
@@ -76,3 +77,59 @@ def test_missing_packages_are_said_once(tmp_path, monkeypatch, capsys):
         Reporter(tmp_path, False, tensorboard=True, progress=False)
         err = capsys.readouterr().err
         assert err.count("warning: no TensorBoard events") == 1 and "logging.tensorboard=false" in err
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_eta_counts_steps_at_this_runs_pace_and_validations_at_the_last_ones_length():
+    """2 epochs of 4 steps, 1 s a step and 3 s a validation: after step 2 (pace from step 1 on) 6 steps
+    and no validation length yet; after epoch 1's validation its 3 s count for the one left; the first
+    step's warm-up and the validation's time stay out of the pace."""
+    clock = _Clock()
+    eta = Eta(8, 4, clock)
+    clock.now += 50.0  # the first step's warm-up
+    assert eta.step(1) is None
+    clock.now += 1.0
+    assert eta.step(2) == pytest.approx(6.0)
+    assert [eta.validations_left(s) for s in (1, 4, 5, 8, 9)] == [2, 2, 1, 1, 0]
+    for s in (3, 4):
+        clock.now += 1.0
+        eta.step(s)
+    eta.validation_started()
+    clock.now += 3.0
+    assert eta.validation_ended() == pytest.approx(3.0)
+    clock.now += 1.0
+    assert eta.step(5) == pytest.approx(3 * 1.0 + 3.0)
+    assert Eta(10, 4, clock).validations_left(9) == 1  # the cut last epoch: validated after step 10
+    assert [duration(s) for s in (4.4, 65, 3725, float("nan"))] == ["4s", "1:05", "1:02:05", "?"]
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_and_validation_lines_count_epochs_from_1(tmp_path, tty, capsys):
+    """The progress line shows the step's epoch from 1 of the run's epochs and the time left; each
+    validation prints a start line and a result line (with its length) under the same number; on a
+    terminal the redrawn line is ended once before them."""
+    out, clock = _Stream(tty), _Clock()
+    rep = Reporter(tmp_path, True, tensorboard=False, progress=True, stream=out, epochs=2,
+                   steps_per_epoch=2, clock=clock)
+    for s in (1, 2):
+        clock.now += 1.0
+        rep.step(_row(s, epoch=0), 4)
+    rep.validating(1, 3)
+    clock.now += 2.0
+    rep.epoch({"epoch": 1, "last_step": 2, "train_loss": 0.5, "val_loss": 0.4})
+    clock.now += 1.0
+    rep.step(_row(3, epoch=1), 4)
+    text = out.getvalue()
+    assert re.findall(r"step (\d)/4 epoch (\d)/2 [^\r\n]* eta (\S+)", text) == [
+        ("1", "1", "?"), ("2", "1", "2s"), ("3", "2", "3s")]
+    assert text.count("\n") == (1 if tty else 3)  # a terminal's line ended once, before the validation
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "epoch 1: validating (3 batches)"
+    assert printed[1] == "epoch 1: train loss 0.5000 val loss 0.4000 (validation 2s)"

@@ -108,10 +108,21 @@ def _scores(run: Path, keys: tuple[str, ...] = ("val_", "mae_", "step", "epoch")
     return {k: v for k, v in summary.items() if k.startswith(keys)}
 
 
-def test_killed_in_the_last_validation_resumes_to_the_same_report(tiny_data, tmp_path):
+def _version_steps(run: Path, capsys) -> list[int]:
+    """The steps of the versions ``python -m hybridpar.checkpoint ls RUN`` lists, oldest first."""
+    from hybridpar.checkpoint.__main__ import main as checkpoint_cli
+
+    capsys.readouterr()
+    assert checkpoint_cli(["ls", str(run)]) == 0
+    return [int(row.split()[1]) for row in capsys.readouterr().out.splitlines()[2:]]
+
+
+def test_killed_in_the_last_validation_resumes_to_the_same_report(tiny_data, tmp_path, capsys):
     """Killed while validating after the last step (its step-8 checkpoint saved: validation waits a
     second first, so the overlapped write is done; the epoch's validation not): the resumed run trains
-    no step, validates, and reports what the uninterrupted run did."""
+    no step, validates, and reports what the uninterrupted run did. Step 8 is saved twice in each run
+    (every 4 steps, then after the validation): one version of it remains, the later, with the
+    metrics."""
     sets = ("train.epochs=1", "checkpoint.every_steps=4")
     whole = train_script(_args(tiny_data, tmp_path / "whole", *sets))
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -120,8 +131,10 @@ def test_killed_in_the_last_validation_resumes_to_the_same_report(tiny_data, tmp
     assert killed.returncode != 0 and not (tmp_path / "cut" / "summary.json").exists()
     resumed = train_script(_args(tiny_data, tmp_path / "cut", *sets))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step 8 " in resumed.stdout, resumed.stdout
+    assert "resumed from step 8 (epoch 1 trained, its validation next)" in resumed.stdout, resumed.stdout
     assert _scores(tmp_path / "cut") == _scores(tmp_path / "whole")
+    for run in ("whole", "cut"):
+        assert _version_steps(tmp_path / run, capsys) == [4, 8], run
 
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
@@ -172,7 +185,10 @@ def test_data_parallel_resume_is_bit_identical(tiny_data, tmp_path):
     steps = columns("metrics_steps.csv", "step", "loss")
     assert steps[0] == steps[1] and [int(s) for s, _ in steps[1]] == list(range(1, 17))
     for run in (whole, resumed):
-        assert "\r" not in run.stderr and "step 16/16 epoch 1" in run.stderr
+        assert "\r" not in run.stderr and "step 16/16 epoch 2/2 " in run.stderr
+        assert re.search(r"step 16/16 epoch 2/2 .* eta \S+\n", run.stderr), run.stderr[-2000:]
+        validation = r"^epoch 2: validating \(\d+ batch(es)?\)\nepoch 2: train loss .*\(validation \S+\)$"
+        assert re.search(validation, run.stdout, re.MULTILINE), run.stdout[-2000:]
 
 
 def test_augmented_training_rolls_whole_universes_only(tiny_data, tmp_path):

@@ -2,7 +2,8 @@
 
 Why a pure function: "retention keeps exactly what it says" is checked on plain records, and the same
 rule runs on every level directory. Versions are ordered by the time their save was taken (a run resumed
-from an older step continues the newest lineage, not the highest step number).
+from an older step continues the newest lineage, not the highest step number), and a step has one version:
+a later save of the same step replaces the earlier.
 """
 
 from __future__ import annotations
@@ -51,9 +52,23 @@ def metric(metadata: dict[str, Any], name: str) -> float | None:
     return None
 
 
-def keep(policy: Policy, versions: Sequence[Record]) -> set[str]:
-    """Names of the versions ``policy`` keeps among ``versions`` (all complete)."""
+def newest_per_step(versions: Sequence[Record]) -> list[Record]:
+    """``versions`` in the order they were taken, less every one a later save of the same step replaced.
+
+    Why: two saves can land on one step (a training loop's periodic save on an epoch's last step, then
+    the epoch's save after its validation, which adds the metrics; or a run resumed from that step
+    saving it again). Both describe the same training state, the later one more completely: keeping
+    both would show two versions of one step and spend a ``keep_last`` slot on a copy.
+    """
     ordered = sorted(versions, key=lambda v: (v.time, v.name))
+    last = {v.step: i for i, v in enumerate(ordered)}
+    return [v for i, v in enumerate(ordered) if last[v.step] == i]
+
+
+def keep(policy: Policy, versions: Sequence[Record]) -> set[str]:
+    """Names of the versions ``policy`` keeps among ``versions`` (all complete); of several versions of
+    one step, only the newest (:func:`newest_per_step`)."""
+    ordered = newest_per_step(versions)
     kept: set[str] = set()
     if policy.keep_last is None:
         kept.update(v.name for v in ordered)

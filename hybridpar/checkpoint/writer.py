@@ -36,7 +36,7 @@ from hybridpar.checkpoint.file_placement import Copy, FileRole, Placement
 from hybridpar.checkpoint.format import FOOTER, CheckpointError, fsync_dir, make_dirs, write_bytes, write_file
 from hybridpar.checkpoint.group import Group
 from hybridpar.checkpoint.levels import L1, L2, Levels, copy_durable, remove_version, scan_dir
-from hybridpar.checkpoint.retention import Policy, Record, keep
+from hybridpar.checkpoint.retention import Policy, Record, keep, newest_per_step
 from hybridpar.checkpoint.snapshot import Snapshot
 
 
@@ -308,7 +308,7 @@ class Writer:
             protected = set(self._unflushed)
         complete = [Record(n, b["step"], b["time"], b["metadata"]) for n, b, _ in entries if b is not None]
         if policy is None:
-            newest = sorted(complete, key=lambda v: (v.time, v.name))[-self.keep_local:]
+            newest = newest_per_step(complete)[-self.keep_local:]
             kept = {v.name for v in newest}
         else:
             kept = keep(policy, complete)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train CosmoFlow with hybridpar.
 
-    torchrun --nproc-per-node 4 launch/train.py --config launch/configs/demo.yaml
+    torchrun --nproc-per-node 4 --max-restarts 3 launch/train.py --config launch/configs/demo.yaml
     mpirun -n 4 python launch/train.py --config launch/configs/demo.yaml
     srun python launch/train.py --config launch/configs/cosmoflow_128.yaml   (see launch/slurm.sbatch)
 

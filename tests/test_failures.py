@@ -136,3 +136,25 @@ def test_a_rank_that_stops_answering_ends_the_job(data, tmp_path):
     assert re.fullmatch(r"error: rank 0 gave up waiting in (halo_exchange|redistribute), step 3: Timed out "
                         r"waiting 3000ms for recv operation to complete \(timeout_s = 3\); rank 1 stopped "
                         r"answering", lines[0]), lines[0]
+
+
+def test_a_killed_rank_is_named_with_its_signal(data, tmp_path):
+    """Rank 1 SIGKILLs itself after step 2 (a fault hook); rank 0's collective fails at once with gloo's
+    "Connection reset by peer". Its one line names rank 1, its pid and its signal (read from the
+    unreaped process, as torchrun's report reads its exit status), not itself and not gloo's advice."""
+    args = _args(data, tmp_path / "run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "HYBRIDPAR_CKPT_FAULT": "step:kill:2:1"}
+    cmd = [sys.executable, str(ROOT / "launch/train.py"), *args]
+    ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (1, 0)]
+    try:
+        _, err = ranks[1].communicate(timeout=120)
+    finally:
+        ranks[0].kill()
+        ranks[0].communicate()
+    assert ranks[0].returncode == -signal.SIGKILL and ranks[1].returncode == 1, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert re.fullmatch(rf"error: rank 1 \(pid {ranks[0].pid}\) died: killed by SIGKILL; rank 0 was waiting "
+                        r"for it in \w+(, step \d+)?", lines[0]), lines[0]

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hybridpar import profiling
+from hybridpar.comm import peers
 from hybridpar.comm.store import default_store
 
 _PREFIX = "hybridpar/beat/"
@@ -29,6 +30,11 @@ _PREFIX = "hybridpar/beat/"
 class CollectiveTimeout(RuntimeError):
     """A collective or transfer gave up waiting for a peer; the message names the operation and the
     ranks that stopped answering."""
+
+
+class PeerDied(CollectiveTimeout):
+    """A peer's process ended while this rank waited for it; the message names the rank and how it
+    ended (:mod:`hybridpar.comm.peers`)."""
 
 
 @dataclass
@@ -60,6 +66,7 @@ def start(timeout_s: float) -> None:
     heart = _Heart(store, beat_interval(timeout_s), dist.get_world_size(), float(timeout_s))
     key = f"{_PREFIX}{dist.get_rank()}"
     heart.store.add(key, 1)  # the key exists before anyone can ask for it
+    peers.register(heart.store, dist.get_rank())
 
     def beat() -> None:
         while not heart.stopped.wait(heart.every):
@@ -108,6 +115,9 @@ def silent_ranks() -> list[int] | None:
 
 _TIMEOUT_TEXT = re.compile(r"timed out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
 _LOST_TEXT = re.compile(r"connection (closed|reset) by peer", re.IGNORECASE)
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$", re.IGNORECASE | re.DOTALL)
+"""gloo's advice appended to its errors ("Check the logs of the remote worker ... GLHF!"), which the
+line replaces with what it found out."""
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -122,12 +132,18 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
     rank = dist.get_rank() if dist.is_initialized() else 0
     cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[file.cc:78] " prefix
+    cause = _GLOO_ADVICE.sub("", cause)
     where = ", ".join(p for p in (doing, profiling.where(err)) if p)
     limit = _heart[0].timeout_s if _heart else None
     # A closed connection is a peer whose process ended (killed, crashed): nothing to wait for, and a
     # launcher that restarts the job (torchrun --max-restarts) is waiting for this rank to exit.
-    silent = None if _LOST_TEXT.search(str(err)) else silent_ranks()
-    if _LOST_TEXT.search(str(err)):
+    lost = bool(_LOST_TEXT.search(str(err)))
+    if lost and _heart:
+        died = _died(rank, where)
+        if died is not None:
+            return died
+    silent = None if lost else silent_ranks()
+    if lost:
         who = "a peer's process ended (its own error, if it could print one, comes first)"
     elif silent is None:
         who = ("the rendezvous store does not answer either (rank 0 hosts it unless torchrun does): rank 0 "
@@ -140,3 +156,31 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
     setting = f" (timeout_s = {limit:g})" if limit is not None else ""
     return CollectiveTimeout(f"rank {rank} gave up waiting{' ' + where if where else ''}: {cause}{setting}; "
                              f"{who}")
+
+
+_EXITING_S = 1.0
+"""How long a closed connection waits for its peer to show as ended: a process closes its sockets
+while it exits, before ``/proc`` shows it gone (a large address space takes a while to tear down)."""
+_NO_STATUS = ("without an exit status this rank can read: a signal it cannot catch (SIGKILL: the OOM "
+              "killer, a user, a scheduler) or a crash; the launcher's report names it")
+
+
+def _died(rank: int, where: str) -> PeerDied | None:
+    """A :class:`PeerDied` naming the peers whose processes ended and how, as far as this host can see;
+    None if none of this host's peers ended (the one that did ran elsewhere)."""
+    heart = _heart[0]
+    deadline = time.monotonic() + _EXITING_S
+    while True:
+        gone, elsewhere = peers.ended(heart.store, heart.world)
+        gone = [g for g in gone if g.rank != rank]
+        if gone or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not gone:
+        return None
+    what = "; ".join(f"rank {g.rank} (pid {g.pid}) died{': ' + g.how if g.how else ' ' + _NO_STATUS}"
+                     for g in gone)
+    waited = f"rank {rank} was waiting for {'it' if len(gone) == 1 else 'them'}{' ' + where if where else ''}"
+    unseen = f" (ranks {', '.join(map(str, elsewhere))} run on other hosts, unseen from here)" \
+        if elsewhere else ""
+    return PeerDied(f"{what}; {waited}{unseen}")

@@ -29,6 +29,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from hybridpar.comm import peers
 from hybridpar.comm.store import default_store
 
 CONFIG_ERROR = 2
@@ -120,6 +121,7 @@ def leave(code: int) -> NoReturn:
     """
     if code == 0:
         sys.exit(0)
+    peers.record_exit(code)  # what a peer's error line says of this rank (hybridpar.comm.peers)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

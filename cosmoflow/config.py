@@ -29,9 +29,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
+    """Where the samples are read from, and how."""
+
     train: str = "data/train"            # directory, file or glob (raw universes, MLPerf split, packed)
-    val: str = "data/val"
-    sample_size: int = 128
+    val: str = "data/val"                # the validation set, as data.train
+    sample_size: int = 128               # edge of a sample cube, voxels: universes are cut into cubes this
+                                         # size
     workers: int = 1                     # reader processes per rank (0: read in the training process)
     prefetch: int = 2                    # batches read ahead
     stage_dir: str | None = None         # copy this replica's files here first (node-local disk)
@@ -44,12 +47,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    n_conv: int = 5
-    base_filters: int = 32
-    max_filters: int = 512
-    dense: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.5
-    batchnorm: bool = False
+    """The regress task's network (``cosmoflow.model.build_model``: MLPerf HPC CosmoFlow's, resized)."""
+
+    n_conv: int = 5                      # conv + pool blocks: the sample size must divide by 2^n_conv
+    base_filters: int = 32               # channels of the first conv, doubled per block
+    max_filters: int = 512               # cap on a conv's channels
+    dense: list[int] = field(default_factory=lambda: [128, 64])  # widths of the dense head's hidden layers
+    dropout: float = 0.5                 # dropout rate after each hidden dense layer (below 1)
+    batchnorm: bool = False              # BatchNorm after each conv
     global_pool: bool = False            # global average pooling before the dense head
     head_norm: bool = False              # BatchNorm1d on the pooled features
     spectrum_stats: str = "batch"        # batch | running: the P(k) features standardised by the batch's
@@ -67,7 +72,7 @@ class UNetConfig:
 
     width: int = 8                       # channels of the full-resolution level, doubled per level
     levels: int = 4                      # resolutions: the sample size must divide by 2^(levels - 1)
-    max_width: int = 64
+    max_width: int = 64                  # cap on a level's channels
     groups: int = 4                      # GroupNorm groups
     padding_mode: str = "circular"       # zeros | circular (periodic boxes)
     displacement: bool = False           # also feed the Zel'dovich displacement of the smoothed z = 0 field
@@ -78,25 +83,32 @@ class UNetConfig:
 
 @dataclass
 class OptimizerConfig:
+    """The optimizer and its learning-rate schedule (``cosmoflow.optim``: MLPerf HPC CosmoFlow's)."""
+
     name: str = "sgd"                    # sgd | lars | adamw
     base_lr: float = 0.001               # per base_batch samples, scaled linearly with the global batch
-    base_batch: int = 64
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    warmup_epochs: float = 4.0
-    decay_epochs: list[float] = field(default_factory=lambda: [32.0, 64.0])
-    decay_factors: list[float] = field(default_factory=lambda: [0.25, 0.125])
+    base_batch: int = 64                 # the batch base_lr is given for
+    momentum: float = 0.9                # SGD and LARS momentum (adamw: unused)
+    weight_decay: float = 0.0            # L2 penalty added to the gradient (adamw: decoupled decay)
+    warmup_epochs: float = 4.0           # the rate rises linearly from base_lr to its scaled peak over these
+    decay_epochs: list[float] = field(default_factory=lambda: [32.0, 64.0])  # epochs at which each decay
+                                         # factor starts (increasing)
+    decay_factors: list[float] = field(default_factory=lambda: [0.25, 0.125])  # the peak rate times this
+                                         # from the matching decay epoch on
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 8
+    """The training loop."""
+
+    epochs: int = 8                      # passes over the training set, each followed by a validation
     batch_size: int = 8                  # global batch
-    seed: int = 0
+    seed: int = 0                        # initial weights, shuffling, augmentation (each replica adds its
+                                         # index)
     max_steps: int | None = None         # stop after this many steps, >= 1 (smoke runs; null: no limit)
     precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
                                          # training batches with the weights frozen (0: off)
-    log_every: int = 1
+    log_every: int = 1                   # without a terminal, print the progress line every this many steps
     precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     channels_last: bool = False          # NDHWC activations (channels_last_3d)
     compile: bool = False                # torch.compile the layers
@@ -105,21 +117,25 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints in ``run_dir/checkpoints`` (``hybridpar.checkpoint``)."""
+
     every_steps: int | None = 50         # save every this many steps (0 or null: not by step count)
     every_minutes: float | None = None   # and every this many minutes (0 or null: not by time)
     keep_last: int = 3                   # >= 1 newest versions kept
     keep_every: int | None = None        # also keep every epoch divisible by this (>= 1; null: none)
     best_metric: str | None = "val_mae"  # pin the version with the lowest value of this metric
-    resume: bool = True
+    resume: bool = True                  # start from run_dir's newest complete checkpoint, if any
     local_dir: str | None = None         # node-local copies (L1) first, flushed to run_dir in the
                                          # background; restarts read them first ("{node}" per node)
 
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
-    plots: bool = True
-    progress: bool = True
+    """What a run reports besides ``metrics_*.csv`` (always written)."""
+
+    tensorboard: bool = True             # TensorBoard event files in run_dir/tensorboard
+    plots: bool = True                   # loss curves and predicted-against-true plots in run_dir/plots
+    progress: bool = True                # a progress line per step (rank 0, on stderr)
 
 
 AUGMENTS = ("none", "symmetries", "symmetries+shifts")
@@ -132,14 +148,20 @@ density field of a volume, voxel by voxel (a U-Net)."""
 
 @dataclass
 class Config:
-    run_dir: str = "runs/cosmoflow"
-    task: str = "regress"                # regress | reconstruct
+    """A training run (``launch/train.py``)."""
+
+    run_dir: str = "runs/cosmoflow"      # where the run writes (config, metrics, checkpoints, summary);
+                                         # started again, it resumes
+    task: str = "regress"                # regress (four cosmological parameters of a volume) | reconstruct
+                                         # (the initial density field, voxel by voxel)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     unet: UNetConfig = field(default_factory=UNetConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: dict[str, Any] = field(default_factory=lambda: {"grid": {"data": -1}})
+    parallel: dict[str, Any] = field(default_factory=lambda: {"grid": {"data": -1}})  # the parallel spec
+                                         # (hybridpar.ParallelSpec: grid, pipeline, layers, timeout_s);
+                                         # data -1: every rank a data replica
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

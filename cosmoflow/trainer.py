@@ -425,7 +425,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``launch/train.py``'s entry: ``--config FILE [--set key=value ...]``."""
+    """``launch/train.py``'s entry: ``--config FILE [--set key=value ...]``, or ``--help-config``."""
     import argparse  # noqa: PLC0415
 
     from cosmoflow.config import load_config  # noqa: PLC0415
@@ -434,7 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML config (see launch/configs/)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config entry, e.g. --set train.epochs=4 (repeatable)")
+    ap.add_argument("--help-config", action="store_true",
+                    help="print every config key with its type, default, range and meaning, and exit")
     args = ap.parse_args(argv)
+    if args.help_config:
+        from cosmoflow.config_reference import text  # noqa: PLC0415
+
+        sys.stdout.write(text())
+        return 0
     try:
         cfg = load_config(args.config, args.set)
         run(cfg)

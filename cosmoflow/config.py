@@ -306,8 +306,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "sections (run_dir, data, model, train, ...) as in launch/configs/demo.yaml")
     for item in overrides or []:
         set_key(tree, item)
-    cfg = _build(Config, tree, "")
-    validate(cfg)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "") -> Config:
+    """The typed, validated config of a plain mapping (a YAML file's, or :meth:`Config.to_dict`'s as a
+    checkpoint or an export keeps it); a :class:`ConfigError` naming ``source`` otherwise."""
+    try:
+        cfg = _build(Config, tree, "")
+        validate(cfg)
+    except ConfigError as err:
+        if source:
+            raise ConfigError(f"{source}: {err}") from None
+        raise
     return cfg
 
 

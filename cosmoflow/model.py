@@ -24,11 +24,15 @@ and He-normal initialisation.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from cosmoflow.config import Config
 
 Init = Literal["glorot", "kaiming", "torch"]
 
@@ -279,3 +283,45 @@ def build_lbann_model(input_size: int = 512, in_channels: int = 4, n_conv: int |
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def build_network(cfg: Config) -> nn.Module:
+    """The network a training config builds: CosmoFlow's regressor (:func:`build_model` from the
+    ``model`` section) or, for ``task: reconstruct``, the U-Net (:func:`cosmoflow.reconstruct.build_unet`).
+    The one builder the trainer, the studies and :func:`build_model_from_export` share."""
+    channels = cfg.data.channels
+    if cfg.task == "reconstruct":
+        from cosmoflow.reconstruct import build_unet  # noqa: PLC0415 (the U-Net task's own module)
+
+        return build_unet(cfg, channels)
+    m = cfg.model
+    return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
+                       dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
+                       head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
+                       spectrum_stats=m.spectrum_stats)
+
+
+def build_model_from_export(path: str | os.PathLike) -> nn.Module:
+    """The model an export holds (``python -m hybridpar.checkpoint export RUN OUT[.safetensors]``), rebuilt
+    from the run configuration the export carries and loaded with its weights, on the CPU, every key
+    matching; nothing else is needed (no config file, no ``build_model`` arguments). An export without a
+    configuration, or one this code cannot build, is one :class:`~cosmoflow.config.ConfigError` line."""
+    from cosmoflow.config import ConfigError, config_from_dict  # noqa: PLC0415 (config reads YAML)
+    from hybridpar.checkpoint import CheckpointError, load_weights, read_config  # noqa: PLC0415
+
+    try:
+        tree = read_config(path)
+        state = load_weights(path)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    if tree is None:
+        raise ConfigError(f"{path}: carries no run configuration (exported by an older version, or weights "
+                          "from elsewhere): build the model with build_model(...) and load_state_dict")
+    if isinstance(tree.get("train"), dict):  # how it trained (a CUDA graph) is no part of the model, and
+        tree = {**tree, "train": {**tree["train"], "cuda_graphs": False}}  # must not refuse a CPU here
+    model = build_network(config_from_dict(tree, f"{path}'s configuration"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{path}: its weights do not fit the model its configuration builds "
+                          f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    return model

@@ -40,9 +40,9 @@ from cosmoflow.config import Config, ConfigError, read_yaml
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
 from cosmoflow.metrics import PARAMS, Reporter, mae_per_parameter, plot_run, save_predictions
-from cosmoflow.model import build_model
+from cosmoflow.model import build_network
 from cosmoflow.optim import lr_of_step, make_optimizer, set_lr
-from cosmoflow.reconstruct import build_unet, evaluate_fields, mean_fundamental, report, voxel_of
+from cosmoflow.reconstruct import evaluate_fields, mean_fundamental, report, voxel_of
 from hybridpar.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -189,17 +189,6 @@ def _augment(cfg: Config, train_ds: Any) -> Augment | None:
     return Augment(symmetries=True, shifts=shifts)
 
 
-def _build_model(cfg: Config, channels: int) -> torch.nn.Module:
-    """The task's network: CosmoFlow's regressor or the reconstruction U-Net."""
-    if cfg.task == "reconstruct":
-        return build_unet(cfg, channels)
-    m = cfg.model
-    return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
-                       dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
-                       head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
-                       spectrum_stats=m.spectrum_stats)
-
-
 def _init_from(model: torch.nn.Module, path: str, shapes: dict[str, tuple[int, ...]]) -> None:
     """Load a safetensors or weights-only PyTorch state dict (``python -m hybridpar.checkpoint export``
     writes both) into ``model``, every key matching; a bad file or another model is one config line."""
@@ -232,7 +221,7 @@ def run(cfg: Config) -> dict[str, Any]:
     val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target, skip_bad=skip)
     t = cfg.train
     accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
-    model = _build_model(cfg, channels).to(accel.device)
+    model = build_network(cfg).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.model.init_from:  # weights trained elsewhere (a resumed checkpoint still wins over them)
         _init_from(model, cfg.model.init_from, shapes)

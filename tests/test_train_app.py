@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cosmoflow.config import ConfigError, load_config
+from cosmoflow.model import build_model_from_export
 from hybridpar.checkpoint.faults import ENV
 
 from distributed import ROOT, tiny_universes, train_script
@@ -226,6 +227,8 @@ def test_init_from_exported_weights(tiny_data, tmp_path):
     assert list(got) == list(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+    rebuilt = build_model_from_export(exported).state_dict()  # from the file alone: its config, its weights
+    assert set(rebuilt) == set(want) and all(torch.equal(rebuilt[k], v) for k, v in want.items())
     other = train_script(_args(tiny_data, tmp_path / "c", f"model.init_from={exported}", "model.dense=[16]"))
     assert set(other.codes) == {2}, (other.codes, other.stderr[-3000:])
     lines = [ln for ln in other.stderr.splitlines() if "model.init_from" in ln]

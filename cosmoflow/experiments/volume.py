@@ -58,10 +58,10 @@ def architecture(study: Study, run: SizeRun) -> tuple[str, int]:
     is built by the trainer's own builder from the run's own config, so it is the one that trains."""
     import torch  # noqa: PLC0415
 
-    from cosmoflow.trainer import _build_model  # noqa: PLC0415 (the builder the trainer uses)
+    from cosmoflow.model import build_network  # noqa: PLC0415 (the builder the trainer uses)
 
     cfg = study.trainer_config(run, study.seeds[0])
-    model = _build_model(cfg, cfg.data.channels)
+    model = build_network(cfg)
     branch = getattr(model, "spectrum", None)  # a P(k) branch: trunk and head around it
     layers = [*model.trunk, *model.head] if branch is not None else list(model)
     x = torch.zeros(2, cfg.data.channels, run.size, run.size, run.size, device="meta")

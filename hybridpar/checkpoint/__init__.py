@@ -48,7 +48,7 @@ into one model and any other split picks its own part back out.
 """
 
 from hybridpar.checkpoint.checkpointer import Checkpointer
-from hybridpar.checkpoint.export import load_weights
+from hybridpar.checkpoint.export import load_weights, read_config
 from hybridpar.checkpoint.format import CheckpointError, CorruptFile
 from hybridpar.checkpoint.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from hybridpar.checkpoint.tree import keys_for, keys_of
@@ -63,6 +63,7 @@ __all__ = [
     "keys_of",
     "load_optimizer_state",
     "load_weights",
+    "read_config",
     "optimizer_state",
     "rng_state",
     "set_rng_state",

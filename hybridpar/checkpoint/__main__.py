@@ -13,8 +13,10 @@ this package. Read-only: nothing here writes into ``ROOT``, and nothing read run
 ROOT is a checkpoint root or a run directory holding one as ``checkpoints/``. ``--local DIR`` (with
 ``{node}`` and ``--nodes N`` for several node directories) also looks at L1/L2. STEP, A and B are steps
 (the newest version of that step) or version names. ``export`` without ``--step`` exports the newest
-version, and refuses it if it is damaged rather than export an older one unasked. Every error is one line
-on stderr: exit 2 for a wrong command line, 1 for anything else.
+version, and refuses it if it is damaged rather than export an older one unasked; the file carries the
+run's configuration too (:func:`hybridpar.checkpoint.export.read_config`), from which an application
+rebuilds the model (``cosmoflow.model.build_model_from_export``). Every error is one line on stderr: exit
+2 for a wrong command line, 1 for anything else.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from typing import Any
 import torch
 
 from hybridpar.checkpoint import manifest as mf
-from hybridpar.checkpoint.export import SAFETENSORS, TORCH, plain, save_safetensors, tensors_only
+from hybridpar.checkpoint.export import (
+    SAFETENSORS,
+    TORCH,
+    config_text,
+    plain,
+    save_safetensors,
+    save_torch,
+    tensors_only,
+)
 from hybridpar.checkpoint.format import CheckpointError
 from hybridpar.checkpoint.levels import Found, Levels, available, complete_levels, scan
 from hybridpar.checkpoint.restore import read_version, verify_version
@@ -194,15 +204,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CheckpointError(f"the newest version {f.name} is damaged ({e}); pass --step to export an older "
                               f"one (steps: {_steps(levels)})") from None
     out = plain(state if entry is None else state[entry])
+    config = f.manifest.get("config")  # the run's, so the model can be rebuilt from the file alone
     if fmt == SAFETENSORS:
         save_safetensors(out, args.out, {"hybridpar.version": f.name, "hybridpar.step": str(f.step),
-                                         "hybridpar.entry": entry or ""})
+                                         "hybridpar.entry": entry or "", **config_text(config)})
     else:
         if entry is not None:
             tensors_only(out, f"{f.name} entry {entry!r}")
-        torch.save(out, args.out)
+        save_torch(out, args.out, config)
     print(f"exported {f.name} (step {f.step}, {'all entries' if entry is None else entry}) to {args.out} "
-          f"({fmt})")
+          f"({fmt}{', with its run configuration' if config is not None else ''})")
     return 0
 
 

@@ -5,10 +5,17 @@ may trust a pickle. ``python -m hybridpar.checkpoint export`` writes what ``torc
 weights_only=True)`` reads (tensors, dicts, lists, tuples and plain values only) or, with ``--format
 safetensors``, what ``safetensors.torch.load_file`` reads; :func:`load_weights` reads either, so a run can
 start from weights trained elsewhere (the application's ``model.init_from``).
+
+An export also carries the run's configuration (the checkpoint's, as the ``Checkpointer`` was given it),
+so that the model can be rebuilt from the file alone (:func:`read_config`): as JSON text in the
+safetensors metadata under :data:`CONFIG_KEY`, and as the same text in the torch file's state dict
+attribute of that name (an ``OrderedDict`` attribute, as torch keeps ``_metadata``: ``torch.load`` with
+``weights_only=True`` reads it, and ``load_state_dict`` ignores it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -22,6 +29,9 @@ from hybridpar.checkpoint.format import CheckpointError
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"
+CONFIG_KEY = "hybridpar.config"
+"""Where an export keeps the run's configuration (JSON text)."""
+_CONFIG_ATTR = "hybridpar_config"  # the torch file's state dict attribute (an identifier)
 
 
 def plain(x: Any) -> Any:
@@ -56,6 +66,42 @@ def save_safetensors(weights: Mapping[str, Any], path: str | os.PathLike, metada
     flat = tensors_only(weights, str(path))
     save_file({k: v.detach().cpu().contiguous() for k, v in flat.items()}, str(path),
               metadata={"format": "pt", **metadata})
+
+
+def save_torch(state: Mapping[str, Any], path: str | os.PathLike, config: Mapping[str, Any] | None) -> None:
+    """Write ``state`` with ``torch.save`` (read back with ``weights_only=True``), ``config`` as JSON text
+    in its attribute :data:`CONFIG_KEY` (see the module's docstring)."""
+    out = OrderedDict(state)
+    if config is not None:
+        setattr(out, _CONFIG_ATTR, json.dumps(config, sort_keys=True))
+    torch.save(out, path)
+
+
+def config_text(config: Mapping[str, Any] | None) -> dict[str, str]:
+    """The safetensors metadata entry that carries ``config`` (none for None)."""
+    return {} if config is None else {CONFIG_KEY: json.dumps(config, sort_keys=True)}
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The run configuration an export carries (either format), or None if it carries none (an export
+    written before exports carried it, or weights from elsewhere). Read as data, never run."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such weights file")
+    try:
+        if _is_safetensors(p):
+            from safetensors import safe_open  # noqa: PLC0415
+
+            with safe_open(str(p), framework="pt") as f:
+                text = (f.metadata() or {}).get(CONFIG_KEY)
+        else:
+            text = getattr(torch.load(p, map_location="cpu", weights_only=True), _CONFIG_ATTR, None)
+        config = json.loads(text) if isinstance(text, str) else None
+    except Exception as e:  # noqa: BLE001 (one line, as load_weights)
+        raise CheckpointError(f"{p}: its configuration cannot be read ({type(e).__name__}: {e})") from None
+    if config is not None and not isinstance(config, dict):
+        raise CheckpointError(f"{p}: its configuration is a {type(config).__name__}, not a mapping")
+    return config
 
 
 def _is_safetensors(p: Path) -> bool:

@@ -70,8 +70,9 @@ GPU_OUT ?= perf/results/gpu
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m perf gpu_check --budget $(GPU_BUDGET) --out $(GPU_OUT)
 
-# Benchmarks (perf/README.md): make perf-NAME [ARGS="--rounds 1"] runs `python -m perf NAME`;
-# make perf-list names them; make perf-tiny runs every one at its tiny size (what the tests do).
+# Benchmarks (perf/README.md): make perf-NAME [ARGS="--rounds 1"] runs `python -m perf NAME`, which
+# writes to a scratch folder (ARGS="--record": into perf/results/); make perf-list names them; make
+# perf-tiny runs every one at its tiny size (what the tests do).
 perf-tiny: $(STAMP)
 	$(PY) -m pytest -q tests/test_perf_suite.py
 

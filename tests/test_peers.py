@@ -1,7 +1,8 @@
 """Which peer process ended and how (``hybridpar.comm.peers``), on real processes of this host and an
 in-memory store, without a process group: a live peer is not reported, an unreaped one is named with its
 exit code or signal as ``waitpid`` would give it, a reaped one with the code it recorded (or none), a
-reused process id counts as ended, and peers on other hosts are listed as unseen."""
+reused process id counts as ended, and peers on other hosts are listed as unseen; and the line of a
+closed connection whose peer is not seen to end here."""
 
 from __future__ import annotations
 
@@ -79,3 +80,20 @@ def test_record_exit_and_status_names():
     assert peers.describe_status(3 << 8) == "exited with code 3"
     assert peers.describe_status(signal.SIGSEGV | 0x80) == "killed by SIGSEGV"  # core dumped
     peers.record_exit(1)  # nothing registered: nothing to do, no error
+
+
+def test_a_lost_connection_no_peer_here_was_seen_to_end_blames_no_rank():
+    """Without a heartbeat (or with the ended peer on another host), a closed connection says so, with
+    gloo's cause but not its advice, and does not say that this rank gave up."""
+    from hybridpar.comm import liveness
+
+    err = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41876: Connection "
+                       "reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+                       "application. Check the logs of the remote worker before reporting an error. GLHF! "
+                       "\U0001f3d6\ufe0f")
+    assert liveness.is_timeout(err)
+    line = str(liveness.explain(err, "in agree_flags"))
+    assert line.startswith("rank 0 lost its connection to a peer in agree_flags: Read error "
+                           "[127.0.0.1]:41876: Connection reset by peer; a peer's process ended, not on this "
+                           "host"), line
+    assert "GLHF" not in line and "gave up" not in line and "typically" not in line

@@ -142,10 +142,12 @@ def explain(err: BaseException, doing: str = "") -> CollectiveTimeout:
         died = _died(rank, where)
         if died is not None:
             return died
-    silent = None if lost else silent_ranks()
-    if lost:
-        who = "a peer's process ended (its own error, if it could print one, comes first)"
-    elif silent is None:
+    if lost:  # no peer on this host was seen to end: say what is known, and blame no rank for it
+        return PeerDied(f"rank {rank} lost its connection to a peer{' ' + where if where else ''}: {cause}; "
+                        "a peer's process ended, not on this host as far as it can see (its own error, if "
+                        "it could print one, comes first; the launcher's report names it)")
+    silent = silent_ranks()
+    if silent is None:
         who = ("the rendezvous store does not answer either (rank 0 hosts it unless torchrun does): rank 0 "
                "has probably stopped")
     elif silent:

@@ -5,7 +5,8 @@
     mpirun -n 4 python launch/train.py --config launch/configs/demo.yaml
     srun python launch/train.py --config launch/configs/cosmoflow_128.yaml   (see launch/slurm.sbatch)
 
-Override any entry with ``--set key=value`` (e.g. ``--set train.epochs=2 --set run_dir=runs/try``).
+Override any entry with ``--set key=value`` (e.g. ``--set train.epochs=2 --set run_dir=runs/try``);
+``--help-config`` lists every key with its type, default, range and meaning (as ``docs/config.md`` does).
 Starting again on the same ``run_dir`` resumes from its newest complete checkpoint. Exit status: 0 done,
 1 a runtime fault, 2 a configuration error (see :mod:`hybridpar.process.failure`).
 """

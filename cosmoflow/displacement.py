@@ -109,7 +109,7 @@ class DistDisplacement(SpatialLayer, Displacement):
 
     def __init__(self, smoothing: float = 2.0, reach: int = 0, *, grid: ProcessGrid | None = None) -> None:
         Displacement.__init__(self, smoothing, reach)
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.global_shape(x)

@@ -69,6 +69,7 @@ class RunningStandardize(nn.BatchNorm1d):
 
     def __init__(self, features: int, momentum: float | None = None) -> None:
         super().__init__(features, momentum=momentum)
+        _register_running_standardize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.track_running_stats and x.shape[0] > 1:
@@ -148,6 +149,18 @@ def _build(input_size: int, in_channels: int, channels: list[int], kernel_size: 
         features = width
     layers += [nn.Linear(features, n_outputs), nn.Tanh(), OutputScale(output_scale)]
     return nn.Sequential(*layers)
+
+
+def _register_running_standardize() -> None:
+    """Tell hybridpar that :class:`RunningStandardize` is BatchNorm1d's layer (a dense head layer with
+    a norm's FLOPs): its forward is BatchNorm's arithmetic with other statistics, but hybridpar takes a
+    subclass with a forward of its own for a layer it does not know (no FLOP formula, a warning per
+    count) until it is registered. Here, not at import: the app's models import no engine otherwise."""
+    import hybridpar as hp  # noqa: PLC0415
+
+    if hp.nn.lookup(RunningStandardize) is None:
+        bn = hp.nn.lookup(nn.BatchNorm1d)
+        hp.nn.register(RunningStandardize, role=bn.role, op=bn.op, flops=bn.flops)
 
 
 class PowerSpectrumBranch(nn.Module):

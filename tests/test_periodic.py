@@ -1,7 +1,7 @@
 """Periodic boxes and every padding mode on split volumes, exact against torch (float64, 1e-10 relative,
 forward and backward): ``DistConv3d(padding_mode=...)``, the Dist pad layers, and adjoint tests of their
 halo exchangers, on 1-8 ranks (one pytest test per grid and case family, the cases of a world size sharing
-one process group; see periodic_cases.py). Without processes: the registry's window arguments of the pads
+one process group; see periodic_cases.py). Without processes: the registry's windows of the pads
 and of non-zero-padded convolutions give what torch's padding reads, and a periodic split too fine is an
 error naming the layer, the dim and the split that fits."""
 
@@ -54,8 +54,8 @@ TORCH_MODE = {nn.ConstantPad3d: "constant", nn.ReplicationPad3d: "replicate", nn
 
 
 @pytest.mark.parametrize("m", PADS, ids=lambda m: type(m).__name__)
-def test_pad_window_args_give_torch_padding(m):
-    """What the planner reads (registry window_args through geometry.window_plans) reproduces the
+def test_pad_windows_give_torch_padding(m):
+    """What the planner reads (the registry's Window records through Window.plans) reproduces the
     torch pad along each dim on every split (torch lists W first: the extents check the order), so
     the halos it plans are the ones the layer exchanges."""
     from hybridpar import geometry
@@ -66,16 +66,15 @@ def test_pad_window_args_give_torch_padding(m):
     shape = (7, 9, 6)
     padded = m(torch.zeros(1, 1, *shape)).shape[2:]
     line = np.random.default_rng(0).random(9)
-    for axis, args in enumerate(entry.window_args(m)):
-        lo, hi = args["pad_lo"], args["pad_hi"]
+    for axis, w in enumerate(entry.windows_of(m)):
+        lo, hi = w.pad_lo, w.pad_hi
         mode = TORCH_MODE[type(m)]
         want = F.pad(torch.tensor(line).view(1, 1, -1), (lo, hi), mode=mode,
                      **({"value": 0.5} if mode == "constant" else {})).view(-1).numpy()
         for parts in (1, 2, 3, 4):
             try:
-                np.testing.assert_allclose(_assembled_1d(line, geometry.window_plans(9, parts, **args)), want,
-                                           rtol=1e-12)
-                plans = geometry.window_plans(shape[axis], parts, **args)
+                np.testing.assert_allclose(_assembled_1d(line, w.plans(9, parts)), want, rtol=1e-12)
+                plans = w.plans(shape[axis], parts)
             except geometry.HaloError:
                 assert parts > 2   # a split too fine for the padding
                 continue
@@ -83,18 +82,19 @@ def test_pad_window_args_give_torch_padding(m):
 
 
 @pytest.mark.parametrize("mode", ["circular", "replicate", "reflect"])
-def test_conv_window_args_carry_the_mode(mode):
-    from hybridpar import geometry
+def test_conv_windows_carry_the_mode(mode):
+    import dataclasses
+
     from hybridpar.nn import registry
 
     m = nn.Conv3d(1, 1, 3, padding=2, padding_mode=mode)
-    args = registry.lookup(m).window_args(m)
-    plans = geometry.window_plans(9, 3, **args[0])
+    w = registry.lookup(m).windows_of(m)[0]
+    plans = w.plans(9, 3)
     assert {p.mode for p in plans} == {mode}
     line = np.random.default_rng(1).random(9)
     want = F.pad(torch.tensor(line).view(1, 1, -1), (2, 2), mode=mode).view(-1).numpy()
-    pad_args = dict(args[0], kernel=1)   # the same padding read by a kernel of 1: the padded line
-    np.testing.assert_allclose(_assembled_1d(line, geometry.window_plans(9, 3, **pad_args)), want)
+    padded = dataclasses.replace(w, kernel=1)   # the same padding read by a kernel of 1: the padded line
+    np.testing.assert_allclose(_assembled_1d(line, padded.plans(9, 3)), want)
 
 
 def test_periodic_split_too_fine_for_the_planner():

@@ -29,8 +29,7 @@ def _register_blur() -> None:
 
     hp.nn.register(Blur3d, role="window", op="pool",
                    to_dist=lambda m, grid, overlap=False: hp.nn.DistAvgPool3d(3, 1, 1, grid=grid),
-                   window_args=lambda m: [dict(kernel=3, stride=1, pad_lo=1, pad_hi=1, dilation=1,
-                                               ceil_mode=False)] * 3,
+                   window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
                    flops=lambda m, x, y: ({"forward_other": 27 * y.numel()},
                                           registry.LayerGeometry("window")))
 
@@ -51,7 +50,6 @@ def _samples() -> list[nn.Module]:
 
 def _complete_entries(rank: int, world: int) -> None:
     import hybridpar as hp
-    from hybridpar import geometry
     from hybridpar.nn import registry
     from hybridpar.pipeline.convert import to_distributed
 
@@ -72,12 +70,11 @@ def _complete_entries(rank: int, world: int) -> None:
         if not isinstance(work, dict):
             fails.append(f"{what}: flops gives {type(work).__name__}")
         if entry.role in ("window", "transposed"):
-            args = entry.window_args(m)
-            plans = geometry.transposed_plans if entry.role == "transposed" else geometry.window_plans
+            ws = entry.windows_of(m)
             try:
-                plans(8, 2, **args[0])
+                ws[0].plans(8, 2)
             except Exception as err:
-                fails.append(f"{what}: window_args {args[0]} refused by geometry: {err}")
+                fails.append(f"{what}: window {ws[0]} refused by geometry: {err}")
         entry.halo_widths(m, "x", (2, 2, 8, 8, 8), tuple(y.shape), (2, 1, 1))
         d = to_distributed(m, grid)
         built.add(type(d))

@@ -70,7 +70,7 @@ class LayerFlops(TrainingTotals):
         """Number of spatial dims of the output (0 for dense layers and (N, C) tensors)."""
         if self.geometry is None:
             return 0
-        return len(self.geometry.kernel) if self.geometry.kernel else max(len(self.output_shape) - 2, 0)
+        return len(self.geometry.windows) if self.geometry.windows else max(len(self.output_shape) - 2, 0)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridpar import globs
 from hybridpar.flops.counter import FlopCount, LayerFlops, TrainingTotals, count
-from hybridpar.geometry import HaloPlan, shard_range, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan, shard_range
 from hybridpar.nn.formulas import LayerGeometry
 
 __all__ = ["RankFlops", "ShardedFlops", "ShardedLayer", "count_sharded", "received_halo"]
@@ -103,15 +103,10 @@ def _match(name: str, splits: Mapping[str, Sequence[int]]) -> tuple[tuple[int, .
 
 def _halo_plans(g: LayerGeometry, name: str, input_shape: Sequence[int], output_shape: Sequence[int],
                 dim: int, parts: int) -> list[HaloPlan]:
-    n = len(g.kernel)
-    extent = input_shape[-n + dim]
+    n = len(g.windows)
     label = "DHW"[dim - n + 3] if n <= 3 else str(dim)
-    if g.kind == "conv_transposed":
-        return transposed_plans(extent, parts, g.kernel[dim], g.stride[dim], g.pad_lo[dim], g.dilation[dim],
-                                g.output_padding[dim], layer=name, dim=label)[0]
-    return window_plans(extent, parts, g.kernel[dim], g.stride[dim], g.pad_lo[dim], g.pad_hi[dim],
-                        g.dilation[dim], g.ceil_mode, out_extent=output_shape[-n + dim], layer=name,
-                        dim=label, mode=g.mode)
+    return g.windows[dim].plans(input_shape[-n + dim], parts, layer=name, dim=label,
+                                out_extent=output_shape[-n + dim])
 
 
 def _scale(value: int, part: int, whole: int) -> int:

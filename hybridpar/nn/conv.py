@@ -21,7 +21,7 @@ from hybridpar.comm.reduce import sync_grads
 from hybridpar.device import memfmt
 from hybridpar.device.eager import eager
 from hybridpar.device.precision import narrowed, result_dtype
-from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.overlap import OverlappedConv3d
@@ -46,7 +46,7 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
                  transport: str | None = None) -> None:
         nn.Conv3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation,
                            groups, bias, padding_mode, device, dtype)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         self.overlap = overlap
         self._mark_params(self.grid.spatial_size)
 
@@ -56,7 +56,7 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
         so do the other padding modes (``F.conv3d`` pads with zeros only)."""
         if self._overlapped() or self.padding_mode != "zeros":
             return (0, 0, 0)
-        return tuple(a["pad_lo"] if a["pad_lo"] == a["pad_hi"] and parts == 1 else 0  # type: ignore[return-value]
+        return tuple(a.pad_lo if a.pad_lo == a.pad_hi and parts == 1 else 0  # type: ignore[return-value]
                      for a, parts in zip(self.window(), self.grid.spatial_shape))
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:
@@ -65,13 +65,13 @@ class DistConv3d(SpatialLayer, nn.Conv3d):
         native = self._native_pads()
         if not any(native):
             return self.window_exchanger(shape)
-        args = self.window()
+        ws = self.window()
 
         def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
             i = dim_i(dim)
             if native[i]:  # unsplit, padded by the kernel: nothing to exchange, trim or fill
                 return [HaloPlan((0, n), (0, n), (0, n), 0, 0, 0, 0, 0, 0, (0, 0), (0, 0))]
-            return window_plans(n, parts, layer=self.layer_name, dim=dim, **args[i])
+            return ws[i].plans(n, parts, layer=self.layer_name, dim=dim)
 
         return self.exchanger(shape, plans_of, key=("native", native))
 
@@ -123,7 +123,7 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
                  transport: str | None = None) -> None:
         nn.ConvTranspose3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding,
                                     output_padding, groups, bias, dilation, padding_mode, device, dtype)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         self._mark_params(self.grid.spatial_size)
         self._origins: dict[tuple[int, ...], list[int]] = {}
 
@@ -139,10 +139,10 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
 
     @eager  # computed once per shape, eagerly (a compiled forward finds it memoised)
     def _new_origins(self, shape: tuple[int, ...]) -> list[int]:
-        args = self.window()
-        self._origins[shape] = [transposed_plans(shape[i], self.grid.spatial_shape[i], layer=self.layer_name,
-                                                 dim="DHW"[i], **args[i])[1][self.grid.spatial_coord[i]]
-                                for i in range(3)]
+        ws = self.window()
+        self._origins[shape] = [ws[i].transposed_plans(shape[i], self.grid.spatial_shape[i],
+                                                       layer=self.layer_name, dim="DHW"[i])[1][coord]
+                                for i, coord in enumerate(self.grid.spatial_coord)]
         return self._origins[shape]
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
@@ -183,16 +183,8 @@ def _conv_transpose3d(m: nn.ConvTranspose3d, grid: ProcessGrid, overlap: bool = 
                                grid=grid)
 
 
-def _conv3d_window_args(m: nn.Conv3d) -> list[dict]:
-    """``registry.conv_window_args`` (which marks circular padding periodic) plus the mode of
-    replicate/reflect padding, whose edge copies may need voxels from a neighbour."""
-    args = registry.conv_window_args(m)
-    mode = getattr(m, "padding_mode", "zeros")
-    return [dict(a, mode=mode) for a in args] if mode in ("replicate", "reflect") else args
-
-
 registry.register(nn.Conv3d, role="window", op="conv", flops=registry.conv_flops, to_dist=_conv3d,
-                  window_args=_conv3d_window_args, saved=registry.saved_window)
+                  window=registry.conv_window, saved=registry.saved_window)
 registry.register(nn.ConvTranspose3d, role="transposed", op="conv", flops=registry.conv_flops,
-                  to_dist=_conv_transpose3d, window_args=registry.transposed_window_args,
+                  to_dist=_conv_transpose3d, window=registry.transposed_window,
                   saved=registry.saved_window)

@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
+from hybridpar.nn.window import Windows
 
 NORM_FLOPS = 4  # nominal per element and direction: statistics, normalise, scale, shift
 
@@ -25,32 +26,21 @@ Work = dict[str, int]
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """Window hyperparameters per spatial dim, kept so that work and halos can be split per rank."""
+    """How one call's work splits per rank: its kind and, for a window layer, its window per spatial
+    dim (the registry entry's :class:`~hybridpar.nn.window.Window` records, kept with the FLOP record)."""
 
     kind: str  # "conv", "conv_transposed", "window" (pooling), "pointwise", "adaptive"
-    kernel: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    pad_lo: tuple[int, ...] = ()
-    pad_hi: tuple[int, ...] = ()
-    dilation: tuple[int, ...] = ()
-    output_padding: tuple[int, ...] = ()
-    ceil_mode: bool = False
-    mode: str | None = None  # padding beyond the faces, as geometry names it (None: zeros)
+    windows: Windows = ()
 
-    @classmethod
-    def of_window(cls, kind: str, args: list[dict]) -> LayerGeometry:
-        """The geometry a layer's window description gives (per dim, the keyword arguments of
-        ``geometry.window_plans``, or of ``geometry.transposed_plans`` for ``"conv_transposed"``)."""
-        def each(key: str, default: int = 0) -> tuple[int, ...]:
-            return tuple(a.get(key, default) for a in args)
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        """The kernel per spatial dim (empty without a window)."""
+        return tuple(w.kernel for w in self.windows)
 
-        if kind == "conv_transposed":
-            return cls(kind, each("kernel"), each("stride", 1), each("padding"), each("padding"),
-                       each("dilation", 1), each("output_padding"))
-        modes = {a.get("mode") or ("circular" if a.get("periodic") else "zeros") for a in args}
-        mode = next(iter(modes - {"zeros"}), None)
-        return cls(kind, each("kernel"), each("stride", 1), each("pad_lo"), each("pad_hi"),
-                   each("dilation", 1), (), any(a.get("ceil_mode", False) for a in args), mode)
+    @property
+    def ceil_mode(self) -> bool:
+        """Whether a window rounds its output extent up (pooling's ``ceil_mode``)."""
+        return any(w.ceil_mode for w in self.windows)
 
 
 # ---------------------------------------------------------------------- FLOP formulas (see hybridpar.flops)

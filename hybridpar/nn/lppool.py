@@ -1,7 +1,7 @@
 """Spatially distributed power-average pooling: ``torch.nn.LPPool3d`` on a split volume.
 
 Why a file of its own, and nothing else: the registry entry at the bottom is this layer's one
-description. Its window (``registry.pool_window_args``: kernel, stride, ceil mode) is what
+description. Its window (``registry.pool_window``: kernel, stride, ceil mode) is what
 :class:`DistLPPool3d` builds its halos from (:meth:`SpatialLayer.window_exchanger`), and what the FLOP
 counter, the planner, ``explain`` and the performance model read; no other module names the layer.
 
@@ -26,6 +26,7 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.pool import window_divisors
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.nn.window import Windows
 
 
 class DistLPPool3d(SpatialLayer, nn.LPPool3d):
@@ -34,11 +35,11 @@ class DistLPPool3d(SpatialLayer, nn.LPPool3d):
     def __init__(self, norm_type: float, kernel_size, stride=None, ceil_mode: bool = False, *,
                  grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.LPPool3d.__init__(self, norm_type, kernel_size, stride, ceil_mode)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         self.window()  # checks the arguments, one line naming the layer
         self._divisors: dict[tuple, torch.Tensor] = {}
 
-    def _divisor(self, shape: tuple[int, int, int], outs: tuple, w: list[dict],
+    def _divisor(self, shape: tuple[int, int, int], outs: tuple, w: Windows,
                  like: torch.Tensor) -> torch.Tensor:
         key = (tuple(shape), outs, like.dtype, like.device)
         if key not in self._divisors:
@@ -48,7 +49,7 @@ class DistLPPool3d(SpatialLayer, nn.LPPool3d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, w = self.global_shape(x), self.window()
         ex = self.window_exchanger(shape)
-        kernel, stride = tuple(a["kernel"] for a in w), tuple(a["stride"] for a in w)
+        kernel, stride = tuple(a.kernel for a in w), tuple(a.stride for a in w)
         p = float(self.norm_type)
         sums = F.avg_pool3d(exchange(x.pow(p), ex), kernel, stride, 0, divisor_override=1)
         mean = sums / self._divisor(shape, tuple(d.plan.out for d in ex.all_dims), w, sums)
@@ -64,8 +65,8 @@ def _as_module(x, norm_type, kernel_size, stride=None, ceil_mode=False) -> nn.Mo
 
 
 registry.register(nn.LPPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_lp_pool3d,
-                  window_args=registry.pool_window_args, saved=registry.saved_window)
+                  window=registry.pool_window, saved=registry.saved_window)
 for _t in (nn.LPPool1d, nn.LPPool2d):  # not split (3D only); their window still splits their work
     registry.register(_t, role="dense", op="pool", flops=registry.pool_flops,
-                      window_args=registry.pool_window_args, saved=registry.saved_window)
+                      window=registry.pool_window, saved=registry.saved_window)
 registry.register_function(F.lp_pool3d, as_module=_as_module)

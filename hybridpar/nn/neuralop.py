@@ -186,7 +186,7 @@ class DistSpectralConv(SpatialLayer):
         import copy  # noqa: PLC0415
 
         super().__init__()
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         why = refusal(conv)
         if why is not None:
             raise ValueError(f"{type(conv).__name__}: {why}")
@@ -308,7 +308,7 @@ class DistGridEmbeddingND(SpatialLayer):
 
     def __init__(self, embedding: nn.Module, *, grid: ProcessGrid) -> None:
         super().__init__()
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         if embedding.dim != 3:
             raise _refuse(type(embedding).__name__, f"a {embedding.dim}-D grid embedding",
                           "split 3-D (N, C, D, H, W) volumes")

@@ -161,7 +161,7 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
                  bias: bool = True, grid: ProcessGrid | None = None, stats: str = "spatial") -> None:
         nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats, device,
                                 dtype, **_bias_kwarg(nn.BatchNorm3d, bias, "DistBatchNorm3d"))
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         if stats not in ("spatial", "stage"):
             raise ValueError(f"DistBatchNorm3d: stats must be 'spatial' or 'stage', got {stats!r}")
         self.stats = stats
@@ -261,7 +261,7 @@ class _PerSampleNorm(SpatialLayer):
     """What DistGroupNorm and DistInstanceNorm3d share: the spatial group and the Function call."""
 
     def _init_per_sample(self, grid: ProcessGrid | None) -> None:
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         self._mark_params(1)  # the Function returns the weights' gradients already summed over shards
 
     def _split_shape(self, x: torch.Tensor, channels: int) -> tuple[int, int, int] | None:

@@ -20,6 +20,7 @@ from hybridpar.device.precision import narrowed, result_dtype, widened
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.nn.window import Window, Windows
 
 Pads = list[tuple[int, int]]
 
@@ -32,7 +33,7 @@ def _dhw_pads(padding: tuple[int, ...]) -> Pads:
 
 class _DistPad(SpatialLayer):
     """What the four pads share: the padded shard is the halo exchanger's extended input (the pad's
-    window: kernel 1, its padding, its mode; see :func:`_pad_window_args`)."""
+    window: kernel 1, its padding, its mode; see :func:`_pad_window`)."""
 
     padding: tuple[int, ...]
 
@@ -60,7 +61,7 @@ class DistConstantPad3d(_DistPad, nn.ConstantPad3d):
     def __init__(self, padding, value: float, *, grid: ProcessGrid | None = None,
                  transport: str | None = None) -> None:
         nn.ConstantPad3d.__init__(self, padding, value)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
 
     def _fill(self) -> float:
         return float(self.value)
@@ -72,7 +73,7 @@ class DistReplicationPad3d(_DistPad, nn.ReplicationPad3d):
 
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.ReplicationPad3d.__init__(self, padding)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
 
 
 class DistReflectionPad3d(_DistPad, nn.ReflectionPad3d):
@@ -81,7 +82,7 @@ class DistReflectionPad3d(_DistPad, nn.ReflectionPad3d):
 
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.ReflectionPad3d.__init__(self, padding)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
 
 
 class DistCircularPad3d(_DistPad, nn.CircularPad3d):
@@ -90,7 +91,7 @@ class DistCircularPad3d(_DistPad, nn.CircularPad3d):
 
     def __init__(self, padding, *, grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.CircularPad3d.__init__(self, padding)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
 
 
 # ---------------------------------------------------------------------- registry entries
@@ -103,13 +104,9 @@ def _mode(m: nn.Module) -> str:
     return next(v for t, v in _MODES.items() if isinstance(m, t))
 
 
-def _pad_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.window_plans``: a kernel-1 window with the pad's
-    (low, high) padding; periodic for circular, the mode for replicate/reflect."""
-    mode = _mode(m)
-    extra = {"periodic": True} if mode == "circular" else {"mode": mode} if mode != "zeros" else {}
-    return [dict(kernel=1, stride=1, pad_lo=lo, pad_hi=hi, dilation=1, ceil_mode=False, **extra)
-            for lo, hi in _dhw_pads(m.padding)]
+def _pad_window(m: nn.Module) -> Windows:
+    """Per dim a kernel-1 window with the pad's (low, high) padding (negative: a crop) and its mode."""
+    return tuple(Window(1, 1, lo, hi, mode=_mode(m)) for lo, hi in _dhw_pads(m.padding))
 
 
 def _constant(m: nn.ConstantPad3d, grid: ProcessGrid, overlap: bool = False) -> DistConstantPad3d:
@@ -128,7 +125,7 @@ def _circular(m: nn.CircularPad3d, grid: ProcessGrid, overlap: bool = False) -> 
     return DistCircularPad3d(m.padding, grid=grid)
 
 
-_PAD = dict(role="window", op="free", flops=registry.no_flops_pointwise, window_args=_pad_window_args)
+_PAD = dict(role="window", op="free", flops=registry.no_flops_pointwise, window=_pad_window)
 registry.register(nn.ConstantPad3d, to_dist=_constant, **_PAD)
 registry.register(nn.ReplicationPad3d, to_dist=_replication, **_PAD)
 registry.register(nn.ReflectionPad3d, to_dist=_reflection, **_PAD)

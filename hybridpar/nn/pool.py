@@ -29,17 +29,18 @@ from hybridpar.geometry import Range, avg_pool_divisors, ntuple
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.nn.window import Windows
 
 
-def _dims(args: list[dict], key: str) -> tuple[int, ...]:
-    return tuple(a[key] for a in args)
+def _dims(ws: Windows, key: str) -> tuple[int, ...]:
+    return tuple(getattr(w, key) for w in ws)
 
 
-def window_divisors(shape, outs, w: list[dict], like: torch.Tensor,
+def window_divisors(shape, outs, w: Windows, like: torch.Tensor,
                     count_include_pad: bool = True) -> torch.Tensor:
     """torch's average-pool divisor of each of this rank's output windows (``outs`` per dim, of a global
     ``shape`` input, windows ``w``), a (d, h, w) tensor like ``like``: the outer product of the dims'."""
-    per_dim = [torch.tensor(avg_pool_divisors(n, out, a["kernel"], a["stride"], a["pad_lo"],
+    per_dim = [torch.tensor(avg_pool_divisors(n, out, a.kernel, a.stride, a.pad_lo,
                                               count_include_pad), dtype=like.dtype)
                for n, out, a in zip(shape, outs, w)]
     div = per_dim[0].view(-1, 1, 1) * per_dim[1].view(1, -1, 1) * per_dim[2].view(1, 1, -1)
@@ -53,7 +54,7 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
                  ceil_mode: bool = False, *, grid: ProcessGrid | None = None,
                  transport: str | None = None) -> None:
         nn.MaxPool3d.__init__(self, kernel_size, stride, padding, dilation, return_indices, ceil_mode)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         if return_indices:
             raise NotImplementedError("DistMaxPool3d: return_indices=True is not supported")
         self.window()  # checks the arguments, one line naming the layer
@@ -75,7 +76,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
                  grid: ProcessGrid | None = None, transport: str | None = None) -> None:
         nn.AvgPool3d.__init__(self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                               divisor_override)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         self.window()  # checks the arguments, one line naming the layer
         self._divisors: dict[tuple, torch.Tensor] = {}
 
@@ -94,7 +95,7 @@ class DistAvgPool3d(SpatialLayer, nn.AvgPool3d):
             self._divisors[key] = self._new_divisor(shape, outs, w, sums)
         return sums, self._divisors[key]
 
-    def _new_divisor(self, shape, outs, w: list[dict], like: torch.Tensor) -> torch.Tensor:
+    def _new_divisor(self, shape, outs, w: Windows, like: torch.Tensor) -> torch.Tensor:
         if self.divisor_override:
             return torch.tensor(float(self.divisor_override), dtype=like.dtype, device=like.device)
         return window_divisors(shape, outs, w, like, self.count_include_pad)
@@ -109,7 +110,7 @@ class DistGlobalAvgPool3d(SpatialLayer):
 
     def __init__(self, *, grid: ProcessGrid | None = None) -> None:
         super().__init__()
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d, h, w = self.global_shape(x)
@@ -184,7 +185,7 @@ class DistAdaptiveAvgPool3d(_AdaptivePool, nn.AdaptiveAvgPool3d):
 
     def __init__(self, output_size, *, grid: ProcessGrid | None = None) -> None:
         nn.AdaptiveAvgPool3d.__init__(self, output_size)
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         self._memo: dict[tuple, object] = {}
 
     def _weights(self, shape: tuple[int, int, int], like: torch.Tensor):
@@ -264,7 +265,7 @@ class DistAdaptiveMaxPool3d(_AdaptivePool, nn.AdaptiveMaxPool3d):
 
     def __init__(self, output_size, return_indices: bool = False, *, grid: ProcessGrid | None = None) -> None:
         nn.AdaptiveMaxPool3d.__init__(self, output_size, return_indices)
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         self._memo: dict[tuple, object] = {}
 
     def forward(self, x: torch.Tensor):
@@ -318,9 +319,9 @@ def _avg_pool3d(m: nn.AvgPool3d, grid: ProcessGrid, overlap: bool = False) -> Di
 
 
 registry.register(nn.MaxPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_max_pool3d,
-                  window_args=registry.pool_window_args, saved=registry.saved_window)
+                  window=registry.pool_window, saved=registry.saved_window)
 registry.register(nn.AvgPool3d, role="window", op="pool", flops=registry.pool_flops, to_dist=_avg_pool3d,
-                  window_args=registry.pool_window_args, saved=registry.saved_window)
+                  window=registry.pool_window, saved=registry.saved_window)
 registry.register(nn.AdaptiveAvgPool3d, role="reduce", op="pool", flops=registry.per_input_flops,
                   to_dist=_adaptive_avg_pool3d, replicates=_replicated)
 registry.register(nn.AdaptiveMaxPool3d, role="reduce", op="pool", flops=registry.per_input_flops,

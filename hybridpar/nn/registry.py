@@ -9,8 +9,9 @@ instead of being counted as zero FLOPs or silently gathered.
 
 Roles (how a layer meets a spatially split input):
 
-* ``"window"``: conv and pooling windows; halos from :func:`window_args` and ``geometry.window_plans``.
-* ``"transposed"``: transposed convolution; halos from ``geometry.transposed_plans``.
+* ``"window"``: conv and pooling windows; halos from the entry's ``window``
+  (:class:`~hybridpar.nn.window.Window` records, one per dim).
+* ``"transposed"``: transposed convolution; halos from its transposed ``window``.
 * ``"pointwise"``: works voxel by voxel (activations, dropout, BatchNorm with its statistics reduced
   over the split): keeps the split of its input, no halo.
 * ``"resample"``: its output is split like its input but needs its own halo plan (upsampling).
@@ -21,14 +22,15 @@ The formulas themselves (FLOPs, window geometry, saved bytes) live in :mod:`hybr
 an entry only names which of them its layer type uses.
 
 Lookup walks the type's MRO, so a subclass (a distributed layer, a user's Conv3d subclass) finds its
-base's entry unless it registers its own.
+base's entry unless it registers its own. A split layer (a subclass of
+:class:`~hybridpar.nn.spatial.SpatialLayer` and of the layer it splits) is that layer's wherever it is
+written: its forward is, by that contract, the split version of its base's, and it reads its window
+from its base's entry, so a layer and its Dist class written in a user's module need one call::
 
-Register a layer of your own::
-
-    hp.nn.register(MyConv3d, role="window", to_dist=lambda m, grid, overlap: DistMyConv3d(..., grid=grid),
-                   window_args=lambda m: [dict(kernel=3, stride=1, pad_lo=1, pad_hi=1, dilation=1,
-                                               ceil_mode=False)] * 3,
-                   flops=lambda m, x, y: ({"forward": 2 * y.numel() * 27 * m.in_channels}, None))
+    hp.nn.register(SoftPool3d, role="window", op="pool", to_dist=lambda m, grid, overlap=False:
+                   DistSoftPool3d(m.kernel, m.stride, m.padding, grid=grid),
+                   window=lambda m: (hp.nn.Window(m.kernel, m.stride, m.padding, m.padding),) * 3,
+                   flops=lambda m, x, y: ({"forward_other": 2 * m.kernel ** 3 * y.numel()}, None))
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch import nn
 from hybridpar import geometry
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
+from hybridpar.nn import window as windows
 from hybridpar.nn.formulas import (
     LayerGeometry,
     Work,
@@ -59,6 +62,7 @@ from hybridpar.nn.formulas import (
     pool_flops,
     saved_window,
 )
+from hybridpar.nn.window import Window, Windows
 
 ROLES = ("window", "transposed", "pointwise", "resample", "reduce", "dense")
 OPS = ("conv", "linear", "pool", "norm", "pointwise", "free")
@@ -77,15 +81,16 @@ class LayerEntry:
     """What the library knows about one torch layer type (see the module doc for ``role``).
 
     ``to_dist(module, grid, overlap)`` builds the distributed counterpart with the module's own
-    hyperparameters (None: a copy of the module runs on a shard as it is); ``window_args(module)``
-    gives, per dim (d, h, w), the keyword arguments of ``geometry.window_plans`` (or
-    ``transposed_plans``); ``halos(module, name, in_shape, out_shape, split)`` the widest (low, high)
-    halo per dim under ``split`` (default: from the role) and raises ``geometry.HaloError`` when the
-    split is too fine; ``flops(module, x, y)`` the work of one call in the conventions of
-    :mod:`hybridpar.flops`; ``op`` the performance model's kernel class; ``saved(module, elem_bytes,
-    out_elems, extended_elems)`` the bytes one rank keeps for backward (``extended_elems`` is 0 when
-    no halo is assembled); ``replicates(module)`` whether this instance's output is replicated
-    (default: the ``"reduce"`` role).
+    hyperparameters (None: a copy of the module runs on a shard as it is); ``window(module)`` gives
+    its window, one :class:`~hybridpar.nn.window.Window` per spatial dim (d, h, w), the one description
+    its Dist layer, the planner, the FLOP counter and the performance model read (use
+    :meth:`windows_of`, which checks it); ``halos(module, name, in_shape, out_shape, split)`` the
+    widest (low, high) halo per dim under ``split`` (default: from the role) and raises
+    ``geometry.HaloError`` when the split is too fine; ``flops(module, x, y)`` the work of one call
+    in the conventions of :mod:`hybridpar.flops`; ``op`` the performance model's kernel class;
+    ``saved(module, elem_bytes, out_elems, extended_elems)`` the bytes one rank keeps for backward
+    (``extended_elems`` is 0 when no halo is assembled); ``replicates(module)`` whether this
+    instance's output is replicated (default: the ``"reduce"`` role).
     """
 
     torch_type: type
@@ -93,7 +98,7 @@ class LayerEntry:
     op: str
     flops: FlopFn
     to_dist: DistFn | None = None
-    window_args: Callable[[nn.Module], list[dict]] | None = None
+    window: Callable[[nn.Module], Windows] | None = None
     halos: HaloFn | None = None
     saved: Callable[[nn.Module, int, int, int], int] | None = None
     replicates: Callable[[nn.Module], bool] | None = None
@@ -119,16 +124,22 @@ class LayerEntry:
             return self.halos(m, name, in_shape, out_shape, split)
         return _role_halos(self, m, name, in_shape, split)
 
+    def windows_of(self, m: nn.Module) -> Windows | None:
+        """``m``'s window per spatial dim (None for a layer without one), checked to be
+        :class:`~hybridpar.nn.window.Window` records (a TypeError naming the layer otherwise)."""
+        if self.window is None:
+            return None
+        return windows.checked(self.window(m), type(m).__name__)
+
     def work(self, m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Work, LayerGeometry | None]:
         """One call's work (``flops``) and the geometry that splits it per rank: a window layer's is its
-        ``window_args`` (the description its distributed layer builds its halos from), any other's
+        ``window`` (the description its distributed layer builds its halos from), any other's
         what its ``flops`` function says (pointwise, adaptive, none)."""
         work, geom = self.flops(m, x, y)
-        if self.window_args is not None:
-            args = self.window_args(m)
-            transposed = self.role == "transposed" or "output_padding" in args[0]  # transposed_plans' args
-            kind = "conv_transposed" if transposed else "conv" if self.op == "conv" else "window"
-            geom = LayerGeometry.of_window(kind, args)
+        ws = self.windows_of(m)
+        if ws is not None:
+            kind = "conv_transposed" if ws[0].transposed else "conv" if self.op == "conv" else "window"
+            geom = LayerGeometry(kind, ws)
         return work, geom
 
     def saved_bytes(self, m: nn.Module, elem: int, out_n: int, ext_n: int) -> int:
@@ -143,19 +154,26 @@ _AS_MODULE: dict[Any, Callable[..., nn.Module]] = {}
 
 
 def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to_dist: DistFn | None = None,
-             window_args: Callable[[nn.Module], list[dict]] | None = None, halos: HaloFn | None = None,
+             window: Callable[[nn.Module], Windows] | None = None, halos: HaloFn | None = None,
              saved: Callable[[nn.Module, int, int, int], int] | None = None,
              replicates: Callable[[nn.Module], bool] | None = None, **extra: Any) -> LayerEntry:
-    """Register (or replace) the entry of ``torch_type``; returns it. See :class:`LayerEntry`."""
+    """Register (or replace) the entry of ``torch_type``; returns it. See :class:`LayerEntry`.
+
+    A Dist class ``to_dist`` builds for a window layer reads its window from this entry (it subclasses
+    ``hybridpar.nn.SpatialLayer`` and the registered layer); ``parallelize`` refuses a Dist layer whose
+    window differs from the entry's for the module it replaces."""
     if role not in ROLES:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): role must be one of {ROLES}, "
                          f"got {role!r}")
     if op not in OPS:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): op must be one of {OPS}, got {op!r}")
-    if role in ("window", "transposed") and window_args is None and halos is None:
+    if "window_args" in extra:  # would otherwise land in ``extra`` unread: a layer with no window
+        raise TypeError(f"hybridpar.nn.register({torch_type.__name__}): window= (one "
+                        "hybridpar.nn.Window per spatial dim) describes a window, not window_args=")
+    if role in ("window", "transposed") and window is None and halos is None:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs "
-                         f"window_args= (or halos=)")
-    entry = LayerEntry(torch_type, role, op, flops, to_dist, window_args, halos, saved, replicates,
+                         f"window= (or halos=)")
+    entry = LayerEntry(torch_type, role, op, flops, to_dist, window, halos, saved, replicates,
                        dict(extra))
     _REGISTRY[torch_type] = entry
     return entry
@@ -164,6 +182,17 @@ def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to
 _TRUSTED_FORWARDS = ("torch.nn.modules.", "hybridpar.")
 """Modules whose classes' forwards compute what their registered base's entry describes: torch's own
 layer classes (``Conv2d`` under ``_ConvNd``) and hybridpar's split layers."""
+
+_SPLIT_CLASSES: set[type] = set()
+"""Split layers (``SpatialLayer`` subclasses, wherever written): their forward is their registered
+base's on a split input, so their base's entry is theirs (:func:`mark_split`)."""
+
+
+def mark_split(cls: type) -> None:
+    """Say that ``cls``'s forward computes its registered base's forward on a split input (every
+    ``SpatialLayer`` subclass is so marked when it is defined), so it finds its base's entry even when
+    written outside torch and hybridpar."""
+    _SPLIT_CLASSES.add(cls)
 
 
 def overriding_forward(m: nn.Module | type) -> type | None:
@@ -174,7 +203,8 @@ def overriding_forward(m: nn.Module | type) -> type | None:
     its forward adds."""
     cls = m if isinstance(m, type) else type(m)
     definer = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
-    if definer is None or definer in _REGISTRY or definer.__module__.startswith(_TRUSTED_FORWARDS):
+    if definer is None or definer in _REGISTRY or definer in _SPLIT_CLASSES or \
+            definer.__module__.startswith(_TRUSTED_FORWARDS):
         return None
     return definer if any(b in _REGISTRY for b in definer.__mro__[1:]) else None
 
@@ -237,9 +267,9 @@ def function_role(fn: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------- helpers for entries
-def conv_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.window_plans`` for a convolution (any dims): the one
-    place its ``'same'``/``'valid'`` padding is resolved."""
+def conv_window(m: nn.Module) -> Windows:
+    """A convolution's window per dim (any dims): the one place its ``'same'``/``'valid'`` padding is
+    resolved; its ``padding_mode`` is the window's mode (circular halos wrap around)."""
     n, name = len(m.kernel_size), type(m).__name__
     k, s, d = (ntuple(v, n, what=w, layer=name) for v, w in ((m.kernel_size, "kernel_size"),
                                                             (m.stride, "stride"), (m.dilation, "dilation")))
@@ -249,14 +279,13 @@ def conv_window_args(m: nn.Module) -> list[dict]:
         lohi = [(0, 0)] * n
     else:
         lohi = [(p, p) for p in ntuple(m.padding, n, what="padding", layer=name)]
-    periodic = getattr(m, "padding_mode", "zeros") == "circular"
-    return [dict(kernel=k[i], stride=s[i], pad_lo=lohi[i][0], pad_hi=lohi[i][1], dilation=d[i],
-                 ceil_mode=False, **({"periodic": True} if periodic else {})) for i in range(n)]
+    mode = getattr(m, "padding_mode", "zeros")
+    return tuple(Window(k[i], s[i], lohi[i][0], lohi[i][1], d[i], mode=mode) for i in range(n))
 
 
-def pool_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.window_plans`` for a max, average or power-average
-    pool (any dims; stride None means the kernel; no padding or dilation attribute means none)."""
+def pool_window(m: nn.Module) -> Windows:
+    """A max, average or power-average pool's window per dim (any dims; stride None means the kernel;
+    no padding or dilation attribute means none)."""
     n, name = pool_dims(m), type(m).__name__
     k = ntuple(m.kernel_size, n, what="kernel_size", layer=name)
     s = ntuple(m.stride if m.stride is not None else m.kernel_size, n, what="stride", layer=name)
@@ -266,17 +295,16 @@ def pool_window_args(m: nn.Module) -> list[dict]:
         if p[i] > (d[i] * (k[i] - 1) + 1) // 2:
             raise ValueError(f"{name}: padding {p[i]} should be at most half of the effective kernel size "
                              f"{d[i] * (k[i] - 1) + 1}, as in torch")
-    return [dict(kernel=k[i], stride=s[i], pad_lo=p[i], pad_hi=p[i], dilation=d[i],
-                 ceil_mode=bool(m.ceil_mode)) for i in range(n)]
+    return tuple(Window(k[i], s[i], p[i], p[i], d[i], ceil_mode=bool(m.ceil_mode)) for i in range(n))
 
 
-def transposed_window_args(m: nn.Module) -> list[dict]:
-    """Per dim keyword arguments of ``geometry.transposed_plans`` for a transposed convolution."""
+def transposed_window(m: nn.Module) -> Windows:
+    """A transposed convolution's window per dim."""
     n = len(m.kernel_size)
     k, s, p, d, op = (ntuple(v, n) for v in (m.kernel_size, m.stride, m.padding, m.dilation,
                                              m.output_padding))
-    return [dict(kernel=k[i], stride=s[i], padding=p[i], dilation=d[i], output_padding=op[i])
-            for i in range(n)]
+    return tuple(Window(k[i], s[i], p[i], p[i], d[i], transposed=True, output_padding=op[i])
+                 for i in range(n))
 
 
 def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
@@ -289,16 +317,14 @@ def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
 def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int, ...],
                 split: tuple[int, int, int]) -> Halos:
     halo = []
-    args = entry.window_args(m) if entry.window_args is not None else None
+    ws = entry.windows_of(m)
     for i, parts in enumerate(split):
         if parts == 1:
             halo.append((0, 0))
             continue
         extent = in_shape[2 + i]
-        if entry.role == "transposed":
-            plans, _ = geometry.transposed_plans(extent, parts, layer=name, dim=AXES[i], **args[i])
-        elif entry.role == "window":
-            plans = geometry.window_plans(extent, parts, layer=name, dim=AXES[i], **args[i])
+        if entry.role in ("window", "transposed"):
+            plans = ws[i].plans(extent, parts, layer=name, dim=AXES[i])
         else:
             check_extent(name, extent, parts, i)
             halo.append((0, 0))
@@ -313,12 +339,10 @@ def _register_builtins() -> None:
     activations and dropout as copies on shards. The 3D layers with Dist classes register in the
     files of those classes (:mod:`hybridpar.nn.conv`, ``pool``, ``norm``, ...)."""
     # 1d/2d windows are not split (3D only); their window still splits their work in ``count_sharded``
-    register(families.CONV_ND, role="dense", op="conv", flops=conv_flops, window_args=conv_window_args)
-    register(families.CONV_TRANSPOSE_ND, role="dense", op="conv", flops=conv_flops,
-             window_args=transposed_window_args)
+    register(families.CONV_ND, role="dense", op="conv", flops=conv_flops, window=conv_window)
+    register(families.CONV_TRANSPOSE_ND, role="dense", op="conv", flops=conv_flops, window=transposed_window)
     for t in (families.MAX_POOL_ND, families.AVG_POOL_ND):
-        register(t, role="dense", op="pool", flops=pool_flops, saved=saved_window,
-                 window_args=pool_window_args)
+        register(t, role="dense", op="pool", flops=pool_flops, saved=saved_window, window=pool_window)
     for t in families.ADAPTIVE_POOL_ND:
         register(t, role="dense", op="pool", flops=per_input_flops)
     register(nn.Linear, role="dense", op="linear", flops=linear_flops)

@@ -3,6 +3,11 @@
 Why: a layer sees only its shard, but its halos depend on the global extent and on every rank's
 shard. The global shape is inferred once per forward from all ranks' local shapes (a tiny CPU
 collective), or set ahead of time by the engine (``layer.global_input_shape``) to skip even that.
+
+:class:`SpatialLayer` is public (``hybridpar.nn.SpatialLayer``): a split version of a layer of one's
+own subclasses it and that layer, calls :meth:`~SpatialLayer.init_spatial` in its ``__init__``, and in
+its ``forward`` runs the layer's kernel unpadded on :meth:`~SpatialLayer.with_halos` of its shard,
+with the kernel and stride of :meth:`~SpatialLayer.window` (its registry entry's, read, not repeated).
 """
 
 from __future__ import annotations
@@ -13,14 +18,15 @@ import torch
 from torch import nn
 
 from hybridpar.comm.agree import check_agree
-from hybridpar.comm.halo import DimExchange, HaloExchanger
+from hybridpar.comm.halo import DimExchange, HaloExchanger, exchange
 from hybridpar.comm.redistribute import infer_global_shape
 from hybridpar.comm.reduce import mark_grad_split
 from hybridpar.comm.transport import get_transport
 from hybridpar.device.eager import eager
-from hybridpar.geometry import HaloPlan, transposed_plans, window_plans
+from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
+from hybridpar.nn.window import Windows
 
 DIM_NAMES = ("D", "H", "W")
 
@@ -33,12 +39,23 @@ def _check_weights_once(layer: SpatialLayer, _args: tuple) -> None:
 
 
 class SpatialLayer(nn.Module):
-    """Mixin for layers whose input is split over ``grid``'s spatial axes."""
+    """Mixin for layers whose input is split over ``grid``'s spatial axes.
+
+    A subclass is the split version of the registered layer it also subclasses (``class
+    DistSoftPool3d(hp.nn.SpatialLayer, SoftPool3d)``): it takes that layer's registry entry, wherever
+    it is written (``registry.mark_split``), and reads its window from it.
+    """
 
     grid: ProcessGrid
     global_input_shape: tuple[int, int, int] | None
 
-    def _init_spatial(self, grid: ProcessGrid | None, transport: str | None) -> None:
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        registry.mark_split(cls)
+
+    def init_spatial(self, grid: ProcessGrid | None, transport: str | None = None) -> None:
+        """Set up the split: call it in ``__init__`` after the torch layer's own ``__init__``.
+        ``transport`` names the halo transport (None: the grid's backend's default)."""
         if not isinstance(grid, ProcessGrid):
             raise TypeError(f"{type(self).__name__}: pass grid=hybridpar.ProcessGrid(...), got {grid!r}")
         self.grid = grid
@@ -105,31 +122,36 @@ class SpatialLayer(nn.Module):
             self._exchangers[k] = ex
         return self._exchangers[k]
 
-    def window(self) -> list[dict]:
-        """This layer's window per dim (D, H, W) as its registry entry describes it (``window_args``):
-        the one description of its geometry, which its halos, FLOPs, the planner and the performance
-        model all read."""
-        args = self.__dict__.get("_window")  # read once: a layer's hyperparameters are set when it is built
-        if args is None:
+    def window(self) -> Windows:
+        """This layer's window, one :class:`~hybridpar.nn.window.Window` per dim (D, H, W), as the
+        registry entry of the layer it splits describes it: the one description of its geometry,
+        which its halos, FLOPs, the planner and the performance model all read."""
+        ws = self.__dict__.get("_window")  # read once: a layer's hyperparameters are set when it is built
+        if ws is None:
             entry = registry.lookup(self)
-            if entry is None or entry.window_args is None:
-                raise TypeError(f"{self.layer_name}: no registered window_args describe this layer's window")
-            args = self.__dict__["_window"] = entry.window_args(self)
-        return args
+            if entry is None or entry.window is None:
+                raise TypeError(f"{self.layer_name}: no registry entry gives this layer's window; subclass "
+                                f"the layer it splits (class {self.layer_name}(hybridpar.nn.SpatialLayer, "
+                                "YourLayer)) and register that layer with window=")
+            ws = self.__dict__["_window"] = entry.windows_of(self)
+        return ws
 
     def window_exchanger(self, shape: tuple[int, int, int], fill: float = 0.0) -> HaloExchanger:
-        """The halo operator of :meth:`window` for a global (D, H, W) = ``shape`` input: a window
-        layer's plans (``geometry.window_plans``), or a transposed one's (``transposed_plans``)."""
-        args = self.window()
-        transposed = "output_padding" in args[0]
+        """The halo operator of :meth:`window` for a global (D, H, W) = ``shape`` input (the plans of
+        ``Window.plans``)."""
+        ws = self.window()
 
         def plans_of(n: int, parts: int, dim: str) -> list[HaloPlan]:
-            a = args[DIM_NAMES.index(dim)]
-            if transposed:
-                return transposed_plans(n, parts, layer=self.layer_name, dim=dim, **a)[0]
-            return window_plans(n, parts, layer=self.layer_name, dim=dim, **a)
+            return ws[DIM_NAMES.index(dim)].plans(n, parts, layer=self.layer_name, dim=dim)
 
         return self.exchanger(shape, plans_of, fill, key=("window",))
+
+    def with_halos(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """This rank's shard ``x`` extended by its neighbours' halos and the window's padding (``fill``
+        beyond zero-padded faces), cropped to what its outputs read: the layer's kernel run on it
+        with no padding gives this rank's shard of the output. Differentiable (the backward sends
+        the halos' gradients back to their owners)."""
+        return exchange(x, self.window_exchanger(self.global_shape(x), fill))
 
     def _mark_params(self, split: int) -> None:
         """Tell the engine's bucketed reduction how many shards contribute to each parameter."""

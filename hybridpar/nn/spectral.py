@@ -80,7 +80,7 @@ class DistPowerSpectrum(SpatialLayer, PowerSpectrum):
 
     def __init__(self, edges: Sequence[float] | torch.Tensor, *, grid: ProcessGrid | None = None) -> None:
         PowerSpectrum.__init__(self, edges)
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         self._counts: dict[tuple, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ class DistSpectralConv3d(SpatialLayer, SpectralConv3d):
     def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int], *,
                  grid: ProcessGrid | None = None) -> None:
         SpectralConv3d.__init__(self, in_channels, out_channels, modes)
-        self._init_spatial(grid, None)
+        self.init_spatial(grid, None)
         self._mark_params(self.grid.spatial_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

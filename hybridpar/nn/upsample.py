@@ -258,7 +258,7 @@ class DistUpsample(SpatialLayer, nn.Upsample):
                  recompute_scale_factor: bool | None = None, *, grid: ProcessGrid | None = None,
                  transport: str | None = None) -> None:
         nn.Upsample.__init__(self, size, scale_factor, mode, align_corners, recompute_scale_factor)
-        self._init_spatial(grid, transport)
+        self.init_spatial(grid, transport)
         if mode not in MODES:
             raise NotImplementedError(f"DistUpsample: mode={mode!r} is not supported on split volumes; use "
                                       f"one of {MODES}")

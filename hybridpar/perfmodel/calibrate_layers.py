@@ -38,7 +38,7 @@ def runnable(m: nn.Module, shape: Sequence[int],
     entry = registry.lookup(m)
     if entry is None or entry.role not in ("window", "transposed") or len(shape) != 5:
         return copy.deepcopy(m).float().train(), tuple(shape)
-    pads = [(a.get("pad_lo", 0), a.get("pad_hi", 0)) for a in entry.window_args(m)]
+    pads = [(0, 0) if w.transposed else (w.pad_lo, w.pad_hi) for w in entry.windows_of(m)]  # crops, not pads
     inner = (*shape[:2], *(n - lo - hi for n, (lo, hi) in zip(shape[2:], pads)))
     if wrap is None:
         wrap = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1

@@ -99,7 +99,7 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
         if key in machine.measured:
             fwd, bwd = machine.measured[key]  # includes assembling the extended input
         elif leaf.window and entry is not None and \
-                (hb or any(a.get("pad_lo", 0) for a in entry.window_args(leaf.module))):
+                (hb or any(w.pad_lo and not w.transposed for w in entry.windows_of(leaf.module) or ())):
             fwd += c.pointwise.time(0.0, 2 * e * ext_n)   # assembling the extended input
             bwd += c.pointwise.time(0.0, 2 * e * ext_n) if needs_igrad else 0.0
         fwd *= slow

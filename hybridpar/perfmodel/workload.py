@@ -115,9 +115,10 @@ def _signature(m: nn.Module) -> str:
     of its parameters (channels, groups, bias); not their values."""
     entry = registry.lookup(m)
     parts = []
-    if entry is not None and entry.window_args is not None:
-        args = entry.window_args(m)
-        parts += [key[0] + "x".join(str(a[key]) for a in args) for key in ("kernel", "stride", "dilation")]
+    ws = entry.windows_of(m) if entry is not None else None
+    if ws is not None:
+        parts += [key[0] + "x".join(str(getattr(w, key)) for w in ws)
+                  for key in ("kernel", "stride", "dilation")]
     if entry is not None and entry.op in ("conv", "linear"):
         parts += ["w" + "x".join(map(str, p.shape)) for p in m.parameters(recurse=False)]
     return f"{type(m).__name__}({','.join(parts)})" if parts else type(m).__name__
@@ -131,9 +132,8 @@ def kernel_shape(m: nn.Module, rec: LayerPlan) -> tuple[int, ...]:
     """
     entry = registry.lookup(m) if m is not None else None
     if entry is not None and entry.role == "window" and len(rec.local_output_shape) == 5:
-        args = entry.window_args(m)
         out = rec.local_output_shape[2:]
-        ext = tuple((o - 1) * a["stride"] + a["dilation"] * (a["kernel"] - 1) + 1 for o, a in zip(out, args))
+        ext = tuple(w.extended(o) for o, w in zip(out, entry.windows_of(m)))
         return (rec.local_input_shape[0], rec.local_input_shape[1], *ext)
     return tuple(rec.local_input_shape)
 

@@ -187,7 +187,7 @@ class StageBuilder:
     def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split (its global input
         shape is set by :meth:`Stage.bind`)."""
-        m = to_distributed(module, self.layout(lp.split), self.overlap)
+        m = to_distributed(module, self.layout(lp.split), self.overlap, name)
         if isinstance(m, SpatialLayer):
             self.sinks.append((m, self.index[id(lp)], "in"))
             m.layer_name = f"{type(m).__name__}({name})"

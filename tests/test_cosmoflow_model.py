@@ -80,6 +80,23 @@ def test_demo_model_forward_backward() -> None:
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("stats", ["batch", "running"])
+def test_the_demo_models_flops_are_counted_without_a_warning(stats: str) -> None:
+    """Every layer of the demo's model (the P(k) branch's standardisation included) has a FLOP formula:
+    hybridpar counts it with no warning, and the spectrum's norm as BatchNorm1d's work."""
+    import warnings
+
+    import hybridpar as hp
+
+    model = build_model(32, n_conv=2, base_filters=4, max_filters=8, dense=[8], global_pool=True,
+                        head_norm=True, padding_mode="circular", power_spectrum=True, spectrum_stats=stats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counted = hp.flops.count(model, (1, 4, 32, 32, 32))
+    norm = counted.by_name()["spectrum_norm"]
+    assert counted.unsupported == [] and norm.forward_other == 4 * norm.input_shape[0] * norm.input_shape[1]
+
+
 def test_invalid_combinations() -> None:
     with pytest.raises(ValueError, match="input_size 100 is not divisible by 2\\^n_conv = 32 .* input sizes "
                                          "that fit: 96 or 128; n_conv that fit: 1, 2"):

@@ -2,7 +2,7 @@
 
 Why: the converter (``parallelize``), the spec planner, ``explain``, the FLOP counter, the performance
 model and the memory estimate all need facts about a layer: how it is split (its *role*), its window
-arguments as :mod:`hybridpar.geometry` sees them, its distributed counterpart, its FLOPs, what it
+(:class:`~hybridpar.nn.window.Window` per dim), its distributed counterpart, its FLOPs, what it
 keeps for backward. Kept here once per layer type, a new layer is one file plus one
 :func:`register` call, and a layer nobody registered is found out (a clear error in a split region)
 instead of being counted as zero FLOPs or silently gathered.

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from forked import run_python
 
 ROOT = Path(__file__).resolve().parents[1]

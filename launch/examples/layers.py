@@ -26,4 +26,5 @@ ref.square().sum().backward()
 pairs = [(y, ref), (split_grads[0], x.grad), (split_grads[1], w.grad)]
 err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 if grid.rank == 0:
-    print(f"DistConv3d on {grid.spatial_shape}: max |split - one process| = {err:.1e} of the largest value (forward and backward)")
+    print(f"DistConv3d on {grid.spatial_shape}, forward and backward: "
+          f"max |split - one process| = {err:.1e} of the largest value")

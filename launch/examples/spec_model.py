@@ -25,7 +25,8 @@ engine = hp.parallelize(model, spec, loss_fn=torch.nn.functional.mse_loss)
 x_local, y_local = engine.shard_batch(x, y)           # global batch -> this rank's piece
 loss = engine.train_step(x_local, y_local)            # micro-batched fwd+bwd; global mean loss
 opt = torch.optim.SGD(engine.parameters(), lr=0.01)
-opt.step(); opt.zero_grad()
+opt.step()
+opt.zero_grad()
 state = engine.full_state_dict()                      # the original model's state dict
 
 ref = torch.nn.functional.mse_loss(one(x), y)

@@ -20,7 +20,7 @@ engine = hp.parallelize(unet, {"grid": {"spatial": [2, 2, 1]}}, loss_fn=torch.nn
 x_local, y_local = engine.shard_batch(x, y)      # x, y: (N, 1, D, H, W); both split like the output
 loss = engine.train_step(x_local, y_local)
 
-one = copy.deepcopy(unet)                        # the same weights (the step has not changed them), in one process
+one = copy.deepcopy(unet)                        # the same weights (a step leaves them), in one process
 one.zero_grad(set_to_none=True)
 
 ref = torch.nn.functional.mse_loss(one(x), y)

@@ -22,7 +22,7 @@ from forked import run_python
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "launch" / "examples"
 SCRIPTS = sorted(p for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sh"))
-LAUNCH = re.compile(r"^# (torchrun --nproc-per-node (\d+)|bash) (launch/examples/\S+)")
+LAUNCH = re.compile(r"^#\s+(torchrun --nproc-per-node (\d+)|bash) (launch/examples/\S+)")
 ERROR = re.compile(r"max \|split - one process\|[^=]*= ([0-9.eE+-]+)")
 
 

@@ -67,8 +67,9 @@ def main() -> None:
     grad_err = max((p.grad - one_process.get_parameter(n).grad).abs().max().item()
                    for n, p in engine.named_parameters())
     if info.rank == 0:
-        print(f"SoftPool3d split {info.world_size}x1x1 against one process: max |error| output "
-              f"{out_err:.1e}, loss {loss_err:.1e}, weight gradients {grad_err:.1e}")
+        print(f"SoftPool3d split {info.world_size}x1x1: max |split - one process| = "
+              f"{max(out_err, loss_err, grad_err):.1e} (output {out_err:.1e}, loss {loss_err:.1e}, "
+              f"weight gradients {grad_err:.1e})")
 
 
 if __name__ == "__main__":

@@ -227,7 +227,11 @@ class _SyncGroupNorm(torch.autograd.Function):
         centred = _centre(xg.to(sd), parts, (n, groups, 1))
         var = (_total(centred.square(), -1, group) / count).to(sd)
         invstd = torch.rsqrt(var + eps)
-        xhat = (centred * invstd.unsqueeze(-1)).view(x.shape)
+        # Scaled in x's own shape, so the output is a tensor of its own, not a view of the grouped one:
+        # autograd forbids modifying a custom Function's view output in place, and without affine
+        # parameters the output is xhat itself, which an in-place activation (ReLU(inplace=True)) writes.
+        per_channel = invstd.repeat_interleave(x.shape[1] // groups, dim=1)
+        xhat = centred.view(x.shape) * per_channel.view(per_channel.shape + (1,) * (x.dim() - 2))
         ctx.save_for_backward(x, parts, invstd, weight)
         ctx.meta = (groups, group, count, None if bias is None else bias.dtype)
         mean = mean.to(sd)

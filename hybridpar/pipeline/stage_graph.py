@@ -25,9 +25,10 @@ from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
-from hybridpar.planner.graph import INPUT, ModelGraph
+from hybridpar.planner.graph import INPUT, ModelGraph, trace_values
 from hybridpar.planner.plan import broadcasts
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.space_maps import RESHAPES, SpaceMap, find_space_maps
 from hybridpar.planner.stages import live_across
 
 Split = tuple[int, int, int]
@@ -105,6 +106,13 @@ class StageGraph(nn.Module):
                        fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
         # shape reads of split values answer with global extents (plan role "shape")
         self.shape_reads = {r.name for r in self.records if r.name in graph.values}
+        # reshapes between channels and space that run on the shard: their shapes are the shard's
+        maps = find_space_maps(graph, trace_values(graph, tuple(input_shape)))
+        self.local_reshapes: dict[str, tuple[SpaceMap, tuple[int, ...]]] = {}
+        for node, rec in zip(self.nodes, self.records, strict=True):
+            if node.name in maps and rec.split != (1, 1, 1) and node.target in RESHAPES:
+                box = local_box(maps[node.name].in_shape[2:], layout(rec.split))  # type: ignore[arg-type]
+                self.local_reshapes[node.name] = (maps[node.name], tuple(hi - lo for lo, hi in box))
         self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.op == "module":
@@ -178,8 +186,10 @@ class StageGraph(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lo == 0:
             env: dict[str, Any] = {INPUT: x}
+            batch = x.shape[0]
         else:
-            env = self._unpack(x.reshape(-1), x.numel() // self.recv_numel(1))
+            batch = x.numel() // self.recv_numel(1)
+            env = self._unpack(x.reshape(-1), batch)
         for i, ((name, op, target, inputs, args_t, kwargs_t), rec) in enumerate(
                 zip(self.calls, self.records, strict=True)):
             def arg(ref: _Ref, rec: LayerPlan = rec) -> Any:
@@ -191,6 +201,10 @@ class StageGraph(nn.Module):
                 out = self.get_submodule(target)(*args, **kwargs)
             elif name in self.stand_ins:
                 out = self.stand_ins[name](args[0])
+            elif name in self.local_reshapes:  # the shard's shape, not the global one the forward read
+                space_map, extents = self.local_reshapes[name]
+                shape = space_map.local_shape(name, batch, extents)
+                out = getattr(args[0], target)(shape) if op == "method" else target(args[0], shape)
             elif op == "method":
                 out = getattr(args[0], target)(*args[1:], **kwargs)
             else:

@@ -23,6 +23,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.formulas import LayerGeometry
 from hybridpar.planner.faithful import check_faithful
 from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
+from hybridpar.planner.space_maps import SpaceMap, find_space_maps
 from hybridpar.planner.terms import SpecError, Split
 
 REPLICATED: Split = (1, 1, 1)
@@ -62,7 +63,7 @@ def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
     shapes = []
     for n in graph.nodes:
         out = values[n.name]
-        first = next((values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)), None)
+        first = _lead_input([values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)], out)
         if isinstance(out, torch.Tensor):
             shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
             continue
@@ -75,6 +76,17 @@ def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
         graph.values.add(n.name)
         shapes.append((tuple(first.shape) if first is not None else (), ()))
     return shapes
+
+
+def _lead_input(inputs: list[torch.Tensor], out: object) -> torch.Tensor | None:
+    """The input a node's work is laid out by: the first of the output's shape, else the first of its
+    spatial extents, else the first. A gate broadcast into features (``gate * x``, the gate pooled to
+    one voxel) is laid out by the features, whichever operand comes first."""
+    if not isinstance(out, torch.Tensor):
+        return inputs[0] if inputs else None
+    same = [t for t in inputs if t.shape == out.shape]
+    space = [t for t in inputs if t.dim() == out.dim() and t.shape[2:] == out.shape[2:]]
+    return next(iter(same or space or inputs), None)
 
 
 def _shape_value(v: object) -> bool:
@@ -212,6 +224,8 @@ class Analysis:
     count: flop_count.FlopCount | None
     terse: bool = False
     halo_memo: dict[tuple[str, Split], Halos | SpecError] = field(default_factory=dict, repr=False)
+    # chains of reshapes between channels and space that run on shards, by node (planner.space_maps)
+    space_maps: dict[str, SpaceMap] = field(default_factory=dict, repr=False)
 
     @property
     def containers(self) -> dict[str, int]:
@@ -246,4 +260,5 @@ def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | No
     stand_ins_from_values(graph, values)
     leaves = [(n.name, n.module) for n in graph.nodes]
     fwd, train, counted = _flop_costs(model, leaves, shape, shapes)
-    return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted, terse)
+    return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted, terse,
+                    space_maps=find_space_maps(graph, values))

@@ -34,6 +34,7 @@ from hybridpar.nn import registry
 from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
+from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
 from hybridpar.planner.swapped import swapped_plan
 from hybridpar.planner.terms import SpecError, Split
@@ -127,6 +128,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                                      if (k := globs.rule_for(n, patterns)) is not None}
 
     index = a.graph.index()
+    chain_split: dict[str, Split | None] = {}  # a reshape chain's split, by its first node (space_maps)
     out_split: dict[str, Split] = {}
     input_split: Split | None = None  # the layout the model input is sharded in: its first reader's
     splits: list[Split] = []
@@ -139,7 +141,13 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         # the layout an elementwise node keeps: its first split input's (shards must agree)
         layouts = [(input_split or grid.spatial) if n == INPUT else out_split[n] for n in node.inputs]
         producer = next((s for s in layouts if s != REPLICATED), REPLICATED)
-        if node.name in rule_of:
+        space_map = a.space_maps.get(node.name)
+        if space_map is not None and node.name == space_map.nodes[0]:
+            chain_split[node.name] = _space_map_split(space_map, producer, rule_of)
+        mapped = chain_split.get(space_map.nodes[0]) if space_map is not None else None
+        if mapped is not None:  # a reshape between channels and space, on each shard
+            split = mapped
+        elif node.name in rule_of:
             split = rule_of[node.name].split
             if split != REPLICATED and not (spatial_in and role not in ("dense", "unregistered")):
                 why = "its input is not N, C, D, H, W" if not spatial_in else \
@@ -172,9 +180,10 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         if INPUT in node.inputs and input_split is None:
             input_split = split if spatial_in else REPLICATED
         replicated_out = entry is not None and entry.replicated_output(node.module)
-        out_split[node.name] = REPLICATED if (replicated_out or len(out_shape) != 5) else split
+        out_split[node.name] = split if mapped else \
+            REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)
-        halo_list.append(a.halos(i, entry, split))
+        halo_list.append(((0, 0),) * 3 if mapped else a.halos(i, entry, split))
         gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split))
     # a gather is flagged where the activation is split again after it (inside a split region)
     split_later = [False] * len(nodes)
@@ -186,6 +195,9 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
 
     input_split = input_split or REPLICATED
     local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
+    for i, n in enumerate(nodes):  # a reshape chain's values hold the shard's voxels in other dims
+        if n.name in a.space_maps and chain_split.get(a.space_maps[n.name].nodes[0]):
+            local_out[i] = a.space_maps[n.name].loaded_shape(n.name, micro, splits[i])
     act = [0 if n.name in a.graph.values or n.name == OUTPUT else BYTES_PER_ELEMENT * math.prod(lo)
            for n, lo in zip(nodes, local_out, strict=True)]  # values and the outputs' structure hold none
     shares = [rank_share(n.module, shapes[i][0], shapes[i][1], local_out[i], splits[i])
@@ -198,6 +210,12 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     else:
         starts = named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
     stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
+    for first, split in chain_split.items():
+        names = a.space_maps[first].nodes
+        if split is not None and len({stage_of[index[n]] for n in names}) > 1:
+            raise SpecError(f"pipeline: a stage cut falls inside the reshapes {', '.join(names)}, which run "
+                            f"on each shard between channels and space; name stages (pipeline.stages) that "
+                            f"begin before {names[0]} or after {names[-1]}")
     if grid.pipe > 1 and a.graph.values:  # a cut carries tensors: a size read before it is read again
         for i, live in enumerate(live_across(a.graph)[:-1]):
             crossing = [v for v in live if v in a.graph.values] if stage_of[i] != stage_of[i + 1] else []
@@ -224,6 +242,15 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
         transpose_bytes=transpose_bytes(node.module, shapes[i][0], splits[i], micro), rank_share=shares[i])
         for i, node in enumerate(nodes)]
+
+
+def _space_map_split(space_map: SpaceMap, producer: Split, rule_of: dict[str, LayerRule]) -> Split | None:
+    """The split a chain of reshapes between channels and space runs in: its input's, where every
+    rank's output box is then the one that split gives it (:meth:`SpaceMap.fits`) and no rule names
+    a node of it; None where it runs as any other dense node (replicated, after a gather)."""
+    if producer == REPLICATED or any(n in rule_of for n in space_map.nodes):
+        return None
+    return producer if space_map.fits(producer) else None
 
 
 def broadcasts(split: Split, shape: Sequence[int]) -> bool:

@@ -1,0 +1,206 @@
+"""Reshapes that move data between channels and space (a 3D pixel shuffle), run on each shard.
+
+Why: sub-pixel upsampling writes (N, C·r³, D, H, W) -> (N, C, D·r, H·r, W·r) with ``view``, ``permute``
+and ``reshape``, and each output voxel then comes from one input voxel of the same neighbourhood: a
+rank holding a box of the input can compute the box of the output scaled by r, with no halo and no
+gather. Which chains of reshapes are of that kind is pure index arithmetic on the traced global
+shapes, done here; the planner (:mod:`hybridpar.planner.plan`) gives such a chain its input's split
+and the graph runner (:mod:`hybridpar.pipeline.stage_graph`) runs it with the local shapes
+:meth:`SpaceMap.local_shape` gives.
+
+The arithmetic: every dim of a value is a row-major list of *atoms*, ``(source, stride, size)``: the
+digit of stride ``stride`` and ``size`` values in the index of input dim ``source`` (``"n"``, ``"c"``,
+or a spatial axis 0-2). The input's dims are one atom each; a ``view`` regroups the atoms in order
+(splitting one where a new dim ends inside it), a ``permute`` reorders dims. A chain keeps every shard
+local when its output's dim 2 + k starts with the outermost atom of spatial axis k and everything
+else there and in the channel dim comes from channels or from axes' inner digits (the batch dim stays
+the batch). Then the input box [a, b) of axis k (a and b multiples of the outermost atom's stride s)
+becomes the output box [a / s · R, b / s · R), R = the output extent per outer digit; the plan uses
+the chain only where that box is the one the output's split assigns the rank (``fits``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridpar.geometry import shard_range
+from hybridpar.planner.graph import ModelGraph, Node
+
+Atom = tuple[str | int, int, int]  # (source dim: "n", "c" or spatial axis 0-2, stride, size)
+Dims = tuple[tuple[Atom, ...], ...]
+
+RESHAPES = ("view", "reshape", torch.reshape)
+PERMUTES = ("permute", torch.permute, "transpose", torch.transpose, "swapaxes")
+IDENTITIES = ("contiguous",)
+
+
+class _NotLocal(Exception):
+    """The chain mixes data of different shards (or is not a reshape chain this module follows)."""
+
+
+def _source_dims(shape: Sequence[int]) -> Dims:
+    names: list[str | int] = ["n", "c", 0, 1, 2]
+    return tuple(((names[d], 1, s),) if s > 1 else () for d, s in enumerate(shape))
+
+
+def _regroup(dims: Dims, target: Sequence[int]) -> Dims:
+    """``dims`` viewed as ``target`` (row-major): atoms taken in order, one split where a dim ends in it."""
+    queue = deque(a for d in dims for a in d)
+    out = []
+    for t in target:
+        group, rem = [], t
+        while rem > 1:
+            if not queue:
+                raise _NotLocal
+            src, stride, size = queue.popleft()
+            if size <= rem and rem % size == 0:
+                group.append((src, stride, size))
+                rem //= size
+            elif size > rem and size % rem == 0 and src != "n":  # outer digits here, the inner ones next
+                inner = size // rem
+                group.append((src, stride * inner, rem))
+                queue.appendleft((src, stride, inner))
+                rem = 1
+            else:
+                raise _NotLocal
+        out.append(tuple(group))
+    if queue:
+        raise _NotLocal
+    return tuple(out)
+
+
+def _ints(args: Sequence[Any]) -> list[int]:
+    flat = list(args[0]) if len(args) == 1 and isinstance(args[0], list | tuple) else list(args)
+    if not all(isinstance(a, int) for a in flat):
+        raise _NotLocal
+    return flat
+
+
+def _permuted(node: Node, dims: Dims) -> Dims:
+    args = node.fx_node.args[1:]
+    n = len(dims)
+    if node.target in ("permute", torch.permute):
+        order = [d % n for d in _ints(node.fx_node.kwargs.get("dims", args))]
+        if sorted(order) != list(range(n)):
+            raise _NotLocal
+        return tuple(dims[d] for d in order)
+    a, b = (d % n for d in _ints(args[:2]))
+    out = list(dims)
+    out[a], out[b] = out[b], out[a]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SpaceMap:
+    """A chain of reshapes from split volume ``source`` (global ``in_shape``) to a volume of global
+    ``out_shape``, each shard staying on its rank (see the module doc). ``dims``: every node's output
+    atoms; ``strides``: per axis, the input voxels per outermost digit (r for a pixel unshuffle, 1 for
+    a shuffle), and ``aligns`` what every shard boundary of the input must be a multiple of."""
+
+    source: str
+    nodes: tuple[str, ...]
+    dims: dict[str, Dims]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    strides: tuple[int, int, int]
+    aligns: tuple[int, int, int]
+
+    def fits(self, split: tuple[int, int, int]) -> bool:
+        """Whether under ``split`` every rank's output box is the one the output's split gives it."""
+        for k, parts in enumerate(split):
+            g, e, s = self.in_shape[2 + k], self.out_shape[2 + k], self.strides[k]
+            per = e * s // g  # output voxels per outermost input digit
+            for i in range(parts):
+                a, b = shard_range(g, parts, i)
+                if b <= a or a % self.aligns[k] or b % self.aligns[k]:
+                    return False
+                if shard_range(e, parts, i) != (a // s * per, b // s * per):
+                    return False
+        return True
+
+    def local_shape(self, node: str, batch: int, extents: Sequence[int]) -> tuple[int, ...]:
+        """Node ``node``'s output shape on a rank holding ``extents`` (D, H, W) of the input volume."""
+        def size(atom: Atom) -> int:
+            src, stride, n = atom
+            if src == "n":
+                return batch
+            if isinstance(src, int) and stride * n == self.in_shape[2 + src]:  # the outermost digit
+                return extents[src] // stride
+            return n
+
+        return tuple(math.prod(size(a) for a in d) for d in self.dims[node])
+
+    def loaded_shape(self, node: str, batch: int, split: tuple[int, int, int]) -> tuple[int, ...]:
+        """Node ``node``'s output shape on the most loaded rank (shard 0) under ``split``."""
+        first = [shard_range(self.in_shape[2 + k], split[k], 0) for k in range(3)]
+        return self.local_shape(node, batch, [hi - lo for lo, hi in first])
+
+
+def _follow(graph: ModelGraph, values: dict[str, Any], chain: list[Node]) -> SpaceMap:
+    """The map of ``chain`` (its first node reads a 5-D volume, its last returns one), or _NotLocal."""
+    source = next(i for i in chain[0].inputs if i not in graph.values)  # its one tensor input
+    in_shape = tuple(values[source].shape)
+    dims, all_dims = _source_dims(in_shape), {}
+    for node in chain:
+        if node.target in RESHAPES:
+            dims = _regroup(dims, tuple(values[node.name].shape))
+        elif node.target in PERMUTES:
+            dims = _permuted(node, dims)
+        all_dims[node.name] = dims
+    out_shape = tuple(values[chain[-1].name].shape)
+    if dims[0] != _source_dims(in_shape)[0] or any(a[0] == "n" for d in dims[1:] for a in d):
+        raise _NotLocal  # the batch must stay the batch
+    strides, aligns = [], []
+    for k in range(3):
+        g = in_shape[2 + k]
+        lead = dims[2 + k][0] if dims[2 + k] else None
+        # the outermost digit leading its own axis scales the box; anywhere else the axis is mixed
+        # with others and runs whole (a stride of the whole extent: only one shard fits)
+        outer = lead is not None and lead[0] == k and lead[1] * lead[2] == g
+        strides.append(lead[1] if outer else g)
+        seen = [a[1] for node_dims in all_dims.values() for d in node_dims for a in d
+                if a[0] == k and a[1] * a[2] == g]
+        aligns.append(math.lcm(*seen, strides[-1]))
+    return SpaceMap(source, tuple(n.name for n in chain), all_dims, in_shape, out_shape, tuple(strides),
+                    tuple(aligns))
+
+
+def find_space_maps(graph: ModelGraph, values: dict[str, Any]) -> dict[str, SpaceMap]:
+    """Every chain of reshapes in ``graph`` that keeps shards local, by the name of each of its nodes."""
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n.name)
+    by_name = {n.name: n for n in graph.nodes}
+    found: dict[str, SpaceMap] = {}
+
+    def tensor_input(n: Node) -> str | None:
+        tensors = [i for i in n.inputs if i not in graph.values]
+        return tensors[0] if len(tensors) == 1 else None
+
+    def reshaping(n: Node) -> bool:
+        return (n.op in ("method", "function") and n.module is None and tensor_input(n) is not None
+                and (n.target in RESHAPES or n.target in PERMUTES or n.target in IDENTITIES)
+                and isinstance(values.get(n.name), torch.Tensor))
+
+    for n in graph.nodes:
+        if n.name in found or not reshaping(n) or values[tensor_input(n)].dim() != 5:
+            continue
+        chain = [n]
+        while chain and values[chain[-1].name].dim() != 5:
+            nxt = readers.get(chain[-1].name, [])
+            chain = chain + [by_name[nxt[0]]] if len(nxt) == 1 and reshaping(by_name[nxt[0]]) else []
+        if not chain or all(c.target in IDENTITIES for c in chain):
+            continue
+        try:
+            space_map = _follow(graph, values, chain)
+        except _NotLocal:
+            continue
+        found.update({c.name: space_map for c in chain})
+    return found

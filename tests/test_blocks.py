@@ -1,0 +1,270 @@
+"""Blocks that used to stop a model, run split exactly:
+
+* norms without affine parameters (InstanceNorm3d, GroupNorm, BatchNorm3d) under in-place activations
+  (their output was a view that autograd forbids writing in place);
+* a squeeze-and-excitation gate, pooled to one voxel and replicated, multiplied into split features
+  (``gate * x`` as well as ``x * gate``), traced and by module swapping;
+* a 3D pixel shuffle and unshuffle written with ``view``/``permute``/``reshape``: each shard reshaped
+  on its rank (no gather) where the split is even along the split axes, replicated after a gather
+  where it is not.
+
+Each case: float64, one training step (forward and backward) against the same model in one process,
+on 2 ranks (2, 1, 1) and 4 ranks (2, 2, 1): the loss, the forward output and every parameter's gradient.
+The plans and the reshape arithmetic are checked without processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layer_cases import Failures
+
+
+def shuffle3d(h: torch.Tensor, r: int) -> torch.Tensor:
+    """(N, C·r³, D, H, W) -> (N, C, D·r, H·r, W·r), as users write it."""
+    n, c, d, hh, w = h.shape
+    h = h.view(n, c // r ** 3, r, r, r, d, hh, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+    return h.reshape(n, c // r ** 3, d * r, hh * r, w * r)
+
+
+def unshuffle3d(h: torch.Tensor, r: int) -> torch.Tensor:
+    """(N, C, D·r, H·r, W·r) -> (N, C·r³, D, H, W), the inverse of :func:`shuffle3d`."""
+    n, c, d, hh, w = h.shape
+    h = h.reshape(n, c, d // r, r, hh // r, r, w // r, r).permute(0, 1, 3, 5, 7, 2, 4, 6)
+    return h.reshape(n, c * r ** 3, d // r, hh // r, w // r)
+
+
+class NormInplaceNet(nn.Module):
+    """Norms without affine parameters, each followed by an in-place activation (MONAI's decoders);
+    no conv bias before a per-channel norm, whose gradient is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv3d(1, 4, 3, padding=1, bias=False), nn.InstanceNorm3d(4), nn.ReLU(inplace=True),
+            nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4, affine=False), nn.LeakyReLU(0.1, inplace=True),
+            nn.Conv3d(4, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4, affine=False), nn.ReLU(inplace=True),
+            nn.Conv3d(4, 1, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class ConvSENet(nn.Module):
+    """A squeeze-and-excitation gate of 1³ convolutions, multiplied in as ``gate * features``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Sequential(nn.Conv3d(4, 2, 1), nn.ReLU(inplace=True), nn.Conv3d(2, 4, 1), nn.Sigmoid())
+        self.out = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        return self.out(self.fc(self.pool(h)) * h)
+
+
+class LinearSENet(nn.Module):
+    """MONAI's ChannelSELayer: Linear layers on the pooled (N, C), viewed back to (N, C, 1, 1, 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Sequential(nn.Linear(4, 2), nn.ReLU(inplace=True), nn.Linear(2, 4), nn.Sigmoid())
+        self.out = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        b, c = h.shape[:2]
+        gate = self.fc(self.pool(h).view(b, c)).view(b, c, 1, 1, 1)
+        return self.out(h * gate)
+
+
+class ShuffleNet(nn.Module):
+    """Sub-pixel upsampling by 2, then its inverse (each shard reshaped on its rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 16, 3, padding=1)
+        self.mid = nn.Conv3d(2, 2, 3, padding=1)
+        self.out = nn.Conv3d(16, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(shuffle3d(self.stem(x), 2))
+        return self.out(unshuffle3d(torch.tanh(h), 2))
+
+
+class _Untraced(nn.Module):
+    """``inner`` behind a branch torch.fx cannot trace: the model runs by module swapping."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 5:  # a traced value in a Python branch: fx refuses the whole forward
+            return self.inner(x)
+        return x
+
+
+def SwappedConvSENet() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    return _Untraced(ConvSENet())
+
+
+def SwappedLinearSENet() -> nn.Module:  # noqa: N802
+    return _Untraced(LinearSENet())
+
+
+def SwappedNormInplaceNet() -> nn.Module:  # noqa: N802
+    return _Untraced(NormInplaceNet())
+
+
+def _compare(fails: Failures, desc: str, make, spec: dict, shape: tuple[int, ...]) -> None:
+    """One training step of ``make()`` parallelized by ``spec`` against one process: the forward
+    output, the loss and every parameter's gradient (the model's own parameters, which the engine runs)."""
+    import hybridpar as hp
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, dtype=torch.float64, generator=g)
+    torch.manual_seed(0)
+    ref = make().double()
+    model = make().double()
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        y = torch.randn(ref(x).shape, dtype=torch.float64, generator=g)
+    ref.load_state_dict(model.state_dict())  # the running statistics that forward touched
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
+    x_local, y_local = engine.shard_batch(x, y)
+    with torch.no_grad():
+        fails.check(f"{desc} forward", engine.predict(x_local), ref(x))
+    loss = engine.train_step(x_local, y_local)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    fails.check(f"{desc} loss", loss.detach().reshape(()), ref_loss.detach())
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        fails.check(f"{desc} grad {name}", got[name].grad, p.grad)
+
+
+def _body(rank: int, world: int, desc: str, model: str, spec: dict, shape: tuple[int, ...]) -> None:
+    fails = Failures()
+    try:
+        _compare(fails, f"{desc} {spec['grid']}", globals()[model], spec, shape)
+    except Exception as err:  # named with its case
+        fails.append(f"{desc}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+S2, S4 = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 1]}}
+ODD = (2, 1, 7, 6, 5)  # D split 4 + 3, W odd
+CASES = [
+    (2, "norms without affine under in-place activations", "NormInplaceNet", S2, ODD),
+    (2, "SE gate of 1^3 convs, gate * x", "ConvSENet", S2, ODD),
+    (2, "SE gate of Linear layers, x * gate", "LinearSENet", S2, ODD),
+    (2, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S2, ODD),
+    (2, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S2, ODD),
+    (2, "norms under in-place activations by module swapping", "SwappedNormInplaceNet", S2, ODD),
+    (2, "pixel shuffle and unshuffle, even split", "ShuffleNet", S2, (2, 1, 6, 5, 3)),
+    (2, "pixel shuffle and unshuffle, uneven split (gathered)", "ShuffleNet", S2, (2, 1, 5, 4, 3)),
+    (4, "norms without affine under in-place activations", "NormInplaceNet", S4, (2, 1, 7, 5, 4)),
+    (4, "SE gate of 1^3 convs, gate * x", "ConvSENet", S4, (2, 1, 7, 5, 4)),
+    (4, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S4, (2, 1, 7, 5, 4)),
+    (4, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S4, (2, 1, 7, 5, 4)),
+    (4, "pixel shuffle and unshuffle, even split", "ShuffleNet", S4, (2, 1, 4, 6, 3)),
+]
+
+
+@pytest.mark.parametrize("world,desc,model,spec,shape", CASES,
+                         ids=[f"{c[0]}-{c[1].replace(' ', '_')}" for c in CASES])
+def test_block_matches_one_process(pools, world, desc, model, spec, shape):
+    pools(world).run(_body, desc, model, spec, shape, timeout=300)
+
+
+# ---------------------------------------------------------------------- without processes
+def test_norm_output_written_in_place_backpropagates():
+    """The split norms' Function returns a tensor of its own: an in-place activation on it
+    back-propagates as on torch's own norm (one process, no group)."""
+    from hybridpar.nn.norm import _SyncGroupNorm
+
+    x = torch.randn(2, 4, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    y = _SyncGroupNorm.apply(x, None, None, 2, 1e-5, None, 2 * 60, x.dtype)[0]
+    torch.relu_(y).square().sum().backward()
+    want = x.detach().clone().requires_grad_()
+    torch.relu_(F.group_norm(want, 2)).square().sum().backward()
+    torch.testing.assert_close(x.grad, want.grad)
+
+
+def test_shuffle_plans_split_where_even_and_gathers_where_not():
+    import hybridpar as hp
+
+    rows = {r.name: r for r in hp.ParallelSpec.from_dict(S2).plan(ShuffleNet(), (2, 1, 6, 5, 3), 2)}
+    assert not [r.name for r in rows.values() if r.gather or r.redistribute]
+    assert rows["view"].split == rows["reshape_1"].split == rows["mid"].split == (2, 1, 1)
+    assert rows["reshape"].local_output_shape == (2, 2, 6, 10, 6)  # 3 of 6 planes, doubled
+    assert rows["permute_1"].local_output_shape == (2, 2, 2, 2, 2, 3, 5, 3)  # unshuffled: 6 / 2 planes
+    rows = {r.name: r for r in hp.ParallelSpec.from_dict(S2).plan(ShuffleNet(), (2, 1, 5, 4, 3), 2)}
+    assert rows["view"].gather and rows["view"].split == (1, 1, 1)  # 3 + 2 planes: 6 + 4 is not 5 + 5
+
+
+def test_gate_first_is_laid_out_by_the_features():
+    """``gate * x`` with the gate pooled to 1³: the product runs on the features' split, no gather."""
+    import hybridpar as hp
+
+    rows = {r.name: r for r in hp.ParallelSpec.from_dict(S4).plan(ConvSENet(), (2, 1, 7, 5, 4), 4)}
+    assert rows["mul"].split == (2, 2, 1) and rows["mul"].input_shape == (2, 4, 7, 5, 4)
+    assert not rows["mul"].redistribute and not any(r.gather for r in rows.values())
+
+
+class _Reshaping(nn.Module):
+    """A 1³ conv to 16 channels, then ``write`` (reshapes as a forward writes them)."""
+
+    def __init__(self, write) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 16, 1)
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.write(self.conv(x))
+
+
+@pytest.mark.parametrize("write,shape,splits", [
+    (lambda h: shuffle3d(h, 2), (2, 1, 6, 5, 2),
+     {(2, 1, 1): True, (3, 1, 1): True, (4, 1, 1): False, (1, 2, 1): False, (1, 1, 2): True}),
+    (lambda h: unshuffle3d(h, 2), (2, 1, 6, 4, 2),
+     {(3, 1, 1): True, (2, 1, 1): False, (1, 2, 1): True, (1, 1, 2): False}),
+], ids=["shuffle", "unshuffle"])
+def test_space_maps_keep_shards_where_boxes_scale(write, shape, splits):
+    """A shuffle keeps shards local where the split is even (6 over 2 or 3, 2 over 2; not 6 over 4 or
+    5 over 2); an unshuffle where every shard holds whole 2-voxel cells (6 over 3, 4 over 2; not 6
+    over 2, 2 over 2)."""
+    from hybridpar.planner.analysis import analyse
+
+    a = analyse(_Reshaping(write), shape)
+    maps = set(map(id, a.space_maps.values()))
+    assert len(maps) == 1 and len(a.space_maps) == 3
+    space_map = next(iter(a.space_maps.values()))
+    assert {s: space_map.fits(s) for s in splits} == splits
+
+
+def test_reshapes_that_mix_axes_keep_them_whole():
+    """Channels interleaved outside the spatial index (space inner), a transpose of two spatial axes,
+    a flatten of space: an axis whose index is mixed with others' runs only unsplit; a flatten keeps
+    its leading axis split (its box, times H·W, is the flat extent's)."""
+    from hybridpar.planner.analysis import analyse
+
+    def interleaved(h):
+        n, c, d, hh, w = h.shape
+        h = h.view(n, c // 8, 2, 2, 2, d, hh, w).permute(0, 1, 2, 5, 3, 6, 4, 7)
+        return h.reshape(n, c // 8, d * 2, hh * 2, w * 2)
+
+    splits = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+    for write, fits in ((interleaved, [False, False, False]),
+                        (lambda h: h.transpose(2, 3).contiguous(), [False, False, True]),
+                        (lambda h: h.reshape(h.shape[0], h.shape[1], -1, 1, 1), [True, False, False])):
+        maps = analyse(_Reshaping(write), (2, 1, 4, 4, 4)).space_maps
+        assert [next(iter(maps.values())).fits(s) for s in splits] == fits

@@ -30,10 +30,11 @@ from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
 from hybridpar.pipeline.model_state import Layers
 from hybridpar.pipeline.stage_graph import StageGraph
-from hybridpar.pipeline.swap import swap
+from hybridpar.pipeline.swap import follow_gates, swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
+from hybridpar.planner.swapped import swapped_gates
 from hybridpar.planner.terms import SpecError
 
 
@@ -171,7 +172,7 @@ class StageBuilder:
             output_rows = None if spec is not None else output_rows
         stage_graph = None
         if graph is None:
-            layers: Layers = [("", self._swapped(plan))]
+            layers: Layers = [("", self._swapped(plan, input_shape))]
         elif graph.chain and all(n.op == "module" for n in graph.nodes):
             layers = self._chain_layers(plan, mine, stage, output_split)
         else:  # a graph: this stage's nodes run by one module, every live value carried across cuts
@@ -200,7 +201,7 @@ class StageBuilder:
         self.sinks.append((r, self.index[id(lp)], end))
         return r
 
-    def _swapped(self, plan: list[Any]) -> nn.Module:
+    def _swapped(self, plan: list[Any], input_shape: tuple[int, ...]) -> nn.Module:
         """The untraceable model with its layers swapped for their split versions (said once)."""
         if dist.get_rank() == 0:
             warnings.warn(f"hybridpar.parallelize: {self.untraced}. Running it by module swapping: its "
@@ -213,7 +214,10 @@ class StageBuilder:
                 return self.convert(name, m, first[name])
             return to_distributed(m, grid, self.overlap)  # never called on this input
 
-        return swap(self.model, self.layout(self.spec.grid.spatial), convert)
+        swapped = swap(self.model, self.layout(self.spec.grid.spatial), convert)
+        if swapped_gates(self.model, input_shape, self.spec.grid.spatial):
+            follow_gates(swapped, self.layout(self.spec.grid.spatial))
+        return swapped
 
     def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
                       output_split: tuple[int, int, int]) -> Layers:

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
+from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.sharing import sharing_copy
-from hybridpar.planner.swapped import leaves
+from hybridpar.planner.swapped import LayoutWatch, leaves
 
 Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 
@@ -30,6 +32,37 @@ Convert = Callable[[str, nn.Module, ProcessGrid], nn.Module]
 def _has_params(m: nn.Module) -> bool:
     """Whether a leaf holds parameters (its children's too: a registered container runs as one layer)."""
     return next(m.parameters(), None) is not None
+
+
+class _Gates(LayoutWatch):
+    """The forward's layouts followed at run time: a replicated gate read by a split computation
+    goes in through :func:`replicated_into_shards`, so that its gradient is the sum of the shards'."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group
+
+    def into_shards(self, t: torch.Tensor) -> torch.Tensor:
+        return replicated_into_shards(t, self.group)
+
+
+def follow_gates(swapped: nn.Module, grid: ProcessGrid) -> None:
+    """Make ``swapped`` (:func:`swap`'s) follow its forward's layouts under ``grid``'s split where it
+    multiplies a replicated gate into split features (the plan found such calls:
+    :func:`hybridpar.planner.swapped.swapped_gates`); only then, since following costs every call."""
+    watch = _Gates(grid.spatial_group if grid.spatial_size > 1 else None)
+    watch.hook([m for _, m in leaves(swapped)])
+
+    def start(m: nn.Module, args: tuple) -> None:
+        watch.reset()
+        watch.__enter__()
+
+    def stop(m: nn.Module, args: tuple, out: object) -> None:
+        watch.__exit__(None, None, None)
+        watch.reset()
+
+    swapped.register_forward_pre_hook(start)
+    swapped.register_forward_hook(stop, always_call=True)
 
 
 def swap(model: nn.Module, grid: ProcessGrid, convert: Convert) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import flops as flop_count
 from hybridpar.nn import registry
@@ -42,26 +43,72 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-class _Watch(TorchFunctionMode):
-    """Sees every torch function the forward calls outside its layers and notes those that read a
-    split activation and are not elementwise (they would compute on the shard what they compute on
-    the whole volume). Split-ness follows the tensors: a layer's split output, and what elementwise
-    functions make of it."""
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (lists of them too: ``torch.cat``)."""
+    flat = [*args, *(a for v in args if isinstance(v, list | tuple) for a in v), *kwargs.values()]
+    return [a for a in flat if isinstance(a, torch.Tensor)]
+
+
+def constant_in_space(t: torch.Tensor) -> bool:
+    """Whether ``t`` broadcasts over a volume's spatial dims (a gate pooled to one voxel)."""
+    return all(e == 1 for e in t.shape[-3:])
+
+
+class LayoutWatch(TorchFunctionMode):
+    """Follows, through a forward run by module swapping, which tensors are split (a split layer's
+    output, and what elementwise functions make of it) and which are replicated (a whole-volume
+    reduction's output, and what is computed from replicated tensors alone), and sees every torch
+    function the forward calls outside its layers.
+
+    A function that reads a split activation and is not elementwise would compute on the shard what
+    it computes on the whole volume: noted in ``unsafe``. An elementwise one that broadcasts a
+    replicated tensor constant in space into a split one (a squeeze-and-excitation gate) is a
+    ``gate``: each shard's part of the replicated operand's gradient must be summed over the shards,
+    which :meth:`into_shards` arranges (the plan's watch leaves the operand as it is). Layers are
+    seen by hooks (:meth:`hook`): a registered layer on a replicated input runs whole on it.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.depth = 0
-        self.split: dict[int, torch.Tensor] = {}  # id -> tensor (kept, so that ids are not reused)
+        self.split = WeakIdKeyDictionary()
+        self.replicated = WeakIdKeyDictionary()
         self.unsafe: list[str] = []
+        self.gates = 0
         self.extents_read = False  # a split activation's spatial extents read outside the layers
 
-    def mark(self, t: torch.Tensor) -> None:
-        self.split[id(t)] = t
+    def reset(self) -> None:
+        self.depth, self.gates = 0, 0
+        self.split, self.replicated = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+
+    def mark(self, t: torch.Tensor, split: bool = True) -> None:
+        (self.split if split else self.replicated)[t] = True
+
+    def runs_split(self, m: nn.Module, x: torch.Tensor) -> bool:
+        """Whether layer ``m`` runs split on ``x``: registered as splittable, on a volume that is not
+        replicated (the model input, before any layer, is split like its first reader)."""
+        entry = registry.lookup(m)
+        return x.dim() == 5 and entry is not None and entry.splittable and x not in self.replicated
+
+    def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
+        """Mark layer ``m``'s output: split where it ran split (replicated after a whole-volume
+        reduction), replicated where its input was, or where it gathers it (``Flatten``)."""
+        if not isinstance(out, torch.Tensor):
+            return
+        entry = registry.lookup(m)
+        if split:
+            self.mark(out, out.dim() == 5 and not entry.replicated_output(m))
+        elif x in self.replicated or (entry is not None and entry.extra.get("flattens")):
+            self.mark(out, False)
+
+    def into_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """The replicated operand of a gate as the split computation reads it (as it is, here)."""
+        return t
 
     def _reads_extents(self, func, args: tuple, kwargs: dict) -> bool:
         """``x.shape``, ``x.size()`` or ``x.size(d)`` for a spatial ``d`` of a split activation: on a
         shard these are the shard's extents, not the volume's."""
-        if self.depth or not args or not isinstance(args[0], torch.Tensor) or id(args[0]) not in self.split:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0] not in self.split:
             return False
         if getattr(func, "__self__", None) is torch.Tensor.shape:
             return True
@@ -70,39 +117,98 @@ class _Watch(TorchFunctionMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         return dim is None or dim % args[0].dim() >= 2
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.extents_read = self.extents_read or self._reads_extents(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if self.depth or not isinstance(out, torch.Tensor):
-            return out
-        flat = [*args, *(a for v in args if isinstance(v, list | tuple) for a in v), *kwargs.values()]
-        if not any(isinstance(a, torch.Tensor) and id(a) in self.split for a in flat):
-            return out
+    @staticmethod
+    def _role(func, args: tuple, kwargs: dict, first: torch.Tensor) -> str | None:
         name = getattr(func, "__name__", str(func)).strip("_")
         role = registry.function_role(func) or registry.function_role(name)
         if role == "concat":
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            role = "pointwise" if isinstance(dim, int) and dim % out.dim() == 1 else None
+            role = "pointwise" if isinstance(dim, int) and dim % first.dim() == 1 else None
         if name == "pad" and not any(args[1] if len(args) > 1 else kwargs.get("pad", (1,))):
             role = "pointwise"  # a pad by nothing (MONAI's UpCat when the shapes agree) is the identity
-        if role == "pointwise":
+        return role
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth:
+            return func(*args, **kwargs)
+        self.extents_read = self.extents_read or self._reads_extents(func, args, kwargs)
+        tensors = _tensors(args, kwargs)
+        split = any(t in self.split for t in tensors)
+        replicated = [t for t in tensors if t in self.replicated]
+        pointwise = split and self._role(func, args, kwargs, tensors[0]) == "pointwise"
+        gate = pointwise and bool(replicated) and all(constant_in_space(t) for t in replicated)
+        if gate:
+            self.gates += 1
+            swap = {id(t): self.into_shards(t) for t in replicated}
+            pick = lambda a: swap.get(id(a), a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+            args = tuple(type(a)(map(pick, a)) if isinstance(a, list | tuple) else pick(a) for a in args)
+            kwargs = {k: pick(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        if not split:
+            if tensors and len(replicated) == len(tensors):
+                self.mark(out, False)
+        elif pointwise and (gate or not replicated):
             self.mark(out)
         else:
-            self.unsafe.append(name)
+            name = getattr(func, "__name__", str(func)).strip("_")
+            self.unsafe.append(f"{name} (on a split and a replicated volume)" if pointwise else name)
         return out
+
+    def hook(self, modules: list[nn.Module]) -> list:
+        """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's."""
+        def enter(m: nn.Module, args: tuple) -> None:
+            self.depth += 1
+
+        def leave(m: nn.Module, args: tuple, out: object) -> None:
+            try:  # still inside the layer: what is read here is not the forward's
+                x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if x is not None and self.depth == 1:
+                    self.after_layer(m, x, out, self.runs_split(m, x))
+            finally:
+                self.depth -= 1
+
+        return [m.register_forward_pre_hook(enter) for m in modules] + \
+            [m.register_forward_hook(leave, always_call=True) for m in modules]
 
 
 def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
                  micro: int) -> list[LayerPlan]:
     """One record per call of a leaf module on a meta forward of the global input, in call order:
-    registered splittable layers under ``split``, the rest replicated. Fails with a :class:`SpecError`
-    when the forward does not run on the meta device (it branches on tensor values) or a layer
-    nobody registered reads a split activation."""
+    registered splittable layers under ``split`` (those on a replicated input, a pooled gate, whole),
+    the rest replicated. Fails with a :class:`SpecError` when the forward does not run on the meta
+    device (it branches on tensor values) or a layer nobody registered reads a split activation."""
+    records, modules, watch = _follow(model, input_shape, split, micro)
+    if watch.extents_read and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"model ({type(model).__name__}): run by module swapping, its forward reads the "
+                      f"spatial extents of a split activation outside any layer; there they are the "
+                      f"shard's, not the volume's (a traced forward reads the volume's): check that what it "
+                      f"computes from them does not depend on the split", stacklevel=3)
+    sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
+    return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
+                                activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
+                                rank_share=rank_share(m, r.input_shape, r.output_shape, r.local_output_shape,
+                                                      r.split),
+                                transpose_bytes=transpose_bytes(m, r.input_shape, r.split, micro))
+            for r, f, m in zip(records, sums, modules, strict=True)]
+
+
+def swapped_gates(model: nn.Module, input_shape: Sequence[int], split: Split) -> int:
+    """How many calls of the forward broadcast a replicated tensor into a split one (gates): where
+    there are any, the engine follows the layouts at run time (:mod:`hybridpar.pipeline.swap`)."""
+    return _follow(model, input_shape, split, 1)[2].gates
+
+
+def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
+            micro: int) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch]:
+    """The records of :func:`swapped_plan` (FLOPs not counted), their modules, and the watch that
+    followed the forward; raises what the forward does that cannot run split."""
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
-    watch = _Watch()
+    watch = LayoutWatch()
     split_so_far = [False]
     calls: dict[str, int] = {}
 
@@ -120,18 +226,17 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
         if x is None or not isinstance(out, torch.Tensor):
             return
         entry = registry.lookup(m)
-        spatial = x.dim() == 5
-        if entry is None and spatial and split_so_far[0]:
+        if entry is None and x.dim() == 5 and split_so_far[0] and x not in watch.replicated:
             raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")
-        s = split if spatial and entry is not None and entry.splittable else REPLICATED
-        split_so_far[0] = split_so_far[0] or s != REPLICATED
+        runs_split = watch.runs_split(m, x)  # on a replicated input (a pooled gate), whole
+        s = split if runs_split else REPLICATED
+        split_so_far[0] = split_so_far[0] or runs_split
         out_split = REPLICATED if out.dim() != 5 or entry is None or entry.replicated_output(m) else s
-        if s != REPLICATED and not records:
+        if runs_split and not records:
             watch.mark(x)  # the model input is sharded like its first reader
-        if out_split != REPLICATED:
-            watch.mark(out)
+        watch.after_layer(m, x, out, runs_split)
         calls[names[m]] = calls.get(names[m], -1) + 1  # the k-th further call is "name#k", as in a graph
         modules.append(m)
         records.append(LayerPlan(
@@ -162,11 +267,6 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             h.remove()
     if not records:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
-    if watch.extents_read and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(f"model ({type(model).__name__}): run by module swapping, its forward reads the "
-                      f"spatial extents of a split activation outside any layer; there they are the "
-                      f"shard's, not the volume's (a traced forward reads the volume's): check that what it "
-                      f"computes from them does not depend on the split", stacklevel=3)
     if watch.unsafe:
         calls = ", ".join(sorted(set(watch.unsafe)))
         raise SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {calls} "
@@ -174,10 +274,4 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
                         f"they give on the whole volume. Supported there: elementwise arithmetic and "
                         f"activations, torch.cat along channels; use a layer instead (nn.Flatten, "
                         f"nn.Upsample, nn.AdaptiveAvgPool3d), or make the forward traceable by torch.fx")
-    sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
-    return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
-                                activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
-                                rank_share=rank_share(m, r.input_shape, r.output_shape, r.local_output_shape,
-                                                      r.split),
-                                transpose_bytes=transpose_bytes(m, r.input_shape, r.split, micro))
-            for r, f, m in zip(records, sums, modules, strict=True)]
+    return records, modules, watch

@@ -112,6 +112,18 @@ class _Untraced(nn.Module):
         return x
 
 
+def DynUNetInstance() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    """MONAI's DynUNet with InstanceNorm3d(affine=False) and its LeakyReLU(inplace=True) blocks."""
+    from monai.networks.nets import DynUNet
+
+    model = DynUNet(3, 1, 1, kernel_size=[3, 3, 3], strides=[1, 2, 2], upsample_kernel_size=[2, 2],
+                    norm_name="instance", filters=[2, 3, 4])
+    norms = [m for m in model.modules() if isinstance(m, nn.InstanceNorm3d)]
+    assert norms and not any(m.affine for m in norms)
+    assert any(isinstance(m, nn.LeakyReLU) and m.inplace for m in model.modules())
+    return model
+
+
 def SwappedConvSENet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return _Untraced(ConvSENet())
 
@@ -170,11 +182,11 @@ CASES = [
     (2, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S2, ODD),
     (2, "norms under in-place activations by module swapping", "SwappedNormInplaceNet", S2, ODD),
     (2, "pixel shuffle and unshuffle, even split", "ShuffleNet", S2, (2, 1, 6, 5, 3)),
+    (2, "MONAI DynUNet, instance norms without affine", "DynUNetInstance", S2, (2, 1, 8, 8, 4)),
     (2, "pixel shuffle and unshuffle, uneven split (gathered)", "ShuffleNet", S2, (2, 1, 5, 4, 3)),
     (4, "norms without affine under in-place activations", "NormInplaceNet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of 1^3 convs, gate * x", "ConvSENet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S4, (2, 1, 7, 5, 4)),
-    (4, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S4, (2, 1, 7, 5, 4)),
     (4, "pixel shuffle and unshuffle, even split", "ShuffleNet", S4, (2, 1, 4, 6, 3)),
 ]
 

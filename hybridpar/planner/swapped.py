@@ -68,8 +68,9 @@ class LayoutWatch(TorchFunctionMode):
     seen by hooks (:meth:`hook`): a registered layer on a replicated input runs whole on it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, splits: bool = True) -> None:
         super().__init__()
+        self.splits = splits  # False: a grid that splits nothing (every layer runs whole)
         self.depth = 0
         self.split = WeakIdKeyDictionary()
         self.replicated = WeakIdKeyDictionary()
@@ -88,7 +89,8 @@ class LayoutWatch(TorchFunctionMode):
         """Whether layer ``m`` runs split on ``x``: registered as splittable, on a volume that is not
         replicated (the model input, before any layer, is split like its first reader)."""
         entry = registry.lookup(m)
-        return x.dim() == 5 and entry is not None and entry.splittable and x not in self.replicated
+        return self.splits and x.dim() == 5 and entry is not None and entry.splittable \
+            and x not in self.replicated
 
     def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
         """Mark layer ``m``'s output: split where it ran split (replicated after a whole-volume
@@ -208,7 +210,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
-    watch = LayoutWatch()
+    watch = LayoutWatch(split != REPLICATED)
     split_so_far = [False]
     calls: dict[str, int] = {}
 

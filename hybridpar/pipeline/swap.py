@@ -7,6 +7,11 @@ swapped in place for its split counterpart (a copy of the model, weights loaded)
 under the grid's split, and the model's own forward runs on this rank's shard. A ``Flatten`` gathers
 its split input first (the dense head then runs replicated, as after a planned gather).
 
+A layer whose input is replicated (what a whole-volume pooling and the layers after it compute: a
+squeeze-and-excitation gate) runs whole on it; where the forward multiplies such a gate into split
+features, the layouts are followed at run time (:func:`follow_gates`) so that the gate's gradient is
+the sum of every shard's part.
+
 What it cannot do: cut the model into pipeline stages (that needs the data flow), or let one layer run
 under another split. Python code that reads a split tensor's spatial shape sees the shard's (the plan
 warns where the forward reads one: :func:`hybridpar.planner.swapped.swapped_plan`).

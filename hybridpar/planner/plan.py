@@ -12,8 +12,11 @@ Split rules, in order: a layer rule (its exact name, else the first matching glo
 resampling layers (conv, pool, upsample) take the grid's spatial split; pointwise layers and
 elementwise functions (norms, activations, ``+``, ``torch.cat`` along channels) keep the split of the
 activation they receive, so they never add a redistribute; whole-volume reductions (global pooling)
-run on their input's split and return a replicated output; everything else (Flatten, Linear) runs
-replicated, after a gather.
+run on their input's split and return a replicated output; a chain of ``view``/``permute``/``reshape``
+between channels and space (a 3D pixel shuffle) keeps its input's split where every rank's box maps to
+its own output box (:mod:`hybridpar.planner.space_maps`); everything else (Flatten, Linear) runs
+replicated, after a gather. An elementwise node is laid out by the input of its output's extents, so
+that a gate pooled to one voxel (replicated) broadcasts into split features from either side.
 A gather inside a split region (a replicated node whose output is split again later) is what a
 layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
 the engine and marked by ``explain``. An unregistered module on a split input is an error.

@@ -11,12 +11,13 @@ and the graph runner (:mod:`hybridpar.pipeline.stage_graph`) runs it with the lo
 The arithmetic: every dim of a value is a row-major list of *atoms*, ``(source, stride, size)``: the
 digit of stride ``stride`` and ``size`` values in the index of input dim ``source`` (``"n"``, ``"c"``,
 or a spatial axis 0-2). The input's dims are one atom each; a ``view`` regroups the atoms in order
-(splitting one where a new dim ends inside it), a ``permute`` reorders dims. A chain keeps every shard
-local when its output's dim 2 + k starts with the outermost atom of spatial axis k and everything
-else there and in the channel dim comes from channels or from axes' inner digits (the batch dim stays
-the batch). Then the input box [a, b) of axis k (a and b multiples of the outermost atom's stride s)
-becomes the output box [a / s · R, b / s · R), R = the output extent per outer digit; the plan uses
-the chain only where that box is the one the output's split assigns the rank (``fits``).
+(splitting one where a new dim ends inside it; a chain where that is impossible is not followed), a
+``permute`` reorders dims. Where the output's dim 2 + k starts with the outermost atom of spatial
+axis k, the input box [a, b) of axis k (a and b multiples of that atom's stride s) becomes the output
+box [a / s · R, b / s · R), R = the output extent per outer digit; every other atom is a channel or an
+inner digit, which a shard holds whole. An axis whose outermost atom lands elsewhere (a transpose of
+two axes) can only run unsplit, and the batch must stay the batch. The plan uses a chain only where
+every rank's box is the one the output's split assigns it (:meth:`SpaceMap.fits`).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
     shapes = []
     for n in graph.nodes:
         out = values[n.name]
-        first = _lead_input([values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)], out)
+        tensors = [values[i] for i in n.inputs if isinstance(values.get(i), torch.Tensor)]
+        first = tensors[0] if n.op == "module" and tensors else _lead_input(tensors, out)
         if isinstance(out, torch.Tensor):
             shapes.append((tuple(first.shape) if first is not None else tuple(out.shape), tuple(out.shape)))
             continue
@@ -79,9 +80,9 @@ def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
 
 
 def _lead_input(inputs: list[torch.Tensor], out: object) -> torch.Tensor | None:
-    """The input a node's work is laid out by: the first of the output's shape, else the first of its
-    spatial extents, else the first. A gate broadcast into features (``gate * x``, the gate pooled to
-    one voxel) is laid out by the features, whichever operand comes first."""
+    """The input a function's work is laid out by: the first of the output's shape, else the first of
+    its spatial extents, else the first. A gate broadcast into features (``gate * x``, the gate pooled
+    to one voxel) is laid out by the features, whichever operand comes first."""
     if not isinstance(out, torch.Tensor):
         return inputs[0] if inputs else None
     same = [t for t in inputs if t.shape == out.shape]

@@ -198,9 +198,13 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
 
     input_split = input_split or REPLICATED
     local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
+    local_in = [local_shape(shapes[i][0], micro, splits[i]) for i in range(len(nodes))]
     for i, n in enumerate(nodes):  # a reshape chain's values hold the shard's voxels in other dims
-        if n.name in a.space_maps and chain_split.get(a.space_maps[n.name].nodes[0]):
-            local_out[i] = a.space_maps[n.name].loaded_shape(n.name, micro, splits[i])
+        sm = a.space_maps.get(n.name)
+        if sm is not None and chain_split.get(sm.nodes[0]):
+            local_out[i] = sm.loaded_shape(n.name, micro, splits[i])
+            k = sm.nodes.index(n.name)
+            local_in[i] = sm.loaded_shape(sm.nodes[k - 1], micro, splits[i]) if k else local_in[i]
     act = [0 if n.name in a.graph.values or n.name == OUTPUT else BYTES_PER_ELEMENT * math.prod(lo)
            for n, lo in zip(nodes, local_out, strict=True)]  # values and the outputs' structure hold none
     shares = [rank_share(n.module, shapes[i][0], shapes[i][1], local_out[i], splits[i])
@@ -239,7 +243,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],
         rule=rule_of[node.name].pattern if node.name in rule_of else None,
         input_shape=shapes[i][0], output_shape=shapes[i][1],
-        local_input_shape=local_shape(shapes[i][0], micro, splits[i]), local_output_shape=local_out[i],
+        local_input_shape=local_in[i], local_output_shape=local_out[i],
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],

@@ -280,3 +280,23 @@ def test_reshapes_that_mix_axes_keep_them_whole():
                         (lambda h: h.reshape(h.shape[0], h.shape[1], -1, 1, 1), [True, False, False])):
         maps = analyse(_Reshaping(write), (2, 1, 4, 4, 4)).space_maps
         assert [next(iter(maps.values())).fits(s) for s in splits] == fits
+
+
+class MeanSENet(ConvSENet):
+    """A gate squeezed by ``x.mean((2, 3, 4), keepdim=True)`` instead of a pooling layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        return self.out(self.fc(h.mean((2, 3, 4), keepdim=True)) * h)
+
+
+def test_a_mean_squeeze_by_module_swapping_is_named():
+    """By module swapping, a squeeze written as ``mean`` over a split volume is refused naming the
+    call (not the 1³ layer after it); traced, it is gathered, and flagged as a gather."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict(S2)
+    with pytest.raises(hp.SpecError, match=r"its forward calls mean on split activations.*AdaptiveAvgPool3d"):
+        spec.plan(_Untraced(MeanSENet()), (2, 1, 7, 6, 5), 2)
+    rows = {r.name: r for r in spec.plan(MeanSENet(), (2, 1, 7, 6, 5), 2)}
+    assert rows["mean"].gather and rows["mul"].split == (2, 1, 1)

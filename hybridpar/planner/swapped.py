@@ -239,6 +239,12 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
         if runs_split and not records:
             watch.mark(x)  # the model input is sharded like its first reader
         watch.after_layer(m, x, out, runs_split)
+        try:
+            halo = node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), s)
+        except SpecError:  # on what a function unsafe on shards computed (x.mean(...)): that is the error
+            if watch.unsafe:
+                raise _unsafe(model, watch) from None
+            raise
         calls[names[m]] = calls.get(names[m], -1) + 1  # the k-th further call is "name#k", as in a graph
         modules.append(m)
         records.append(LayerPlan(
@@ -246,7 +252,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
             output_shape=tuple(out.shape), local_input_shape=local_shape(tuple(x.shape), micro, s),
             local_output_shape=local_shape(tuple(out.shape), micro, out_split),
-            halo=node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), s),
+            halo=halo,
             params=sum(p.numel() for p in m.parameters()), flops=0, activation_bytes=0, redistribute=False,
             inputs=(records[-1].name,) if records else ("(input)",), out_split=out_split))
 
@@ -270,10 +276,14 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
     if not records:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
     if watch.unsafe:
-        calls = ", ".join(sorted(set(watch.unsafe)))
-        raise SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {calls} "
-                        f"on split activations outside any layer; on a shard these would not give what "
-                        f"they give on the whole volume. Supported there: elementwise arithmetic and "
-                        f"activations, torch.cat along channels; use a layer instead (nn.Flatten, "
-                        f"nn.Upsample, nn.AdaptiveAvgPool3d), or make the forward traceable by torch.fx")
+        raise _unsafe(model, watch)
     return records, modules, watch
+
+
+def _unsafe(model: nn.Module, watch: LayoutWatch) -> SpecError:
+    calls = ", ".join(sorted(set(watch.unsafe)))
+    return SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {calls} "
+                     f"on split activations outside any layer; on a shard these would not give what "
+                     f"they give on the whole volume. Supported there: elementwise arithmetic and "
+                     f"activations, torch.cat along channels; use a layer instead (nn.Flatten, "
+                     f"nn.Upsample, nn.AdaptiveAvgPool3d), or make the forward traceable by torch.fx")

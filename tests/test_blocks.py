@@ -5,8 +5,8 @@
 * a squeeze-and-excitation gate, pooled to one voxel and replicated, multiplied into split features
   (``gate * x`` as well as ``x * gate``), traced and by module swapping;
 * a 3D pixel shuffle and unshuffle written with ``view``/``permute``/``reshape``: each shard reshaped
-  on its rank (no gather) where the split is even along the split axes, replicated after a gather
-  where it is not.
+  on its rank (no gather) where the split is even along the split axes, traced and by module
+  swapping; traced, replicated after a gather where it is not (refused by module swapping).
 
 Each case: float64, one training step (forward and backward) against the same model in one process,
 on 2 ranks (2, 1, 1) and 4 ranks (2, 2, 1): the loss, the forward output and every parameter's gradient.
@@ -132,6 +132,10 @@ def SwappedLinearSENet() -> nn.Module:  # noqa: N802
     return _Untraced(LinearSENet())
 
 
+def SwappedShuffleNet() -> nn.Module:  # noqa: N802
+    return _Untraced(ShuffleNet())
+
+
 def SwappedNormInplaceNet() -> nn.Module:  # noqa: N802
     return _Untraced(NormInplaceNet())
 
@@ -187,10 +191,12 @@ CASES = [
     (2, "pixel shuffle and unshuffle, even split", "ShuffleNet", S2, (2, 1, 6, 5, 3)),
     (2, "MONAI DynUNet, instance norms without affine", "DynUNetInstance", S2, (2, 1, 8, 8, 4)),
     (2, "pixel shuffle and unshuffle, uneven split (gathered)", "ShuffleNet", S2, (2, 1, 5, 4, 3)),
+    (2, "pixel shuffle and unshuffle by module swapping", "SwappedShuffleNet", S2, (2, 1, 6, 5, 3)),
     (4, "norms without affine under in-place activations", "NormInplaceNet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of 1^3 convs, gate * x", "ConvSENet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S4, (2, 1, 7, 5, 4)),
     (4, "pixel shuffle and unshuffle, even split", "ShuffleNet", S4, (2, 1, 4, 6, 3)),
+    (4, "pixel shuffle and unshuffle by module swapping", "SwappedShuffleNet", S4, (2, 1, 4, 6, 3)),
     (4, "pixel shuffle, its output across a pipeline cut", "ShuffleNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["stem", "mid"]}},
      (2, 1, 6, 5, 3)),
@@ -227,6 +233,18 @@ def test_shuffle_plans_split_where_even_and_gathers_where_not():
     assert rows["permute_1"].local_output_shape == (2, 2, 2, 2, 2, 3, 5, 3)  # unshuffled: 6 / 2 planes
     rows = {r.name: r for r in hp.ParallelSpec.from_dict(S2).plan(ShuffleNet(), (2, 1, 5, 4, 3), 2)}
     assert rows["view"].gather and rows["view"].split == (1, 1, 1)  # 3 + 2 planes: 6 + 4 is not 5 + 5
+
+
+def test_a_shuffle_by_module_swapping_is_refused_where_shards_would_mix():
+    """Run by module swapping, the forward reshapes each shard by the extents it reads: where the
+    split is uneven (5 planes over 2) that is not the output's split, and the plan refuses it."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict(S2)
+    with pytest.warns(UserWarning, match="reads the spatial extents"):
+        assert [r.split for r in spec.plan(SwappedShuffleNet(), (2, 1, 6, 5, 3), 2)] == [(2, 1, 1)] * 3
+    with pytest.raises(hp.SpecError, match=r"calls reshape \(a reshape whose shards do not map onto"):
+        spec.plan(SwappedShuffleNet(), (2, 1, 5, 4, 3), 2)
 
 
 def test_a_stage_cut_inside_a_shuffle_is_refused():

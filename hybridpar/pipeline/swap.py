@@ -43,8 +43,8 @@ class _Gates(LayoutWatch):
     """The forward's layouts followed at run time: a replicated gate read by a split computation
     goes in through :func:`replicated_into_shards`, so that its gradient is the sum of the shards'."""
 
-    def __init__(self, group) -> None:
-        super().__init__()
+    def __init__(self, split: tuple[int, int, int], group) -> None:
+        super().__init__(split)
         self.group = group
 
     def into_shards(self, t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def follow_gates(swapped: nn.Module, grid: ProcessGrid) -> None:
     """Make ``swapped`` (:func:`swap`'s) follow its forward's layouts under ``grid``'s split where it
     multiplies a replicated gate into split features (the plan found such calls:
     :func:`hybridpar.planner.swapped.swapped_gates`); only then, since following costs every call."""
-    watch = _Gates(grid.spatial_group if grid.spatial_size > 1 else None)
+    watch = _Gates(grid.spatial_shape, grid.spatial_group if grid.spatial_size > 1 else None)
     watch.hook([m for _, m in leaves(swapped)])
 
     def start(m: nn.Module, args: tuple) -> None:

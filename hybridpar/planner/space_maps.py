@@ -6,7 +6,9 @@ rank holding a box of the input can compute the box of the output scaled by r, w
 gather. Which chains of reshapes are of that kind is pure index arithmetic on the traced global
 shapes, done here; the planner (:mod:`hybridpar.planner.plan`) gives such a chain its input's split
 and the graph runner (:mod:`hybridpar.pipeline.stage_graph`) runs it with the local shapes
-:meth:`SpaceMap.local_shape` gives.
+:meth:`SpaceMap.local_shape` gives. Run by module swapping, the forward reshapes each shard by the
+extents it reads from it; the plan's watch (:class:`hybridpar.planner.swapped.LayoutWatch`) follows
+the same steps (:func:`step`, :func:`close`) to accept only what :meth:`SpaceMap.fits`.
 
 The arithmetic: every dim of a value is a row-major list of *atoms*, ``(source, stride, size)``: the
 digit of stride ``stride`` and ``size`` values in the index of input dim ``source`` (``"n"``, ``"c"``,
@@ -37,15 +39,15 @@ Atom = tuple[str | int, int, int]  # (source dim: "n", "c" or spatial axis 0-2, 
 Dims = tuple[tuple[Atom, ...], ...]
 
 RESHAPES = ("view", "reshape", torch.reshape)
-PERMUTES = ("permute", torch.permute, "transpose", torch.transpose, "swapaxes")
+PERMUTES = ("permute", torch.permute, "transpose", torch.transpose, "swapaxes", torch.swapaxes)
 IDENTITIES = ("contiguous",)
 
 
-class _NotLocal(Exception):
+class NotLocal(Exception):
     """The chain mixes data of different shards (or is not a reshape chain this module follows)."""
 
 
-def _source_dims(shape: Sequence[int]) -> Dims:
+def source_dims(shape: Sequence[int]) -> Dims:
     names: list[str | int] = ["n", "c", 0, 1, 2]
     return tuple(((names[d], 1, s),) if s > 1 else () for d, s in enumerate(shape))
 
@@ -58,7 +60,7 @@ def _regroup(dims: Dims, target: Sequence[int]) -> Dims:
         group, rem = [], t
         while rem > 1:
             if not queue:
-                raise _NotLocal
+                raise NotLocal
             src, stride, size = queue.popleft()
             if size <= rem and rem % size == 0:
                 group.append((src, stride, size))
@@ -69,32 +71,40 @@ def _regroup(dims: Dims, target: Sequence[int]) -> Dims:
                 queue.appendleft((src, stride, inner))
                 rem = 1
             else:
-                raise _NotLocal
+                raise NotLocal
         out.append(tuple(group))
     if queue:
-        raise _NotLocal
+        raise NotLocal
     return tuple(out)
 
 
 def _ints(args: Sequence[Any]) -> list[int]:
     flat = list(args[0]) if len(args) == 1 and isinstance(args[0], list | tuple) else list(args)
     if not all(isinstance(a, int) for a in flat):
-        raise _NotLocal
+        raise NotLocal
     return flat
 
 
-def _permuted(node: Node, dims: Dims) -> Dims:
-    args = node.fx_node.args[1:]
+STEPS = ("view", "reshape", "permute", "transpose", "swapaxes", "contiguous")  # by name, as called
+
+
+def step(name: str, rest: Sequence[Any], kwargs: dict, dims: Dims, out_shape: Sequence[int]) -> Dims:
+    """The atoms after ``name`` (one of :data:`STEPS`) with arguments ``rest`` (after the tensor)
+    turned ``dims`` into a value of ``out_shape``."""
     n = len(dims)
-    if node.target in ("permute", torch.permute):
-        order = [d % n for d in _ints(node.fx_node.kwargs.get("dims", args))]
+    if name in ("view", "reshape"):
+        return _regroup(dims, tuple(out_shape))
+    if name == "permute":
+        order = [d % n for d in _ints(kwargs.get("dims", rest))]
         if sorted(order) != list(range(n)):
-            raise _NotLocal
+            raise NotLocal
         return tuple(dims[d] for d in order)
-    a, b = (d % n for d in _ints(args[:2]))
-    out = list(dims)
-    out[a], out[b] = out[b], out[a]
-    return tuple(out)
+    if name in ("transpose", "swapaxes"):
+        a, b = (d % n for d in _ints(rest[:2]))
+        out = list(dims)
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+    return dims
 
 
 @dataclass(frozen=True)
@@ -144,19 +154,24 @@ class SpaceMap:
 
 
 def _follow(graph: ModelGraph, values: dict[str, Any], chain: list[Node]) -> SpaceMap:
-    """The map of ``chain`` (its first node reads a 5-D volume, its last returns one), or _NotLocal."""
+    """The map of ``chain`` (its first node reads a 5-D volume, its last returns one), or NotLocal."""
     source = next(i for i in chain[0].inputs if i not in graph.values)  # its one tensor input
     in_shape = tuple(values[source].shape)
-    dims, all_dims = _source_dims(in_shape), {}
+    dims, all_dims = source_dims(in_shape), {}
     for node in chain:
-        if node.target in RESHAPES:
-            dims = _regroup(dims, tuple(values[node.name].shape))
-        elif node.target in PERMUTES:
-            dims = _permuted(node, dims)
+        name = node.target if isinstance(node.target, str) else node.target.__name__
+        dims = step(name, node.fx_node.args[1:], dict(node.fx_node.kwargs), dims, values[node.name].shape)
         all_dims[node.name] = dims
-    out_shape = tuple(values[chain[-1].name].shape)
-    if dims[0] != _source_dims(in_shape)[0] or any(a[0] == "n" for d in dims[1:] for a in d):
-        raise _NotLocal  # the batch must stay the batch
+    return close(source, all_dims, in_shape, tuple(values[chain[-1].name].shape))
+
+
+def close(source: str, all_dims: dict[str, Dims], in_shape: tuple[int, ...],
+          out_shape: tuple[int, ...]) -> SpaceMap:
+    """The map of a chain from ``source`` (``in_shape``) whose steps made ``all_dims`` (in order, the
+    last of ``out_shape``), or NotLocal where the batch does not stay the batch."""
+    dims = list(all_dims.values())[-1]
+    if dims[0] != source_dims(in_shape)[0] or any(a[0] == "n" for d in dims[1:] for a in d):
+        raise NotLocal  # the batch must stay the batch
     strides, aligns = [], []
     for k in range(3):
         g = in_shape[2 + k]
@@ -168,8 +183,7 @@ def _follow(graph: ModelGraph, values: dict[str, Any], chain: list[Node]) -> Spa
         seen = [a[1] for node_dims in all_dims.values() for d in node_dims for a in d
                 if a[0] == k and a[1] * a[2] == g]
         aligns.append(math.lcm(*seen, strides[-1]))
-    return SpaceMap(source, tuple(n.name for n in chain), all_dims, in_shape, out_shape, tuple(strides),
-                    tuple(aligns))
+    return SpaceMap(source, tuple(all_dims), all_dims, in_shape, out_shape, tuple(strides), tuple(aligns))
 
 
 def find_space_maps(graph: ModelGraph, values: dict[str, Any]) -> dict[str, SpaceMap]:
@@ -201,7 +215,7 @@ def find_space_maps(graph: ModelGraph, values: dict[str, Any]) -> dict[str, Spac
             continue
         try:
             space_map = _follow(graph, values, chain)
-        except _NotLocal:
+        except NotLocal:
             continue
         found.update({c.name: space_map for c in chain})
     return found

@@ -24,6 +24,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
+from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
 
@@ -64,16 +65,20 @@ class LayoutWatch(TorchFunctionMode):
     it computes on the whole volume: noted in ``unsafe``. An elementwise one that broadcasts a
     replicated tensor constant in space into a split one (a squeeze-and-excitation gate) is a
     ``gate``: each shard's part of the replicated operand's gradient must be summed over the shards,
-    which :meth:`into_shards` arranges (the plan's watch leaves the operand as it is). Layers are
-    seen by hooks (:meth:`hook`): a registered layer on a replicated input runs whole on it.
+    which :meth:`into_shards` arranges (the plan's watch leaves the operand as it is). Reshapes of a
+    split volume back into a volume (a pixel shuffle) are split where every shard maps onto its own
+    output shard. Layers are seen by hooks (:meth:`hook`): a registered layer on a replicated input
+    runs whole on it.
     """
 
-    def __init__(self, splits: bool = True) -> None:
+    def __init__(self, split: Split) -> None:
         super().__init__()
-        self.splits = splits  # False: a grid that splits nothing (every layer runs whole)
+        self.grid_split = split
+        self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.depth = 0
         self.split = WeakIdKeyDictionary()
         self.replicated = WeakIdKeyDictionary()
+        self.chains = WeakIdKeyDictionary()  # a split volume part way through reshapes: their atoms
         self.unsafe: list[str] = []
         self.gates = 0
         self.extents_read = False  # a split activation's spatial extents read outside the layers
@@ -81,6 +86,7 @@ class LayoutWatch(TorchFunctionMode):
     def reset(self) -> None:
         self.depth, self.gates = 0, 0
         self.split, self.replicated = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self.chains = WeakIdKeyDictionary()
 
     def mark(self, t: torch.Tensor, split: bool = True) -> None:
         (self.split if split else self.replicated)[t] = True
@@ -136,6 +142,12 @@ class LayoutWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         self.extents_read = self.extents_read or self._reads_extents(func, args, kwargs)
         tensors = _tensors(args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in STEPS and len(tensors) == 1 and (tensors[0] in self.chains or (
+                tensors[0] in self.split and tensors[0].dim() == 5)):
+            out = func(*args, **kwargs)
+            self._reshaped(name, args, kwargs, tensors[0], out)
+            return out
         split = any(t in self.split for t in tensors)
         replicated = [t for t in tensors if t in self.replicated]
         pointwise = split and self._role(func, args, kwargs, tensors[0]) == "pointwise"
@@ -158,6 +170,26 @@ class LayoutWatch(TorchFunctionMode):
             name = getattr(func, "__name__", str(func)).strip("_")
             self.unsafe.append(f"{name} (on a split and a replicated volume)" if pointwise else name)
         return out
+
+    def _reshaped(self, name: str, args: tuple, kwargs: dict, src: torch.Tensor, out: object) -> None:
+        """Follow a reshape of a split volume (a pixel shuffle: :mod:`hybridpar.planner.space_maps`): a
+        volume again is split where each shard's box maps to its own output box under the grid's
+        split (the forward reshapes the shard by the shard's extents it reads); anything else is
+        unsafe."""
+        if not isinstance(out, torch.Tensor):
+            return
+        start, steps = self.chains.get(src, (tuple(src.shape), {}))
+        try:
+            before = steps[len(steps) - 1] if steps else source_dims(start)
+            steps = {**steps, len(steps): step(name, args[1:], kwargs, before, out.shape)}
+            if out.dim() != 5:
+                self.chains[out] = (start, steps)
+            elif close("", steps, start, tuple(out.shape)).fits(self.grid_split):
+                self.mark(out)
+            else:
+                raise NotLocal
+        except NotLocal:
+            self.unsafe.append(f"{name} (a reshape whose shards do not map onto the output's shards)")
 
     def hook(self, modules: list[nn.Module]) -> list:
         """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's."""
@@ -210,7 +242,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
-    watch = LayoutWatch(split != REPLICATED)
+    watch = LayoutWatch(split)
     split_so_far = [False]
     calls: dict[str, int] = {}
 

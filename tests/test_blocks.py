@@ -209,6 +209,39 @@ def test_block_matches_one_process(pools, world, desc, model, spec, shape):
     pools(world).run(_body, desc, model, spec, shape, timeout=300)
 
 
+def _sizes_body(rank: int, world: int, model: str) -> list[str]:
+    """An engine built at one size predicts others exactly where the shuffles still fit the split."""
+    import hybridpar as hp
+
+    fails, said = Failures(), []
+    torch.manual_seed(0)
+    ref = globals()[model]().double()
+    net = globals()[model]().double()
+    net.load_state_dict(ref.state_dict())
+    engine = hp.parallelize(net, S2, loss_fn=F.mse_loss, input_shape=(2, 1, 6, 5, 3))
+    g = torch.Generator().manual_seed(4)
+    for size in [(8, 4, 5), (5, 4, 3), (6, 5, 3), (4, 7, 2)]:
+        x = torch.randn(2, 1, *size, dtype=torch.float64, generator=g)
+        try:
+            got = engine.predict(engine.shard_batch(x)[0])
+        except ValueError as err:  # 5 planes over 2: the shuffle's boxes no longer scale
+            said.append(str(err))
+            continue
+        with torch.no_grad():
+            fails.check(f"{model} predicts at {size}", got, ref(x))
+    fails.raise_if_any(rank)
+    return said
+
+
+@pytest.mark.parametrize("model", ["ShuffleNet", "SwappedShuffleNet"])
+def test_shuffles_predict_at_other_sizes(pools, model):
+    said = pools(2).run(_sizes_body, model, timeout=300)
+    assert said[0] == said[1] and len(said[0]) == 1, said
+    assert "an input of 5x4x3 voxels" in said[0][0], said
+    assert ("view (view) would run split [1, 1, 1]" if model == "ShuffleNet" else
+            "calls reshape (a reshape whose shards do not map onto") in said[0][0], said
+
+
 # ---------------------------------------------------------------------- without processes
 def test_norm_output_written_in_place_backpropagates():
     """The split norms' Function returns a tensor of its own: an in-place activation on it

@@ -63,6 +63,8 @@ class Stage:
         decisions as the built one (every row in the same split) for the global ``input_shape``:
         the layers then run on inputs of that size, their halo plans memoised per shape. The one
         place a stage's shapes are set, at build and at any other size."""
+        if self.stage_graph is not None:  # first: it may refuse the size, before any shape is set
+            self.stage_graph.bind(plan, input_shape)
         for m, row, end in self.sinks:
             shape = tuple(plan[row].input_shape[2:] if end == "in" else plan[row].output_shape[2:])
             if isinstance(m, SpatialLayer):
@@ -72,8 +74,6 @@ class Stage:
         first, last, out = self.ends
         self.first_layer, self.last_layer, self.output_record = plan[first], plan[last], plan[out]
         self.outputs = outputs
-        if self.stage_graph is not None:
-            self.stage_graph.bind(plan, input_shape)
 
     def outputs_at(self, plan: list[Any], model: nn.Module, input_shape: tuple[int, ...]) -> list[Any]:
         """The rows of the outputs in ``plan`` (for the global ``input_shape``; ``model``: the model, or

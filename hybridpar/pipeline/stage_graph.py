@@ -28,7 +28,7 @@ from hybridpar.nn.layout import Redistribute
 from hybridpar.planner.graph import INPUT, ModelGraph, trace_values
 from hybridpar.planner.plan import broadcasts
 from hybridpar.planner.records import LayerPlan
-from hybridpar.planner.space_maps import RESHAPES, SpaceMap, find_space_maps
+from hybridpar.planner.space_maps import RESHAPES, Form, find_space_maps, form_shape
 from hybridpar.planner.stages import live_across
 
 Split = tuple[int, int, int]
@@ -96,6 +96,8 @@ class StageGraph(nn.Module):
         self.value_split: dict[str, Split] = {INPUT: input_split}
         for r in plan:
             self.value_split[r.name] = r.output_split
+        # reshapes between channels and space that run on the shard: each node's form, its chain's input
+        self.local_reshapes: dict[str, tuple[Form, str]] = {}
         self.bind(plan, input_shape)
         # Calls with their arguments' nodes replaced by names: no reference to the traced graph (and
         # through it to every stage's weights) is kept.
@@ -106,13 +108,11 @@ class StageGraph(nn.Module):
                        fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
         # shape reads of split values answer with global extents (plan role "shape")
         self.shape_reads = {r.name for r in self.records if r.name in graph.values}
-        # reshapes between channels and space that run on the shard: their shapes are the shard's
         maps = find_space_maps(graph, trace_values(graph, tuple(input_shape)))
-        self.local_reshapes: dict[str, tuple[SpaceMap, tuple[int, ...]]] = {}
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.name in maps and rec.split != (1, 1, 1) and node.target in RESHAPES:
-                box = local_box(maps[node.name].in_shape[2:], layout(rec.split))  # type: ignore[arg-type]
-                self.local_reshapes[node.name] = (maps[node.name], tuple(hi - lo for lo, hi in box))
+                self.local_reshapes[node.name] = (maps[node.name].form(node.name), maps[node.name].source)
+        self._bind_reshapes(plan, input_shape)
         self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.op == "module":
@@ -131,10 +131,26 @@ class StageGraph(nn.Module):
     def bind(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...]) -> None:
         """Take every value's global shape from ``plan`` (for a global input of ``input_shape``), a plan
         of the built one's decisions: what the stage receives, sends and reads as shapes follows."""
+        self._bind_reshapes(plan, input_shape)  # first: it may refuse the size
         self.records = list(plan[self.lo:self.hi])
         self.value_shape: dict[str, tuple[int, ...]] = {INPUT: tuple(input_shape)}
         for r in plan:
             self.value_shape[r.name] = tuple(r.output_shape)
+
+    def _bind_reshapes(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...]) -> None:
+        """This rank's extents of every local reshape's chain input at ``plan``'s size; ValueError
+        where a reshape's form (taken at the build size) does not give its shape at this size."""
+        rows = {r.name: r for r in plan}
+        extents: dict[str, tuple[int, ...]] = {}
+        for name, (form, source) in self.local_reshapes.items():
+            shape = tuple(input_shape) if source == INPUT else tuple(rows[source].output_shape)
+            if form_shape(form, shape[0], shape[2:]) != tuple(rows[name].output_shape):
+                raise ValueError(f"{name}: the reshape between channels and space gives "
+                                 f"{list(rows[name].output_shape)} at this size, not what it gave at the "
+                                 f"build size in the same form; build an engine for this size")
+            box = local_box(shape[2:], self.layout(self.value_split[source]))  # type: ignore[arg-type]
+            extents[name] = tuple(hi - lo for lo, hi in box)
+        self.reshape_extents = extents
 
     # ------------------------------------------------------------------ packing
     def local_shape(self, name: str, batch: int) -> tuple[int, ...]:
@@ -202,8 +218,7 @@ class StageGraph(nn.Module):
             elif name in self.stand_ins:
                 out = self.stand_ins[name](args[0])
             elif name in self.local_reshapes:  # the shard's shape, not the global one the forward read
-                space_map, extents = self.local_reshapes[name]
-                shape = space_map.local_shape(name, batch, extents)
+                shape = form_shape(self.local_reshapes[name][0], batch, self.reshape_extents[name])
                 out = getattr(args[0], target)(shape) if op == "method" else target(args[0], shape)
             elif op == "method":
                 out = getattr(args[0], target)(*args[1:], **kwargs)

@@ -107,6 +107,18 @@ def step(name: str, rest: Sequence[Any], kwargs: dict, dims: Dims, out_shape: Se
     return dims
 
 
+# Per dim of a value in a chain: (holds the batch, ((spatial axis, stride), ...) of the outermost
+# digits it holds, the product of its other atoms): its size is the batch (if held) times each axis's
+# extent / stride times the rest, on the whole volume and on a shard alike.
+Form = tuple[tuple[bool, tuple[tuple[int, int], ...], int], ...]
+
+
+def form_shape(form: Form, batch: int, extents: Sequence[int]) -> tuple[int, ...]:
+    """The shape of a value of ``form`` for ``batch`` samples of a volume (or shard) of ``extents``."""
+    return tuple((batch if b else 1) * math.prod(extents[k] // s for k, s in outers) * fixed
+                 for b, outers, fixed in form)
+
+
 @dataclass(frozen=True)
 class SpaceMap:
     """A chain of reshapes from split volume ``source`` (global ``in_shape``) to a volume of global
@@ -135,17 +147,24 @@ class SpaceMap:
                     return False
         return True
 
+    def form(self, node: str) -> Form:
+        """Node ``node``'s output dims in terms that hold at any input size (see :data:`Form`)."""
+        out = []
+        for d in self.dims[node]:
+            batch, outers, fixed = False, [], 1
+            for src, stride, n in d:
+                if src == "n":
+                    batch = True
+                elif isinstance(src, int) and stride * n == self.in_shape[2 + src]:  # the outermost digit
+                    outers.append((src, stride))
+                else:
+                    fixed *= n
+            out.append((batch, tuple(outers), fixed))
+        return tuple(out)
+
     def local_shape(self, node: str, batch: int, extents: Sequence[int]) -> tuple[int, ...]:
         """Node ``node``'s output shape on a rank holding ``extents`` (D, H, W) of the input volume."""
-        def size(atom: Atom) -> int:
-            src, stride, n = atom
-            if src == "n":
-                return batch
-            if isinstance(src, int) and stride * n == self.in_shape[2 + src]:  # the outermost digit
-                return extents[src] // stride
-            return n
-
-        return tuple(math.prod(size(a) for a in d) for d in self.dims[node])
+        return form_shape(self.form(node), batch, extents)
 
     def loaded_shape(self, node: str, batch: int, split: tuple[int, int, int]) -> tuple[int, ...]:
         """Node ``node``'s output shape on the most loaded rank (shard 0) under ``split``."""

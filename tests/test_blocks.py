@@ -99,6 +99,20 @@ class ShuffleNet(nn.Module):
         return self.out(unshuffle3d(torch.tanh(h), 2))
 
 
+class ShuffleSENet(ShuffleNet):
+    """A squeeze-and-excitation gate multiplied into the shuffled (upsampled) features themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Sequential(nn.Conv3d(2, 2, 1), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = shuffle3d(self.stem(x), 2)
+        h = self.mid(h * self.fc(self.pool(h)))
+        return self.out(unshuffle3d(torch.tanh(h), 2))
+
+
 class _Untraced(nn.Module):
     """``inner`` behind a branch torch.fx cannot trace: the model runs by module swapping."""
 
@@ -134,6 +148,10 @@ def SwappedLinearSENet() -> nn.Module:  # noqa: N802
 
 def SwappedShuffleNet() -> nn.Module:  # noqa: N802
     return _Untraced(ShuffleNet())
+
+
+def SwappedShuffleSENet() -> nn.Module:  # noqa: N802
+    return _Untraced(ShuffleSENet())
 
 
 def SwappedNormInplaceNet() -> nn.Module:  # noqa: N802
@@ -192,6 +210,8 @@ CASES = [
     (2, "MONAI DynUNet, instance norms without affine", "DynUNetInstance", S2, (2, 1, 8, 8, 4)),
     (2, "pixel shuffle and unshuffle, uneven split (gathered)", "ShuffleNet", S2, (2, 1, 5, 4, 3)),
     (2, "pixel shuffle and unshuffle by module swapping", "SwappedShuffleNet", S2, (2, 1, 6, 5, 3)),
+    (2, "SE gate on shuffled features, traced", "ShuffleSENet", S2, (2, 1, 6, 5, 3)),
+    (2, "SE gate on shuffled features by module swapping", "SwappedShuffleSENet", S2, (2, 1, 6, 5, 3)),
     (4, "norms without affine under in-place activations", "NormInplaceNet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of 1^3 convs, gate * x", "ConvSENet", S4, (2, 1, 7, 5, 4)),
     (4, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S4, (2, 1, 7, 5, 4)),

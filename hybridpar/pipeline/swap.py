@@ -50,6 +50,15 @@ class _Gates(LayoutWatch):
     def into_shards(self, t: torch.Tensor) -> torch.Tensor:
         return replicated_into_shards(t, self.group)
 
+    def _reshaped(self, name: str, args: tuple, kwargs: dict, src: torch.Tensor, out: object) -> None:
+        """A reshape of a split volume (the plan accepted it on the global shapes; here the shapes are
+        the shard's): a volume again is split."""
+        if isinstance(out, torch.Tensor):
+            if out.dim() == 5:
+                self.mark(out)
+            else:
+                self.chains[out] = ()
+
 
 def follow_gates(swapped: nn.Module, grid: ProcessGrid) -> None:
     """Make ``swapped`` (:func:`swap`'s) follow its forward's layouts under ``grid``'s split where it

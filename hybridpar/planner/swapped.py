@@ -84,7 +84,7 @@ class LayoutWatch(TorchFunctionMode):
         self.extents_read = False  # a split activation's spatial extents read outside the layers
 
     def reset(self) -> None:
-        self.depth, self.gates = 0, 0
+        self.depth, self.gates, self.unsafe = 0, 0, []
         self.split, self.replicated = WeakIdKeyDictionary(), WeakIdKeyDictionary()
         self.chains = WeakIdKeyDictionary()
 

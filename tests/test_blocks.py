@@ -386,3 +386,34 @@ def test_a_mean_squeeze_by_module_swapping_is_named():
         spec.plan(_Untraced(MeanSENet()), (2, 1, 7, 6, 5), 2)
     rows = {r.name: r for r in spec.plan(MeanSENet(), (2, 1, 7, 6, 5), 2)}
     assert rows["mean"].gather and rows["mul"].split == (2, 1, 1)
+
+
+class FlatHeadNet(nn.Module):
+    """A conv, then its split output flattened by ``view`` for a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+        self.head = nn.Linear(2 * 4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return self.head(torch.tanh(h.view(h.shape[0], -1)))
+
+
+def test_a_split_volume_reshaped_part_way_is_refused_by_module_swapping():
+    """By module swapping, a split volume flattened by ``view`` and read by a function or a layer
+    would be the shard's, not the volume's: refused, naming the reader."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict(S2)
+    with pytest.raises(hp.SpecError, match=r"calls tanh \(on a split volume reshaped to 2 dims\)"):
+        spec.plan(_Untraced(FlatHeadNet()), (2, 1, 4, 4, 4), 2)
+
+    class Direct(FlatHeadNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            return self.head(h.view(h.shape[0], -1))
+
+    with pytest.raises(hp.SpecError, match=r"inner.head \(Linear, on a split volume reshaped to 2 dims\)"):
+        spec.plan(_Untraced(Direct()), (2, 1, 4, 4, 4), 2)

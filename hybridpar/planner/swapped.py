@@ -161,6 +161,9 @@ class LayoutWatch(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
+        if any(t in self.chains for t in tensors):  # a reshape of a split volume left part way
+            self.unsafe.append(f"{name} (on a split volume reshaped to {tensors[0].dim()} dims)")
+            return out
         if not split:
             if tensors and len(replicated) == len(tensors):
                 self.mark(out, False)
@@ -260,6 +263,10 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
         if x is None or not isinstance(out, torch.Tensor):
             return
         entry = registry.lookup(m)
+        if x in watch.chains:  # a split volume reshaped part way (x.view(N, -1) before a Linear)
+            watch.unsafe.append(f"{names[m]} ({type(m).__name__}, on a split volume reshaped to "
+                                f"{x.dim()} dims)")
+            raise _unsafe(model, watch)
         if entry is None and x.dim() == 5 and split_so_far[0] and x not in watch.replicated:
             raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "

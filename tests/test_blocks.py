@@ -6,7 +6,9 @@
   (``gate * x`` as well as ``x * gate``), traced and by module swapping;
 * a 3D pixel shuffle and unshuffle written with ``view``/``permute``/``reshape``: each shard reshaped
   on its rank (no gather) where the split is even along the split axes, traced and by module
-  swapping; traced, replicated after a gather where it is not (refused by module swapping).
+  swapping, also at other input sizes and with a gate multiplied into the shuffled features; traced,
+  replicated after a gather where it is not (refused by module swapping, as a split volume reshaped
+  part way and read by anything but a reshape is).
 
 Each case: float64, one training step (forward and backward) against the same model in one process,
 on 2 ranks (2, 1, 1) and 4 ranks (2, 2, 1): the loss, the forward output and every parameter's gradient.

@@ -48,6 +48,7 @@ class NotLocal(Exception):
 
 
 def source_dims(shape: Sequence[int]) -> Dims:
+    """A chain's input (N, C, D, H, W): one atom per dim (none for a dim of 1)."""
     names: list[str | int] = ["n", "c", 0, 1, 2]
     return tuple(((names[d], 1, s),) if s > 1 else () for d, s in enumerate(shape))
 

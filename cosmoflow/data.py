@@ -473,11 +473,7 @@ class CosmoDataset:
         """
         index = self._usable(index)
         raw, y = self.read_raw(index, region)
-        # numpy, not torch: torch's OpenMP pool deadlocks in a forked child once the parent has used
-        # it, and loader workers are forked; numpy's ufuncs run single-threaded and fork-safe.
-        x = np.empty((raw.shape[3], *raw.shape[:3]), dtype=np.float32)
-        np.copyto(x, raw.transpose(3, 0, 1, 2), casting="unsafe")
-        np.log1p(x, out=x)
+        x = log_counts(raw)
         if self.target == "linear":
             y = self.read_linear(index, region)[None]
         return torch.from_numpy(x), torch.from_numpy(y)
@@ -491,6 +487,17 @@ class CosmoDataset:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def log_counts(raw: np.ndarray) -> np.ndarray:
+    """The network's input from stored counts (d, h, w, C) channels last: float32 (C, d, h, w),
+    ``log1p`` of the counts (what every reader of a sample, training or inference, feeds the model)."""
+    # numpy, not torch: torch's OpenMP pool deadlocks in a forked child once the parent has used
+    # it, and loader workers are forked; numpy's ufuncs run single-threaded and fork-safe.
+    x = np.empty((raw.shape[3], *raw.shape[:3]), dtype=np.float32)
+    np.copyto(x, raw.transpose(3, 0, 1, 2), casting="unsafe")
+    np.log1p(x, out=x)
+    return x
 
 
 def open_dataset(paths: PathsLike, sample_size: int | None = None, channels: int = 4, n_outputs: int = 4,

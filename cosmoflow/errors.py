@@ -67,6 +67,14 @@ def check_initial(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], whe
                           f"{'; '.join(parts)}")
 
 
+def check_loadable(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any], where: str) -> None:
+    """As :func:`check_resumable`, for inference: the run's config must build the model ``where`` holds."""
+    parts = _differences(shapes, saved)
+    if parts:
+        raise IncompatibleCheckpoint(f"{where} holds another model than the run's config builds: "
+                                     f"{'; '.join(parts)}")
+
+
 def newest_checkpoint(ckpt: Checkpointer) -> str:
     """"step N in DIR" for the newest complete checkpoint (waiting for a save in flight), or none."""
     try:

@@ -1,0 +1,160 @@
+"""``hybridpar.infer``: a fully convolutional model on whole volumes, file to file, kept split.
+
+Why: the engine exists for volumes too large for one device, and inference on them is where a user
+feels it. Tiling a volume (MONAI's ``sliding_window_inference``) leaves seams wherever a window's
+normalisation or strided layers see another context than the whole volume's, never wraps around a
+periodic box, and holds the whole output on one device. Run split, each rank reads only the input
+its first layer needs, the halos make the result the one-process result (circular padding wraps
+around the box's faces), and each rank writes only its shard of the output: no rank ever holds a
+whole volume.
+
+A reader and a writer are anything indexed as numpy arrays of shape (N, C, D, H, W): an
+``h5py.Dataset`` (open the file with the MPI driver, or one file per rank and a virtual dataset, as
+``python -m cosmoflow.infer`` does), a ``numpy.memmap``, a zarr array. :func:`infer` reads
+``reader[n, :, d0:d1, h0:h1, w0:w1]`` (the rank's hyperslab) and assigns
+``writer[n, :, d0:d1, h0:h1, w0:w1]`` (the shard it computed), each distinct shard once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.comm.redistribute import local_box
+from hybridpar.grid import ProcessGrid
+from hybridpar.pipeline.engine import Engine, parallelize
+from hybridpar.planner import ParallelSpec
+
+Box = tuple[tuple[int, int], ...]
+"""Global (lo, hi) voxel ranges along D, H, W."""
+
+
+class VolumeReader(Protocol):
+    """Volumes (N, C, D, H, W) read by numpy-style basic indexing."""
+
+    shape: Sequence[int]
+
+    def __getitem__(self, index: tuple) -> Any: ...
+
+
+class VolumeWriter(Protocol):
+    """Volumes (N, C', D, H, W) written by numpy-style basic indexing."""
+
+    shape: Sequence[int]
+
+    def __setitem__(self, index: tuple, value: np.ndarray) -> None: ...
+
+
+def hyperslab(n: int, box: Box) -> tuple:
+    """The index of volume ``n``'s ``box`` (all channels) in an (N, C, D, H, W) array."""
+    return (n, slice(None), *(slice(lo, hi) for lo, hi in box))
+
+
+def output_grid(engine: Engine) -> ProcessGrid:
+    """The layout of the engine's volume output (the last stage's split)."""
+    return engine.grid.with_spatial(engine.output_split)
+
+
+def output_shape(engine: Engine) -> tuple[int, ...]:
+    """The global (N, C', D, H, W) the engine's model returns for its build shape."""
+    return tuple(engine.stage.lead_output.output_shape)
+
+
+def predict_shard(engine: Engine, x_local: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the engine's volume output for ``x_local`` (laid out by
+    :func:`output_grid`), never the whole volume.
+
+    With one pipeline stage the stage's layers are run directly: their output is the split volume
+    (``engine.predict`` would gather it whole onto every rank). A pipeline's outputs come back
+    whole from ``predict`` and the shard is cut from them.
+    """
+    if engine.grid.pipe == 1:
+        with torch.no_grad():
+            return engine._forward(engine._placed(x_local))
+    y = engine.predict(x_local)
+    box = local_box(tuple(y.shape[2:]), output_grid(engine))
+    return y[(Ellipsis, *(slice(lo, hi) for lo, hi in box))].contiguous()
+
+
+def writer_boxes(engine: Engine, volume: tuple[int, int, int]) -> dict[int, Box]:
+    """Which rank writes which box of the output: of the ranks of the last stage holding the same box
+    (a replicated or partly replicated output), the lowest writes it. Every rank gets the same map."""
+    box = local_box(volume, output_grid(engine)) if engine.last_stage else None
+    every: list[Any] = [box]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, box)
+    owners: dict[Box, int] = {}
+    for rank, b in enumerate(every):
+        if b is not None:
+            owners.setdefault(tuple(map(tuple, b)), rank)
+    return {rank: b for b, rank in owners.items()}
+
+
+def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: VolumeWriter, *,
+          spec: ParallelSpec | dict | None = None, dtype: torch.dtype = torch.float32,
+          device: torch.device | str | None = None,
+          each: Callable[[int, torch.Tensor], None] | None = None,
+          progress: Callable[[int, int, float], None] | None = None) -> Engine:
+    """Run a fully convolutional model over every volume of ``reader``, writing ``writer``, split.
+
+    ``engine_or_model``: an :class:`Engine` built for one volume of the reader's shape
+    (``hp.parallelize(model, spec, input_shape=(1, C, D, H, W))``), or a model, parallelized here by
+    ``spec`` (default: the world split along D). Volumes go to the data-parallel replicas in turn,
+    one at a time. On every rank of the last stage, ``each(n, y_local)`` receives the shard of volume
+    ``n`` before it is written (to score it, say: a collective over :func:`output_grid` is fine), and
+    on every rank ``progress(n, N, seconds)`` follows each volume. Every rank must call this. Returns
+    the engine, in eval mode.
+    """
+    n_vol, channels, *volume = (int(s) for s in reader.shape)
+    if len(volume) != 3:
+        raise ValueError(f"hybridpar.infer: the reader's volumes are (N, C, D, H, W); got shape "
+                         f"{tuple(reader.shape)}")
+    build = (1, channels, *volume)
+    if isinstance(engine_or_model, Engine):
+        engine = engine_or_model
+        if engine.built and tuple(engine.input_shape[1:]) != build[1:]:
+            raise ValueError(f"hybridpar.infer: the engine was built for volumes of "
+                             f"{tuple(engine.input_shape[1:])} (C, D, H, W), the reader holds {build[1:]}; "
+                             f"build it with input_shape={build}")
+        if not engine.built:
+            engine._build(build)
+    else:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        engine = parallelize(engine_or_model, spec or {"grid": {"spatial": [world, 1, 1]}}, input_shape=build)
+    engine.eval()
+    out = output_shape(engine)
+    if len(out) != 5 or tuple(out[2:]) != tuple(volume):
+        raise ValueError(f"hybridpar.infer: the model maps {build} to {out}; whole-box inference needs a "
+                         f"fully convolutional model whose output has the input's extent")
+    want = (n_vol, *out[1:])
+    if tuple(writer.shape) != want:
+        raise ValueError(f"hybridpar.infer: the writer holds {tuple(writer.shape)}; the model writes {want}")
+    owners = writer_boxes(engine, tuple(volume))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    in_box = local_box(tuple(volume), engine.input_grid)
+    grid = engine.grid
+    for n in range(grid.data_index, n_vol, grid.data):
+        t0 = time.perf_counter()
+        if engine.first_stage:
+            x = np.asarray(reader[hyperslab(n, in_box)])
+            x_local = torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype)[None]
+        else:  # later stages receive their input from the previous stage; predict reads only the batch
+            x_local = torch.empty((1, 0), dtype=dtype)
+        if device is not None:
+            x_local = x_local.to(device)
+        y = predict_shard(engine, x_local)
+        if engine.last_stage:
+            if each is not None:
+                each(n, y)
+            if rank in owners:
+                writer[hyperslab(n, owners[rank])] = y[0].detach().cpu().numpy()
+        if progress is not None:
+            progress(n, n_vol, time.perf_counter() - t0)
+    return engine

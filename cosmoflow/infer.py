@@ -16,9 +16,10 @@ several (N, D, H, W, C) (dataset ``full`` unless named), of which the run's firs
 channels are read and fed as ``log1p``, as in training. The output is a new file holding the dataset
 (default ``prediction``) of shape (N, 1, D, H, W), float32. It is written under a temporary name and
 renamed when complete. With h5py built for MPI and ranks started by mpirun or srun, all ranks write one
-file with the MPI driver; otherwise (or with ``HYBRIDPAR_INFER_WRITER=files``) each rank writes its
+file with the MPI driver; otherwise (or with ``HYBRIDPAR_HDF5_WRITER=files``) each rank writes its
 shard into ``OUT.rankNNNN.h5`` beside the output and rank 0 writes the output as an HDF5 virtual
-dataset of them: a reader sees one dataset either way (keep the rank files beside it).
+dataset of them (:class:`hybridpar.data.split_hdf5.SplitHdf5`): a reader sees one dataset either way
+(keep the rank files beside it).
 
 ``--truth`` (dataset ``linear`` unless named; (D, H, W) or (N, D, H, W)) scores each box against
 the true initial field: r(k) and the transfer function T(k) = sqrt(P_pred / P_truth) per shell of
@@ -31,12 +32,9 @@ another model, an output that exists without ``--overwrite``) is one line, exit 
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
@@ -53,12 +51,9 @@ from cosmoflow.validate import DataError, count_problem
 from hybridpar.checkpoint import Checkpointer
 from hybridpar.comm.redistribute import local_box
 from hybridpar.data.hdf5 import check_datasets
-from hybridpar.inference import Box, output_grid, output_shape, writer_boxes
+from hybridpar.data.split_hdf5 import SplitHdf5
+from hybridpar.inference import output_grid, output_shape
 from hybridpar.process import failure
-from hybridpar.process.launchers import detect_launcher
-
-WRITER_ENV = "HYBRIDPAR_INFER_WRITER"
-"""``files`` forces one file per rank and a virtual dataset; ``mpi`` requires h5py's MPI driver."""
 
 
 def split_path(text: str, default: str) -> tuple[Path, str]:
@@ -151,123 +146,6 @@ class CountsReader:
         return log_counts(raw)
 
 
-class ShardWriter:
-    """One rank's shard of the output (N, C, D, H, W) in a file of its own: written at the shard's
-    global index, stored at its local one."""
-
-    def __init__(self, ds: h5py.Dataset, shape: tuple[int, ...], box: Box) -> None:
-        self.ds, self.shape, self.box = ds, shape, box
-
-    def __setitem__(self, index: tuple, value: np.ndarray) -> None:
-        n, _, *sel = index
-        if tuple((s.start, s.stop) for s in sel) != tuple(self.box):
-            raise AssertionError(f"ShardWriter holds {self.box}, was asked to write {sel}")
-        self.ds[n] = value
-
-
-class NoWriter:
-    """A rank that writes nothing (its shard is written by the rank that holds the same box)."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
-
-    def __setitem__(self, index: tuple, value: np.ndarray) -> None:
-        raise AssertionError("a rank that owns no box was asked to write")
-
-
-def writer_mode() -> str:
-    """``mpi`` where h5py has the MPI driver and MPI started the ranks, else ``files``."""
-    forced = os.environ.get(WRITER_ENV, "")
-    if forced not in ("", "files", "mpi"):
-        raise ConfigError(f"{WRITER_ENV}={forced}: expected 'files' or 'mpi'")
-    launched = detect_launcher()
-    by_mpi = launched is not None and launched[0] != "torchrun"
-    has_mpi = bool(h5py.get_config().mpi)
-    if forced == "mpi" and not (has_mpi and by_mpi):
-        raise ConfigError(f"{WRITER_ENV}=mpi: " + ("this h5py has no MPI driver" if not has_mpi else
-                                                   "the ranks were not started by mpirun or srun"))
-    return forced or ("mpi" if has_mpi and by_mpi else "files")
-
-
-def _token() -> str:
-    """A random suffix every rank agrees on (rank 0's)."""
-    box = [secrets.token_hex(4)]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class Output:
-    """The output file: opened under temporary names, renamed into place by :meth:`commit`.
-
-    ``files`` mode: each writing rank's ``OUT.rankNNNN.h5`` and rank 0's virtual dataset over them;
-    ``mpi`` mode: one file written by all ranks with the MPI driver."""
-
-    def __init__(self, path: Path, name: str, shape: tuple[int, ...], owners: dict[int, Box],
-                 mode: str) -> None:
-        self.path, self.name, self.shape, self.owners, self.mode = path, name, shape, owners, mode
-        self.rank = dist.get_rank()
-        tag = _token()
-        self.tmp = path.with_name(f".{path.name}.{tag}.tmp")
-        box = owners.get(self.rank)
-        self.writer: Any = NoWriter(shape)
-        self.file: h5py.File | None = None
-        if mode == "mpi":
-            from mpi4py import MPI  # noqa: PLC0415 (only with an MPI-enabled h5py)
-
-            self.file = h5py.File(self.tmp, "w", driver="mpio", comm=MPI.COMM_WORLD)
-            ds = self.file.create_dataset(name, shape=shape, dtype="float32")
-            if box is not None:
-                self.writer = _Slab(ds, shape)
-        elif box is not None:
-            self.part_tmp = path.with_name(f".{self.part(self.rank)}.{tag}.tmp")
-            self.file = h5py.File(self.part_tmp, "w")
-            local = (*shape[:2], *(hi - lo for lo, hi in box))
-            ds = self.file.create_dataset(name, shape=local, dtype="float32")
-            self.writer = ShardWriter(ds, shape, box)
-
-    def part(self, rank: int) -> str:
-        return f"{self.path.stem}.rank{rank:04d}.h5"
-
-    def commit(self) -> None:
-        """Close, then rename into place: rank files first, the output (virtual or whole) last."""
-        if self.file is not None:
-            self.file.close()
-        dist.barrier()
-        if self.mode == "mpi":
-            if self.rank == 0:
-                os.replace(self.tmp, self.path)
-            dist.barrier()
-            return
-        if self.rank in self.owners:
-            os.replace(self.part_tmp, self.path.with_name(self.part(self.rank)))
-        dist.barrier()
-        if self.rank == 0:
-            layout = h5py.VirtualLayout(shape=self.shape, dtype="float32")
-            for rank, box in sorted(self.owners.items()):
-                local = (*self.shape[:2], *(hi - lo for lo, hi in box))
-                layout[hyperslab_all(box)] = h5py.VirtualSource(self.part(rank), self.name, shape=local)
-            with h5py.File(self.tmp, "w") as f:
-                f.create_virtual_dataset(self.name, layout, fillvalue=np.nan)
-            os.replace(self.tmp, self.path)
-        dist.barrier()
-
-
-def hyperslab_all(box: Box) -> tuple:
-    """Every volume's and channel's ``box``."""
-    return (slice(None), slice(None), *(slice(lo, hi) for lo, hi in box))
-
-
-class _Slab:
-    """The whole output dataset (MPI driver): each rank assigns its own hyperslab."""
-
-    def __init__(self, ds: h5py.Dataset, shape: tuple[int, ...]) -> None:
-        self.ds, self.shape = ds, shape
-
-    def __setitem__(self, index: tuple, value: np.ndarray) -> None:
-        self.ds[index] = value
-
-
 class TruthScore:
     """r(k) and T(k) of each predicted box against the truth, per shell of the fundamental frequency,
     from the split prediction and this rank's hyperslab of the truth (``hp.fft`` on the output's
@@ -338,11 +216,8 @@ def run(args: argparse.Namespace) -> None:
     grid = parse_grid(args.grid, info.world_size)
     in_path, in_name = split_path(args.input, "full")
     out_path, out_name = split_path(args.output, "prediction")
-    if out_path.exists() and not args.overwrite:
+    if out_path.exists() and not args.overwrite:  # before any work; SplitHdf5 checks again
         raise ConfigError(f"output {out_path} exists; pass --overwrite to replace it")
-    if not out_path.parent.is_dir():
-        raise ConfigError(f"output folder {out_path.parent} does not exist")
-    mode = writer_mode()
     reader = CountsReader(open_dataset(in_path, in_name, "input", (4, 5)), cfg.data.channels)
     n_box, channels, *volume = reader.shape
     model = build_unet(cfg, channels)
@@ -362,21 +237,20 @@ def run(args: argparse.Namespace) -> None:
     spec = {"grid": {"data": 1, "pipe": 1, "spatial": list(grid)}}
     engine = hp.parallelize(model, spec, input_shape=(1, channels, *volume))
     out_shape = (n_box, *output_shape(engine)[1:])
-    owners = writer_boxes(engine, tuple(volume))
     score = None
     if args.truth:
         t_path, t_name = split_path(args.truth, "linear")
         score = TruthScore(open_dataset(t_path, t_name, "truth", (3, 4)), output_grid(engine), tuple(volume))
-    output = Output(out_path, out_name, out_shape, owners, mode)
+    output = SplitHdf5(out_path, out_name, out_shape, overwrite=args.overwrite)
     say(f"inferring {n_box} box(es) of {'x'.join(map(str, volume))} voxels on {info.world_size} rank(s) "
-        f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {mode}")
+        f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {output.mode}")
     started = time.monotonic()
 
     def progress(n: int, total: int, seconds: float) -> None:
         say(f"box {n + 1}/{total}: {seconds:.1f} s")
 
-    hp.infer(engine, reader, output.writer, each=score, progress=progress)
-    output.commit()
+    with output:
+        hp.infer(engine, reader, output, each=score, progress=progress)
     if score is not None:
         say(score.table())
     say(f"wrote {out_path}:{out_name} {out_shape} in {time.monotonic() - started:.1f} s")

@@ -54,7 +54,7 @@ with Checkpointer(run / "checkpoints", None) as ck:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "HYBRIDPAR_INFER_WRITER"}
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDPAR_HDF5_WRITER"}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
@@ -100,7 +100,7 @@ def test_files_mode_round_trip_and_truth(made):
     d, universe = made
     out = d / "one.h5"
     res = _infer(d / "run", "--input", str(universe), "--output", f"{out}:field", "--truth", str(universe),
-                 HYBRIDPAR_INFER_WRITER="files")
+                 HYBRIDPAR_HDF5_WRITER="files")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert res.stdout.count("box 1/1:") == 1, res.stdout  # the progress line, once per job
     with h5py.File(universe) as f:

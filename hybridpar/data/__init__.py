@@ -12,6 +12,8 @@ The pieces, one idea per module:
 * :mod:`~hybridpar.data.staging` - copying the dataset's files to node-local storage first;
 * :mod:`~hybridpar.data.hdf5` - what an HDF5 file may point at (nothing outside its folder) and claim
   (no more than it holds), checked before it is read;
+* :mod:`~hybridpar.data.split_hdf5` - :class:`SplitHdf5`, one HDF5 dataset written by many ranks, each
+  its hyperslab (the output of split inference, :func:`hybridpar.infer`);
 * :mod:`~hybridpar.data.loader` - :class:`VolumeLoader`, which puts them together and keeps the
   position a checkpoint saves.
 
@@ -29,6 +31,7 @@ from hybridpar.data.dataset import FileBacked, Region, VolumeDataset, read_batch
 from hybridpar.data.input_placement import Placement
 from hybridpar.data.loader import VolumeLoader
 from hybridpar.data.sampler import ShardedSampler, epoch_permutation
+from hybridpar.data.split_hdf5 import SplitHdf5
 from hybridpar.data.staging import ProgressBar, stage_dataset, stage_files
 from hybridpar.data.workers import WorkerError
 
@@ -39,6 +42,7 @@ __all__ = [
     "ProgressBar",
     "Region",
     "ShardedSampler",
+    "SplitHdf5",
     "VolumeDataset",
     "View",
     "VolumeLoader",

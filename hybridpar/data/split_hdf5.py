@@ -1,0 +1,192 @@
+"""One HDF5 dataset written by many ranks, each its own hyperslab, never gathered.
+
+Why: a split output (a volume predicted voxel by voxel) should leave the job the way it was computed,
+each rank writing its shard, yet a reader should see one dataset. Two ways, one result:
+
+* ``mpi``: h5py built with the MPI driver and ranks started by mpirun or srun: every rank opens the
+  one file (``driver="mpio"``) and writes its hyperslab;
+* ``files`` (any h5py): each writing rank puts its shard into ``STEM.rankNNNN.h5`` beside the output,
+  and rank 0 writes the output as an HDF5 virtual dataset mapping those files (by relative name, so the
+  folder may move; HDF5 finds them beside the output).
+
+Nothing is half-written under a final name: each file is written under a temporary name in the same
+folder and renamed into place once complete (rank files first, the output last), in :meth:`commit`.
+``HYBRIDPAR_HDF5_WRITER=files`` (or ``mpi``) forces a mode.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch.distributed as dist
+
+from hybridpar.process.launchers import detect_launcher
+
+MODE_ENV = "HYBRIDPAR_HDF5_WRITER"
+"""``files`` forces one file per rank and a virtual dataset; ``mpi`` requires h5py's MPI driver."""
+
+Box = tuple[tuple[int, int], ...]
+
+
+def writer_mode() -> str:
+    """``mpi`` where h5py has the MPI driver and an MPI launcher started the ranks, else ``files``."""
+    forced = os.environ.get(MODE_ENV, "")
+    if forced not in ("", "files", "mpi"):
+        raise ValueError(f"{MODE_ENV}={forced}: expected 'files' or 'mpi'")
+    launched = detect_launcher()
+    by_mpi = launched is not None and launched[0] != "torchrun"
+    has_mpi = bool(h5py.get_config().mpi)
+    if forced == "mpi" and not (has_mpi and by_mpi):
+        why = "this h5py has no MPI driver" if not has_mpi else "the ranks were not started by mpirun or srun"
+        raise ValueError(f"{MODE_ENV}=mpi: {why}")
+    return forced or ("mpi" if has_mpi and by_mpi else "files")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agreed_token() -> str:
+    """A random suffix every rank agrees on (rank 0's): the temporary names of one write."""
+    token = [secrets.token_hex(4)]
+    if _world()[1] > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+class SplitHdf5:
+    """Dataset ``name`` of shape ``shape`` (N, C, D, H, W) in a new file ``path``, written split.
+
+    Collective: every rank constructs it and calls :meth:`commit`. A rank assigns
+    ``writer[n, :, d0:d1, h0:h1, w0:w1] = shard`` for its one box (any volumes ``n``, always the same
+    box; a rank may write nothing). Refuses an existing ``path`` unless ``overwrite``.
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str, shape: tuple[int, ...], dtype: Any = "float32",
+                 overwrite: bool = False) -> None:
+        self.path, self.name, self.shape = Path(path), name, tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        if self.path.exists() and not overwrite:
+            raise ValueError(f"output {self.path} exists; pass --overwrite to replace it")
+        if not self.path.parent.is_dir():
+            raise ValueError(f"output folder {self.path.parent} does not exist")
+        self.mode = writer_mode()
+        self.rank, self.world = _world()
+        self.tag = _agreed_token()
+        self.tmp = self.path.with_name(f".{self.path.name}.{self.tag}.tmp")
+        self.box: Box | None = None
+        self.file: h5py.File | None = None
+        self.ds: h5py.Dataset | None = None
+        if self.mode == "mpi":
+            from mpi4py import MPI  # noqa: PLC0415 (only with an MPI-enabled h5py)
+
+            self.file = h5py.File(self.tmp, "w", driver="mpio", comm=MPI.COMM_WORLD)
+            self.ds = self.file.create_dataset(name, shape=self.shape, dtype=self.dtype)
+
+    def part(self, rank: int) -> str:
+        """The name of rank ``rank``'s file (``files`` mode), beside the output."""
+        return f"{self.path.stem}.rank{rank:04d}.h5"
+
+    def _part_tmp(self) -> Path:
+        return self.path.with_name(f".{self.part(self.rank)}.{self.tag}.tmp")
+
+    def __setitem__(self, index: tuple, value: np.ndarray) -> None:
+        n, channels, *sel = index
+        box = tuple((s.start or 0, self.shape[2 + i] if s.stop is None else s.stop)
+                    for i, s in enumerate(sel))
+        if channels != slice(None) or len(box) != 3:
+            raise ValueError(f"SplitHdf5: write [n, :, d0:d1, h0:h1, w0:w1], got {index}")
+        if self.box is None:
+            self.box = box
+            if self.mode == "files":
+                self.file = h5py.File(self._part_tmp(), "w")
+                local = (*self.shape[:2], *(hi - lo for lo, hi in box))
+                self.ds = self.file.create_dataset(self.name, shape=local, dtype=self.dtype)
+        elif box != self.box:
+            raise ValueError(f"SplitHdf5: rank {self.rank} writes box {self.box}, then {box}; one box a rank")
+        assert self.ds is not None
+        if self.mode == "mpi":
+            self.ds[index] = value
+        else:
+            self.ds[n] = value
+
+    def __enter__(self) -> SplitHdf5:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close and remove this rank's temporary files (not collective: after a failure)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        mine = [self._part_tmp()] if self.mode == "files" else []
+        if self.rank == 0:
+            mine.append(self.tmp)
+        for p in mine:
+            p.unlink(missing_ok=True)
+
+    def commit(self) -> None:
+        """Close and rename into place (collective): rank files first, then the output."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        _barrier()
+        if self.mode == "mpi":
+            if self.rank == 0:
+                os.replace(self.tmp, self.path)
+            _barrier()
+            return
+        if self.box is not None:
+            os.replace(self._part_tmp(), self.path.with_name(self.part(self.rank)))
+        boxes: list[Any] = [self.box]
+        if self.world > 1:
+            boxes = [None] * self.world
+            dist.all_gather_object(boxes, self.box)
+        if self.rank == 0:
+            self._write_virtual(boxes)
+        _barrier()
+
+    def _write_virtual(self, boxes: list[Box | None]) -> None:
+        """Rank 0: the output as a virtual dataset over the rank files, every voxel mapped once."""
+        layout = h5py.VirtualLayout(shape=self.shape, dtype=self.dtype)
+        held = [(rank, box) for rank, box in enumerate(boxes) if box is not None]
+        for rank, box in held:
+            region = tuple(slice(lo, hi) for lo, hi in box)
+            local = (*self.shape[:2], *(hi - lo for lo, hi in box))
+            layout[(slice(None), slice(None), *region)] = h5py.VirtualSource(self.part(rank), self.name,
+                                                                             shape=local)
+        _check_tiling([b for _, b in held], self.shape[2:], str(self.path))
+        with h5py.File(self.tmp, "w") as f:
+            f.create_virtual_dataset(self.name, layout, fillvalue=np.nan)
+        os.replace(self.tmp, self.path)
+
+
+def _check_tiling(boxes: list[Box], volume: tuple[int, ...], what: str) -> None:
+    """The boxes cover ``volume`` exactly once: none overlaps another and their volumes add up."""
+    def size(b: Box) -> int:
+        return int(np.prod([hi - lo for lo, hi in b]))
+
+    for i, a in enumerate(boxes):
+        for b in boxes[:i]:
+            if all(max(a[k][0], b[k][0]) < min(a[k][1], b[k][1]) for k in range(3)):
+                raise ValueError(f"SplitHdf5 {what}: two ranks wrote the overlapping boxes {a} and {b}")
+    if sum(map(size, boxes)) != int(np.prod(volume)):
+        raise ValueError(f"SplitHdf5 {what}: the ranks wrote {sum(map(size, boxes))} of the "
+                         f"{int(np.prod(volume))} voxels of each volume; every voxel needs a writer")

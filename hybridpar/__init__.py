@@ -5,7 +5,7 @@ The public surface is small: :func:`init_distributed`, :class:`ProcessGrid`, the
 :func:`infer` (a fully convolutional model on whole volumes, file to file, kept split).
 """
 
-from hybridpar import fft, flops, nn, profiling
+from hybridpar import data, fft, flops, nn, profiling
 from hybridpar.comm import gather, no_grad_sync, redistribute, scatter
 from hybridpar.grid import ProcessGrid
 from hybridpar.inference import infer
@@ -17,5 +17,5 @@ from hybridpar.profiling import timeline
 
 __all__ = ["ProcessGrid", "init_distributed", "nn", "scatter", "gather", "redistribute", "Redistribute",
            "no_grad_sync", "parallelize", "Engine", "load_spec", "ParallelSpec", "GridSpec", "PipelineSpec",
-           "LayerRule", "SpecError", "fft", "flops", "profiling", "timeline", "infer"]
+           "LayerRule", "SpecError", "fft", "flops", "profiling", "timeline", "infer", "data"]
 __version__ = "0.1.0"

@@ -32,6 +32,7 @@ KEYS: dict[str, set[str]] = {
     "hybrid_vs_dp": {"config", "load", "result", "stats", "table"},
     "unet": {"config", "load", "results", "table"},
     "fft": {"config", "load", "result", "stats", "table", "mpi4py_fft"},
+    "infer": {"config", "load", "results", "largest", "goals", "table"},
     "loader": {"config", "rows", "augment", "wait"},
     "generator": {"config", "seconds_per_universe", "stages_median_s"},
     "checkpoint": {"config", "modes", "goals", "restart_s"},

@@ -150,6 +150,9 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
         if device is not None:
             x_local = x_local.to(device)
         y = predict_shard(engine, x_local)
+        if engine.last_stage and not isinstance(y, torch.Tensor):
+            raise ValueError(f"hybridpar.infer: the model returns a {type(y).__name__}; infer writes one "
+                             "volume output (wrap the model to return the tensor to write)")
         if engine.last_stage:
             if each is not None:
                 each(n, y)

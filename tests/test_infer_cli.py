@@ -193,3 +193,15 @@ def test_split_path():
     assert split_path("a/b.h5:grp/x", "full") == (Path("a/b.h5"), "grp/x")
     assert split_path("a/b.h5", "full") == (Path("a/b.h5"), "full")
     assert split_path("c:/dir/b.h5", "full") == (Path("c:/dir/b.h5"), "full")
+
+
+def test_virtual_dataset_tiling_is_checked():
+    """Rank 0 refuses to map an output whose ranks' boxes overlap or leave voxels unwritten."""
+    from hybridpar.data.split_hdf5 import _check_tiling
+
+    halves = [((0, 4), (0, 8), (0, 8)), ((4, 8), (0, 8), (0, 8))]
+    _check_tiling(halves, (8, 8, 8), "out.h5")
+    with pytest.raises(ValueError, match="overlapping boxes"):
+        _check_tiling([halves[0], ((3, 8), (0, 8), (0, 8))], (8, 8, 8), "out.h5")
+    with pytest.raises(ValueError, match="wrote 256 of the 512 voxels"):
+        _check_tiling(halves[:1], (8, 8, 8), "out.h5")

@@ -151,11 +151,12 @@ class TruthScore:
     from the split prediction and this rank's hyperslab of the truth (``hp.fft`` on the output's
     layout; the per-shell sums are all-reduced over it)."""
 
-    def __init__(self, ds: h5py.Dataset, grid: hp.ProcessGrid, volume: tuple[int, int, int]) -> None:
+    def __init__(self, ds: h5py.Dataset, grid: hp.ProcessGrid, volume: tuple[int, int, int],
+                 boxes: int) -> None:
         if len(set(volume)) != 1:
             raise ConfigError(f"--truth: shells of |k| need a cubic box, the box is {volume}")
-        want = volume if ds.ndim == 3 else (ds.shape[0], *volume)
-        if tuple(ds.shape[-3:]) != volume:
+        want = volume if boxes == 1 and ds.ndim == 3 else (boxes, *volume)
+        if tuple(ds.shape) != want:
             raise ConfigError(f"--truth {ds.file.filename}:{ds.name} has shape {ds.shape}; expected {want}")
         self.ds, self.grid, self.volume = ds, grid, volume
         self.edges = shell_edges(volume[0])
@@ -240,7 +241,8 @@ def run(args: argparse.Namespace) -> None:
     score = None
     if args.truth:
         t_path, t_name = split_path(args.truth, "linear")
-        score = TruthScore(open_dataset(t_path, t_name, "truth", (3, 4)), output_grid(engine), tuple(volume))
+        score = TruthScore(open_dataset(t_path, t_name, "truth", (3, 4)), output_grid(engine), tuple(volume),
+                           n_box)
     output = SplitHdf5(out_path, out_name, out_shape, overwrite=args.overwrite)
     say(f"inferring {n_box} box(es) of {'x'.join(map(str, volume))} voxels on {info.world_size} rank(s) "
         f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {output.mode}")

@@ -15,11 +15,12 @@ Reported per way: max and RMS error against the one-process output, the voxels w
 1e-5 of the output's scale (max |y|), the peak heap of the busiest rank above its level once the model
 is built (``perf/heapcount.py``: glibc's allocator counted in every process alike; the one-process
 and MONAI runs are one rank), and the wall time from reading the input to the output closed (for
-hybridpar the engine's build too, shown apart). Every configuration gets the same threads in all (4:
-the ranks × 1 thread, or one process × 4). Also measured at half the size, so that the per-voxel
-growth of each peak gives the largest box 4 ranks could infer on this machine's memory and the
-one-process peak that box would need (an estimate from the two measured sizes; ``--try-size N``
-runs hybridpar at N for real).
+hybridpar the engine's build too, shown apart: mostly torch's lazy imports on the first meta-device
+forward of ``parallelize``, once per process, whatever the box). Every configuration gets the same
+threads in all (4: the ranks × 1 thread, or one process × 4). Also measured at half the size, so
+that the per-voxel growth of each peak gives the largest box 4 ranks could infer on this machine's
+memory and the one-process peak that box would need (an estimate from the two measured sizes;
+``--try-size N`` runs hybridpar at N for real).
 
     python -m perf infer                          # 256^3 (and 128^3 for the scaling), rounds: 1
     python -m perf infer --size 64 --no-wait --out /tmp/infer.json
@@ -72,6 +73,8 @@ def _write_input(path: Path, size: int) -> None:
 
 def one_process_job(rank: int, world: int, cfg: dict) -> dict:
     """The whole box in one process: read, ``model(x)``, write."""
+    from monai.inferers import sliding_window_inference  # noqa: PLC0415 (a benchmark-only extra; untimed)
+
     model = _model()
     base = heapcount.current()
     heapcount.reset()
@@ -82,8 +85,6 @@ def one_process_job(rank: int, world: int, cfg: dict) -> dict:
         if cfg["way"] == "one process":
             y = model(x)
         else:
-            from monai.inferers import sliding_window_inference  # noqa: PLC0415 (a benchmark-only extra)
-
             roi = (cfg["roi"],) * 3
             y = sliding_window_inference(x, roi, 1, model, overlap=cfg["overlap"], mode=cfg["mode"])
     with h5py.File(cfg["output"], "w") as f:

@@ -25,6 +25,8 @@ import h5py
 import numpy as np
 import torch.distributed as dist
 
+from hybridpar.process.launchers import detect_launcher
+
 MODE_ENV = "HYBRIDPAR_HDF5_WRITER"
 """``files`` forces one file per rank and a virtual dataset; ``mpi`` requires h5py's MPI driver."""
 
@@ -36,8 +38,6 @@ def writer_mode() -> str:
     forced = os.environ.get(MODE_ENV, "")
     if forced not in ("", "files", "mpi"):
         raise ValueError(f"{MODE_ENV}={forced}: expected 'files' or 'mpi'")
-    from hybridpar.process.launchers import detect_launcher  # noqa: PLC0415 (launchers imports the grid)
-
     launched = detect_launcher()
     by_mpi = launched is not None and launched[0] != "torchrun"
     has_mpi = bool(h5py.get_config().mpi)

@@ -1,8 +1,9 @@
 """``python -m cosmoflow.infer`` end to end on a tiny reconstruct run (a periodic U-Net, circular
 padding): the box written split by 2 ranks, read back as one dataset, equals the run's model on the
 whole box in one process (float64, to 1e-5 of the output's scale: the ranks compute in float32), in
-the per-rank-file mode (forced) and in the default mode (the MPI driver where h5py has one, else the
-same files), along D and along H, one box and two; r(k) and T(k) of ``--truth`` equal
+the per-rank-file mode (forced), in the default mode (under torchrun: the same files), and under
+mpiexec with h5py's MPI driver where h5py has one (skipped here otherwise), along D and along H, one
+box and two; r(k) and T(k) of ``--truth`` equal
 :func:`cosmoflow.correlation.cross_power`'s in one process; each bad input is its one line, exit 2,
 printed once, with nothing written under the output's name."""
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -24,6 +27,7 @@ from cosmoflow.data import log_counts
 from cosmoflow.generate import generate
 from cosmoflow.infer import run_config, split_path
 from cosmoflow.reconstruct import build_unet
+from perf.ranks import free_port, mpiexec
 
 from distributed import ROOT
 from forked import run_python
@@ -140,6 +144,28 @@ def test_default_mode_two_boxes_split_along_h(made):
         got = f["prediction"][...]
     assert got.shape == (2, 1, 16, 16, 16)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+
+@pytest.mark.skipif(not h5py.get_config().mpi or mpiexec() is None,
+                    reason="the MPI driver mode needs h5py built with MPI and an mpiexec")
+def test_mpi_driver_mode(made):
+    """Under mpiexec with h5py's MPI driver (forced): one file, no virtual dataset, the same numbers."""
+    d, universe = made
+    out = d / "mpi.h5"
+    env = {**_env(HYBRIDPAR_HDF5_WRITER="mpi", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    res = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "cosmoflow.infer", str(d / "run"),
+                          "--input", str(universe), "--output", str(out)], capture_output=True, text=True,
+                         timeout=240, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    with h5py.File(universe) as f:
+        want = _reference(d / "run", f["full"][...][None])
+    with h5py.File(out) as f:
+        assert not f["prediction"].is_virtual
+        got = f["prediction"][...]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert not list(d.glob("mpi.rank*.h5"))
 
 
 def _one_line(res, pattern: str) -> None:

@@ -132,8 +132,9 @@ class SplitHdf5:
             self.abort()
 
     def abort(self) -> None:
-        """Close and remove this rank's temporary files (not collective: after a failure)."""
-        if self.file is not None:
+        """Remove this rank's temporary files (not collective: after a failure). A file opened with the
+        MPI driver is left open: closing it is collective, and the other ranks may never come."""
+        if self.file is not None and self.mode == "files":
             self.file.close()
             self.file = None
         mine = [self._part_tmp()] if self.mode == "files" else []

@@ -83,18 +83,20 @@ def predict_shard(engine: Engine, x_local: torch.Tensor) -> torch.Tensor:
 
 
 def writer_boxes(engine: Engine, volume: tuple[int, int, int]) -> dict[int, Box]:
-    """Which rank writes which box of the output: of the ranks of the last stage holding the same box
-    (a replicated or partly replicated output), the lowest writes it. Every rank gets the same map."""
+    """Which rank writes which box of the output: of the ranks of one data-parallel replica's last
+    stage holding the same box (a replicated or partly replicated output), the lowest writes it (each
+    replica writes the volumes it computed). Every rank gets the same map."""
     box = local_box(volume, output_grid(engine)) if engine.last_stage else None
-    every: list[Any] = [box]
+    mine = (engine.grid.data_index, box)
+    every: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, box)
-    owners: dict[Box, int] = {}
-    for rank, b in enumerate(every):
+        dist.all_gather_object(every, mine)
+    owners: dict[tuple[int, Box], int] = {}
+    for rank, (replica, b) in enumerate(every):
         if b is not None:
-            owners.setdefault(tuple(map(tuple, b)), rank)
-    return {rank: b for b, rank in owners.items()}
+            owners.setdefault((replica, tuple(map(tuple, b))), rank)
+    return {rank: b for (_, b), rank in owners.items()}
 
 
 def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: VolumeWriter, *,
@@ -104,12 +106,13 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
           progress: Callable[[int, int, float], None] | None = None) -> Engine:
     """Run a fully convolutional model over every volume of ``reader``, writing ``writer``, split.
 
-    ``engine_or_model``: an :class:`Engine` built for one volume of the reader's shape
-    (``hp.parallelize(model, spec, input_shape=(1, C, D, H, W))``), or a model, parallelized here by
-    ``spec`` (default: the world split along D). Volumes go to the data-parallel replicas in turn,
-    one at a time. On every rank of the last stage, ``each(n, y_local)`` receives the shard of volume
-    ``n`` before it is written (to score it, say: a collective over :func:`output_grid` is fine), and
-    on every rank ``progress(n, N, seconds)`` follows each volume. Every rank must call this. Returns
+    ``engine_or_model``: an :class:`Engine` built for volumes of the reader's shape, one per
+    data-parallel replica (``hp.parallelize(model, spec, input_shape=(data, C, D, H, W))``), or a
+    model, parallelized here by ``spec`` (default: the world split along D). Volumes go to the
+    data-parallel replicas in turn, one at a time. On every rank of the last stage,
+    ``each(n, y_local)`` receives the shard of volume ``n`` before it is written (to score it, say: a
+    collective over :func:`output_grid` is fine), and on every rank ``progress(n, N, seconds)``
+    follows each volume. Every rank must call this. Returns
     the engine, in eval mode.
     """
     n_vol, channels, *volume = (int(s) for s in reader.shape)
@@ -123,11 +126,11 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
             raise ValueError(f"hybridpar.infer: the engine was built for volumes of "
                              f"{tuple(engine.input_shape[1:])} (C, D, H, W), the reader holds {build[1:]}; "
                              f"build it with input_shape={build}")
-        if not engine.built:
-            engine._build(build)
     else:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        engine = parallelize(engine_or_model, spec or {"grid": {"spatial": [world, 1, 1]}}, input_shape=build)
+        engine = parallelize(engine_or_model, spec or {"grid": {"spatial": [world, 1, 1]}})
+    if not engine.built:  # one volume per replica at a time
+        engine._build((engine.grid.data, *build[1:]))
     engine.eval()
     out = output_shape(engine)
     if len(out) != 5 or tuple(out[2:]) != tuple(volume):

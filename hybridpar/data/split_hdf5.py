@@ -87,6 +87,7 @@ class SplitHdf5:
         self.tag = _agreed_token()
         self.tmp = self.path.with_name(f".{self.path.name}.{self.tag}.tmp")
         self.box: Box | None = None
+        self.volumes: list[int] = []
         self.file: h5py.File | None = None
         self.ds: h5py.Dataset | None = None
         if self.mode == "mpi":
@@ -110,13 +111,16 @@ class SplitHdf5:
             raise ValueError(f"SplitHdf5: write [n, :, d0:d1, h0:h1, w0:w1], got {index}")
         if self.box is None:
             self.box = box
-            if self.mode == "files":
+            if self.mode == "files":  # chunked by volume: volumes another replica writes take no room
                 self.file = h5py.File(self._part_tmp(), "w")
                 local = (*self.shape[:2], *(hi - lo for lo, hi in box))
-                self.ds = self.file.create_dataset(self.name, shape=local, dtype=self.dtype)
+                self.ds = self.file.create_dataset(self.name, shape=local, dtype=self.dtype,
+                                                   chunks=_chunks(local, self.dtype.itemsize))
         elif box != self.box:
             raise ValueError(f"SplitHdf5: rank {self.rank} writes box {self.box}, then {box}; one box a rank")
         assert self.ds is not None
+        if n not in self.volumes:
+            self.volumes.append(int(n))
         if self.mode == "mpi":
             self.ds[index] = value
         else:
@@ -156,27 +160,41 @@ class SplitHdf5:
             return
         if self.box is not None:
             os.replace(self._part_tmp(), self.path.with_name(self.part(self.rank)))
-        boxes: list[Any] = [self.box]
+        held: list[Any] = [(self.box, self.volumes)]
         if self.world > 1:
-            boxes = [None] * self.world
-            dist.all_gather_object(boxes, self.box)
+            held = [None] * self.world
+            dist.all_gather_object(held, (self.box, self.volumes))
         if self.rank == 0:
-            self._write_virtual(boxes)
+            self._write_virtual(held)
         _barrier()
 
-    def _write_virtual(self, boxes: list[Box | None]) -> None:
-        """Rank 0: the output as a virtual dataset over the rank files, every voxel mapped once."""
+    def _write_virtual(self, held: list[tuple[Box | None, list[int]]]) -> None:
+        """Rank 0: the output as a virtual dataset over the rank files, every voxel of every volume
+        mapped once (checked)."""
         layout = h5py.VirtualLayout(shape=self.shape, dtype=self.dtype)
-        held = [(rank, box) for rank, box in enumerate(boxes) if box is not None]
-        for rank, box in held:
+        per_volume: dict[int, list[Box]] = {n: [] for n in range(self.shape[0])}
+        for rank, (box, volumes) in enumerate(held):
+            if box is None:
+                continue
             region = tuple(slice(lo, hi) for lo, hi in box)
             local = (*self.shape[:2], *(hi - lo for lo, hi in box))
-            layout[(slice(None), slice(None), *region)] = h5py.VirtualSource(self.part(rank), self.name,
-                                                                             shape=local)
-        _check_tiling([b for _, b in held], self.shape[2:], str(self.path))
+            source = h5py.VirtualSource(self.part(rank), self.name, shape=local)
+            for n in volumes:
+                layout[(n, slice(None), *region)] = source[n]
+                per_volume[n].append(box)
+        for n, boxes in per_volume.items():
+            _check_tiling(boxes, self.shape[2:], f"{self.path} volume {n}")
         with h5py.File(self.tmp, "w") as f:
             f.create_virtual_dataset(self.name, layout, fillvalue=np.nan)
         os.replace(self.tmp, self.path)
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int, most: int = 64 << 20) -> tuple[int, ...]:
+    """Chunks of one volume and channel, halved along D until at most ``most`` bytes (HDF5 allows 4 GiB)."""
+    d, h, w = shape[2:]
+    while d > 1 and d * h * w * itemsize > most:
+        d = (d + 1) // 2
+    return (1, 1, d, h, w)
 
 
 def _check_tiling(boxes: list[Box], volume: tuple[int, ...], what: str) -> None:

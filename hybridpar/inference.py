@@ -66,20 +66,11 @@ def output_shape(engine: Engine) -> tuple[int, ...]:
     return tuple(engine.stage.lead_output.output_shape)
 
 
-def predict_shard(engine: Engine, x_local: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the engine's volume output for ``x_local`` (laid out by
-    :func:`output_grid`), never the whole volume.
-
-    With one pipeline stage the stage's layers are run directly: their output is the split volume
-    (``engine.predict`` would gather it whole onto every rank). A pipeline's outputs come back
-    whole from ``predict`` and the shard is cut from them.
-    """
-    if engine.grid.pipe == 1:
-        with torch.no_grad():
-            return engine._forward(engine._placed(x_local))
-    y = engine.predict(x_local)
-    box = local_box(tuple(y.shape[2:]), output_grid(engine))
-    return y[(Ellipsis, *(slice(lo, hi) for lo, hi in box))].contiguous()
+def predict_shard(engine: Engine, x_local: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of the engine's volume output (laid out by :func:`output_grid`), never the
+    whole volume: ``engine.predict(x_local, gather=False)``. ``x_local`` is None on a pipeline's later
+    stages, which return None (the last stage holds the shards)."""
+    return engine.predict(x_local, batch=1, gather=False)
 
 
 def writer_boxes(engine: Engine, volume: tuple[int, int, int]) -> dict[int, Box]:
@@ -106,9 +97,9 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
           progress: Callable[[int, int, float], None] | None = None) -> Engine:
     """Run a fully convolutional model over every volume of ``reader``, writing ``writer``, split.
 
-    ``engine_or_model``: an :class:`Engine` built for volumes of the reader's shape, one per
-    data-parallel replica (``hp.parallelize(model, spec, input_shape=(data, C, D, H, W))``), or a
-    model, parallelized here by ``spec`` (default: the world split along D). Volumes go to the
+    ``engine_or_model``: an :class:`Engine` (built at any size: it runs at the reader's, which its
+    split must take; unbuilt, it is built for one volume per data-parallel replica), or a model,
+    parallelized here by ``spec`` (default: the world split along D). Volumes go to the
     data-parallel replicas in turn, one at a time. On every rank of the last stage,
     ``each(n, y_local)`` receives the shard of volume ``n`` before it is written (to score it, say: a
     collective over :func:`output_grid` is fine), and on every rank ``progress(n, N, seconds)``
@@ -119,22 +110,19 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
     if len(volume) != 3:
         raise ValueError(f"hybridpar.infer: the reader's volumes are (N, C, D, H, W); got shape "
                          f"{tuple(reader.shape)}")
-    build = (1, channels, *volume)
+    size = (channels, *volume)
     if isinstance(engine_or_model, Engine):
         engine = engine_or_model
-        if engine.built and tuple(engine.input_shape[1:]) != build[1:]:
-            raise ValueError(f"hybridpar.infer: the engine was built for volumes of "
-                             f"{tuple(engine.input_shape[1:])} (C, D, H, W), the reader holds {build[1:]}; "
-                             f"build it with input_shape={build}")
     else:
         world = dist.get_world_size() if dist.is_initialized() else 1
         engine = parallelize(engine_or_model, spec or {"grid": {"spatial": [world, 1, 1]}})
     if not engine.built:  # one volume per replica at a time
-        engine._build((engine.grid.data, *build[1:]))
+        engine._build((engine.grid.data, *size))
+    engine._at_size(size, "hybridpar.infer")  # the plan at the reader's size (any size the split takes)
     engine.eval()
     out = output_shape(engine)
     if len(out) != 5 or tuple(out[2:]) != tuple(volume):
-        raise ValueError(f"hybridpar.infer: the model maps {build} to {out}; whole-box inference needs a "
+        raise ValueError(f"hybridpar.infer: the model maps {size} to {out[1:]}; whole-box inference needs a "
                          f"fully convolutional model whose output has the input's extent")
     want = (n_vol, *out[1:])
     if tuple(writer.shape) != want:
@@ -143,19 +131,26 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
     rank = dist.get_rank() if dist.is_initialized() else 0
     in_box = local_box(tuple(volume), engine.input_grid)
     grid = engine.grid
-    for n in range(grid.data_index, n_vol, grid.data):
+    # predict agrees on the size with the whole job, so every replica makes as many calls: one short
+    # of volumes repeats its last and drops the result
+    for step in range(-(-n_vol // grid.data)):
+        n = step * grid.data + grid.data_index
+        spare = n >= n_vol
+        n = min(n, n_vol - 1)
         t0 = time.perf_counter()
         if engine.first_stage:
             x = np.asarray(reader[hyperslab(n, in_box)])
             x_local = torch.from_numpy(np.ascontiguousarray(x)).to(dtype=dtype)[None]
-        else:  # later stages receive their input from the previous stage; predict reads only the batch
-            x_local = torch.empty((1, 0), dtype=dtype)
-        if device is not None:
-            x_local = x_local.to(device)
+            if device is not None:
+                x_local = x_local.to(device)
+        else:  # later stages receive their input from the previous stage
+            x_local = None
         y = predict_shard(engine, x_local)
         if engine.last_stage and not isinstance(y, torch.Tensor):
             raise ValueError(f"hybridpar.infer: the model returns a {type(y).__name__}; infer writes one "
                              "volume output (wrap the model to return the tensor to write)")
+        if spare:
+            continue
         if engine.last_stage:
             if each is not None:
                 each(n, y)

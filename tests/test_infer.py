@@ -1,7 +1,8 @@
 """``hp.infer`` with ``hp.data.SplitHdf5`` on 4 ranks, float64 against the model on each whole volume in
 one process: a periodic model with GroupNorm and a stride-2 convolution, three volumes of an odd,
-uneven shape, split (2, 2, 1), and data 2 × (1, 2, 1) (the replicas take the volumes in turn, 2 and 1:
-the virtual dataset maps each volume to the replica that computed it)."""
+uneven shape, split (2, 2, 1), data 2 × (1, 2, 1) (the replicas take the volumes in turn, 2 and 1:
+the virtual dataset maps each volume to the replica that computed it), and an engine built at another
+size (2, 1, 2) (it runs at the file's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 SPECS = {"spatial (2, 2, 1)": {"grid": {"spatial": [2, 2, 1]}},
-         "data 2 x (1, 2, 1)": {"grid": {"data": 2, "spatial": [1, 2, 1]}}}
+         "data 2 x (1, 2, 1)": {"grid": {"data": 2, "spatial": [1, 2, 1]}},
+         "an engine built at another size": {"grid": {"spatial": [2, 1, 2]}, "build": (1, 1, 8, 6, 8)}}
 SHAPE = (3, 1, 12, 10, 6)
 
 
@@ -38,7 +40,11 @@ def _case(rank: int, world: int, spec: dict, folder: str) -> float:
         out_shape = (SHAPE[0], 2, *SHAPE[2:])
         with h5py.File(f"{folder}/in.h5", "r") as f, \
                 hp.data.SplitHdf5(f"{folder}/out.h5", "y", out_shape, "float64") as out:
-            hp.infer(model, f["x"], out, spec=spec, dtype=torch.float64)
+            if "build" in spec:
+                engine = hp.parallelize(model, {"grid": spec["grid"]}, input_shape=spec["build"])
+                hp.infer(engine, f["x"], out, dtype=torch.float64)
+            else:
+                hp.infer(model, f["x"], out, spec=spec, dtype=torch.float64)
         with h5py.File(f"{folder}/out.h5", "r") as f, torch.no_grad():
             return (torch.from_numpy(f["y"][...]) - model(x)).abs().max().item()
     finally:

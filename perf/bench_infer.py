@@ -22,8 +22,8 @@ that the per-voxel growth of each peak gives the largest box 4 ranks could infer
 memory and the one-process peak that box would need (an estimate from the two measured sizes;
 ``--try-size N`` runs hybridpar at N for real).
 
-    python -m perf infer                          # 256^3 (and 128^3 for the scaling), rounds: 1
-    python -m perf infer --size 64 --no-wait --out /tmp/infer.json
+    python -m perf infer --record                 # 256^3 (and 128^3 for the scaling) into perf/results/
+    python -m perf infer --size 64 --no-wait       # a trial, in the scratch folder
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ class ModelConfig:
                                          # statistics or the training set's (RunningStandardize)
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
     power_spectrum: bool = False         # a P(k) branch of the input channels into the head
+    ridge_start: bool = False            # the head reads the volume study reference's features, beside a
+                                         # linear probe set to its ridge solution on the training set; the
+                                         # head's output starts at zero (the network starts at the reference)
     init_from: str | None = None         # start from these weights: a safetensors file or a weights-only
                                          # torch state dict (hybridpar.checkpoint export writes both);
                                          # a resumed checkpoint still wins
@@ -418,6 +421,9 @@ def validate(cfg: Config) -> None:
     if cfg.task == "reconstruct":
         _validate_reconstruct(cfg)
         return
+    if cfg.model.ridge_start and cfg.model.power_spectrum:
+        raise ConfigError("model.ridge_start and model.power_spectrum both feed spectrum features to the "
+                          "head (the reference's, or the growth branch's); set one of them to false")
     n = cfg.model.n_conv
     if cfg.data.sample_size % (2 ** n):
         fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]

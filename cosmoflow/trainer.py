@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import yaml
 
 import hybridpar as hp
-from cosmoflow import errors
+from cosmoflow import errors, linear_probe
 from cosmoflow.config import Config, ConfigError, read_yaml
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
@@ -223,6 +223,8 @@ def run(cfg: Config) -> dict[str, Any]:
     accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
     model = build_network(cfg).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.model.ridge_start and not reconstruct:  # the probe at the reference's solution (linear probing)
+        linear_probe.start(cfg, model, run_dir, rank)
     if cfg.model.init_from:  # weights trained elsewhere (a resumed checkpoint still wins over them)
         _init_from(model, cfg.model.init_from, shapes)
     batch = cfg.train.batch_size

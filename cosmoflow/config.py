@@ -111,6 +111,8 @@ class TrainConfig:
     max_steps: int | None = None         # stop after this many steps, >= 1 (smoke runs; null: no limit)
     precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
                                          # training batches with the weights frozen (0: off)
+    val_every: int = 1                   # validate after every this many epochs and after the last (the
+                                         # training loss of a row then spans the epochs since the last one)
     log_every: int = 1                   # without a terminal, print the progress line every this many steps
     precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     channels_last: bool = False          # NDHWC activations (channels_last_3d)
@@ -350,6 +352,7 @@ AT_LEAST: dict[str, int] = {
     "unet.width": 1, "unet.levels": 1, "unet.max_width": 1, "unet.groups": 1,
     "optimizer.base_batch": 1,
     "train.epochs": 1, "train.batch_size": 1, "train.max_steps": 1, "train.log_every": 1,
+    "train.val_every": 1,
     "checkpoint.keep_last": 1, "checkpoint.keep_every": 1,
 }
 """Numbers that are sizes, counts or periods: at least 1 (each entry of a list). Every other number

@@ -361,6 +361,9 @@ def run(cfg: Config) -> dict[str, Any]:
             ended = loader.epoch > epoch  # the epoch ran to its end (else max_steps cut it short)
             if ended:
                 epoch += 1
+            if ended and epoch % cfg.train.val_every and epoch < cfg.train.epochs and step < total:
+                save()  # not a validation epoch: the checkpoint alone (resumable at every epoch)
+                continue
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
             number = epoch if ended else epoch + 1  # the epoch just run, from 1 (cut short: not ended)

@@ -7,18 +7,28 @@ trunk's random weights; at step 0 only the head's output layer and the probe get
 residual is zero), after one SGD step the trunk gets them too and the predictions move. Split over 2
 ranks (depth, and width) and 3 (depth, uneven: 8 = 3 + 3 + 2), the engine's losses over two SGD steps,
 its weights after them and its predictions equal the single-process model's (float64, 1e-9 relative),
-so the features a split volume computes from its shards are the reference's too.
+so the features a split volume computes from its shards are the reference's too. Through the
+application's trainer (2 ranks, each 16³ universe cut into 8³ crops split in depth, learning rate 0):
+the run's validation predictions are the reference's ridge predictions fitted on its training files, and
+``train.val_every=2`` over 3 epochs validates after epochs 2 and 3 only.
 """
 
 from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cosmoflow.data import open_dataset
 from cosmoflow.experiments import reference
 from cosmoflow.model import RidgeStarted, build_model, start_at_ridge
+
+from distributed import ROOT, tiny_universes, train_script
 
 TRAIN, VAL = 24, 8
 
@@ -128,3 +138,27 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
 def test_split_network_matches_single_process(pools, world: int, size: int, n_conv: int,
                                               spatial: list[int]) -> None:
     pools(world).run(_split_body, size, n_conv, spatial, timeout=300)
+
+
+def test_trainer_starts_at_the_reference_and_validates_every_second_epoch(tmp_path: Path) -> None:
+    data, run = tiny_universes(tmp_path / "universes"), tmp_path / "run"
+    sets = [f"data.train={data / 'train'}", f"data.val={data / 'val'}", "data.sample_size=8",
+            "data.workers=0", "model.n_conv=2", "model.base_filters=4", "model.dense=[8]",
+            "model.power_spectrum=false",
+            "model.ridge_start=true", "data.augment=symmetries", "train.batch_size=8", "train.epochs=3",
+            "train.val_every=2", "optimizer.base_lr=0.0", "optimizer.momentum=0.0", f"run_dir={run}",
+            "logging.progress=false", "logging.plots=false", "logging.tensorboard=false",
+            "parallel={grid: {data: 1, pipe: 1, spatial: [2, 1, 1]}}"]
+    config = ["--config", str(ROOT / "launch/configs/demo.yaml")]
+    res = train_script([*config, *[a for v in sets for a in ("--set", v)]])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run / "ridge_start.json").read_text())["size"] == 8
+    with open(run / "metrics_epochs.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [2, 3]
+    ridge = reference.ridge_start(data / "train", 8, 4)
+    val = open_dataset(data / "val", sample_size=8, channels=4)
+    want = ridge.predict(np.stack([reference.features(val.read(i)[0]) for i in range(len(val))]))
+    with np.load(run / "val_predictions.npz") as z:
+        got, sample = z["pred"], z["sample"]
+    assert sorted(sample.tolist()) == list(range(len(val)))
+    assert np.abs(got - want[sample]).max() < 1e-4, np.abs(got - want[sample]).max()

@@ -181,7 +181,8 @@ def estimate(study: Study, steps: int, env: dict[str, str]) -> tuple[float, floa
             raise _failed(f"timing {steps} steps at {run.size}^3", rc, run_dir / "train.log")
         times = [float(r["step_s"]) for r in rows]
         train_steps = u.train * run.crops // run.batch_size
-        forward_steps = (u.val * run.crops / run.batch_size + cfg.train.precise_bn_batches) / 3
+        forward_steps = (u.val * run.crops / run.batch_size + cfg.train.precise_bn_batches) / 3 \
+            / cfg.train.val_every  # a validation every val_every epochs, spread over them
         step_s, best_s = float(np.median(times[1:])), min(times[1:])  # the first step warms up
         start_s = max(wall - sum(times) - forward_steps * step_s, 0.0)  # what the timed run did besides
         epoch_s = (train_steps + forward_steps) * step_s

@@ -235,6 +235,8 @@ def test_goals_and_convergence_lines_say_met_or_not_with_their_figures() -> None
     assert "beyond its seed spread on Omega_m, sigma_8, H_0 at every size: not met (16³ Omega_m 0.4000 + " \
            "0.3000 > 0.4500; 64³ sigma_8 0.2000 + 0.0200 > 0.1800; 64³ H_0 0.2500 + 0.0200 > 0.1800)" in text
     assert "- stretch, network <= 0.9 x reference at 64³: Omega_m 0.88, sigma_8 1.11: not met" in text
+    one = goals({"sizes": {"64": doc["sizes"]["64"]}}, ref)
+    assert "one input size (64³), no comparison between sizes" in one and "64³ / 64³" not in one
     doc["sizes"]["16"]["seeds"][0]["curve"]["Omega_m"] = [0.6, 0.5, 0.45, 0.44, 0.44, 0.44, 0.44, 0.40]
     assert convergence(doc).endswith("Every run within 2%: not met (largest change 2.3%)")
 

@@ -156,8 +156,8 @@ def goals(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
     sizes = doc["sizes"]
     order = sorted(sizes, key=int)
     lo, hi = sizes[order[0]], sizes[order[-1]]
-    lines = []
-    for p in GAIN:
+    lines = [] if len(order) > 1 else [f"- volume: one input size ({order[0]}³), no comparison between sizes"]
+    for p in GAIN if len(order) > 1 else ():
         ratio = hi["mae"][p] / lo["mae"][p]
         noise = lo["mae_spread"][p] + hi["mae_spread"][p]
         met = ratio <= 0.5 and lo["mae"][p] - hi["mae"][p] > noise

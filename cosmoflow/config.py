@@ -64,6 +64,7 @@ class ModelConfig:
     ridge_start: bool = False            # the head reads the volume study reference's features, beside a
                                          # linear probe set to its ridge solution on the training set; the
                                          # head's output starts at zero (the network starts at the reference)
+    ridge_probe: str = "trained"         # trained | fixed: the probe fine-tuned, or kept at the ridge fit
     init_from: str | None = None         # start from these weights: a safetensors file or a weights-only
                                          # torch state dict (hybridpar.checkpoint export writes both);
                                          # a resumed checkpoint still wins
@@ -424,6 +425,9 @@ def validate(cfg: Config) -> None:
     if cfg.task == "reconstruct":
         _validate_reconstruct(cfg)
         return
+    if cfg.model.ridge_probe not in ("trained", "fixed"):
+        raise ConfigError(f"model.ridge_probe: {cfg.model.ridge_probe!r} is not one of trained, fixed "
+                          "(fixed: the ridge-started probe kept at the ridge solution)")
     if cfg.model.ridge_start and cfg.model.power_spectrum:
         raise ConfigError("model.ridge_start and model.power_spectrum both feed spectrum features to the "
                           "head (the reference's, or the growth branch's); set one of them to false")

@@ -85,6 +85,7 @@ class RunningStandardize(nn.BatchNorm1d):
 
 
 SpectrumStats = Literal["batch", "running"]
+RidgeProbe = Literal["trained", "fixed"]
 
 
 def _pool(kind: str) -> nn.Module:
@@ -243,6 +244,22 @@ class Standardize(nn.Module):
         return ((f - self.mean) / self.scale).to(self.mean.dtype)
 
 
+class FixedLinear(nn.Module):
+    """A linear map whose weights are buffers: a ridge probe kept where the closed-form solve put it
+    (``model.ridge_probe: fixed``). Why: the ridge's solution is regularised (its strength chosen by
+    cross-validation); trained further on the mean squared error alone, the probe drifts towards the
+    unregularised fit, and the validation MAE rises (measured: volume_study_ridge_short)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features))
+        self.register_buffer("bias", torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 class RidgeStarted(nn.Module):
     """A CNN + P(k) hybrid that starts at the volume study's reference and learns the residual.
 
@@ -261,14 +278,18 @@ class RidgeStarted(nn.Module):
     """
 
     def __init__(self, trunk: nn.Sequential, head: nn.Sequential, in_channels: int, input_size: int,
-                 n_outputs: int) -> None:
+                 n_outputs: int, probe: RidgeProbe = "trained") -> None:
         from cosmoflow.summaries import ReferenceFeatures  # noqa: PLC0415 (imports the engine's layers)
 
         super().__init__()
+        if probe not in ("trained", "fixed"):
+            raise ValueError(f"ridge_probe must be 'trained' (fine-tuned) or 'fixed' (kept at the ridge "
+                             f"solution), got {probe!r}")
         self.trunk, self.head = trunk, head
         self.features = ReferenceFeatures(input_size, in_channels)
         self.standardize = Standardize(self.features.n_features)
-        self.probe = nn.Linear(self.features.n_features, n_outputs)
+        n = self.features.n_features
+        self.probe = nn.Linear(n, n_outputs) if probe == "trained" else FixedLinear(n, n_outputs)
 
     def output_layer(self) -> nn.Linear:
         """The head's last Linear: zero at the start, so the residual starts at zero."""
@@ -286,7 +307,8 @@ class RidgeStarted(nn.Module):
         return self.probe(z) + self.head(torch.cat([self.trunk(x), z], dim=1))
 
 
-def _with_ridge_start(model: nn.Sequential, input_size: int, in_channels: int) -> RidgeStarted:
+def _with_ridge_start(model: nn.Sequential, input_size: int, in_channels: int,
+                      probe: RidgeProbe = "trained") -> RidgeStarted:
     """``model`` cut at its first dense layer, which also takes the reference's features."""
     from cosmoflow.summaries import features_per_channel  # noqa: PLC0415
 
@@ -296,7 +318,7 @@ def _with_ridge_start(model: nn.Sequential, input_size: int, in_channels: int) -
     layers[cut] = nn.Linear(first.in_features + in_channels * features_per_channel(), first.out_features)
     n_outputs = [m for m in layers if isinstance(m, nn.Linear)][-1].out_features
     return RidgeStarted(nn.Sequential(*layers[:cut]), nn.Sequential(*layers[cut:]), in_channels, input_size,
-                        n_outputs)
+                        n_outputs, probe)
 
 
 def start_at_ridge(model: RidgeStarted, fit: object) -> None:
@@ -336,7 +358,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
                 head_norm: bool = False, padding_mode: str = "zeros",
                 power_spectrum: bool = False, spectrum_stats: SpectrumStats = "batch",
-                ridge_start: bool = False) -> nn.Module:
+                ridge_start: bool = False, ridge_probe: RidgeProbe = "trained") -> nn.Module:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
@@ -352,7 +374,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     are standardised by the batch's statistics (``spectrum_stats="batch"``, BatchNorm1d) or by the
     training set's (``"running"``, :class:`RunningStandardize`). ``ridge_start`` gives the head the
     reference's features instead, with a linear probe beside it and the residual at zero
-    (:class:`RidgeStarted`; :func:`start_at_ridge` loads the probe).
+    (:class:`RidgeStarted`; :func:`start_at_ridge` loads the probe), which ``ridge_probe="fixed"``
+    keeps at the ridge solution (:class:`FixedLinear`) rather than fine-tuning it.
     """
     if n_conv < 1:
         raise ValueError(f"n_conv must be at least 1, got {n_conv}")
@@ -372,7 +395,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     if power_spectrum:
         model = _with_power_spectrum(model, input_size, in_channels, spectrum_stats)
     if ridge_start:
-        model = _with_ridge_start(model, input_size, in_channels)
+        model = _with_ridge_start(model, input_size, in_channels, ridge_probe)
     _init(model, init, leaky_slope)
     if ridge_start:
         model.zero_residual()
@@ -416,7 +439,8 @@ def build_network(cfg: Config) -> nn.Module:
     return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
                        dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
                        head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
-                       spectrum_stats=m.spectrum_stats, ridge_start=m.ridge_start)
+                       spectrum_stats=m.spectrum_stats, ridge_start=m.ridge_start,
+                       ridge_probe=m.ridge_probe)
 
 
 def build_model_from_export(path: str | os.PathLike) -> nn.Module:

@@ -50,20 +50,24 @@ def _fit(size: int) -> tuple[reference.RidgeFit, np.ndarray, np.ndarray]:
     return ridge, x_val, ridge.predict(f_val)
 
 
-def _model(size: int, n_conv: int, ridge: reference.RidgeFit, seed: int = 0) -> RidgeStarted:
+def _model(size: int, n_conv: int, ridge: reference.RidgeFit, seed: int = 0, probe: str = "trained"
+           ) -> RidgeStarted:
     torch.manual_seed(seed)
     model = build_model(size, 4, n_conv, 4, 8, dense=[8], dropout=0.0, global_pool=True, head_norm=True,
-                        ridge_start=True).double()
+                        ridge_start=True, ridge_probe=probe).double()
     start_at_ridge(model, ridge)
     return model
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-def test_network_starts_at_the_reference(dtype: torch.dtype, tol: float) -> None:
+CASTS = [(torch.float64, 1e-10, "trained"), (torch.float32, 1e-4, "trained"), (torch.float64, 1e-10, "fixed")]
+
+
+@pytest.mark.parametrize("dtype,tol,probe", CASTS)
+def test_network_starts_at_the_reference(dtype: torch.dtype, tol: float, probe: str) -> None:
     ridge, x_val, want = _fit(16)
     assert np.abs(want).max() > 0.1                                   # a prediction, not zeros
     for seed in (0, 1):                                               # whatever the trunk's weights
-        model = _model(16, 2, ridge, seed).to(dtype).eval()
+        model = _model(16, 2, ridge, seed, probe).to(dtype).eval()
         got = model(torch.from_numpy(x_val).to(dtype)).detach().double().numpy()
         assert np.abs(got - want).max() < tol, (seed, np.abs(got - want).max())
 
@@ -86,6 +90,13 @@ def test_gradients_reach_the_trunk_after_the_first_step() -> None:
     assert any(n.endswith("weight") and n.startswith("trunk.0") for n in trunk), trunk
     moved = model.eval()(torch.from_numpy(x_val)).detach().numpy()
     assert np.abs(moved - want).max() > 1e-6                          # fine-tuning moves the predictions
+    fixed = _model(16, 2, ridge, probe="fixed")
+    assert not [n for n, _ in fixed.named_parameters() if n.startswith("probe")]   # a fixed probe: buffers
+    weight = fixed.probe.weight.clone()
+    opt = torch.optim.SGD(fixed.parameters(), lr=0.05, momentum=0.9)
+    F.mse_loss(fixed(x), y).backward()
+    opt.step()
+    assert torch.equal(fixed.probe.weight, weight)
 
 
 def test_a_fit_of_another_size_is_refused() -> None:
@@ -98,13 +109,13 @@ def test_a_fit_of_another_size_is_refused() -> None:
         start_at_ridge(model, bad)
 
 
-def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int]) -> None:
+def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int], probe: str) -> None:
     import hybridpar as hp
 
     ridge, x_val, want = _fit(size)
     x, y = _inputs(size, 4, 3)
     batches = [(torch.from_numpy(x), torch.from_numpy(y))] * 2
-    single = _model(size, n_conv, ridge)
+    single = _model(size, n_conv, ridge, probe=probe)
     opt = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for xb, yb in batches:
@@ -115,7 +126,7 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
         losses.append(loss.item())
     case = f"size {size}, spatial {spatial}, rank {rank}"
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": spatial}})
-    engine = hp.parallelize(_model(size, n_conv, ridge), spec, loss_fn=F.mse_loss)
+    engine = hp.parallelize(_model(size, n_conv, ridge, probe=probe), spec, loss_fn=F.mse_loss)
     engine.eval()
     start = engine.predict(engine.shard_batch(torch.from_numpy(x_val), torch.zeros(VAL, 4))[0])
     assert np.abs(start.detach().numpy() - want).max() < 1e-10, f"{case}: split start is not the reference"
@@ -132,12 +143,13 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
         assert err <= 1e-9, f"{case}: {k} relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("world,size,n_conv,spatial", [(2, 12, 2, [2, 1, 1]), (2, 12, 2, [1, 1, 2]),
-                                                       (3, 8, 1, [3, 1, 1])],
-                         ids=["2-depth", "2-width", "3-uneven"])
+@pytest.mark.parametrize("world,size,n_conv,spatial,probe", [(2, 12, 2, [2, 1, 1], "trained"),
+                                                             (2, 12, 2, [1, 1, 2], "fixed"),
+                                                             (3, 8, 1, [3, 1, 1], "trained")],
+                         ids=["2-depth", "2-width-fixed", "3-uneven"])
 def test_split_network_matches_single_process(pools, world: int, size: int, n_conv: int,
-                                              spatial: list[int]) -> None:
-    pools(world).run(_split_body, size, n_conv, spatial, timeout=300)
+                                              spatial: list[int], probe: str) -> None:
+    pools(world).run(_split_body, size, n_conv, spatial, probe, timeout=300)
 
 
 def test_trainer_starts_at_the_reference_and_validates_every_second_epoch(tmp_path: Path) -> None:

@@ -236,19 +236,20 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
     if part[1] > 1:
         print(f"part {part[0]}/{part[1]}: runs " + ", ".join(f"{pairs[i][0].size}^3 seed {pairs[i][1]}"
                                                               for i in mine), flush=True)
+    records: dict[int, dict[str, Any]] = {}
     for i in mine:
         run, seed = pairs[i]
         print(f"[{i + 1}/{total}] {run.size}^3, seed {seed}", flush=True)
-        _train(study, run, seed, env)
+        records[i] = _train(study, run, seed, env)
     left = [f"{r.size}^3 seed {s}" for r, s in pairs if not finished(study, r, s)]
     if left:
         print(f"part {part[0]}/{part[1]} done; the report waits for the runs of the other parts: "
               + ", ".join(left), flush=True)
         return None
-    for run, seed in pairs:
+    for i, (run, seed) in enumerate(pairs):
         arch, n = archs[run.size]
-        sizes.setdefault(str(run.size), []).append({**_train(study, run, seed, env), "architecture": arch,
-                                                    "parameters": n})
+        rec = records[i] if i in records else _train(study, run, seed, env)  # another part's: reused
+        sizes.setdefault(str(run.size), []).append({**rec, "architecture": arch, "parameters": n})
         rec = sizes[str(run.size)][-1]
         print(f"  sigma_8 MAE {rec['mae']['sigma_8']:.4f}, Omega_m {rec['mae']['Omega_m']:.4f} "
               f"({rec['wall_s']} s)", flush=True)

@@ -127,6 +127,14 @@ def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None
     assert [r.size for r in cnn.runs] == [64] and cnn.universes == load_study(
         configs / "volume_study.yaml", out=str(tmp_path / "base")).universes       # the same universes
     assert not cnn.trainer_config(cnn.runs[0], 0).model.power_spectrum
+    ridge = load_study(configs / "volume_study_ridge.yaml", out=str(tmp_path / "ridge"))
+    assert [r.size for r in ridge.runs] == [16, 32, 64] and ridge.seeds == [0, 1, 2]
+    rc = ridge.trainer_config(ridge.runs[2], 0)
+    assert rc.model.ridge_start and not rc.model.power_spectrum and rc.train.val_every == 2
+    assert rc.train.epochs == 24 and rc.optimizer.warmup_epochs == 0 and rc.optimizer.decay_epochs == [18]
+    fixed = load_study(configs / "volume_study_ridge_short_fixed.yaml", out=str(tmp_path / "fixed"))
+    fc = fixed.trainer_config(fixed.runs[0], 0)
+    assert fc.model.ridge_probe == "fixed" and fc.train.epochs == 4 and fc.model.ridge_start
     loop = tmp_path / "loop.yaml"
     loop.write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends itself"):

@@ -61,6 +61,10 @@ class ModelConfig:
                                          # statistics or the training set's (RunningStandardize)
     padding_mode: str = "zeros"          # zeros | circular (the universes are periodic boxes)
     power_spectrum: bool = False         # a P(k) branch of the input channels into the head
+    ridge_start: bool = False            # the head reads the volume study reference's features, beside a
+                                         # linear probe set to its ridge solution on the training set; the
+                                         # head's output starts at zero (the network starts at the reference)
+    ridge_probe: str = "trained"         # trained | fixed: the probe fine-tuned, or kept at the ridge fit
     init_from: str | None = None         # start from these weights: a safetensors file or a weights-only
                                          # torch state dict (hybridpar.checkpoint export writes both);
                                          # a resumed checkpoint still wins
@@ -108,6 +112,8 @@ class TrainConfig:
     max_steps: int | None = None         # stop after this many steps, >= 1 (smoke runs; null: no limit)
     precise_bn_batches: int = 0          # before validating, re-estimate BatchNorm statistics on this many
                                          # training batches with the weights frozen (0: off)
+    val_every: int = 1                   # validate after every this many epochs and after the last (the
+                                         # training loss of a row then spans the epochs since the last one)
     log_every: int = 1                   # without a terminal, print the progress line every this many steps
     precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     channels_last: bool = False          # NDHWC activations (channels_last_3d)
@@ -347,6 +353,7 @@ AT_LEAST: dict[str, int] = {
     "unet.width": 1, "unet.levels": 1, "unet.max_width": 1, "unet.groups": 1,
     "optimizer.base_batch": 1,
     "train.epochs": 1, "train.batch_size": 1, "train.max_steps": 1, "train.log_every": 1,
+    "train.val_every": 1,
     "checkpoint.keep_last": 1, "checkpoint.keep_every": 1,
 }
 """Numbers that are sizes, counts or periods: at least 1 (each entry of a list). Every other number
@@ -418,6 +425,12 @@ def validate(cfg: Config) -> None:
     if cfg.task == "reconstruct":
         _validate_reconstruct(cfg)
         return
+    if cfg.model.ridge_probe not in ("trained", "fixed"):
+        raise ConfigError(f"model.ridge_probe: {cfg.model.ridge_probe!r} is not one of trained, fixed "
+                          "(fixed: the ridge-started probe kept at the ridge solution)")
+    if cfg.model.ridge_start and cfg.model.power_spectrum:
+        raise ConfigError("model.ridge_start and model.power_spectrum both feed spectrum features to the "
+                          "head (the reference's, or the growth branch's); set one of them to false")
     n = cfg.model.n_conv
     if cfg.data.sample_size % (2 ** n):
         fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]

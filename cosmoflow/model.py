@@ -85,6 +85,7 @@ class RunningStandardize(nn.BatchNorm1d):
 
 
 SpectrumStats = Literal["batch", "running"]
+RidgeProbe = Literal["trained", "fixed"]
 
 
 def _pool(kind: str) -> nn.Module:
@@ -229,6 +230,124 @@ def _with_power_spectrum(model: nn.Sequential, input_size: int, in_channels: int
                                input_size, stats=stats)
 
 
+class Standardize(nn.Module):
+    """``(f - mean) / scale`` with fixed buffers, the result in the buffers' dtype: the training set's
+    standardisation of the reference's features (float64 in, the model's dtype out). A module of its own
+    so that the engine runs it, like the probe, on the replicated features."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+        self.register_buffer("scale", torch.ones(features))
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return ((f - self.mean) / self.scale).to(self.mean.dtype)
+
+
+class FixedLinear(nn.Module):
+    """A linear map whose weights are buffers: a ridge probe kept where the closed-form solve put it
+    (``model.ridge_probe: fixed``). Why: fine-tuned with the rest, the ridge-started network's
+    validation MAE rose above the reference's within an epoch (``volume_study_ridge_short``). The
+    ridge's solution is regularised, its strength chosen by cross-validation; SGD on the squared error
+    alone, eight universes a step, has no such penalty and moves the probe off it (the likely cause,
+    not isolated). Kept fixed, only the residual (trunk and head) learns."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features))
+        self.register_buffer("bias", torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RidgeStarted(nn.Module):
+    """A CNN + P(k) hybrid that starts at the volume study's reference and learns the residual.
+
+    ``forward(x) = probe(z) + head([trunk(x), z])``, with ``z`` the reference's features
+    (:class:`cosmoflow.summaries.ReferenceFeatures`: log shell powers, mean, log variance, skewness per
+    channel) standardised with the training set's statistics. :func:`start_at_ridge` sets the linear
+    ``probe`` to the closed-form ridge solution on the training set (linear probing) and the head's
+    output layer starts at zero, so before the first step the network predicts exactly what the
+    reference does; training then moves the probe (fine-tuning) and teaches the trunk and head what the
+    spectrum misses.
+
+    Why: a head trained by SGD for the study's few hundred steps approaches but does not reach what the
+    ridge gets from the same spectrum in one exact solve (the study's own probe needed about 4× its
+    steps), so a network that had to learn the spectrum's regression first ended behind the reference at
+    every size. Started at it, the network's comparison with the reference measures what the CNN adds.
+    """
+
+    def __init__(self, trunk: nn.Sequential, head: nn.Sequential, in_channels: int, input_size: int,
+                 n_outputs: int, probe: RidgeProbe = "trained") -> None:
+        from cosmoflow.summaries import ReferenceFeatures  # noqa: PLC0415 (imports the engine's layers)
+
+        super().__init__()
+        if probe not in ("trained", "fixed"):
+            raise ValueError(f"ridge_probe must be 'trained' (fine-tuned) or 'fixed' (kept at the ridge "
+                             f"solution), got {probe!r}")
+        self.trunk, self.head = trunk, head
+        self.features = ReferenceFeatures(input_size, in_channels)
+        self.standardize = Standardize(self.features.n_features)
+        n = self.features.n_features
+        self.probe = nn.Linear(n, n_outputs) if probe == "trained" else FixedLinear(n, n_outputs)
+
+    def output_layer(self) -> nn.Linear:
+        """The head's last Linear: zero at the start, so the residual starts at zero."""
+        return [m for m in self.head if isinstance(m, nn.Linear)][-1]
+
+    def zero_residual(self) -> None:
+        """Head output layer and probe at zero: the model predicts 0 until :func:`start_at_ridge`."""
+        with torch.no_grad():
+            for layer in (self.output_layer(), self.probe):
+                layer.weight.zero_()
+                layer.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.standardize(self.features(x))
+        return self.probe(z) + self.head(torch.cat([self.trunk(x), z], dim=1))
+
+
+def _with_ridge_start(model: nn.Sequential, input_size: int, in_channels: int,
+                      probe: RidgeProbe = "trained") -> RidgeStarted:
+    """``model`` cut at its first dense layer, which also takes the reference's features."""
+    from cosmoflow.summaries import features_per_channel  # noqa: PLC0415
+
+    layers = list(model)
+    cut = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
+    first = layers[cut]
+    layers[cut] = nn.Linear(first.in_features + in_channels * features_per_channel(), first.out_features)
+    n_outputs = [m for m in layers if isinstance(m, nn.Linear)][-1].out_features
+    return RidgeStarted(nn.Sequential(*layers[:cut]), nn.Sequential(*layers[cut:]), in_channels, input_size,
+                        n_outputs, probe)
+
+
+def start_at_ridge(model: RidgeStarted, fit: object) -> None:
+    """Set ``model``'s standardisation and probe to a fitted reference (``reference.RidgeFit``:
+    ``usable``, ``mean``, ``scale``, ``weights`` with the intercept last) and its residual to zero, so
+    that it predicts what the reference predicts. Features the fit left out (constant over the
+    training set) get mean 0, scale 1 and weight 0."""
+    device = model.standardize.mean.device
+    usable = torch.as_tensor(fit.usable, dtype=torch.bool, device=device)
+    n = model.standardize.mean.numel()
+    if usable.numel() != n or fit.weights.shape[1] != model.probe.out_features:
+        raise ValueError(f"the ridge fit has {usable.numel()} features and {fit.weights.shape[1]} outputs; "
+                         f"the model's probe takes {n} and gives {model.probe.out_features} (another input "
+                         "size or channel count?)")
+    model.zero_residual()
+    with torch.no_grad():
+        st, probe = model.standardize, model.probe
+        dtype = st.mean.dtype
+        st.mean.zero_()
+        st.scale.fill_(1.0)
+        st.mean[usable] = torch.as_tensor(fit.mean, dtype=dtype, device=device)
+        st.scale[usable] = torch.as_tensor(fit.scale, dtype=dtype, device=device)
+        w = torch.as_tensor(fit.weights, dtype=probe.weight.dtype, device=device)
+        probe.weight[:, usable] = w[:-1].T
+        probe.bias.copy_(w[-1])
+
+
 def conv_channels(n_conv: int, base_filters: int, max_filters: int) -> list[int]:
     """Output channels of each conv layer: ``base·2^i`` capped at ``max_filters``."""
     return [min(base_filters * 2 ** i, max_filters) for i in range(n_conv)]
@@ -240,7 +359,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 batchnorm: bool = False, leaky_slope: float = 0.3, output_scale: float = 1.2,
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
                 head_norm: bool = False, padding_mode: str = "zeros",
-                power_spectrum: bool = False, spectrum_stats: SpectrumStats = "batch") -> nn.Module:
+                power_spectrum: bool = False, spectrum_stats: SpectrumStats = "batch",
+                ridge_start: bool = False, ridge_probe: RidgeProbe = "trained") -> nn.Module:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
@@ -254,7 +374,10 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     lose their bias (BatchNorm's shift replaces it). ``power_spectrum`` adds a P(k) branch to the head
     (:class:`PowerSpectrumBranch`; the model is then no longer one ``Sequential``), whose features
     are standardised by the batch's statistics (``spectrum_stats="batch"``, BatchNorm1d) or by the
-    training set's (``"running"``, :class:`RunningStandardize`).
+    training set's (``"running"``, :class:`RunningStandardize`). ``ridge_start`` gives the head the
+    reference's features instead, with a linear probe beside it and the residual at zero
+    (:class:`RidgeStarted`; :func:`start_at_ridge` loads the probe), which ``ridge_probe="fixed"``
+    keeps at the ridge solution (:class:`FixedLinear`) rather than fine-tuning it.
     """
     if n_conv < 1:
         raise ValueError(f"n_conv must be at least 1, got {n_conv}")
@@ -268,9 +391,16 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     model = _build(input_size, in_channels, conv_channels(n_conv, base_filters, max_filters), kernel_size,
                    pool, dense, n_outputs, dropout, batchnorm, leaky_slope, output_scale, bn_momentum,
                    global_pool, head_norm, padding_mode)
+    if power_spectrum and ridge_start:
+        raise ValueError("power_spectrum and ridge_start both give the head spectrum features (the "
+                         "growth branch or the reference's); choose one")
     if power_spectrum:
         model = _with_power_spectrum(model, input_size, in_channels, spectrum_stats)
+    if ridge_start:
+        model = _with_ridge_start(model, input_size, in_channels, ridge_probe)
     _init(model, init, leaky_slope)
+    if ridge_start:
+        model.zero_residual()
     return model
 
 
@@ -311,7 +441,8 @@ def build_network(cfg: Config) -> nn.Module:
     return build_model(cfg.data.sample_size, channels, m.n_conv, m.base_filters, m.max_filters, dense=m.dense,
                        dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
                        head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
-                       spectrum_stats=m.spectrum_stats)
+                       spectrum_stats=m.spectrum_stats, ridge_start=m.ridge_start,
+                       ridge_probe=m.ridge_probe)
 
 
 def build_model_from_export(path: str | os.PathLike) -> nn.Module:

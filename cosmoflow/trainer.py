@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import yaml
 
 import hybridpar as hp
-from cosmoflow import errors
+from cosmoflow import errors, linear_probe
 from cosmoflow.config import Config, ConfigError, read_yaml
 from cosmoflow.data import open_dataset
 from cosmoflow.errors import Stop
@@ -223,6 +223,8 @@ def run(cfg: Config) -> dict[str, Any]:
     accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
     model = build_network(cfg).to(accel.device)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.model.ridge_start and not reconstruct:  # the probe at the reference's solution (linear probing)
+        linear_probe.start(cfg, model, run_dir, rank)
     if cfg.model.init_from:  # weights trained elsewhere (a resumed checkpoint still wins over them)
         _init_from(model, cfg.model.init_from, shapes)
     batch = cfg.train.batch_size
@@ -359,6 +361,9 @@ def run(cfg: Config) -> dict[str, Any]:
             ended = loader.epoch > epoch  # the epoch ran to its end (else max_steps cut it short)
             if ended:
                 epoch += 1
+            if ended and epoch % cfg.train.val_every and epoch < cfg.train.epochs and step < total:
+                save()  # not a validation epoch: the checkpoint alone (resumable at every epoch)
+                continue
             if bn_loader is not None:
                 precise_bn(engine, bn_loader, cfg.train.precise_bn_batches, epoch)
             number = epoch if ended else epoch + 1  # the epoch just run, from 1 (cut short: not ended)

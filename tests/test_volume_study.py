@@ -127,6 +127,14 @@ def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None
     assert [r.size for r in cnn.runs] == [64] and cnn.universes == load_study(
         configs / "volume_study.yaml", out=str(tmp_path / "base")).universes       # the same universes
     assert not cnn.trainer_config(cnn.runs[0], 0).model.power_spectrum
+    ridge = load_study(configs / "volume_study_ridge.yaml", out=str(tmp_path / "ridge"))
+    assert [r.size for r in ridge.runs] == [16, 32, 64] and ridge.seeds == [0, 1, 2]
+    rc = ridge.trainer_config(ridge.runs[2], 0)
+    assert rc.model.ridge_start and not rc.model.power_spectrum and rc.train.val_every == 2
+    assert rc.train.epochs == 24 and rc.optimizer.warmup_epochs == 0 and rc.optimizer.decay_epochs == [18]
+    fixed = load_study(configs / "volume_study_ridge_short_fixed.yaml", out=str(tmp_path / "fixed"))
+    fc = fixed.trainer_config(fixed.runs[0], 0)
+    assert fc.model.ridge_probe == "fixed" and fc.train.epochs == 4 and fc.model.ridge_start
     loop = tmp_path / "loop.yaml"
     loop.write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends itself"):
@@ -229,7 +237,16 @@ def test_goals_and_convergence_lines_say_met_or_not_with_their_figures() -> None
     assert "- Omega_m: 64³ / 16³ = 0.35 (goal <= 0.5; difference -0.2600 against seed spreads 0.3200 " \
            "together): not met" in goals(doc)
     assert convergence(doc) == ("Learning curves, mean validation MAE over the last quarter of epochs "
-                                "(each input alone): 16³ seed 0: 0.4400 -> 0.4400 (+0.0%)")
+                                "(each input alone): 16³ seed 0: 0.4400 -> 0.4400 (+0.0%). Every run "
+                                "within 2%: met (largest change 0.0%)")
+    text = goals(doc, ref)
+    assert "beyond its seed spread on Omega_m, sigma_8, H_0 at every size: not met (16³ Omega_m 0.4000 + " \
+           "0.3000 > 0.4500; 64³ sigma_8 0.2000 + 0.0200 > 0.1800; 64³ H_0 0.2500 + 0.0200 > 0.1800)" in text
+    assert "- stretch, network <= 0.9 x reference at 64³: Omega_m 0.88, sigma_8 1.11: not met" in text
+    one = goals({"sizes": {"64": doc["sizes"]["64"]}}, ref)
+    assert "one input size (64³), no comparison between sizes" in one and "64³ / 64³" not in one
+    doc["sizes"]["16"]["seeds"][0]["curve"]["Omega_m"] = [0.6, 0.5, 0.45, 0.44, 0.44, 0.44, 0.44, 0.40]
+    assert convergence(doc).endswith("Every run within 2%: not met (largest change 2.3%)")
 
 
 def test_reference_features_of_white_noise() -> None:
@@ -276,3 +293,17 @@ def test_reference_features_of_a_constant_channel_are_finite() -> None:
     assert np.isfinite(f).all()
     assert np.all(f[0, 3:shells] == np.log(reference.FLOOR)) and np.all(f[0, :3] == 0.0)  # held / not
     assert f[0, shells:].tolist() == [pytest.approx(0.69), np.log(reference.FLOOR), 0.0]
+
+
+def test_parts_share_the_runs_between_them() -> None:
+    """``--part K/N``: the N parts together run every (size, seed) run exactly once, each a mix of sizes;
+    a part outside 1..N is one clear error."""
+    from cosmoflow.experiments.volume import part_of, share
+
+    parts = [share(9, (k, 3)) for k in (1, 2, 3)]
+    assert sorted(i for p in parts for i in p) == list(range(9))
+    assert parts[0] == [0, 3, 6]                        # 3 sizes x 3 seeds: one run of each size per part
+    assert part_of("2/3") == (2, 3) and share(4, part_of("1/1")) == [0, 1, 2, 3]
+    for bad in ("0/3", "4/3", "3", "a/b"):
+        with pytest.raises(ConfigError, match="give K/N with 1 <= K <= N"):
+            part_of(bad)

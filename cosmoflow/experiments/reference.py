@@ -21,49 +21,45 @@ writes ``<results>_reference.json`` beside the study's result file; the study's 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from cosmoflow.data import open_dataset
 from cosmoflow.experiments.averaging import per_universe
 from cosmoflow.metrics import PARAMS, mae
-from cosmoflow.universe import measure_power
+from cosmoflow.summaries import FLOOR, SHELLS, ReferenceFeatures
 
-SHELLS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 0.87)
-"""Shell edges in cycles per voxel (0.87 ≈ √3/2 holds the grid's corners)."""
+__all__ = ["FLOOR", "SHELLS", "RidgeFit", "features", "fit", "fit_predict", "reference", "ridge_start"]
+
 STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """Ridge strengths tried (on standardised features), per parameter, by cross-validation."""
 FOLDS = 4
-FLOOR = 1e-12
-"""Power and variance below this are taken as this (a constant channel): their logs stay finite."""
 FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".join(f"{e:.3g}" for e in SHELLS)
             + " cycles/voxel (those the input holds), mean, log variance, skewness; ridge regression, "
               f"strength per parameter from {FOLDS}-fold cross-validation over training universes")
 
 
-def features(x: np.ndarray) -> np.ndarray:
-    """Summary statistics of one input ``x`` (C, d, d, d), float ``log1p(counts)``: per channel the log
-    power in each shell of :data:`SHELLS` (0 where the input holds no wavenumber of that shell), the mean,
-    the log variance and the skewness. A constant channel (a small crop of an empty region at high
-    redshift) has power and variance :data:`FLOOR` and skewness 0, so every feature stays finite."""
-    d = x.shape[-1]
-    edges = 2 * np.pi * np.asarray(SHELLS)  # radians per voxel: measure_power's units on a box of d voxels
-    out: list[float] = []
-    for channel in np.asarray(x, dtype=np.float64):
-        delta = channel - channel.mean()
-        var = float(np.mean(delta ** 2))
-        k_mean, power, _ = measure_power(delta, float(d), edges)
-        out += [float(np.log(max(p, FLOOR))) if k > 0 else 0.0 for k, p in zip(k_mean, power)]
-        skew = float(np.mean(delta ** 3) / var ** 1.5) if var > FLOOR else 0.0
-        out += [float(channel.mean()), float(np.log(max(var, FLOOR))), skew]
-    return np.asarray(out)
+@functools.lru_cache(maxsize=8)
+def _extractor(size: int, channels: int) -> ReferenceFeatures:
+    return ReferenceFeatures(size, channels)
+
+
+def features(x: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Summary statistics of one input ``x`` (C, d, d, d), float ``log1p(counts)``, in float64:
+    :class:`cosmoflow.summaries.ReferenceFeatures`, the module the ridge-started network computes too."""
+    t = torch.as_tensor(np.asarray(x, dtype=np.float64))
+    with torch.no_grad():
+        return _extractor(t.shape[-1], t.shape[0])(t[None])[0].numpy()
 
 
 def _rows(directory: Path, size: int, channels: int, indices: range) -> tuple[list, list, list]:
@@ -114,21 +110,67 @@ def _folds(universes: np.ndarray, k: int) -> Iterator[np.ndarray]:
         yield np.isin(universes, keys[order[f::k]])
 
 
-def fit_predict(x_train: np.ndarray, y_train: np.ndarray, u_train: np.ndarray,
-                x_val: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
-    """Validation predictions of the ridge regression, and the strength chosen per parameter."""
+@dataclass(frozen=True)
+class RidgeFit:
+    """A fitted reference: which features vary over the training set (``usable``; the rest are
+    constants, weight 0), their training mean and spread (the standardisation), and per parameter the
+    ridge weights on the standardised usable features with the intercept last (``weights``, (usable + 1,
+    parameters)) and the strength cross-validation chose. Everything a linear probe needs to predict
+    exactly as the reference does."""
+
+    usable: np.ndarray
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+    strength: dict[str, float]
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return _predict(self.weights, (x[:, self.usable] - self.mean) / self.scale)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"usable": self.usable.tolist(), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+                "weights": self.weights.tolist(), "strength": self.strength}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RidgeFit:
+        usable = np.asarray(doc["usable"], dtype=bool)
+        mean, scale = np.asarray(doc["mean"], dtype=np.float64), np.asarray(doc["scale"], dtype=np.float64)
+        weights = np.asarray(doc["weights"], dtype=np.float64)
+        k = int(usable.sum())
+        if mean.shape != (k,) or scale.shape != (k,) or weights.ndim != 2 or weights.shape[0] != k + 1:
+            raise ValueError(f"a ridge fit of {k} usable features needs mean and scale of {k} values and "
+                             f"weights of {k + 1} rows, got {mean.shape}, {scale.shape}, {weights.shape}")
+        return cls(usable, mean, scale, weights, {str(p): float(v) for p, v in doc["strength"].items()})
+
+
+def fit(x_train: np.ndarray, y_train: np.ndarray, u_train: np.ndarray) -> RidgeFit:
+    """The ridge regression of ``y_train`` on the features ``x_train``, strength per parameter chosen by
+    cross-validation over the training universes ``u_train``."""
     usable = np.ptp(x_train, axis=0) > 0  # a shell no input holds is a constant 0
     mu, sd = x_train[:, usable].mean(0), x_train[:, usable].std(0)
-    z_train, z_val = (x_train[:, usable] - mu) / sd, (x_val[:, usable] - mu) / sd
+    z_train = (x_train[:, usable] - mu) / sd
     cv = np.zeros((len(STRENGTHS), y_train.shape[1]))
     for held in _folds(u_train, FOLDS):
         for s, strength in enumerate(STRENGTHS):
             w = _ridge(z_train[~held], y_train[~held], strength)
             cv[s] += np.abs(_predict(w, z_train[held]) - y_train[held]).sum(0)
     chosen = [STRENGTHS[int(s)] for s in cv.argmin(axis=0)]
-    pred = np.stack([_predict(_ridge(z_train, y_train[:, [j]], lam), z_val)[:, 0]
-                     for j, lam in enumerate(chosen)], axis=1)
-    return pred, dict(zip(PARAMS, chosen))
+    weights = np.concatenate([_ridge(z_train, y_train[:, [j]], lam) for j, lam in enumerate(chosen)], axis=1)
+    return RidgeFit(usable, mu, sd, weights, dict(zip(PARAMS, chosen)))
+
+
+def fit_predict(x_train: np.ndarray, y_train: np.ndarray, u_train: np.ndarray,
+                x_val: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Validation predictions of the ridge regression, and the strength chosen per parameter."""
+    ridge = fit(x_train, y_train, u_train)
+    return ridge.predict(x_val), ridge.strength
+
+
+def ridge_start(train_dir: Path | str, size: int, channels: int, workers: int = 1) -> RidgeFit:
+    """The reference fitted on every ``size``³ input of ``train_dir``: where a ridge-started network's
+    linear probe begins (:func:`cosmoflow.model.start_at_ridge`)."""
+    x_train, y_train, u_train = _table(Path(train_dir), size, channels, workers)
+    return fit(x_train, y_train, u_train)
 
 
 def reference(train_dir: Path, val_dir: Path, sizes: list[int], channels: int, workers: int = 1

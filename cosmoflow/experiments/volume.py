@@ -63,7 +63,8 @@ def architecture(study: Study, run: SizeRun) -> tuple[str, int]:
     cfg = study.trainer_config(run, study.seeds[0])
     model = build_network(cfg)
     branch = getattr(model, "spectrum", None)  # a P(k) branch: trunk and head around it
-    layers = [*model.trunk, *model.head] if branch is not None else list(model)
+    probe = getattr(model, "probe", None)      # the reference's features and a ridge-started probe
+    layers = [*model.trunk, *model.head] if branch is not None or probe is not None else list(model)
     x = torch.zeros(2, cfg.data.channels, run.size, run.size, run.size, device="meta")
     parts = [f"{cfg.data.channels}x{run.size}^3"]
     with torch.no_grad():
@@ -79,6 +80,8 @@ def architecture(study: Study, run: SizeRun) -> tuple[str, int]:
             elif name == "Linear":
                 if branch is not None and layer is model.head[0]:
                     parts.append(f"+ P(k) {len(branch.edges) - 1} shells x {cfg.data.channels}")
+                if probe is not None and layer is model.head[0]:
+                    parts.append(f"+ reference's {probe.in_features} features (ridge probe beside)")
                 parts.append(f"dense {layer.in_features}->{layer.out_features}")
             elif name.startswith("BatchNorm"):
                 parts.append(name)
@@ -108,6 +111,32 @@ def _failed(what: str, rc: int, log: Path) -> RuntimeError:
     return RuntimeError(f"{what} failed (exit {rc}); the end of {log}:\n{tail}")
 
 
+def finished(study: Study, run: SizeRun, seed: int) -> bool:
+    """Whether this size and seed's run finished with the study's current command and trainer config
+    (its predictions and stamp exist and the stamp records the same settings): it is then reused."""
+    run_dir = study.run_dir(run, seed)
+    stamp = run_dir / "study_run.json"
+    if not ((run_dir / "val_predictions.npz").exists() and stamp.exists()):
+        return False
+    settings = {"command": _command(study, run, seed), "training": study.base_config().read_text()}
+    return {k: json.loads(stamp.read_text()).get(k) for k in settings} == settings
+
+
+def part_of(spec: str) -> tuple[int, int]:
+    """``"K/N"`` as (K, N), 1 <= K <= N: the K-th of N parts of a study's runs."""
+    k, sep, n = spec.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ConfigError(f"--part {spec!r}: give K/N with 1 <= K <= N, e.g. --part 1/3")
+    return int(k), int(n)
+
+
+def share(total: int, part: tuple[int, int]) -> list[int]:
+    """The runs (indices into the study's size-major list of ``total``) that part (K, N) runs: every N-th
+    from the K-th, so each part gets a mix of sizes and the parts take about equal time."""
+    k, n = part
+    return list(range(k - 1, total, n))
+
+
 def _train(study: Study, run: SizeRun, seed: int, env: dict[str, str]) -> dict[str, Any]:
     """One training run (reused when it already finished with the same command and trainer config); its
     record."""
@@ -115,8 +144,7 @@ def _train(study: Study, run: SizeRun, seed: int, env: dict[str, str]) -> dict[s
     cmd = _command(study, run, seed)
     stamp = run_dir / "study_run.json"
     settings = {"command": cmd, "training": study.base_config().read_text()}  # what makes a run this one
-    done = (run_dir / "val_predictions.npz").exists() and stamp.exists()
-    if done and {k: json.loads(stamp.read_text()).get(k) for k in settings} == settings:
+    if finished(study, run, seed):
         print(f"  reusing {run_dir} (finished with the same command and config)", flush=True)
         wall = json.loads(stamp.read_text()).get("wall_s")
     else:
@@ -153,7 +181,8 @@ def estimate(study: Study, steps: int, env: dict[str, str]) -> tuple[float, floa
             raise _failed(f"timing {steps} steps at {run.size}^3", rc, run_dir / "train.log")
         times = [float(r["step_s"]) for r in rows]
         train_steps = u.train * run.crops // run.batch_size
-        forward_steps = (u.val * run.crops / run.batch_size + cfg.train.precise_bn_batches) / 3
+        forward_steps = (u.val * run.crops / run.batch_size + cfg.train.precise_bn_batches) / 3 \
+            / cfg.train.val_every  # a validation every val_every epochs, spread over them
         step_s, best_s = float(np.median(times[1:])), min(times[1:])  # the first step warms up
         start_s = max(wall - sum(times) - forward_steps * step_s, 0.0)  # what the timed run did besides
         epoch_s = (train_steps + forward_steps) * step_s
@@ -183,10 +212,13 @@ def _plan(study: Study) -> dict[int, tuple[str, int]]:
     return archs
 
 
-def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps: int = 0
-              ) -> dict[str, Any] | None:
+def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps: int = 0,
+              part: tuple[int, int] = (1, 1)) -> dict[str, Any] | None:
     """Run (or reuse) every size and seed and write the report; returns the result document (None for a
-    dry run or an estimate)."""
+    dry run, an estimate, or a part whose study still has runs to do).
+
+    ``part`` (K, N): run only every N-th (size, seed) run starting at the K-th, so that a study too long
+    for one sitting is N commands; the report is written by whichever part finds every run finished."""
     archs = _plan(study)
     if dry_run:
         for run in study.runs:
@@ -198,12 +230,26 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
         estimate(study, estimate_steps, env)
         return None
     sizes: dict[str, Any] = {}
-    total = len(study.runs) * len(study.seeds)
-    for k, (run, seed) in enumerate(((r, s) for r in study.runs for s in study.seeds), 1):
-        print(f"[{k}/{total}] {run.size}^3, seed {seed}", flush=True)
+    pairs = [(r, s) for r in study.runs for s in study.seeds]
+    total = len(pairs)
+    mine = share(total, part)
+    if part[1] > 1:
+        print(f"part {part[0]}/{part[1]}: runs " + ", ".join(f"{pairs[i][0].size}^3 seed {pairs[i][1]}"
+                                                              for i in mine), flush=True)
+    records: dict[int, dict[str, Any]] = {}
+    for i in mine:
+        run, seed = pairs[i]
+        print(f"[{i + 1}/{total}] {run.size}^3, seed {seed}", flush=True)
+        records[i] = _train(study, run, seed, env)
+    left = [f"{r.size}^3 seed {s}" for r, s in pairs if not finished(study, r, s)]
+    if left:
+        print(f"part {part[0]}/{part[1]} done; the report waits for the runs of the other parts: "
+              + ", ".join(left), flush=True)
+        return None
+    for i, (run, seed) in enumerate(pairs):
         arch, n = archs[run.size]
-        sizes.setdefault(str(run.size), []).append({**_train(study, run, seed, env), "architecture": arch,
-                                                    "parameters": n})
+        rec = records[i] if i in records else _train(study, run, seed, env)  # another part's: reused
+        sizes.setdefault(str(run.size), []).append({**rec, "architecture": arch, "parameters": n})
         rec = sizes[str(run.size)][-1]
         print(f"  sigma_8 MAE {rec['mae']['sigma_8']:.4f}, Omega_m {rec['mae']['Omega_m']:.4f} "
               f"({rec['wall_s']} s)", flush=True)
@@ -252,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the trainer config of every run (repeatable), e.g. --set "
                          "model.batchnorm=true; give such a study its own --out and --results")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    ap.add_argument("--part", default="1/1", metavar="K/N",
+                    help="run the K-th of N shares of the study's runs (every N-th, from the K-th); the "
+                         "part that finds every run finished writes the report")
     ap.add_argument("--estimate", type=int, default=0, metavar="STEPS",
                     help="generate the universes, time STEPS training steps per size, print the projected "
                          "time of the whole study, and stop")
@@ -259,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         study = load_study(args.config, args.out, args.results, args.sets)
         run_study(study, " ".join(["python -m cosmoflow.experiments.volume", *argv]), args.dry_run,
-                  args.estimate)
+                  args.estimate, part_of(args.part))
     except (ConfigError, RuntimeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, ConfigError) else 1

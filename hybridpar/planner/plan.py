@@ -17,6 +17,12 @@ between channels and space (a 3D pixel shuffle) keeps its input's split where ev
 its own output box (:mod:`hybridpar.planner.space_maps`); everything else (Flatten, Linear) runs
 replicated, after a gather. An elementwise node is laid out by the input of its output's extents, so
 that a gate pooled to one voxel (replicated) broadcasts into split features from either side.
+A layer the grid's split would leave with shards thinner than its halo, or an extent smaller than the
+split (a ResNet's last level at 2^3), runs replicated instead, and so do the layers that read it until
+a window layer's input is large enough to split again (Oyama et al.'s hybrid: a Redistribute to
+replicated and back). ``LayerPlan.auto_replicated`` says why; ``strict: true`` refuses instead, as does
+the first layer that would split the model input (a grid finer than the input is a mistake, not a
+layout). A layer rule's split is never changed.
 A gather inside a split region (a replicated node whose output is split again later) is what a
 layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
 the engine and marked by ``explain``. An unregistered module on a split input is an error.
@@ -103,6 +109,17 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     return role or "dense", None
 
 
+def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split) -> str:
+    """Why a node cannot run under ``split`` (its halo check failed), in a few words for ``explain``."""
+    for what, shape in (("input", in_shape), ("output", out_shape)):
+        for k, parts in enumerate(split):
+            if len(shape) == 5 and shape[2 + k] < parts:
+                size = "x".join(map(str, shape[2:]))
+                return f"its {what} of {size} voxels is fewer than the split {list(split)} along {'dhw'[k]}"
+    return f"split {list(split)}, its input of {'x'.join(map(str, in_shape[2:]))} voxels leaves a shard " \
+           f"thinner than its halo"
+
+
 def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:
     """Whether some input of ``node`` is already split (the model input counts once a layer split it)."""
     return any((input_split or REPLICATED) != REPLICATED if n == INPUT else out_split[n] != REPLICATED
@@ -137,6 +154,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     splits: list[Split] = []
     halo_list = []
     gathers: list[bool] = []
+    auto: dict[str, str] = {}  # node -> why the planner replicated it (see _too_small)
     for i, node in enumerate(nodes):
         in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
@@ -180,6 +198,17 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                             f"{{{node.name!r}: {{spatial: replicate}}}} to run it whole after a gather")
         else:
             split = REPLICATED
+        if split != REPLICATED and not mapped and not spec.strict and node.name not in rule_of \
+                and not (INPUT in node.inputs and input_split is None):
+            try:  # too small to split here: replicated, and what reads it after it, until it is large again
+                a.halos(i, entry, split)
+            except SpecError:
+                auto[node.name] = _too_small(in_shape, out_shape, split)
+                split = REPLICATED
+        if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
+            from_auto = next((n for n in node.inputs if n in auto), None)
+            if from_auto is not None:
+                auto[node.name] = f"reads {from_auto}, replicated"
         if INPUT in node.inputs and input_split is None:
             input_split = split if spatial_in else REPLICATED
         replicated_out = entry is not None and entry.replicated_output(node.module)
@@ -187,7 +216,8 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)
         halo_list.append(((0, 0),) * 3 if mapped else a.halos(i, entry, split))
-        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split))
+        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split)
+                       and node.name not in auto)
     # a gather is flagged where the activation is split again after it (inside a split region)
     split_later = [False] * len(nodes)
     later = False
@@ -247,6 +277,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
+        auto_replicated=auto.get(node.name, ""),
         transpose_bytes=transpose_bytes(node.module, shapes[i][0], splits[i], micro), rank_share=shares[i])
         for i, node in enumerate(nodes)]
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from hybridpar import globs
 from hybridpar.nn import registry
-from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
+from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit, analyse, check_input_shape
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import SpaceMap
@@ -109,15 +109,17 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     return role or "dense", None
 
 
-def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split) -> str:
-    """Why a node cannot run under ``split`` (its halo check failed), in a few words for ``explain``."""
+def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split, err: SpecError) -> str:
+    """Why a node cannot run under ``split`` (``err``, its halo check's), in a few words for ``explain``."""
     for what, shape in (("input", in_shape), ("output", out_shape)):
         for k, parts in enumerate(split):
             if len(shape) == 5 and shape[2 + k] < parts:
                 size = "x".join(map(str, shape[2:]))
                 return f"its {what} of {size} voxels is fewer than the split {list(split)} along {'dhw'[k]}"
-    return f"split {list(split)}, its input of {'x'.join(map(str, in_shape[2:]))} voxels leaves a shard " \
-           f"thinner than its halo"
+    why = str(err).split(" voxels: ", 1)[-1].split(";")[0]
+    head, _, rest = why.partition(": ")
+    why = rest if rest and " " not in head else why  # the layer's name again
+    return f"split {list(split)} of its input of {'x'.join(map(str, in_shape[2:]))} voxels: {why}"
 
 
 def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:
@@ -202,8 +204,8 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                 and not (INPUT in node.inputs and input_split is None):
             try:  # too small to split here: replicated, and what reads it after it, until it is large again
                 a.halos(i, entry, split)
-            except SpecError:
-                auto[node.name] = _too_small(in_shape, out_shape, split)
+            except TooSmallToSplit as err:
+                auto[node.name] = _too_small(in_shape, out_shape, split, err)
                 split = REPLICATED
         if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
             from_auto = next((n for n in node.inputs if n in auto), None)

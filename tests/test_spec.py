@@ -359,8 +359,14 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     raises(["model (FlattenBranchy)", "calls flatten on split activations", "nn.Flatten"],
            spec_of({"spatial": [2, 1, 1]}).plan, FlattenBranchy(), (1, 1, 8, 8, 8))
     assert len(spec.plan(FlattenBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
+    # nested, it runs split by module swapping inside itself (its layers checked on their extents)
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
-    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
+    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (2, 1, 1))]
+    raises(["0 (FlattenBranchy), run by module swapping inside", "calls flatten", "spatial: replicate"],
+           spec_of({"spatial": [2, 1, 1]}).plan, nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+    plan = spec_of({"spatial": [2, 1, 1]}, layers={"0": {"spatial": "replicate"}}).plan(
+        nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+    assert [r.split for r in plan] == [(1, 1, 1)]
 
 
 def test_unregistered_layer_in_a_split_region_is_an_error():
@@ -383,10 +389,16 @@ class FlattenBranchy(Branchy):
         return torch.flatten(self.a(x) * 2, 1) if x.dim() == 5 else x
 
 
-class Branchy2(Branchy):
+class Branchy2(nn.Module):
+    """A layer with a parameter of its own that nobody registered (an untraceable block made of
+    registered layers alone would run split by module swapping)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Conv3d(2, 2, 3, padding=1)
+        self.w = nn.Parameter(torch.ones(2, 1, 1, 1))
+
+    def forward(self, x):
+        return x * self.w if x.dim() == 5 else x
 
 
 def test_rule_cannot_split_unsplittable_layer():

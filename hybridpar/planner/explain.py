@@ -65,8 +65,8 @@ def banner(spec: ParallelSpec, records: Sequence[LayerPlan]) -> str:
     marked = f"; {len(auto)} replicated as too small to split: {names}" if auto else ""
     return "\n".join([
         f"layout: grid {g.arithmetic} = {g.data * g.pipe * g.stage_size} ranks",
-        f"layout: {g.pipe} stage(s), {spec.pipeline.schedule} x {spec.pipeline.microbatches} micro-batch(es): "
-        f"{stages}",
+        f"layout: {g.pipe} stage(s), {spec.pipeline.schedule} x {spec.pipeline.microbatches} "
+        f"micro-batch(es): {stages}",
         f"layout: {len(split)} of {len(volume)} volume layers split "
         f"{', '.join(_split(s) for s in layouts) or '(none)'}{marked}"])
 
@@ -114,7 +114,8 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         if r.gather:
             rows.append(("  ! gathers a split activation inside a split region: every rank holds the whole "
                          "volume here (register the layer to split it)",))
-        rows.append((r.name, r.kind, str(r.stage), _split(r.split) + ("!" if r.auto_replicated else ""), "x".join(map(str, r.local_input_shape)),
+        split = _split(r.split) + ("!" if r.auto_replicated else "")
+        rows.append((r.name, r.kind, str(r.stage), split, "x".join(map(str, r.local_input_shape)),
                      _halo(r), _si(r.params), _si(r.flops), _bytes(r.activation_bytes)))
     widths = [max(len(row[c]) for row in rows if len(row) > 1) for c in range(len(COLUMNS))]
     for row in rows:

@@ -45,7 +45,7 @@ from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, Untraceable
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
-from hybridpar.planner.swapped import swapped_plan
+from hybridpar.planner.swapped import nested_block, swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
 if TYPE_CHECKING:  # the spec reader imports this module to plan
@@ -96,6 +96,8 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     whose value is not a tensor (a ``getattr`` that returns a tensor, ``x.T``, is no shape read)."""
     if node.module is not None:
         entry = registry.lookup(node.module)
+        if entry is None and nested_block(node.module):
+            return "nested", None
         return (entry.role, entry) if entry is not None else ("unregistered", None)
     if node.name == OUTPUT:  # the outputs, each in its own layout: the split ones in one
         return "output", None
@@ -107,6 +109,19 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     if role == "concat":
         role = "pointwise" if _concat_dim(node, len(in_shape)) == 1 else "dense"
     return role or "dense", None
+
+
+def _check_nested(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> None:
+    """Whether a block torch.fx could not trace into runs split by module swapping inside it (every layer
+    in it registered and wide enough, nothing but elementwise functions between them)."""
+    try:
+        swapped_plan(node.module, in_shape, split, micro, nested=True)
+    except TooSmallToSplit:
+        raise
+    except SpecError as err:
+        raise SpecError(f"{node.name} ({node.kind}), run by module swapping inside as torch.fx cannot trace "
+                        f"it: {err}; or add a rule {{{node.name!r}: {{spatial: replicate}}}} to run it "
+                        f"whole") from None
 
 
 def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split, err: SpecError) -> str:
@@ -179,7 +194,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                                 f"be split spatially ({why}); use spatial: replicate for it")
         elif not spatial_in:
             split = REPLICATED
-        elif role in ("window", "transposed", "resample"):
+        elif role in ("window", "transposed", "resample", "nested"):
             # split by the grid; a layer on an already replicated input too small to split (after a
             # global pooling) stays replicated. The model input is not such an input: a grid finer than
             # it is refused by the layer that would split it first, as any split that empties a shard
@@ -204,9 +219,13 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                 and not (INPUT in node.inputs and input_split is None):
             try:  # too small to split here: replicated, and what reads it after it, until it is large again
                 a.halos(i, entry, split)
+                if role == "nested":  # its own layers, each on its own extents
+                    _check_nested(node, in_shape, split, micro)
             except TooSmallToSplit as err:
                 auto[node.name] = _too_small(in_shape, out_shape, split, err)
                 split = REPLICATED
+        elif role == "nested" and split != REPLICATED:  # a rule's split, strict, or the first reader
+            _check_nested(node, in_shape, split, micro)
         if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
             from_auto = next((n for n in node.inputs if n in auto), None)
             if from_auto is not None:

@@ -390,12 +390,12 @@ class FlattenBranchy(Branchy):
 
 
 class Branchy2(nn.Module):
-    """A layer with a parameter of its own that nobody registered (an untraceable block made of
+    """A layer with a buffer of its own that nobody registered (an untraceable block made of
     registered layers alone would run split by module swapping)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(2, 1, 1, 1))
+        self.register_buffer("w", torch.ones(2, 1, 1, 1))
 
     def forward(self, x):
         return x * self.w if x.dim() == 5 else x

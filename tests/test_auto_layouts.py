@@ -1,6 +1,6 @@
 """Layouts the planner chooses: a layer too small to split, and the layers that read it until the volume
 is large again, run replicated with no rule, exactly; a block torch.fx cannot trace into runs split by
-module swapping inside it, its shape reads global.
+module swapping inside it, its shape reads global (at the build size and at another).
 
 Checked against the same model in one process, float64, three SGD steps (every loss, the state dict
 after them, predictions: ``_compare`` of ``test_user_models``), on 2 ranks and on 4 (data x spatial,
@@ -86,6 +86,12 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
             _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y, F.mse_loss)
         except Exception as err:  # name the case, then go on with the others
             fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
+    if cases[0][1] == "NestedNet":  # another size: the swapped blocks' global extents follow it
+        model = NestedNet().double()
+        engine = hp.parallelize(model, cases[0][2], input_shape=SHAPE)
+        x2 = torch.randn((2, 1, 8, 16, 12), dtype=torch.float64, generator=g)
+        with torch.no_grad():
+            fails.check("NestedNet predict at 8x16x12", engine.predict(engine.shard_batch(x2)[0]), model(x2))
     engine = hp.parallelize(AutoNet().double(), cases[0][2], input_shape=SHAPE)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

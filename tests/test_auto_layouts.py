@@ -116,7 +116,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[f"{c[2]}-{c[0]}-{i}" for i, c in enumerate(CASES)])
+IDS = [f"{c[2]}-{c[0]}-{i}" for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("world,desc,model,spec", CASES, ids=IDS)
 def test_chosen_layouts_match_one_process(pools, world, desc, model, spec):
     pools(world).run(_body, [(desc, model, spec)], timeout=300)
 

@@ -235,6 +235,9 @@ def run(cfg: Config) -> dict[str, Any]:
         raise ValueError(f"task reconstruct: the spec leaves the U-Net's output split {engine.output_split} "
                          f"but its input {engine.input_split}; the target field is read split like the "
                          "input, so give the last layers the first layer's spatial split")
+    if rank == 0:  # the layout the planner chose: the whole table in the run directory, its gist here
+        (run_dir / "layout.txt").write_text(engine.explain(echo=False) + "\n")
+        print(engine.banner(), flush=True)
     grid = engine.grid
     # Dropout masks must agree inside a replica (replicated head), differ between replicas. Python's and
     # numpy's generators are seeded too, so whatever draws from them repeats after a restart.

@@ -236,12 +236,17 @@ def test_one_planner_on_a_reused_analysis(spec):
 
 
 def test_workload_plan_rejects_what_spec_plan_rejects():
+    """A split too fine for a layer (4^3 after two pools, split 8 ways): both plans replicate it alike,
+    and both refuse it under strict: true."""
     model, shape = small_cnn(), (2, 2, 16, 16, 16)
-    s = ParallelSpec.from_dict({"grid": {"spatial": [8, 1, 1]}})  # 4^3 after two pools: too fine
+    s = ParallelSpec.from_dict({"grid": {"spatial": [8, 1, 1]}})
+    plan = s.plan(model, shape, 8)
+    assert any(r.auto_replicated for r in plan) and pm.Workload(model, shape).plan(s, 8) == plan
+    strict = ParallelSpec.from_dict({"grid": {"spatial": [8, 1, 1]}, "strict": True})
     with pytest.raises(SpecError):
-        s.plan(model, shape, 8)
+        strict.plan(model, shape, 8)
     with pytest.raises(SpecError):
-        pm.Workload(model, shape).plan(s, 8)
+        pm.Workload(model, shape).plan(strict, 8)
 
 
 # ------------------------------------------------------------------------------------------- machines

@@ -222,10 +222,48 @@ def test_split_finer_than_halo_names_layer_input_and_split():
     spec = spec_of({"spatial": [8, 1, 1]})
     raises(["0 (Conv3d)", "split [8, 1, 1]", "input of 8x8x8 voxels", "dim d", "halo of 2",
             "shard of 1", "use a split of at most 4 along d"], spec.plan, model, (1, 1, 8, 8, 8))
-    # CosmoFlow's fourth pool turns 16^3 into 8^3: split 16 ways, its output shards would be empty
+    # CosmoFlow's fourth pool turns 16^3 into 8^3: split 16 ways, its output shards would be empty;
+    # strict: true refuses, as every spec did before layers too small to split were replicated
+    strict = ParallelSpec.from_dict({"grid": {"spatial": [16, 1, 1]}, "strict": True})
     raises(["features.11 (MaxPool3d)", "input of 16x16x16 voxels", "split [16, 1, 1]", "output extent 8",
-            "at most 8 along d"],
-           spec_of({"spatial": [16, 1, 1]}).plan, cosmoflow_like(), COSMO)
+            "at most 8 along d"], strict.plan, cosmoflow_like(), COSMO)
+
+
+def test_layers_too_small_to_split_are_replicated_until_the_volume_is_large_again():
+    """Without strict, the pool whose output is thinner than the split and the volume layers after it
+    run replicated (one redistribute into it), marked ``!`` in explain and the banner; the dense
+    head is replicated as always; a layer rule and the first layer that splits the input still refuse."""
+    from hybridpar.planner.explain import banner
+
+    spec = spec_of({"spatial": [16, 1, 1]})
+    plan = spec.plan(cosmoflow_like(), COSMO)
+    auto = [r.name for r in plan if r.auto_replicated]
+    assert auto == ["features.11", "features.12", "features.13", "features.14"]
+    assert all(r.replicated for r in plan if r.name in auto) and not any(r.gather for r in plan)
+    assert all(r.split == (16, 1, 1) for r in plan[:11])
+    assert [r.name for r in plan if r.redistribute] == ["features.11"]
+    assert "output of 8x8x8 voxels is fewer than the split [16, 1, 1] along d" in plan[11].auto_replicated
+    table = explain(spec, cosmoflow_like(), COSMO)
+    assert "  ! replicated from here (its output of 8x8x8" in table and table.count("repl!") == 4
+    lines = banner(spec.resolve_grid(16), plan).splitlines()
+    assert len(lines) == 3 and lines[0].startswith("layout: grid data(1) * pipe(1) * spatial(16*1*1)")
+    assert "11 of 16 volume layers split 16x1x1" in lines[2] and "features.11!, features.12!" in lines[2]
+    # back to split where the volume allows: a conv of 8^3 on 2 ranks after a pool too thin for 8
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.MaxPool3d(4), nn.Conv3d(2, 2, 3, padding=1),
+                          nn.Upsample(scale_factor=4), nn.Conv3d(2, 1, 3, padding=1))
+    plan = spec_of({"spatial": [8, 1, 1]}).plan(model, (1, 1, 16, 16, 16))
+    assert [(r.split, bool(r.auto_replicated)) for r in plan] == [
+        ((8, 1, 1), False), ((1, 1, 1), True), ((1, 1, 1), True), ((1, 1, 1), True), ((8, 1, 1), False)]
+    ruled = spec_of({"spatial": [16, 1, 1]}, layers={"features.11": {"spatial": [16, 1, 1]}})
+    raises(["features.11 (MaxPool3d)", "output extent 8"], ruled.plan, cosmoflow_like(), COSMO)
+
+
+def test_strict_is_a_spec_key():
+    """strict: true parses from YAML and dict, round-trips, and only a bool is accepted."""
+    spec = ParallelSpec.from_yaml("grid: {spatial: [2, 1, 1]}\nstrict: true\n")
+    assert spec.strict and ParallelSpec.from_dict(spec.to_dict()) == spec
+    assert ParallelSpec.from_yaml(spec.to_yaml()) == spec and "strict" not in ParallelSpec().to_dict()
+    raises(["strict: expected true or false, got 'yes'"], ParallelSpec.from_dict, {"strict": "yes"})
 
 
 def test_split_finer_than_the_volume_is_the_same_error_in_explain_and_plan():
@@ -321,8 +359,14 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     raises(["model (FlattenBranchy)", "calls flatten on split activations", "nn.Flatten"],
            spec_of({"spatial": [2, 1, 1]}).plan, FlattenBranchy(), (1, 1, 8, 8, 8))
     assert len(spec.plan(FlattenBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
+    # nested, it runs split by module swapping inside itself (its layers checked on their extents)
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
-    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (1, 1, 1))]
+    assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (2, 1, 1))]
+    raises(["0 (FlattenBranchy), run by module swapping inside", "calls flatten", "spatial: replicate"],
+           spec_of({"spatial": [2, 1, 1]}).plan, nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+    plan = spec_of({"spatial": [2, 1, 1]}, layers={"0": {"spatial": "replicate"}}).plan(
+        nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+    assert [r.split for r in plan] == [(1, 1, 1)]
 
 
 def test_unregistered_layer_in_a_split_region_is_an_error():
@@ -345,10 +389,16 @@ class FlattenBranchy(Branchy):
         return torch.flatten(self.a(x) * 2, 1) if x.dim() == 5 else x
 
 
-class Branchy2(Branchy):
+class Branchy2(nn.Module):
+    """A layer with a buffer of its own that nobody registered (an untraceable block made of
+    registered layers alone would run split by module swapping)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Conv3d(2, 2, 3, padding=1)
+        self.register_buffer("w", torch.ones(2, 1, 1, 1))
+
+    def forward(self, x):
+        return x * self.w if x.dim() == 5 else x
 
 
 def test_rule_cannot_split_unsplittable_layer():

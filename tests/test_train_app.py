@@ -84,6 +84,10 @@ def test_train_resume_and_outputs(tiny_data, tmp_path):
     assert set(summary["baseline"]) == {"mae_Omega_m", "mae_sigma_8", "mae_n_s", "mae_H_0"}
     assert (run / "metrics_steps.csv").read_text().count("\n") == 1 + 8   # 32 samples / batch 4
     assert "validation MAE per parameter" in first.stdout
+    banner = [line for line in first.stdout.splitlines() if line.startswith("layout: ")]
+    assert len(banner) == 3 and "spatial(2*1*1) = 2 ranks" in banner[0], first.stdout[:2000]
+    layout = (run / "layout.txt").read_text()  # the explain table, rank 0's only
+    assert "halo d h w" in layout and "Conv3d" in layout and "2x1x1" in layout
     second = train_script(_args(tiny_data, run, "train.epochs=2", *SCHEDULE))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 8" in second.stdout

@@ -189,9 +189,9 @@ REFERENCE = {"SyncBNNet": BNNet}  # SyncBatchNorm in one process is the BatchNor
 
 
 def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor, y: torch.Tensor,
-             loss_fn=F.mse_loss) -> None:
-    """Three steps of an optimizer over the *model's* parameters, against one process: every loss, the
-    full state dict (loadable into a fresh model with strict=True) and predictions."""
+             loss_fn=F.mse_loss, steps: int = 3) -> None:
+    """Three (``steps``) steps of an optimizer over the *model's* parameters, against one process: every
+    loss, the full state dict (loadable into a fresh model with strict=True) and predictions."""
     import hybridpar as hp
 
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
     x_local, y_local = engine.shard_batch(x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    steps_match(fails, desc, engine, opt, ref, ref_opt, (x_local, y_local), (x, y), loss_fn)
+    steps_match(fails, desc, engine, opt, ref, ref_opt, (x_local, y_local), (x, y), loss_fn, steps)
     state, want = engine.full_state_dict(), ref.state_dict()
     if list(state) != list(want):
         fails.append(f"{desc}: full_state_dict keys {list(state)} != the model's {list(want)}")

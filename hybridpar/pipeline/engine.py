@@ -75,6 +75,7 @@ from hybridpar.pipeline.sizes import SizePlans, agree_size
 from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
 from hybridpar.planner import ParallelSpec, load_spec
+from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.faithful import check_faithful
 from hybridpar.planner.graph import ModelGraph, UntraceableError
 from hybridpar.planner.graph import trace as trace_graph
@@ -234,6 +235,20 @@ class Engine:
         return self._size
 
     # ------------------------------------------------------------------ user API
+    def explain(self, echo: bool = True) -> str:
+        """The plan table this engine runs (``python -m hybridpar.planner explain`` prints the same one
+        from a YAML file): printed by the job's first rank where ``echo``, returned on every rank."""
+        self._require_built("explain")
+        table = format_plan(self.spec, self.plan, self.input_shape)
+        if echo and dist.get_rank() == 0:
+            print(table, flush=True)
+        return table
+
+    def banner(self) -> str:
+        """Three lines on the layout: grid, stages, split layers (``!``: replicated as too small)."""
+        self._require_built("banner")
+        return banner(self.spec, self.plan)
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (its stage's layers).
 

@@ -58,9 +58,11 @@ def _differs(built: LayerPlan, other: LayerPlan) -> bool:
 
 
 def _what_fits(row: LayerPlan, split: tuple[int, int, int]) -> str:
-    """What a split layer whose input at the new size is too small would need (the largest split)."""
-    small = [(k, row.input_shape[2 + k]) for k in range(3)
-             if len(row.input_shape) == 5 and row.input_shape[2 + k] < split[k]]
+    """What a split layer whose input or output at the new size is too small would need (the largest
+    split; the planner replicates such a layer, where the built engine splits it)."""
+    extents = [min(shape[2 + k] for shape in (row.input_shape, row.output_shape) if len(shape) == 5)
+               for k in range(3)] if len(row.input_shape) == 5 else []
+    small = [(k, extent) for k, extent in enumerate(extents) if extent < split[k]]
     if small:
         return "; ".join(f"use a split of at most {extent} along {DIMS[k]}" for k, extent in small)
     return "build an engine for this size (parallelize(..., input_shape=...))"

@@ -28,13 +28,14 @@ from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
+from hybridpar.pipeline.global_extents import bind_nested, swap_nested
 from hybridpar.pipeline.model_state import Layers
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import follow_gates, swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
-from hybridpar.planner.swapped import swapped_gates
+from hybridpar.planner.swapped import nested_block, swapped_gates
 from hybridpar.planner.terms import SpecError
 
 
@@ -53,7 +54,7 @@ class Stage:
     outputs: list[Any]  # the plan rows of the outputs (one, or those of a returned tuple, list, dict)
     output_spec: TreeSpec | None  # the structure the outputs are returned in (None: one tensor)
     # Where the plan's shapes live in the built layers, each as (module, plan row index, "in" | "out"):
-    # a split layer's global input shape, a Redistribute's global shape (see bind)
+    # a split layer's global input shape, a Redistribute's global shape, a swapped block's input (see bind)
     sinks: list[tuple[nn.Module, int, str]] = dataclasses.field(default_factory=list)
     ends: tuple[int, int, int] = (0, 0, 0)  # the plan row indices of first_layer, last_layer, output_record
     output_rows: list[int] | None = None  # the plan row indices of outputs (None: rows of their own)
@@ -69,7 +70,7 @@ class Stage:
             shape = tuple(plan[row].input_shape[2:] if end == "in" else plan[row].output_shape[2:])
             if isinstance(m, SpatialLayer):
                 m.global_input_shape = shape
-            else:  # a Redistribute
+            elif not bind_nested(m, plan[row].input_shape):  # a Redistribute
                 m.shape = shape
         first, last, out = self.ends
         self.first_layer, self.last_layer, self.output_record = plan[first], plan[last], plan[out]
@@ -187,7 +188,18 @@ class StageBuilder:
 
     def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split (its global input
-        shape is set by :meth:`Stage.bind`)."""
+        shape is set by :meth:`Stage.bind`); a block torch.fx could not trace into runs by module
+        swapping inside it (:mod:`hybridpar.pipeline.global_extents`)."""
+        if lp.split != REPLICATED and nested_block(module):
+            def inner(path: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
+                d = to_distributed(m, grid, self.overlap, f"{name}.{path}")
+                if isinstance(d, SpatialLayer):
+                    d.layer_name = f"{type(d).__name__}({name}.{path})"
+                return d
+
+            block = swap_nested(module, self.layout(lp.split), lp.input_shape, inner)
+            self.sinks.append((block, self.index[id(lp)], "in"))
+            return block
         m = to_distributed(module, self.layout(lp.split), self.overlap, name)
         if isinstance(m, SpatialLayer):
             self.sinks.append((m, self.index[id(lp)], "in"))

@@ -12,7 +12,8 @@ process starts, with a message that prints the arithmetic and says what would fi
 * :mod:`~hybridpar.planner.stages`: where pipeline stages begin and what crosses each cut.
 * :mod:`~hybridpar.planner.plan`: the spec resolved against a model and a global input shape, one
   ``LayerPlan`` per graph node (split, stage, shapes, halos, FLOPs, activation bytes).
-* :mod:`~hybridpar.planner.explain`: that plan as a table; ``python -m hybridpar.planner explain`` prints it.
+* :mod:`~hybridpar.planner.explain`: that plan as a table (``python -m hybridpar.planner explain`` and
+  ``Engine.explain()`` print it) and the three-line banner a run prints.
 * :mod:`~hybridpar.planner.cli_args`: the ``--model`` and ``--input-shape`` arguments the commands share.
 
 Example::
@@ -21,6 +22,7 @@ Example::
     pipeline: {schedule: gpipe, microbatches: 4, stages: auto, recompute: false}
     layers:                                         # names or globs: an exact name, else the first glob
       "head.*": {spatial: replicate}
+    strict: false   # true: refuse a layer too small to split instead of replicating it (marked ! in explain)
 """
 
 from hybridpar.planner.analysis import sequential_layers

@@ -32,6 +32,11 @@ Shapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Halos = tuple[tuple[int, int], ...]
 
 
+class TooSmallToSplit(SpecError):
+    """A layer's shard would be thinner than its halo, or its extent smaller than the split: the
+    planner replicates such a layer unless the spec is ``strict``."""
+
+
 def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
     """``input_shape`` as a tuple, if it is a global batch N, C, D, H, W."""
     shape = tuple(input_shape)
@@ -112,8 +117,8 @@ def node_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None
     except geometry.HaloError as err:
         size = "x".join(map(str, in_shape[2:]))
         kind = type(m).__name__ if m is not None else "function"
-        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
-                        f"voxels: {err}") from None
+        raise TooSmallToSplit(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of "
+                              f"{size} voxels: {err}") from None
 
 
 def _terse_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None,
@@ -123,11 +128,11 @@ def _terse_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | No
     :meth:`ParallelSpec.plan` gives the full one."""
     try:
         return node_halos("", m, entry, in_shape, out_shape, split)
-    except SpecError:
+    except TooSmallToSplit:
         size = "x".join(map(str, in_shape[2:]))
         kind = type(m).__name__ if m is not None else "function"
-        raise SpecError(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of {size} "
-                        f"voxels (spec.plan says what would fit)") from None
+        raise TooSmallToSplit(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of "
+                              f"{size} voxels (spec.plan says what would fit)") from None
 
 
 def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:

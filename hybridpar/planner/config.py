@@ -26,7 +26,7 @@ from hybridpar.planner.terms import SpecError, Split, check_keys, did_you_mean
 
 REPLICATE = "replicate"
 
-_SPEC_KEYS = ("grid", "pipeline", "layers", "timeout_s")
+_SPEC_KEYS = ("grid", "pipeline", "layers", "timeout_s", "strict")
 _GRID_KEYS = ("data", "pipe", "spatial")
 _PIPELINE_KEYS = ("schedule", "microbatches", "stages", "recompute")
 _RULE_KEYS = ("spatial",)
@@ -205,9 +205,15 @@ class ParallelSpec:
     timeout_s: float | None = None
     """How long a rank waits for a peer in any collective before the job ends naming the ranks that
     stopped answering (``hybridpar.init_distributed(timeout_s=...)``); None: its default."""
+    strict: bool = False
+    """Refuse a layer too small to split (a shard thinner than its halo, an extent smaller than the
+    split) instead of replicating it and the layers after it until the volume is large again."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.strict, bool):
+            raise SpecError(f"strict: expected true or false, got {self.strict!r} (true refuses a layer too "
+                            f"small to split instead of replicating it)")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t > 0):
             raise SpecError(f"timeout_s: {t!r} is not a positive number of seconds (how long a rank waits "
@@ -248,7 +254,8 @@ class ParallelSpec:
                 raise SpecError(f"{where}: missing key 'spatial'; give spatial: [d, h, w] or "
                                 f"spatial: replicate")
             rules.append(LayerRule(pattern, body["spatial"]))
-        return cls(GridSpec(**grid), PipelineSpec(**pipeline), tuple(rules), d.get("timeout_s"))
+        return cls(GridSpec(**grid), PipelineSpec(**pipeline), tuple(rules), d.get("timeout_s"),
+                   d.get("strict", False))
 
     @classmethod
     def from_yaml(cls, text: str, source: str = "<string>") -> ParallelSpec:
@@ -266,7 +273,9 @@ class ParallelSpec:
         """Plain data that ``from_dict`` turns back into an equal spec."""
         out = {"grid": self.grid.to_dict(), "pipeline": self.pipeline.to_dict(),
                "layers": {r.pattern: r.to_dict() for r in self.layers}}
-        return out if self.timeout_s is None else {**out, "timeout_s": self.timeout_s}
+        if self.timeout_s is not None:
+            out["timeout_s"] = self.timeout_s
+        return {**out, "strict": True} if self.strict else out
 
     def to_yaml(self) -> str:
         """YAML that ``load_spec`` / ``from_yaml`` turns back into an equal spec."""

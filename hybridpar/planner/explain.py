@@ -40,6 +40,37 @@ def _split(split: Split) -> str:
     return "x".join(map(str, split)) if split != (1, 1, 1) else "repl"
 
 
+def _starts_replication(r: LayerPlan, by_name: dict[str, LayerPlan]) -> bool:
+    """Whether ``r`` is the first node of a region the planner replicated (its inputs were not)."""
+    return bool(r.auto_replicated) and not any(by_name[n].auto_replicated for n in r.inputs if n in by_name)
+
+
+def auto_replicated(records: Sequence[LayerPlan]) -> list[LayerPlan]:
+    """The nodes the planner replicated because they are too small to split, and those that read them
+    until the volume is split again."""
+    return [r for r in records if r.auto_replicated]
+
+
+def banner(spec: ParallelSpec, records: Sequence[LayerPlan]) -> str:
+    """Three lines a run prints at start: the grid, the stages, and which layers run split (the ones
+    the planner replicated marked ``!``). ``spec`` must have a resolved grid."""
+    g = spec.grid
+    stages = "; ".join(f"{s}: {recs[0].name} .. {recs[-1].name} ({len(recs)})"
+                       for s in range(g.pipe) if (recs := [r for r in records if r.stage == s]))
+    volume = [r for r in records if len(r.input_shape) == 5]
+    split = [r for r in volume if not r.replicated]
+    layouts = sorted({r.split for r in split})
+    auto = auto_replicated(records)
+    names = ", ".join(f"{r.name}!" for r in auto[:6]) + (", ..." if len(auto) > 6 else "")
+    marked = f"; {len(auto)} replicated as too small to split: {names}" if auto else ""
+    return "\n".join([
+        f"layout: grid {g.arithmetic} = {g.data * g.pipe * g.stage_size} ranks",
+        f"layout: {g.pipe} stage(s), {spec.pipeline.schedule} x {spec.pipeline.microbatches} "
+        f"micro-batch(es): {stages}",
+        f"layout: {len(split)} of {len(volume)} volume layers split "
+        f"{', '.join(_split(s) for s in layouts) or '(none)'}{marked}"])
+
+
 def _halo(rec: LayerPlan) -> str:
     if rec.replicated or len(rec.input_shape) != 5:
         return "-"
@@ -62,6 +93,7 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         f"recompute {'on' if p.recompute else 'off'}",
         f"input: {'x'.join(map(str, input_shape))} (global); local shapes and act/rank are per rank and "
         f"micro-batch on the most loaded rank; FLOPs are forward, whole global batch",
+        banner(spec, records).splitlines()[-1].removeprefix("layout: "),
         "",
     ]
     rows = [COLUMNS]
@@ -76,10 +108,14 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
         if r.transpose_bytes:
             rows.append((f"  ⇄ FFT transposes (pencils): {_bytes(r.transpose_bytes)} received per rank per "
                          f"micro-batch forward, as much again backward",))
+        if _starts_replication(r, by_name):
+            rows.append((f"  ! replicated from here ({r.auto_replicated}) until a layer can split again; "
+                         f"strict: true refuses instead",))
         if r.gather:
             rows.append(("  ! gathers a split activation inside a split region: every rank holds the whole "
                          "volume here (register the layer to split it)",))
-        rows.append((r.name, r.kind, str(r.stage), _split(r.split), "x".join(map(str, r.local_input_shape)),
+        split = _split(r.split) + ("!" if r.auto_replicated else "")
+        rows.append((r.name, r.kind, str(r.stage), split, "x".join(map(str, r.local_input_shape)),
                      _halo(r), _si(r.params), _si(r.flops), _bytes(r.activation_bytes)))
     widths = [max(len(row[c]) for row in rows if len(row) > 1) for c in range(len(COLUMNS))]
     for row in rows:

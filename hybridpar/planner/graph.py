@@ -12,7 +12,9 @@ Which modules are nodes (run as one layer) and which are traced into:
 * a module without children, or one that holds parameters or buffers of its own, is a node (it runs
   whole, replicated, unless registered);
 * containers (``nn.Sequential``, and custom modules made of children: residual blocks, U-Net levels)
-  are traced into; one whose forward cannot be traced runs whole as one node.
+  are traced into; one whose forward cannot be traced is one node, which runs split by module
+  swapping inside it, its shape reads answering with global extents as a traced graph's do
+  (:mod:`hybridpar.pipeline.global_extents`).
 """
 
 from __future__ import annotations

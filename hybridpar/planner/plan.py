@@ -17,6 +17,12 @@ between channels and space (a 3D pixel shuffle) keeps its input's split where ev
 its own output box (:mod:`hybridpar.planner.space_maps`); everything else (Flatten, Linear) runs
 replicated, after a gather. An elementwise node is laid out by the input of its output's extents, so
 that a gate pooled to one voxel (replicated) broadcasts into split features from either side.
+A layer the grid's split would leave with shards thinner than its halo, or an extent smaller than the
+split (a ResNet's last level at 2^3), runs replicated instead, and so do the layers that read it until
+a window layer's input is large enough to split again (Oyama et al.'s hybrid: a Redistribute to
+replicated and back). ``LayerPlan.auto_replicated`` says why; ``strict: true`` refuses instead, as does
+the first layer that would split the model input (a grid finer than the input is a mistake, not a
+layout). A layer rule's split is never changed.
 A gather inside a split region (a replicated node whose output is split again later) is what a
 layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
 the engine and marked by ``explain``. An unregistered module on a split input is an error.
@@ -34,12 +40,12 @@ from torch import nn
 
 from hybridpar import globs
 from hybridpar.nn import registry
-from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
+from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit, analyse, check_input_shape
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
-from hybridpar.planner.swapped import swapped_plan
+from hybridpar.planner.swapped import nested_block, swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
 if TYPE_CHECKING:  # the spec reader imports this module to plan
@@ -90,6 +96,8 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     whose value is not a tensor (a ``getattr`` that returns a tensor, ``x.T``, is no shape read)."""
     if node.module is not None:
         entry = registry.lookup(node.module)
+        if entry is None and nested_block(node.module):
+            return "nested", None
         return (entry.role, entry) if entry is not None else ("unregistered", None)
     if node.name == OUTPUT:  # the outputs, each in its own layout: the split ones in one
         return "output", None
@@ -101,6 +109,32 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     if role == "concat":
         role = "pointwise" if _concat_dim(node, len(in_shape)) == 1 else "dense"
     return role or "dense", None
+
+
+def _check_nested(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> None:
+    """Whether a block torch.fx could not trace into runs split by module swapping inside it (every layer
+    in it registered and wide enough, nothing but elementwise functions between them)."""
+    try:
+        swapped_plan(node.module, in_shape, split, micro, nested=True)
+    except TooSmallToSplit:
+        raise
+    except SpecError as err:
+        raise SpecError(f"{node.name} ({node.kind}), run by module swapping inside as torch.fx cannot trace "
+                        f"it: {err}; or add a rule {{{node.name!r}: {{spatial: replicate}}}} to run it "
+                        f"whole") from None
+
+
+def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split, err: SpecError) -> str:
+    """Why a node cannot run under ``split`` (``err``, its halo check's), in a few words for ``explain``."""
+    for what, shape in (("input", in_shape), ("output", out_shape)):
+        for k, parts in enumerate(split):
+            if len(shape) == 5 and shape[2 + k] < parts:
+                size = "x".join(map(str, shape[2:]))
+                return f"its {what} of {size} voxels is fewer than the split {list(split)} along {'dhw'[k]}"
+    why = str(err).split(" voxels: ", 1)[-1].split(";")[0]
+    head, _, rest = why.partition(": ")
+    why = rest if rest and " " not in head else why  # the layer's name again
+    return f"split {list(split)} of its input of {'x'.join(map(str, in_shape[2:]))} voxels: {why}"
 
 
 def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:
@@ -137,6 +171,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     splits: list[Split] = []
     halo_list = []
     gathers: list[bool] = []
+    auto: dict[str, str] = {}  # node -> why the planner replicated it (see _too_small)
     for i, node in enumerate(nodes):
         in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
@@ -159,7 +194,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                                 f"be split spatially ({why}); use spatial: replicate for it")
         elif not spatial_in:
             split = REPLICATED
-        elif role in ("window", "transposed", "resample"):
+        elif role in ("window", "transposed", "resample", "nested"):
             # split by the grid; a layer on an already replicated input too small to split (after a
             # global pooling) stays replicated. The model input is not such an input: a grid finer than
             # it is refused by the layer that would split it first, as any split that empties a shard
@@ -180,6 +215,21 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                             f"{{{node.name!r}: {{spatial: replicate}}}} to run it whole after a gather")
         else:
             split = REPLICATED
+        if split != REPLICATED and not mapped and not spec.strict and node.name not in rule_of \
+                and not (INPUT in node.inputs and input_split is None):
+            try:  # too small to split here: replicated, and what reads it after it, until it is large again
+                a.halos(i, entry, split)
+                if role == "nested":  # its own layers, each on its own extents
+                    _check_nested(node, in_shape, split, micro)
+            except TooSmallToSplit as err:
+                auto[node.name] = _too_small(in_shape, out_shape, split, err)
+                split = REPLICATED
+        elif role == "nested" and split != REPLICATED:  # a rule's split, strict, or the first reader
+            _check_nested(node, in_shape, split, micro)
+        if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
+            from_auto = next((n for n in node.inputs if n in auto), None)
+            if from_auto is not None:
+                auto[node.name] = f"reads {from_auto}, replicated"
         if INPUT in node.inputs and input_split is None:
             input_split = split if spatial_in else REPLICATED
         replicated_out = entry is not None and entry.replicated_output(node.module)
@@ -187,7 +237,8 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)
         halo_list.append(((0, 0),) * 3 if mapped else a.halos(i, entry, split))
-        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split))
+        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split)
+                       and node.name not in auto)
     # a gather is flagged where the activation is split again after it (inside a split region)
     split_later = [False] * len(nodes)
     later = False
@@ -247,6 +298,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
         halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
         flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
         train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
+        auto_replicated=auto.get(node.name, ""),
         transpose_bytes=transpose_bytes(node.module, shapes[i][0], splits[i], micro), rank_share=shares[i])
         for i, node in enumerate(nodes)]
 

@@ -30,7 +30,7 @@ class LayerPlan:
     are redistributed to it where they differ: ``redistribute``), ``out_split`` that of its output
     (replicated after a whole-volume reduction). ``inputs`` names the nodes it reads (``"(input)"``:
     the model input); ``gather`` marks a replicated node that gathers a split input inside a split
-    region."""
+    region; ``auto_replicated`` says why the planner replicated a node too small to split."""
 
     name: str
     kind: str
@@ -55,6 +55,9 @@ class LayerPlan:
     # hybridpar.flops.work_shares, the rule count_sharded counts every rank by; the performance model
     # times it, explain prints it, automatic stages balance it
     rank_share: float = 0.0
+    # why the planner replicated a node the grid would split (a shard thinner than its halo, an extent
+    # smaller than the split, or an input so replicated): "" where it did not; ``strict`` refuses instead
+    auto_replicated: str = ""
 
     @property
     def replicated(self) -> bool:

@@ -50,6 +50,16 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [a for a in flat if isinstance(a, torch.Tensor)]
 
 
+def nested_block(m: nn.Module | None) -> bool:
+    """Whether ``m``, a node of a traced graph, is a block torch.fx could not trace into: a module of the
+    user's made of children, unregistered, holding no parameters or buffers of its own (the tracer's
+    other reasons to keep a module whole). Such a block runs by module swapping inside itself."""
+    if m is None or registry.lookup(m) is not None or type(m).__module__.startswith("torch.nn"):
+        return False
+    own = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+    return not own and any(True for _ in m.children())
+
+
 def constant_in_space(t: torch.Tensor) -> bool:
     """Whether ``t`` broadcasts over a volume's spatial dims (a gate pooled to one voxel)."""
     return all(e == 1 for e in t.shape[-3:])
@@ -212,13 +222,15 @@ class LayoutWatch(TorchFunctionMode):
 
 
 def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
-                 micro: int) -> list[LayerPlan]:
+                 micro: int, nested: bool = False) -> list[LayerPlan]:
     """One record per call of a leaf module on a meta forward of the global input, in call order:
     registered splittable layers under ``split`` (those on a replicated input, a pooled gate, whole),
     the rest replicated. Fails with a :class:`SpecError` when the forward does not run on the meta
-    device (it branches on tensor values) or a layer nobody registered reads a split activation."""
-    records, modules, watch = _follow(model, input_shape, split, micro)
-    if watch.extents_read and (not dist.is_initialized() or dist.get_rank() == 0):
+    device (it branches on tensor values) or a layer nobody registered reads a split activation.
+    ``nested``: ``model`` is a block inside a traced graph, whose input is split and whose shape reads
+    answer with global extents (:mod:`hybridpar.pipeline.global_extents`), as a traced graph's do."""
+    records, modules, watch = _follow(model, input_shape, split, micro, nested)
+    if watch.extents_read and not nested and (not dist.is_initialized() or dist.get_rank() == 0):
         warnings.warn(f"model ({type(model).__name__}): run by module swapping, its forward reads the "
                       f"spatial extents of a split activation outside any layer; there they are the "
                       f"shard's, not the volume's (a traced forward reads the volume's): check that what it "
@@ -238,8 +250,8 @@ def swapped_gates(model: nn.Module, input_shape: Sequence[int], split: Split) ->
     return _follow(model, input_shape, split, 1)[2].gates
 
 
-def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
-            micro: int) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch]:
+def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int,
+            nested: bool = False) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch]:
     """The records of :func:`swapped_plan` (FLOPs not counted), their modules, and the watch that
     followed the forward; raises what the forward does that cannot run split."""
     records: list[LayerPlan] = []
@@ -275,7 +287,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
         s = split if runs_split else REPLICATED
         split_so_far[0] = split_so_far[0] or runs_split
         out_split = REPLICATED if out.dim() != 5 or entry is None or entry.replicated_output(m) else s
-        if runs_split and not records:
+        if runs_split and not records and not nested:
             watch.mark(x)  # the model input is sharded like its first reader
         watch.after_layer(m, x, out, runs_split)
         try:
@@ -299,6 +311,9 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split,
     handles += [m.register_forward_hook(hook) for m in names]
     state, dtype = meta_state(model)
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
+    if nested and split != REPLICATED:
+        watch.mark(x)
+        split_so_far[0] = True
     try:
         with watch:
             meta_call(model, state, x)

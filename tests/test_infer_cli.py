@@ -4,7 +4,8 @@ whole box in one process (float64, to 1e-5 of the output's scale: the ranks comp
 the per-rank-file mode (forced), in the default mode (under torchrun: the same files), and under
 mpiexec with h5py's MPI driver where h5py has one (skipped here otherwise), along D and along H, one
 box and two; r(k) and T(k) of ``--truth`` equal
-:func:`cosmoflow.correlation.cross_power`'s in one process; each bad input is its one line, exit 2,
+:func:`cosmoflow.correlation.cross_power`'s in one process; a box too thin for the split at the
+U-Net's deepest level runs that level replicated, still exact; each bad input is its one line, exit 2,
 printed once, with nothing written under the output's name."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A run directory (config and one checkpoint, step 5), a 16³ universe and a packed file of two
-    boxes (the universe and a roll of it) with a thin 4x16x16 box beside them."""
+    boxes (the universe and a roll of it) with a thin 4x16x16 and an odd 6x16x16 box beside them."""
     d = tmp_path_factory.mktemp("infer")
     script = d / "make_run.py"
     script.write_text(MAKE_RUN)
@@ -77,6 +78,7 @@ def made(tmp_path_factory):
     with h5py.File(d / "boxes.h5", "w") as f:
         f["x"] = np.stack([full, np.roll(full, 5, axis=1)])
         f["thin"] = full[:4]
+        f["odd"] = full[:6]
         f["linear"] = linear
     return d, universe
 
@@ -201,16 +203,30 @@ def test_bad_inputs_are_one_line(made, tmp_path):
     assert out.read_bytes() == b"keep me"
 
 
-def test_a_box_the_split_cannot_take(made, tmp_path):
-    """On 2 ranks: a 4x16x16 box split along D leaves the U-Net's deepest level (1 voxel deep) nothing
-    to split; the line names the layer and the split that fits, printed once for the job."""
+def test_a_thin_box_runs_its_deep_levels_replicated(made, tmp_path):
+    """On 2 ranks: a 4x16x16 box split along D leaves the U-Net's deepest level 1 voxel deep, too thin
+    to split: the planner replicates that level (the banner and layout say so) and the output is still
+    the one-process output."""
     d, _ = made
     out = tmp_path / "thin.h5"
     res = _infer(d / "run", "--input", f"{d / 'boxes.h5'}:thin", "--output", str(out))
-    assert res.returncode != 0
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    with h5py.File(d / "boxes.h5") as f:
+        want = _reference(d / "run", f["thin"][...][None])
+    with h5py.File(out) as f:
+        got = f["prediction"][...]
+    assert got.shape == want.shape == (1, 1, 4, 16, 16)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_a_box_the_model_cannot_take(made, tmp_path):
+    """A 6x16x16 box cannot pass the U-Net's two poolings: one line naming the extent, once for the
+    job, exit 2 on every rank, nothing written."""
+    d, _ = made
+    out = tmp_path / "odd.h5"
+    res = _infer(d / "run", "--input", f"{d / 'boxes.h5'}:odd", "--output", str(out))
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error")]
-    assert len(lines) == 1 and re.search(r"cannot run split \[2, 1, 1\].*at most 1 along d", lines[0]), \
-        res.stderr[-3000:]
+    assert len(lines) == 1 and re.search(r"\b6\b", lines[0]), res.stderr[-3000:]
     assert all(c == 2 for c in res.codes), res.codes
     assert not out.exists()
 

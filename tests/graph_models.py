@@ -109,3 +109,23 @@ def CosmoUNet() -> nn.Module:  # noqa: N802 (named like the other model classes 
     from cosmoflow.unet import UNet3d as AppUNet  # noqa: PLC0415
 
     return AppUNet(1, 1, width=4, levels=3, max_width=16, groups=2)
+
+
+class Untraceable(nn.Module):
+    """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
+    follow it): run by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 4),
+                                 nn.ReLU())
+        self.down, self.mid = nn.MaxPool3d(2), nn.Conv3d(4, 4, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="trilinear")
+        self.dec = nn.Conv3d(8, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        m = self.mid(self.down(e))
+        if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
+            m = torch.relu(m) + m
+        return self.dec(torch.cat([e, self.up(m)], dim=1))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import distributed
 import graph_models
@@ -84,26 +83,6 @@ def test_skip_crosses_the_cut_and_stage_holds_only_its_layers():
     assert "cut 0 -> 1 carries enc.0.2, enc.1.2, pool.1" in explain(spec, graph_models.UNet3d(), SHAPE, 2)
 
 
-class Untraceable(nn.Module):
-    """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
-    follow it): run by module swapping."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 4),
-                                 nn.ReLU())
-        self.down, self.mid = nn.MaxPool3d(2), nn.Conv3d(4, 4, 3, padding=1)
-        self.up = nn.Upsample(scale_factor=2, mode="trilinear")
-        self.dec = nn.Conv3d(8, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.enc(x)
-        m = self.mid(self.down(e))
-        if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
-            m = torch.relu(m) + m
-        return self.dec(torch.cat([e, self.up(m)], dim=1))
-
-
 def _swapped_body(rank: int, world: int) -> None:
     import hybridpar as hp
 
@@ -112,9 +91,10 @@ def _swapped_body(rank: int, world: int) -> None:
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     y = torch.randn((SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64, generator=g)
     for spec in ({"grid": {"data": 2, "spatial": [2, 1, 1]}}, {"grid": {"spatial": [1, 2, 2]}}):
-        _compare(fails, f"module swapping {spec}", Untraceable, spec, x, y, F.mse_loss)
+        _compare(fails, f"module swapping {spec}", graph_models.Untraceable, spec, x, y, F.mse_loss)
     try:
-        hp.parallelize(Untraceable(), {"grid": {"pipe": 2, "spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+        hp.parallelize(graph_models.Untraceable(), {"grid": {"pipe": 2, "spatial": [2, 1, 1]}},
+                       loss_fn=F.mse_loss)
         fails.append("a pipeline over an untraceable model did not fail")
     except hp.SpecError as err:
         if "torch.fx cannot trace" not in str(err) or "module swapping" not in str(err):

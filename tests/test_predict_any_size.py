@@ -24,28 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graph_models import UNet3d
+from graph_models import UNet3d, Untraceable
 
 TOL = 1e-10
-
-
-class Untraceable(nn.Module):
-    """An encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot follow
-    it): run by module swapping."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 2))
-        self.down, self.mid = nn.MaxPool3d(2), nn.Conv3d(2, 2, 3, padding=1)
-        self.up = nn.Upsample(scale_factor=2, mode="trilinear")
-        self.dec = nn.Conv3d(4, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.enc(x)
-        m = self.mid(self.down(e))
-        if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
-            m = torch.relu(m) + m
-        return self.dec(torch.cat([e, self.up(m)], dim=1))
 
 
 def make_model(name: str) -> nn.Module:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -140,3 +141,16 @@ def failure_line(err: BaseException) -> tuple[str, int]:
         return f"error: {err}", failure.CONFIG_ERROR
     tb = "".join(traceback.format_exception(err)).rstrip()  # a bug: its traceback, printed once
     return f"error: {type(err).__name__}: {err}\n{tb}", failure.RUNTIME_FAULT
+
+
+def run_job(job: Callable[[], None]) -> int:
+    """Run an entry point's ``job`` (training, inference) and return its exit status: 0, or its failure
+    reported once per job as :func:`failure_line` says; the process group is torn down either way."""
+    try:
+        job()
+    except Exception as err:
+        return failure.report(*failure_line(err))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

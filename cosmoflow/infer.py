@@ -268,14 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
     ap.add_argument("--truth", help="TRUTH.h5[:DATASET] (default dataset: linear): print r(k) and T(k)")
     args = ap.parse_args(argv)
-    try:
-        run(args)
-    except Exception as err:
-        return failure.report(*errors.failure_line(err))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return errors.run_job(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ from hybridpar.checkpoint import (
 )
 from hybridpar.data import Augment, VolumeLoader
 from hybridpar.device.accel import Accel
-from hybridpar.process import failure
 from hybridpar.process.lifetime import collective_timeout
 from hybridpar.profiling import StepTimer
 from hybridpar.profiling import range as prange
@@ -439,12 +438,4 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(text())
         return 0
-    try:
-        cfg = load_config(args.config, args.set)
-        run(cfg)
-    except Exception as err:
-        return failure.report(*errors.failure_line(err))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return errors.run_job(lambda: run(load_config(args.config, args.set)))

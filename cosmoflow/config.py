@@ -188,27 +188,29 @@ def read_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: {err}") from None
 
 
-def _describe(typ: Any) -> str:
-    """``int``, ``list[float]``, ``int or null``, ... for messages."""
+def describe_type(typ: Any, prose: bool = True) -> str:
+    """A config type in words: for messages (``prose``: ``int or null``, ``a list of float like [1, 2]``,
+    ``true or false``) or for the reference's type column (``list[float]``, ``bool``, ``mapping``)."""
     if get_origin(typ) in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in get_args(typ))
+        return " or ".join("null" if a is type(None) else describe_type(a, prose) for a in get_args(typ))
     if get_origin(typ) is list:
-        return f"a list of {_describe(get_args(typ)[0])} like [1, 2]"
+        inner = describe_type(get_args(typ)[0], prose)
+        return f"a list of {inner} like [1, 2]" if prose else f"list[{inner}]"
     if get_origin(typ) is dict or typ is dict:
-        return "a mapping"
-    return "true or false" if typ is bool else typ.__name__
+        return "a mapping" if prose else "mapping"
+    return "true or false" if prose and typ is bool else typ.__name__
 
 
 def _coerce(where: str, value: Any, typ: Any, default: Any) -> Any:
     """Check (and, for strings from ``--set``, convert) one value against its declared type: ``bool``,
     ``int``, ``float`` (finite), ``str``, ``list[...]`` of those, ``dict``, and ``X | None``."""
-    wrong = ConfigError(f"{where}: expected {_describe(typ)}, got {_shown(value)} (default {default!r})")
+    wrong = ConfigError(f"{where}: expected {describe_type(typ)}, got {_shown(value)} (default {default!r})")
     if get_origin(typ) in (Union, types.UnionType):
         if value is None and type(None) in get_args(typ):
             return None
         (typ,) = [a for a in get_args(typ) if a is not type(None)]
     if value is None:
-        raise ConfigError(f"{where}: must not be empty; expected {_describe(typ)} (default {default!r})")
+        raise ConfigError(f"{where}: must not be empty; expected {describe_type(typ)} (default {default!r})")
     if get_origin(typ) is list:
         if isinstance(value, str):
             value = read_yaml(value, where)
@@ -231,7 +233,8 @@ def _coerce(where: str, value: Any, typ: Any, default: Any) -> Any:
         if not isinstance(value, str | int | float):
             raise wrong
         if not str(value).strip():
-            raise ConfigError(f"{where}: must not be empty; expected {_describe(typ)} (default {default!r})")
+            raise ConfigError(f"{where}: must not be empty; expected {describe_type(typ)} "
+                              f"(default {default!r})")
         return str(value)
     if typ is int:
         if isinstance(value, float) and value.is_integer():

@@ -28,7 +28,7 @@ from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from cosmoflow import config as config_module
-from cosmoflow.config import AT_LEAST, BELOW, ZERO_MEANS, Config
+from cosmoflow.config import AT_LEAST, BELOW, ZERO_MEANS, Config, describe_type
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,6 @@ def _comments() -> dict[str, str]:
     return found
 
 
-def _type_text(typ: Any) -> str:
-    if get_origin(typ) in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_text(a) for a in get_args(typ))
-    if get_origin(typ) is list:
-        return f"list[{_type_text(get_args(typ)[0])}]"
-    if get_origin(typ) is dict or typ is dict:
-        return "mapping"
-    return typ.__name__
-
-
 def _range_text(name: str, typ: Any) -> str:
     """The range :func:`cosmoflow.config.validate` enforces on a number (or a list of numbers)."""
     inner = [a for a in get_args(typ) if a is not type(None)] if get_origin(typ) in (Union, types.UnionType) \
@@ -124,8 +114,8 @@ def sections() -> list[Section]:
 def _key(cls: type, field: str, prefix: str) -> Key:
     """The reference entry of ``cls``'s ``field``, named ``prefix + field``."""
     typ, name = get_type_hints(cls)[field], prefix + field
-    return Key(name, _type_text(typ), _default_text(getattr(cls(), field)), _range_text(name, typ),
-               _comments().get(f"{cls.__name__}.{field}", ""))
+    return Key(name, describe_type(typ, prose=False), _default_text(getattr(cls(), field)),
+               _range_text(name, typ), _comments().get(f"{cls.__name__}.{field}", ""))
 
 
 def _doc(cls: type) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import pytest
 import torch
@@ -92,7 +93,12 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
         x2 = torch.randn((2, 1, 8, 16, 12), dtype=torch.float64, generator=g)
         with torch.no_grad():
             fails.check("NestedNet predict at 8x16x12", engine.predict(engine.shard_batch(x2)[0]), model(x2))
-    engine = hp.parallelize(AutoNet().double(), cases[0][2], input_shape=SHAPE)
+    with warnings.catch_warnings(record=True) as caught:  # never replicated silently: said once per job
+        warnings.simplefilter("always")
+        engine = hp.parallelize(AutoNet().double(), cases[0][2], input_shape=SHAPE)
+    said = [str(w.message) for w in caught if "run replicated" in str(w.message)]
+    if len(said) != (rank == 0) or (said and "pool, b, act, up" not in said[0]):
+        fails.append(f"rank {rank}: the replication warnings were {said}")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         table = engine.explain()

@@ -180,6 +180,7 @@ class StageBuilder:
             stage_graph = StageGraph(graph, plan, lo, hi, input_shape, input_split, self.layout, self.convert)
             layers = [("", stage_graph)]
         self._warn_gathers(plan)
+        self._warn_replicated(plan)
         built = Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
                       input_split, out, output_split, [], spec, self.sinks, (lo, hi - 1, out_row),
                       output_rows)
@@ -248,6 +249,17 @@ class StageBuilder:
         if target != out_split:  # hand over in the next stage's split (or the output's for the loss)
             layers.append((None, self._redistribute(out_split, target, mine[-1], "out")))
         return layers
+
+    @staticmethod
+    def _warn_replicated(plan: list[Any]) -> None:
+        """Never replicate silently: layers the planner runs whole because their volume is too small to
+        split (auto-replication; ``strict: true`` refuses instead) are said once per job (rank 0)."""
+        auto = [lp for lp in plan if lp.auto_replicated]
+        if auto and dist.get_rank() == 0:
+            names = ", ".join(lp.name for lp in auto[:6]) + (", ..." if len(auto) > 6 else "")
+            warnings.warn(f"hybridpar.parallelize: {len(auto)} layer(s) run replicated, their volume too "
+                          f"small to split ({auto[0].auto_replicated}): {names}; engine.explain() marks "
+                          f"them '!', and strict: true in the spec refuses instead", stacklevel=4)
 
     @staticmethod
     def _warn_gathers(plan: list[Any]) -> None:

@@ -66,13 +66,6 @@ def output_shape(engine: Engine) -> tuple[int, ...]:
     return tuple(engine.stage.lead_output.output_shape)
 
 
-def predict_shard(engine: Engine, x_local: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's shard of the engine's volume output (laid out by :func:`output_grid`), never the
-    whole volume: ``engine.predict(x_local, gather=False)``. ``x_local`` is None on a pipeline's later
-    stages, which return None (the last stage holds the shards)."""
-    return engine.predict(x_local, batch=1, gather=False)
-
-
 def writer_boxes(engine: Engine, volume: tuple[int, int, int]) -> dict[int, Box]:
     """Which rank writes which box of the output: of the ranks of one data-parallel replica's last
     stage holding the same box (a replicated or partly replicated output), the lowest writes it (each
@@ -145,7 +138,7 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
                 x_local = x_local.to(device)
         else:  # later stages receive their input from the previous stage
             x_local = None
-        y = predict_shard(engine, x_local)
+        y = engine.predict(x_local, batch=1, gather=False)  # this rank's shard, never the whole volume
         if engine.last_stage and not isinstance(y, torch.Tensor):
             raise ValueError(f"hybridpar.infer: the model returns a {type(y).__name__}; infer writes one "
                              "volume output (wrap the model to return the tensor to write)")

@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from cosmoflow.config import ConfigError
+from cosmoflow.correlation import correlation, cross_power
 from cosmoflow.experiments import reference
 from cosmoflow.experiments.averaging import per_universe, spread
-from cosmoflow.experiments.report import check_schema, convergence, goals
+from cosmoflow.experiments.report import beyond_power, check_schema, convergence, goals
 from cosmoflow.experiments.study import load_study
 from cosmoflow.metrics import mae
 
@@ -131,10 +132,15 @@ def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None
     assert [r.size for r in ridge.runs] == [16, 32, 64] and ridge.seeds == [0, 1, 2]
     rc = ridge.trainer_config(ridge.runs[2], 0)
     assert rc.model.ridge_start and not rc.model.power_spectrum and rc.train.val_every == 2
-    assert rc.train.epochs == 24 and rc.optimizer.warmup_epochs == 0 and rc.optimizer.decay_epochs == [18]
+    assert rc.train.epochs == 16 and rc.optimizer.warmup_epochs == 0 and rc.optimizer.decay_epochs == [12]
+    assert rc.model.ridge_probe == "fixed" and rc.optimizer.base_lr == 0.024
+    short = load_study(configs / "volume_study_ridge_short.yaml", out=str(tmp_path / "short"))
+    sc = short.trainer_config(short.runs[0], 0)                        # as the short checks ran
+    assert sc.model.ridge_probe == "trained" and sc.optimizer.base_lr == 0.08 and sc.train.epochs == 4
     fixed = load_study(configs / "volume_study_ridge_short_fixed.yaml", out=str(tmp_path / "fixed"))
     fc = fixed.trainer_config(fixed.runs[0], 0)
     assert fc.model.ridge_probe == "fixed" and fc.train.epochs == 4 and fc.model.ridge_start
+    assert fc.optimizer.base_lr == 0.08
     loop = tmp_path / "loop.yaml"
     loop.write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends itself"):
@@ -188,6 +194,10 @@ def test_tiny_study_end_to_end(tmp_path: Path) -> None:
     ref = json.loads(reference.path_for(results).read_text())             # the no-network reference
     assert sorted(ref["sizes"], key=int) == ["4", "8", "16"]
     assert "| power spectrum + ridge, 16³ | – | [" in results.with_suffix(".md").read_text()
+    cross = json.loads(reference.path_for(results, cross=True).read_text())  # with the channels' correlation
+    assert sorted(cross["sizes"], key=int) == ["4", "8", "16"] and "correlation" in cross["features"]
+    assert "| power spectra + correlation between channels + ridge, 16³ | – | [" in \
+        results.with_suffix(".md").read_text()
     # a second start reuses the finished runs (the study resumes) and reports the same numbers
     again = run_python(["-m", "cosmoflow.experiments.volume", "--config", str(config),
                         "--out", str(tmp_path / "out"), "--results", str(results)], env=env, timeout=120)
@@ -243,6 +253,12 @@ def test_goals_and_convergence_lines_say_met_or_not_with_their_figures() -> None
     assert "beyond its seed spread on Omega_m, sigma_8, H_0 at every size: not met (16³ Omega_m 0.4000 + " \
            "0.3000 > 0.4500; 64³ sigma_8 0.2000 + 0.0200 > 0.1800; 64³ H_0 0.2500 + 0.0200 > 0.1800)" in text
     assert "- stretch, network <= 0.9 x reference at 64³: Omega_m 0.88, sigma_8 1.11: not met" in text
+    cross = {"sizes": {"64": {"mae": dict(zip(p, (0.12, 0.18, 0.3, 0.17)))}}}
+    assert beyond_power(doc, ref, cross) == (
+        "\n- no network, with the correlation between channels at 64³: Omega_m 0.1200 (0.75 x the reference; "
+        "network 0.1400), sigma_8 0.1800 (1.00 x the reference; network 0.2000), H_0 0.1700 (0.94 x the "
+        "reference; network 0.2500)")
+    assert beyond_power(doc, ref, None) == ""
     one = goals({"sizes": {"64": doc["sizes"]["64"]}}, ref)
     assert "one input size (64³), no comparison between sizes" in one and "64³ / 64³" not in one
     doc["sizes"]["16"]["seeds"][0]["curve"]["Omega_m"] = [0.6, 0.5, 0.45, 0.44, 0.44, 0.44, 0.44, 0.40]
@@ -266,6 +282,23 @@ def test_reference_features_of_white_noise() -> None:
         assert abs(skew) < 0.05
     small = reference.features(rng.normal(size=(1, 8, 8, 8)))
     assert np.all(small[:3] == 0.0) and np.all(small[3:shells] != 0.0)  # the fundamental of 8 is 1/8
+
+
+def test_reference_cross_features_are_the_correlation_between_channels() -> None:
+    """With ``cross`` the features are the plain ones, then per channel pair and shell the correlation
+    coefficient: the numpy ``cross_power`` of cosmoflow.correlation on a correlated pair, 1 for a copy,
+    -1 for a negated copy, 0 beside a constant channel and in shells the input does not hold."""
+    rng = np.random.default_rng(4)
+    a = rng.normal(size=(16, 16, 16))
+    x = np.stack([a, 0.5 * a + rng.normal(size=a.shape), a, -a, np.full(a.shape, 0.7)])
+    plain, both = reference.features(x), reference.features(x, cross=True)
+    shells = len(reference.SHELLS) - 1
+    assert np.array_equal(both[:len(plain)], plain)
+    r = both[len(plain):].reshape(-1, shells)                           # pairs (0,1) (0,2) (0,3) (0,4) ...
+    assert r.shape == (10, shells) and np.all(r[:, :2] == 0.0)          # 16 voxels hold no mode below 1/16
+    want = correlation(cross_power(a, x[1], np.asarray(reference.SHELLS) * 16))
+    assert np.allclose(r[0, 2:], want[2:], rtol=1e-12, atol=0)
+    assert np.allclose(r[1, 2:], 1.0) and np.allclose(r[2, 2:], -1.0) and np.all(r[3] == 0.0)
 
 
 def test_reference_ridge_recovers_a_linear_law_and_folds_whole_universes() -> None:

@@ -39,7 +39,8 @@ from cosmoflow.experiments.averaging import per_universe
 from cosmoflow.metrics import PARAMS, mae
 from cosmoflow.summaries import FLOOR, SHELLS, ReferenceFeatures
 
-__all__ = ["FLOOR", "SHELLS", "RidgeFit", "features", "fit", "fit_predict", "reference", "ridge_start"]
+__all__ = ["FLOOR", "SHELLS", "RidgeFit", "describe", "features", "fit", "fit_predict", "reference",
+           "ridge_start"]
 
 STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """Ridge strengths tried (on standardised features), per parameter, by cross-validation."""
@@ -49,32 +50,43 @@ FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".jo
               f"strength per parameter from {FOLDS}-fold cross-validation over training universes")
 
 
+def describe(cross: bool = False) -> str:
+    """What the reference reads, for its result file: :data:`FEATURES`, and with ``cross`` the
+    correlation between channels."""
+    if not cross:
+        return FEATURES
+    head, _, tail = FEATURES.partition("; ridge")
+    return f"{head}; per pair of channels, their correlation coefficient in each shell; ridge{tail}"
+
+
 @functools.lru_cache(maxsize=8)
-def _extractor(size: int, channels: int) -> ReferenceFeatures:
-    return ReferenceFeatures(size, channels)
+def _extractor(size: int, channels: int, cross: bool) -> ReferenceFeatures:
+    return ReferenceFeatures(size, channels, cross)
 
 
-def features(x: np.ndarray | torch.Tensor) -> np.ndarray:
+def features(x: np.ndarray | torch.Tensor, cross: bool = False) -> np.ndarray:
     """Summary statistics of one input ``x`` (C, d, d, d), float ``log1p(counts)``, in float64:
-    :class:`cosmoflow.summaries.ReferenceFeatures`, the module the ridge-started network computes too."""
+    :class:`cosmoflow.summaries.ReferenceFeatures`, the module the ridge-started network computes too
+    (``cross``: with the correlations between channels after them)."""
     t = torch.as_tensor(np.asarray(x, dtype=np.float64))
     with torch.no_grad():
-        return _extractor(t.shape[-1], t.shape[0])(t[None])[0].numpy()
+        return _extractor(t.shape[-1], t.shape[0], cross)(t[None])[0].numpy()
 
 
-def _rows(directory: Path, size: int, channels: int, indices: range) -> tuple[list, list, list]:
+def _rows(directory: Path, size: int, channels: int, indices: range, cross: bool = False
+          ) -> tuple[list, list, list]:
     """Features, targets and universe file of the samples ``indices`` (one worker's share)."""
     ds = open_dataset(directory, sample_size=size, channels=channels)
     rows, targets, where = [], [], []
     for i in indices:
         x, y = ds.read(i)
-        rows.append(features(x.numpy()))
+        rows.append(features(x.numpy(), cross))
         targets.append(np.asarray(y, dtype=np.float64))
         where.append(ds.locate(i)[0].path)
     return rows, targets, where
 
 
-def _table(directory: Path, size: int, channels: int, workers: int = 1
+def _table(directory: Path, size: int, channels: int, workers: int = 1, cross: bool = False
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(features, targets, universe file) of every sample of ``directory`` cut into ``size``³ inputs,
     measured by ``workers`` processes (a 256³ universe cut into 32³ crops is 512 spectra per channel)."""
@@ -82,10 +94,10 @@ def _table(directory: Path, size: int, channels: int, workers: int = 1
     step = max(n // (4 * workers), 1)  # a few chunks per worker: uneven ones even out
     chunks = [range(lo, min(lo + step, n)) for lo in range(0, n, step)]
     if workers <= 1:
-        parts = [_rows(directory, size, channels, c) for c in chunks]
+        parts = [_rows(directory, size, channels, c, cross) for c in chunks]
     else:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = list(pool.map(_rows, *zip(*[(directory, size, channels, c) for c in chunks])))
+            parts = list(pool.map(_rows, *zip(*[(directory, size, channels, c, cross) for c in chunks])))
     rows, targets, where = ([v for part in parts for v in part[k]] for k in range(3))
     return np.asarray(rows), np.asarray(targets), np.asarray(where)
 
@@ -173,25 +185,28 @@ def ridge_start(train_dir: Path | str, size: int, channels: int, workers: int = 
     return fit(x_train, y_train, u_train)
 
 
-def reference(train_dir: Path, val_dir: Path, sizes: list[int], channels: int, workers: int = 1
-              ) -> dict[str, Any]:
+def reference(train_dir: Path, val_dir: Path, sizes: list[int], channels: int, workers: int = 1,
+              cross: bool = False) -> dict[str, Any]:
     """``{"sizes": {"32": {"mae": {P: x}, "strength": {P: λ}}, ...}, "features": str}`` (unitPar);
-    the spectra are measured by ``workers`` processes."""
+    the spectra are measured by ``workers`` processes; ``cross``: the features include the correlation
+    between channels (a stronger reference, still no network)."""
     out: dict[str, Any] = {}
     for size in sizes:
-        x_train, y_train, u_train = _table(train_dir, size, channels, workers)
-        x_val, y_val, u_val = _table(val_dir, size, channels, workers)
+        x_train, y_train, u_train = _table(train_dir, size, channels, workers, cross)
+        x_val, y_val, u_val = _table(val_dir, size, channels, workers, cross)
         pred, chosen = fit_predict(x_train, y_train, u_train, x_val)
         mean, target, _ = per_universe(pred, y_val, u_val)
         out[str(size)] = {"mae": mae(mean, target), "strength": chosen}
-        print(f"  reference {size}^3: " + ", ".join(f"{p} {v:.4f}" for p, v in out[str(size)]["mae"].items()),
+        what = "reference with cross spectra" if cross else "reference"
+        print(f"  {what} {size}^3: " + ", ".join(f"{p} {v:.4f}" for p, v in out[str(size)]["mae"].items()),
               flush=True)
-    return {"sizes": out, "features": FEATURES}
+    return {"sizes": out, "features": describe(cross)}
 
 
-def path_for(results: Path) -> Path:
-    """Where the reference of a study whose result file is ``results`` lives."""
-    return results.with_name(results.stem + "_reference.json")
+def path_for(results: Path, cross: bool = False) -> Path:
+    """Where the reference (``cross``: the one with the correlations between channels) of a study whose
+    result file is ``results`` lives."""
+    return results.with_name(results.stem + ("_reference_cross.json" if cross else "_reference.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="launch/configs/volume_study.yaml", help="the study's YAML")
     ap.add_argument("--results", help="the study's result JSON (default: the config's); the reference is "
                                       "written beside it as <stem>_reference.json")
+    ap.add_argument("--cross", action="store_true", help="add the correlation between channels per shell "
+                    "to the features; written as <stem>_reference_cross.json")
     args = ap.parse_args(argv)
     try:
         study = load_study(args.config, None, args.results)
@@ -213,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     u = study.universes
     doc = reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs], u.channels,
-                    u.workers)
-    path = path_for(Path(study.results))
+                    u.workers, args.cross)
+    path = path_for(Path(study.results), args.cross)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"reference: {path}", flush=True)

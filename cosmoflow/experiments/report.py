@@ -104,9 +104,10 @@ def check_schema(doc: dict[str, Any]) -> None:
             raise ValueError(f"{key}: expected a non-empty string, got {doc[key]!r}")
 
 
-def table(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
+def table(doc: dict[str, Any], ref: dict[str, Any] | None = None, cross: dict[str, Any] | None = None) -> str:
     """The markdown table: validation MAE ± seed spread per input size and parameter, the baseline, and
-    the power-spectrum reference (:mod:`.reference`) where ``ref`` is given."""
+    the power-spectrum reference (:mod:`.reference`) where ``ref`` is given; ``cross``: the reference that
+    also reads the correlation between channels, a row of its own and a line under the goals."""
     head = "| input | crops / universe | " + " | ".join(PARAMS) + " |"
     lines = [head, "|" + "---|" * (len(PARAMS) + 2)]
     for size, entry in sorted(doc["sizes"].items(), key=lambda kv: int(kv[0])):
@@ -123,13 +124,18 @@ def table(doc: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
     for size, entry in sorted((ref or {}).get("sizes", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"| power spectrum + ridge, {size}³ | – | "
                      + " | ".join(f"[{entry['mae'][p]:.4f}]" for p in PARAMS) + " |")
+    for size, entry in sorted((cross or {}).get("sizes", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| power spectra + correlation between channels + ridge, {size}³ | – | "
+                     + " | ".join(f"[{entry['mae'][p]:.4f}]" for p in PARAMS) + " |")
     seeds = sorted({r["seed"] for e in doc["sizes"].values() for r in e["seeds"]})
     note = (f"\nValidation MAE in {doc['units'].split(':')[0]} units (normalised to [-1, 1]); crop sizes: "
             f"the mean prediction over all crops of a universe (in round brackets: each crop scored alone); "
             f"± is the standard deviation over seeds {seeds}."
             + (f" In square brackets: no network, a ridge regression on power spectra ({ref['features']})."
                if ref else "")
-            + f"\n\n{goals(doc, ref)}"
+            + (" The correlation rows add, per pair of channels (snapshots) and shell, their correlation "
+               "coefficient." if cross else "")
+            + f"\n\n{goals(doc, ref)}" + beyond_power(doc, ref, cross)
             + f"\n\n{convergence(doc)}"
             + f"\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
@@ -206,6 +212,18 @@ def _beyond_spread(sizes: dict[str, Any], ref: dict[str, Any], order: list[str])
                      + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items())
                      + f": {'met' if met else 'not met'}")
     return lines
+
+
+def beyond_power(doc: dict[str, Any], ref: dict[str, Any] | None, cross: dict[str, Any] | None) -> str:
+    """A line under the goals: at the largest size, the reference with the correlation between channels
+    against the plain one and the network; what a network could gain beyond each channel's spectrum
+    without going past two-point statistics."""
+    top = max(doc["sizes"], key=int)
+    if not (ref and cross and top in ref["sizes"] and top in cross["sizes"]):
+        return ""
+    r, c, n = ref["sizes"][top]["mae"], cross["sizes"][top]["mae"], doc["sizes"][top]["mae"]
+    cells = ", ".join(f"{p} {c[p]:.4f} ({c[p] / r[p]:.2f} x the reference; network {n[p]:.4f})" for p in BEAT)
+    return f"\n- no network, with the correlation between channels at {top}³: {cells}"
 
 
 FLAT = 0.02

@@ -261,20 +261,25 @@ def run_study(study: Study, command: str, dry_run: bool = False, estimate_steps:
            "units": UNITS, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
     check_schema(doc)
     print("the power-spectrum reference (no network) on the same inputs:", flush=True)
-    ref = reference.reference(u.split_dir("train"), u.split_dir("val"), [r.size for r in study.runs],
-                              u.channels, u.workers)
-    write_report(doc, Path(study.results), ref)
+    sizes_run = [r.size for r in study.runs]
+    ref = reference.reference(u.split_dir("train"), u.split_dir("val"), sizes_run, u.channels, u.workers)
+    cross = reference.reference(u.split_dir("train"), u.split_dir("val"), sizes_run, u.channels, u.workers,
+                                cross=True) if u.channels > 1 else None
+    write_report(doc, Path(study.results), ref, cross)
     return doc
 
 
-def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None = None) -> None:
-    """The result file, the reference's beside it (``_reference.json``), the table (``.md``), the plot
-    (``_mae.png``) and the learning curves (``_curves.png``); the table printed."""
+def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None = None,
+                 cross: dict[str, Any] | None = None) -> None:
+    """The result file, the references beside it (``_reference.json``; with the correlation between
+    channels, ``_reference_cross.json``), the table (``.md``), the plot (``_mae.png``) and the learning
+    curves (``_curves.png``); the table printed."""
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(doc, indent=2) + "\n")
-    if ref is not None:
-        reference.path_for(results).write_text(json.dumps(ref, indent=2) + "\n")
-    text = table(doc, ref)
+    for doc_ref, with_cross in ((ref, False), (cross, True)):
+        if doc_ref is not None:
+            reference.path_for(results, with_cross).write_text(json.dumps(doc_ref, indent=2) + "\n")
+    text = table(doc, ref, cross)
     results.with_suffix(".md").write_text(text)
     print("\n" + text, flush=True)
     png = plot(doc, results.with_name(results.stem + "_mae.png"), ref)

@@ -16,6 +16,8 @@ from cosmoflow.config import ConfigError, load_config
 from cosmoflow.correlation import correlation, cross_power, mode_lengths, shell_edges
 from cosmoflow.data import open_dataset
 from cosmoflow.generate import generate
+from cosmoflow.reconstruct import half_scale
+from cosmoflow.reconstruct import main as z0_goal_cli
 from cosmoflow.universe import Cosmology, draw_unit_params, linear_field
 
 from distributed import ROOT, train_script
@@ -56,6 +58,29 @@ def fields(tmp_path_factory) -> Path:
     generate(d / "val", 2, 16, seed=2, progress=False, smoothing=1.0)
     generate(d / "bare", 1, 16, seed=1, progress=False, linear=False)
     return d
+
+
+def test_z0_goal_reads_r_at_half_an_inverse_mpc_and_the_half_correlation_scale(tmp_path):
+    """The z = 0 goals added to a result file: r in the shell nearest 0.5 h/Mpc, the scale where r
+    falls through one half (linear between shells) against the baseline's, met only when both hold."""
+    k = [0.1, 0.3, 0.5, 0.7, 0.9, 1.1]
+    assert half_scale(k, [1.0, 0.9, 0.7, 0.5, 0.3, 0.1]) == pytest.approx(0.7)    # r = 1/2 is not below
+    assert half_scale(k, [1.0, 0.9, 0.8, 0.6, 0.4, 0.1]) == pytest.approx(0.8)
+    assert half_scale(k, [1.0] * 6) is None
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"k": k, "r_model": [1.0, 0.9, 0.6, 0.4, 0.2, 0.1]}))     # r = 1/2 at 0.6
+    runs = {"good": [1.0, 0.99, 0.92, 0.8, 0.6, 0.4], "short": [1.0, 0.99, 0.92, 0.6, 0.4, 0.2],
+            "blurred": [1.0, 0.95, 0.88, 0.8, 0.7, 0.6]}
+    for name, r in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"k": k, "r_model": r, "command": name}))
+    assert z0_goal_cli([str(tmp_path / f"{n}.json") for n in runs] + ["--baseline", str(base)]) == 0
+    got = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in runs}
+    assert got["good"]["command"] == "good"                                        # the file, extended
+    g = got["good"]["z0_goal"]
+    assert (g["k"], g["r"], g["baseline_half_scale"]) == (0.5, 0.92, pytest.approx(0.6))
+    assert g["half_scale"] == pytest.approx(1.0) and g["half_scale_ratio"] == pytest.approx(1 / 0.6)
+    assert g["met"] and not got["short"]["z0_goal"]["met"]                        # 0.8 / 0.6 < 1.5
+    assert got["blurred"]["z0_goal"]["half_scale"] is None and not got["blurred"]["z0_goal"]["met"]
 
 
 def test_generator_writes_the_initial_field(fields):

@@ -109,9 +109,8 @@ def infer(engine_or_model: Engine | nn.Module, reader: VolumeReader, writer: Vol
     else:
         world = dist.get_world_size() if dist.is_initialized() else 1
         engine = parallelize(engine_or_model, spec or {"grid": {"spatial": [world, 1, 1]}})
-    if not engine.built:  # one volume per replica at a time
-        engine._build((engine.grid.data, *size))
-    engine._at_size(size, "hybridpar.infer")  # the plan at the reader's size (any size the split takes)
+    # one volume per replica at a time, at the reader's size (any size the built split takes)
+    engine.bind((engine.grid.data, *size), "hybridpar.infer")
     engine.eval()
     out = output_shape(engine)
     if len(out) != 5 or tuple(out[2:]) != tuple(volume):

@@ -227,6 +227,19 @@ class Engine:
         self._size = size
         self._ends()
 
+    def bind(self, input_shape: Sequence[int], caller: str = "Engine.bind") -> Engine:
+        """Ready the engine for a global input of ``input_shape`` (N, C, D, H, W): built at it the first
+        time, afterwards its shapes bound to (C, D, H, W), any size the built split takes (refused in one
+        line, alike on every rank, naming ``caller``, where it cannot). :meth:`shard_batch` and
+        :meth:`predict` do this themselves; a caller that needs the output's shape before it has a batch
+        (``hp.infer`` sizing its writer) calls it first. Returns the engine."""
+        shape = tuple(int(s) for s in input_shape)
+        if not self.built:
+            self._build(shape)
+        elif len(self.input_shape) == 5 and len(shape) == 5:
+            self._at_size(shape[1:], caller)
+        return self
+
     @property
     def input_size(self) -> tuple[int, ...]:
         """(C, D, H, W) of the global input the stage's shapes are bound to now (the build size, or the
@@ -283,10 +296,7 @@ class Engine:
         A volume batch of another extent than the build size is cut as the plan at that size says (its
         target as the model's output there), for :meth:`predict`; a size the built split cannot take is
         refused in one line, alike on every rank."""
-        if not self.built:
-            self._build(tuple(x.shape))
-        elif len(self.input_shape) == 5 and x.dim() == 5:
-            self._at_size(tuple(x.shape[1:]), "Engine.shard_batch")
+        self.bind(x.shape, "Engine.shard_batch")
         out = self.stage.lead_output.output_shape
         return shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
                      tuple(out[2:]) if len(out) == 5 else None, self.memory_format)

@@ -251,10 +251,11 @@ def convergence(doc: dict[str, Any]) -> str:
             f"(largest change {worst:.1%})")
 
 
-def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> Path | None:
+def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None,
+         cross: dict[str, Any] | None = None) -> Path | None:
     """MAE against input size per parameter (error bars: the seed spread; crops scored alone in gray; the
-    power-spectrum reference as triangles), the baseline dashed; None and nothing written when matplotlib
-    is not installed."""
+    power-spectrum reference as triangles, the one with the correlation between channels as squares),
+    the baseline dashed; None and nothing written when matplotlib is not installed."""
     if not installed("matplotlib"):
         return None
     import matplotlib  # noqa: PLC0415 (optional)
@@ -271,15 +272,17 @@ def plot(doc: dict[str, Any], path: Path, ref: dict[str, Any] | None = None) -> 
         alone = [(int(s), c[0][p]) for s in sizes if (c := _per_crop(doc["sizes"][s])) is not None]
         if alone:
             ax.plot(*zip(*alone), "x:", color="gray", label="each crop alone")
-        if ref:
-            ref_sizes = sorted(ref["sizes"], key=int)
-            ax.plot([int(s) for s in ref_sizes], [ref["sizes"][s]["mae"][p] for s in ref_sizes], "^--",
-                    color="tab:green", label="power spectrum + ridge (no network)")
+        for r, style, color, label in ((ref, "^--", "tab:green", "power spectrum + ridge (no network)"),
+                                       (cross, "s--", "tab:purple", "+ correlation between channels")):
+            if r:
+                ref_sizes = sorted(r["sizes"], key=int)
+                ax.plot([int(s) for s in ref_sizes], [r["sizes"][s]["mae"][p] for s in ref_sizes], style,
+                        color=color, label=label)
         ax.axhline(doc["baseline"]["mae"][p], color="k", ls="--", lw=0.8, label="predict the mean")
         ax.set(xscale="log", xticks=[int(s) for s in sizes], xticklabels=[f"{s}³" for s in sizes],
                title=p, xlabel="input size", ylabel="validation MAE (unitPar)")
         ax.minorticks_off()
-    return _save(fig, axes, path, ncol=4)
+    return _save(fig, axes, path, ncol=3 if cross else 4)
 
 
 def plot_curves(doc: dict[str, Any], path: Path) -> Path | None:

@@ -282,7 +282,7 @@ def write_report(doc: dict[str, Any], results: Path, ref: dict[str, Any] | None 
     text = table(doc, ref, cross)
     results.with_suffix(".md").write_text(text)
     print("\n" + text, flush=True)
-    png = plot(doc, results.with_name(results.stem + "_mae.png"), ref)
+    png = plot(doc, results.with_name(results.stem + "_mae.png"), ref, cross)
     print(f"plot: {png}" if png else "plot: none (matplotlib is not installed: pip install matplotlib); "
           "the table above holds the same numbers", flush=True)
     curves = plot_curves(doc, results.with_name(results.stem + "_curves.png"))

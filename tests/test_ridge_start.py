@@ -7,7 +7,8 @@ trunk's random weights; at step 0 only the head's output layer and the probe get
 residual is zero), after one SGD step the trunk gets them too and the predictions move. Split over 2
 ranks (depth, and width) and 3 (depth, uneven: 8 = 3 + 3 + 2), the engine's losses over two SGD steps,
 its weights after them and its predictions equal the single-process model's (float64, 1e-9 relative),
-so the features a split volume computes from its shards are the reference's too. Through the
+so the features a split volume computes from its shards are the reference's too. So are the features with
+the correlation between channels (``cross``), split in depth and in width. Through the
 application's trainer (2 ranks, each 16³ universe cut into 8³ crops split in depth, learning rate 0):
 the run's validation predictions are the reference's ridge predictions fitted on its training files, and
 ``train.val_every=2`` over 3 epochs validates after epochs 2 and 3 only.
@@ -150,6 +151,25 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
 def test_split_network_matches_single_process(pools, world: int, size: int, n_conv: int,
                                               spatial: list[int], probe: str) -> None:
     pools(world).run(_split_body, size, n_conv, spatial, probe, timeout=300)
+
+
+def _cross_body(rank: int, world: int, spatial: list[int]) -> None:
+    import hybridpar as hp
+    from cosmoflow.summaries import ReferenceFeatures
+
+    x = torch.from_numpy(_inputs(12, 2, 5)[0])
+    want = ReferenceFeatures(12, 4, cross=True)(x)
+    engine = hp.parallelize(ReferenceFeatures(12, 4, cross=True), {"grid": {"spatial": spatial}})
+    got = engine.predict(engine.shard_batch(x)[0])
+    err = (got - want).abs().max().item()
+    assert err <= 1e-10 * want.abs().max().item(), f"spatial {spatial}, rank {rank}: cross features, {err}"
+
+
+@pytest.mark.parametrize("spatial", [[2, 1, 1], [1, 1, 2]], ids=["depth", "width"])
+def test_cross_features_split_match_single_process(pools, spatial: list[int]) -> None:
+    """The reference's features with the correlation between channels (``cross``: pair sums through the
+    same power spectrum) computed from the shards of a volume split over 2 ranks equal one process's."""
+    pools(2).run(_cross_body, spatial, timeout=120)
 
 
 def test_trainer_starts_at_the_reference_and_validates_every_second_epoch(tmp_path: Path) -> None:

@@ -212,6 +212,7 @@ def test_schema_check_names_the_key() -> None:
     check_schema(doc)
     with pytest.raises(ValueError, match="top-level keys"):
         check_schema({k: v for k, v in doc.items() if k != "units"})
+    check_schema({**doc, "reading": "what the figures mean"})          # optional, as date
     doc["sizes"]["32"]["mae"] = {"Omega_m": 0.1}
     with pytest.raises(ValueError, match=r"sizes.32.mae: expected one number per parameter"):
         check_schema(doc)

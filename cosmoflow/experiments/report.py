@@ -68,9 +68,11 @@ def check_schema(doc: dict[str, Any]) -> None:
     """Raise ValueError naming the first key of ``doc`` that is not the study's result schema::
 
         {"sizes": {"32": {"mae": {P: x}, "mae_spread": {P: x}, "seeds": [...]}, ...},
-         "baseline": {"mae": {P: x}}, "command": str, "machine": ..., "units": str, "date": str}
+         "baseline": {"mae": {P: x}}, "command": str, "machine": ..., "units": str, "date": str,
+         "reading": str}
 
-    (``date``, when the report was written, is optional: earlier result files lack it).
+    (``date``, when the report was written, is optional: earlier result files lack it; so is
+    ``reading``, what the figures mean and what limits an unmet goal, added by whoever read them).
     """
     def params(where: str, d: Any) -> None:
         if not isinstance(d, dict) or sorted(d) != sorted(PARAMS):
@@ -80,9 +82,9 @@ def check_schema(doc: dict[str, Any]) -> None:
                 raise ValueError(f"{where}.{k}: expected a finite number, got {v!r}")
 
     want = {"sizes", "baseline", "command", "machine", "units"}
-    if not isinstance(doc, dict) or not want <= set(doc) <= want | {"date"}:
+    if not isinstance(doc, dict) or not want <= set(doc) <= want | {"date", "reading"}:
         raise ValueError(f"volume_study.json: top-level keys {sorted(doc) if isinstance(doc, dict) else doc} "
-                         f"must be exactly {sorted(want)} (and optionally date)")
+                         f"must be exactly {sorted(want)} (and optionally date, reading)")
     if not doc["sizes"] or not all(isinstance(k, str) and k.isdigit() for k in doc["sizes"]):
         raise ValueError(f"sizes: keys must be input sizes as strings like '32', got {list(doc['sizes'])}")
     for size, entry in doc["sizes"].items():
@@ -137,6 +139,7 @@ def table(doc: dict[str, Any], ref: dict[str, Any] | None = None, cross: dict[st
                "coefficient." if cross else "")
             + f"\n\n{goals(doc, ref)}" + beyond_power(doc, ref, cross)
             + f"\n\n{convergence(doc)}"
+            + (f"\n\nReading: {doc['reading']}" if doc.get("reading") else "")
             + f"\n\nCommand: `{doc['command']}`\n")
     return "\n".join(lines) + "\n" + note
 

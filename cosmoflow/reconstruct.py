@@ -275,7 +275,8 @@ displacement channels: the same network, so the ratio is what the reconstruction
 
 def half_scale(k: list[float], r: list[float]) -> float | None:
     """The wavenumber where r(k) first falls below one half, linear between the shells around it (None
-    where it never does)."""
+    where no two neighbouring shells bracket it: r never falls below one half, or is below it already
+    in the first shell)."""
     for i in range(1, len(r)):
         if r[i] < 0.5 <= r[i - 1]:
             return float(k[i - 1] + (r[i - 1] - 0.5) / (r[i - 1] - r[i]) * (k[i] - k[i - 1]))
@@ -294,6 +295,20 @@ def z0_goal(doc: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
                                         and ratio >= Z0_GOAL["half_scale_ratio"])}
 
 
+def _result(path: Path) -> dict[str, Any]:
+    """A reconstruction result file with its ``k`` and ``r_model`` per shell; ValueError in one line
+    naming the file otherwise."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable JSON result file ({err})") from None
+    k, r = (doc.get(key) if isinstance(doc, dict) else None for key in ("k", "r_model"))
+    if not (isinstance(k, list) and isinstance(r, list) and len(k) == len(r) > 0):
+        raise ValueError(f"{path}: a reconstruction result needs lists k and r_model of one value per shell "
+                         "(reconstruction.json of a run)")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cosmoflow.reconstruct",
                                  description="add the z = 0 goals (Z0_GOAL) to reconstruction result files")
@@ -301,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", required=True, help="the result file of the z = 0 run without "
                     "displacement channels, whose half-correlation scale is the goal's unit")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    base = json.loads(Path(args.baseline).read_text())
-    for path in map(Path, args.results):
-        doc = json.loads(path.read_text())
+    try:
+        base = _result(Path(args.baseline))
+        docs = {path: _result(path) for path in map(Path, args.results)}  # all read before any is written
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    for path, doc in docs.items():
         doc["z0_goal"] = z0_goal(doc, base)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         g = doc["z0_goal"]

@@ -104,8 +104,9 @@ class Summarize(nn.Module):
     def forward(self, powers_and_moments: torch.Tensor) -> torch.Tensor:
         n, c, shells = powers_and_moments.shape[0], self.channels, self.held.numel()
         spectra = c + (len(pairs(c)) if self.cross else 0)
-        all_power = powers_and_moments[:, :spectra * shells].reshape(n, spectra, shells).to(torch.float64)
-        power = all_power[:, :c] / self.volume
+        all_power = powers_and_moments[:, :spectra * shells].reshape(n, spectra, shells).to(torch.float64) \
+            / self.volume
+        power = all_power[:, :c]
         raw = powers_and_moments[:, spectra * shells:].reshape(n, MOMENTS, c).to(torch.float64)
         m1, m2, m3 = raw[:, 0], raw[:, 1], raw[:, 2]
         var = m2 - m1 * m1
@@ -117,7 +118,7 @@ class Summarize(nn.Module):
         own = torch.cat([log_power, stats], dim=2).flatten(1)
         if not self.cross:
             return own
-        return torch.cat([own, self._correlations(all_power / self.volume)], dim=1)
+        return torch.cat([own, self._correlations(all_power)], dim=1)
 
     def _correlations(self, power: torch.Tensor) -> torch.Tensor:
         """(N, pairs·shells): r_ab per shell from the channels' and the pair sums' powers."""

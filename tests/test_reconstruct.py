@@ -81,6 +81,12 @@ def test_z0_goal_reads_r_at_half_an_inverse_mpc_and_the_half_correlation_scale(t
     assert g["half_scale"] == pytest.approx(1.0) and g["half_scale_ratio"] == pytest.approx(1 / 0.6)
     assert g["met"] and not got["short"]["z0_goal"]["met"]                        # 0.8 / 0.6 < 1.5
     assert got["blurred"]["z0_goal"]["half_scale"] is None and not got["blurred"]["z0_goal"]["met"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"k": k}))                                           # no r_model: refused
+    before = (tmp_path / "good.json").read_text()
+    assert z0_goal_cli([str(tmp_path / "good.json"), str(bad), "--baseline", str(base)]) == 2
+    assert z0_goal_cli([str(bad), "--baseline", str(tmp_path / "missing.json")]) == 2
+    assert (tmp_path / "good.json").read_text() == before                         # nothing written
 
 
 def test_generator_writes_the_initial_field(fields):

@@ -45,18 +45,18 @@ __all__ = ["FLOOR", "SHELLS", "RidgeFit", "describe", "features", "fit", "fit_pr
 STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """Ridge strengths tried (on standardised features), per parameter, by cross-validation."""
 FOLDS = 4
-FEATURES = ("per channel: log shell power of log1p(counts) in shells " + ", ".join(f"{e:.3g}" for e in SHELLS)
-            + " cycles/voxel (those the input holds), mean, log variance, skewness; ridge regression, "
-              f"strength per parameter from {FOLDS}-fold cross-validation over training universes")
+_SPECTRA = ("per channel: log shell power of log1p(counts) in shells " + ", ".join(f"{e:.3g}" for e in SHELLS)
+            + " cycles/voxel (those the input holds), mean, log variance, skewness")
+_CROSS = "per pair of channels, their correlation coefficient in each shell"
+_RIDGE = (f"ridge regression, strength per parameter from {FOLDS}-fold cross-validation over training "
+          "universes")
+FEATURES = f"{_SPECTRA}; {_RIDGE}"
 
 
 def describe(cross: bool = False) -> str:
     """What the reference reads, for its result file: :data:`FEATURES`, and with ``cross`` the
     correlation between channels."""
-    if not cross:
-        return FEATURES
-    head, _, tail = FEATURES.partition("; ridge")
-    return f"{head}; per pair of channels, their correlation coefficient in each shell; ridge{tail}"
+    return f"{_SPECTRA}; {_CROSS}; {_RIDGE}" if cross else FEATURES
 
 
 @functools.lru_cache(maxsize=8)

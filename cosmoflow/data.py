@@ -478,6 +478,22 @@ class CosmoDataset:
             y = self.read_linear(index, region)[None]
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def read_stored(self, index: int, region: Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` with x the stored counts, int16 (d, h, w, C): half the bytes of ``read``'s x, to be
+        finished (:meth:`finish`) on the device it is trained on."""
+        index = self._usable(index)
+        raw, y = self.read_raw(index, region)
+        if self.target == "linear":
+            y = self.read_linear(index, region)[None]
+        return torch.from_numpy(raw), torch.from_numpy(y)
+
+    @staticmethod
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        """A batch of stored counts (b, d, h, w, C) as the network's input: float32 (b, C, d, h, w)
+        ``log1p`` of the counts, as :func:`log_counts` gives, laid out channels last in memory (the
+        stored order; the engine makes it contiguous where the model wants that)."""
+        return x.permute(0, 4, 1, 2, 3).float().log1p_()
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(index)
 

@@ -246,11 +246,13 @@ def run(cfg: Config) -> dict[str, Any]:
     np.random.seed(replica_seed)
     flops = hp.flops.count(model, (1, channels, S, S, S))
 
+    # On a GPU the batches arrive on it as int16 counts and are finished there (log1p), off the step's path
+    on_device = accel.device if accel.device.type == "cuda" else None
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
                           workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir,
-                          augment=_augment(cfg, train_ds))
+                          augment=_augment(cfg, train_ds), device=on_device)
     val_loader = VolumeLoader(val_ds, engine.input_grid, batch_size=batch, shuffle=False, drop_last=False,
-                              workers=cfg.data.workers, prefetch=cfg.data.prefetch)
+                              workers=cfg.data.workers, prefetch=cfg.data.prefetch, device=on_device)
     bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,
                              workers=0) if cfg.train.precise_bn_batches > 0 else None
     opt = make_optimizer(cfg.optimizer, engine.parameters(), batch)
@@ -296,7 +298,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
     def save(metadata: dict[str, Any] | None = None, overlap: bool = True) -> None:
         nonlocal last_save
-        finite = all(bool(torch.isfinite(p).all()) for p in engine.parameters())
+        checks = [torch.isfinite(p).all() for p in engine.parameters()]
+        finite = not checks or bool(torch.stack(checks).all())  # one host sync, not one per parameter
         if _agree(not finite):  # never let a diverged model become the newest checkpoint
             raise Stop(f"weights became non-finite by step {step} (epoch {epoch + 1}); not saving. The "
                        f"newest good checkpoint: {errors.newest_checkpoint(ckpt)}; lower optimizer.base_lr")

@@ -247,3 +247,46 @@ def test_errors(universes, packed, tmp_path) -> None:
     with pytest.raises(ValueError, match="range must be start:stop with 0 <= start < stop <= 16"):
         packing.pack(universes[0], tmp_path / "p.h5", S, select="4:40", progress=False)
     assert not any(p.name.startswith("p.h5") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_on_device_finishes_the_stored_form(universes, workers) -> None:
+    """``VolumeLoader(device=...)`` reads the int16 counts (``read_stored``) and finishes them with
+    ``finish``: equal to the host's ``read`` to one float32 rounding of log1p (numpy's against torch's),
+    on a spatial shard too; targets bitwise; with ``augment`` the host path is taken, bitwise."""
+    from hybridpar.data import Augment, Placement, VolumeLoader
+
+    ds = open_dataset(universes[0], sample_size=S)
+    place = Placement(1, 0, (2, 1, 2), (1, 0, 0))
+    host = VolumeLoader(ds, place, batch_size=3, workers=0, shuffle=False)
+    dev = VolumeLoader(ds, place, batch_size=3, workers=workers, shuffle=False, device="cpu")
+    assert dev.stored
+    with host, dev:
+        pairs = list(zip(host, dev))
+    assert len(pairs) == len(host) == 5
+    for (x0, y0), (x1, y1) in pairs:
+        assert x1.shape == x0.shape == (3, 4, S // 2, S, S // 2)
+        torch.testing.assert_close(x1, x0, rtol=2.5e-7, atol=0)
+        assert torch.equal(y1, y0)
+    aug = VolumeLoader(ds, place, batch_size=3, workers=0, shuffle=False, device="cpu", augment=Augment())
+    plain = VolumeLoader(ds, place, batch_size=3, workers=0, shuffle=False, augment=Augment())
+    assert not aug.stored
+    (xa, ya), (xp, yp) = next(iter(aug)), next(iter(plain))
+    assert torch.equal(xa, xp) and torch.equal(ya, yp)
+
+
+@pytest.mark.cuda
+def test_loader_on_cuda_finishes_on_the_gpu(universes) -> None:
+    """The same on a GPU: batches arrive on it (copied on the loader's side stream, ordered before the
+    consuming stream's work by an event), finished there, equal to the host's read to float32 rounding."""
+    from hybridpar.data import VolumeLoader
+
+    ds = open_dataset(universes[0], sample_size=S)
+    host = VolumeLoader(ds, None, batch_size=2, workers=0, shuffle=False)
+    dev = VolumeLoader(ds, None, batch_size=2, workers=2, shuffle=False, device="cuda")
+    with host, dev:
+        for (x0, y0), (x1, y1) in zip(host, dev):
+            assert x1.is_cuda and y1.is_cuda and x1.is_contiguous(memory_format=torch.channels_last_3d)
+            x1 = x1 * 1.0  # device work on the consuming stream, after the event
+            torch.testing.assert_close(x1.cpu(), x0, rtol=5e-7, atol=0)
+            assert torch.equal(y1.cpu(), y0)

@@ -324,6 +324,52 @@ def test_prefetch_processes_match_synchronous_reads(h5_dataset):
     assert child_pids() <= before
 
 
+class StoredVolumes(MemoryVolumes):
+    """A dataset with a stored form (``StoredForm``): int16 samples scaled by 0.5 when finished, so that
+    a batch that skipped ``finish``, or was finished twice, is visible."""
+
+    def read(self, i: int, region=None):
+        x, y = self.read_stored(i, region)
+        return self.finish(x[None])[0], y
+
+    def read_stored(self, i: int, region=None):
+        x, y = super().read(i, region)
+        return (x % 30000).to(torch.int16), y
+
+    @staticmethod
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        return x.float() * 0.5
+
+
+def test_stored_form_through_reused_buffers_matches_host_reads():
+    """``device=`` with a ``StoredForm`` dataset and workers: batches are written into a few reused
+    shared buffers (``host_slots``) and finished after the copy. Against synchronous host reads: equal
+    (values, order, y) over a short last batch, a replica's empty share, an early break and a rewind,
+    and a look-ahead into the next epoch; a worker's failure still surfaces when its batch is due."""
+    place = [Placement(2, r, (2, 1, 1), (1, 0, 0)) for r in range(2)]
+    for r in range(2):
+        sync = VolumeLoader(StoredVolumes(9), place[r], 4, seed=1, drop_last=False, workers=0)
+        expected = [[(x.clone(), y.clone()) for x, y in sync] for _ in range(2)]
+        with VolumeLoader(StoredVolumes(9), place[r], 4, seed=1, drop_last=False, workers=2, prefetch=2,
+                          device="cpu") as loader:
+            assert loader.stored
+            first, _ = next(iter(loader))  # stop early: batches in flight hold buffers, which must come back
+            assert len(loader._pool._slots.buffers) == 4  # the slot road, not a segment per batch
+            loader.load_state_dict({"epoch": 0, "index": 0, "seed": 1})
+            got = [[(x.clone(), y.clone()) for x, y in loader] for _ in range(2)]
+            assert loader.bytes_read == sync.bytes_read + first.numel() * 4  # delivered batches only
+        assert [len(e) for e in got] == [len(e) for e in expected] == [3, 3]
+        for e in range(2):
+            for (xa, ya), (xb, yb) in zip(got[e], expected[e], strict=True):
+                assert xa.shape == xb.shape and torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert got[0][2][0].shape[0] == 0  # replica 1's share of the last batch of 9 samples: none
+    broken = VolumeLoader(StoredVolumes(8, fail_at=5), None, 2, shuffle=False, workers=2, device="cpu")
+    with pytest.raises(WorkerError, match="sample 5 is corrupt"):
+        for _ in broken:
+            pass
+    broken.close()
+
+
 class SlowVolumes(MemoryVolumes):
     """Each read sleeps, like a cold file system: what prefetching has to hide."""
 

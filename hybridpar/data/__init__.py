@@ -9,6 +9,10 @@ The pieces, one idea per module:
 * :mod:`~hybridpar.data.augment` - random symmetries (flips, transposes, periodic rolls) of a sample,
   each rank reading only the pre-image of its shard;
 * :mod:`~hybridpar.data.workers` - reader processes prefetching batches through shared memory;
+* :mod:`~hybridpar.data.host_slots` - the reused, page-locked batch buffers they write into when the
+  loader delivers on a GPU;
+* :mod:`~hybridpar.data.device_stage` - batches moved to the device on a side stream as they arrive,
+  and finished there (a dataset's :class:`StoredForm`);
 * :mod:`~hybridpar.data.staging` - copying the dataset's files to node-local storage first;
 * :mod:`~hybridpar.data.hdf5` - what an HDF5 file may point at (nothing outside its folder) and claim
   (no more than it holds), checked before it is read;
@@ -27,7 +31,7 @@ Example::
 """
 
 from hybridpar.data.augment import Augment, View
-from hybridpar.data.dataset import FileBacked, Region, VolumeDataset, read_batch
+from hybridpar.data.dataset import FileBacked, Region, StoredForm, VolumeDataset, read_batch
 from hybridpar.data.input_placement import Placement
 from hybridpar.data.loader import VolumeLoader
 from hybridpar.data.sampler import ShardedSampler, epoch_permutation
@@ -43,6 +47,7 @@ __all__ = [
     "Region",
     "ShardedSampler",
     "SplitHdf5",
+    "StoredForm",
     "VolumeDataset",
     "View",
     "VolumeLoader",

@@ -49,13 +49,29 @@ class FileBacked(Protocol):
     def with_files(self, paths: Sequence[str]) -> FileBacked: ...
 
 
+@runtime_checkable
+class StoredForm(Protocol):
+    """A dataset whose samples can travel in the form they are stored in and be finished on the device.
+
+    ``read_stored(i, region)`` returns ``(x, y)`` with ``x`` as stored (for CosmoFlow: int16 counts,
+    (d, h, w, C) channels last), and ``finish`` turns a batch of those, stacked on dim 0, into what
+    ``read`` would have given: float (b, C, d, h, w), torch operations only, so it runs on any device.
+    The loader uses the pair when it delivers batches to a device (``VolumeLoader(device=...)``).
+    """
+
+    def read_stored(self, i: int, region: Region | None = None) -> tuple[torch.Tensor, object]: ...
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def read_batch(dataset: VolumeDataset, indices: Sequence[object], region: Region | None,
-               shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               shared: bool = False, stored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Read ``indices`` (their ``region`` only) and stack them into ``(x, y)`` batch tensors. An item
     is a sample index or an ``(index, view)`` pair (an augmented read, :mod:`hybridpar.data.augment`).
 
     With ``shared`` (in a worker process) the batch is stacked straight into shared memory, which
-    saves the copy ``share_memory_()`` would make before the batch crosses to the trainer.
+    saves the copy ``share_memory_()`` would make before the batch crosses to the trainer. With
+    ``stored`` the samples are read in their stored form (:class:`StoredForm`), to be finished later.
 
     An empty ``indices`` (a replica's share of a short last batch) still needs the batch's shapes,
     so it reads sample 0 and keeps none of it.
@@ -63,7 +79,7 @@ def read_batch(dataset: VolumeDataset, indices: Sequence[object], region: Region
     probe = list(indices) if len(indices) else [0]
     xs, ys = [], []
     for item in probe:
-        x, y = _read_item(dataset, item, region)
+        x, y = _read_item(dataset, item, region, stored)
         xs.append(torch.as_tensor(x))
         ys.append(torch.as_tensor(y))
     if not len(indices):
@@ -73,9 +89,35 @@ def read_batch(dataset: VolumeDataset, indices: Sequence[object], region: Region
     return _stack_shared(xs), _stack_shared(ys)
 
 
-def _read_item(dataset: VolumeDataset, item: object, region: Region | None) -> tuple[torch.Tensor, object]:
+def read_stored_into(dataset: VolumeDataset, indices: Sequence[int], region: Region | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """Read the stored form of ``indices`` (their ``region``) into ``out[:len(indices)]`` (a buffer of
+    the batch's shape, :mod:`~hybridpar.data.host_slots`); returns the stacked targets."""
+    if not len(indices):  # a replica's share of a short last batch: no samples, the targets' shape
+        _, y = _read_item(dataset, 0, region, stored=True)
+        return torch.as_tensor(y)[None][:0].clone()
+    ys = []
+    for j, i in enumerate(indices):
+        x, y = _read_item(dataset, i, region, stored=True)
+        x = torch.as_tensor(x)
+        if tuple(x.shape) != tuple(out.shape[1:]) or x.dtype != out.dtype:
+            raise ValueError(f"sample {i}: stored form {tuple(x.shape)} {x.dtype}, but this loader's batches "
+                             f"hold {tuple(out.shape[1:])} {out.dtype} (the first sample's); every sample's "
+                             f"region must have one stored shape and dtype")
+        out[j].copy_(x)
+        ys.append(torch.as_tensor(y))
+    return torch.stack(ys)
+
+
+def _read_item(dataset: VolumeDataset, item: object, region: Region | None,
+               stored: bool = False) -> tuple[torch.Tensor, object]:
     """One item of a batch: a sample index, or ``(index, view)`` where the loader augments (the view
     reads the pre-image of ``region`` and transforms it: :class:`hybridpar.data.augment.View`)."""
+    if stored:
+        if isinstance(item, tuple):
+            raise ValueError("an augmented read is finished on the host: the stored form is read only "
+                             "without augment")
+        return dataset.read_stored(int(item), region)  # type: ignore[attr-defined]
     if isinstance(item, tuple):
         index, view = item
         return view.read(dataset, int(index), region)

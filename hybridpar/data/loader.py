@@ -15,6 +15,7 @@ the same global batch size also continues the same sample sequence.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -23,7 +24,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hybridpar.data.augment import Augment
-from hybridpar.data.dataset import VolumeDataset, read_batch, spatial_extent, take_skipped
+from hybridpar.data.dataset import StoredForm, VolumeDataset, read_batch, spatial_extent, take_skipped
+from hybridpar.data.device_stage import DeviceStage
+from hybridpar.data.host_slots import HostSlots
 from hybridpar.data.input_placement import Placement
 from hybridpar.data.sampler import ShardedSampler
 from hybridpar.data.staging import stage_dataset
@@ -57,13 +60,20 @@ class VolumeLoader:
     ``augment`` (:class:`~hybridpar.data.augment.Augment`) gives every sample of every epoch a random
     view (the cube's symmetries, periodic rolls), the same on every rank of its spatial group, each
     rank reading only what its shard comes from; a resumed run draws the same views.
+
+    ``device`` delivers the batches on that device (:mod:`~hybridpar.data.device_stage`): moved there on
+    a side stream as they arrive from the workers, so the training step finds them in place. A dataset
+    that has a stored form (:class:`~hybridpar.data.dataset.StoredForm`) then crosses in it and is
+    finished on the device (CosmoFlow: int16 counts, ``log1p`` on the GPU), unless ``augment`` is
+    set (views are taken of finished samples, on the host).
     """
 
     def __init__(self, dataset: VolumeDataset, grid: object | None = None, batch_size: int = 1, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True, prefetch: int = 2,
                  workers: int = 1, stage_dir: str | os.PathLike | None = None,
                  sample_shape: Sequence[int] | None = None, start_method: str | None = None,
-                 progress: bool | None = None, augment: Augment | None = None) -> None:
+                 progress: bool | None = None, augment: Augment | None = None,
+                 device: torch.device | str | None = None) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0 (0 reads in this process), got {workers}")
         if prefetch < 1:
@@ -87,6 +97,10 @@ class VolumeLoader:
         if self.placement.is_split:
             self.region = self.placement.region(self.extent)
         self.workers, self.prefetch, self.start_method = workers, prefetch, start_method
+        self.stored = device is not None and augment is None and isinstance(dataset, StoredForm)
+        """Whether samples cross in their stored form and are finished on ``device``."""
+        self._stage = None if device is None else DeviceStage(
+            device, dataset.finish if self.stored else None)  # type: ignore[attr-defined]
         self.epoch = 0
         self.index = 0
         self.wait_time = 0.0
@@ -187,7 +201,9 @@ class VolumeLoader:
     def _sync_reads(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Batch]:
         for k in range(start, len(batches)):
             t0 = time.perf_counter()
-            batch = read_batch(self.dataset, batches[k], self.region)
+            batch = read_batch(self.dataset, batches[k], self.region, stored=self.stored)
+            if self._stage is not None:
+                batch = self._stage.take(*self._stage.put(*batch))
             self._timed(t0)
             self.skipped += take_skipped(self.dataset)
             yield batch
@@ -220,6 +236,8 @@ class VolumeLoader:
                 sent += 1
             t0 = time.perf_counter()
             x, y, nbytes, skipped = pool.get(generation, (epoch, k))
+            if self._stage is not None:
+                x, y = self._stage.take(x, y)
             self._timed(t0)
             self._worker_bytes += nbytes
             self.skipped += skipped
@@ -230,7 +248,18 @@ class VolumeLoader:
     def _ensure_pool(self) -> WorkerPool:
         if self._pool is None or self._pool.closed:
             self.close()  # detach the finalizer of a pool that closed itself after a worker error
-            self._pool = WorkerPool(self.dataset, self.region, self.workers, self.start_method)
+            stage, slots = self._stage, None
+            on_arrival = None if stage is None else stage.put
+            if stage is not None and self.stored and len(self.dataset):  # in reused, page-locked buffers
+                before = getattr(self.dataset, "bytes_read", None)
+                probe, _ = read_batch(self.dataset, [0], self.region, stored=True)  # the batch's shape
+                if self._main_bytes0 is not None:  # not a read of the training's: left out of bytes_read
+                    self._main_bytes0 += self.dataset.bytes_read - before
+                slots = HostSlots(2 * self.workers, (self.local_batch_size, *probe.shape[1:]), probe.dtype,
+                                  stage.device)
+                on_arrival = functools.partial(stage.put, copied=True)
+            self._pool = WorkerPool(self.dataset, self.region, self.workers, self.start_method, self.stored,
+                                    on_arrival, slots)
             self._finalizer = weakref.finalize(self, self._pool.close)
         return self._pool
 

@@ -32,18 +32,40 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.multiprocessing as tmp
 
-from hybridpar.data.dataset import Region, read_batch, take_skipped
+from hybridpar.data.dataset import Region, read_batch, read_stored_into, take_skipped
+from hybridpar.data.host_slots import HostSlots
 
 _POLL_S = 0.5
 
 
-def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: int) -> None:
-    """Loop of one worker: read the batches named on ``tasks`` and put them on ``results``."""
+class SlotRef(NamedTuple):
+    """A batch a worker wrote into host slot ``slot`` (its first ``n`` samples): what crosses the queue
+    instead of the batch itself (:mod:`~hybridpar.data.host_slots`)."""
+
+    slot: int
+    n: int
+
+
+def _free_slot(free, parent: int) -> int | None:
+    """A free slot's number, waited for; None when the pool closes or the trainer is gone."""
+    while True:
+        try:
+            return free.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not _alive(parent):
+                return None
+
+
+def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: int, stored: bool,
+                 slots: list[torch.Tensor] | None = None, free=None) -> None:
+    """Loop of one worker: read the batches named on ``tasks`` and put them on ``results`` (with
+    ``slots``: write each into a free slot and put its :class:`SlotRef`)."""
     torch.set_num_threads(1)  # stacking a batch needs no thread pool; the trainer owns the cores
     try:
         dataset = pickle.loads(payload)
@@ -61,13 +83,25 @@ def _worker_main(payload: bytes, region: Region | None, tasks, results, parent: 
         if task is None:
             return
         generation, k, indices = task
+        slot = None
+        if slots is not None:
+            slot = _free_slot(free, parent)
+            if slot is None:
+                return
         try:
-            # Into shared memory here, not in the queue's feeder thread: a full /dev/shm must come
-            # back as an error, not leave the trainer waiting for a batch that was dropped.
-            x, y = read_batch(dataset, indices, region, shared=True)
-            x.share_memory_()  # no-op unless the batch was empty
-            y.share_memory_()
+            if slot is not None:
+                # the targets as numpy: a tensor would cross in a shared-memory segment of its own
+                y = read_stored_into(dataset, indices, region, slots[slot]).numpy()
+                x = SlotRef(slot, len(indices))
+            else:
+                # Into shared memory here, not in the queue's feeder thread: a full /dev/shm must come
+                # back as an error, not leave the trainer waiting for a batch that was dropped.
+                x, y = read_batch(dataset, indices, region, shared=True, stored=stored)
+                x.share_memory_()  # no-op unless the batch was empty
+                y.share_memory_()
         except Exception as err:
+            if slot is not None:
+                free.put(slot)
             results.put(("error", generation, k, (traceback.format_exc(), _portable(err))))
             seen = getattr(dataset, "bytes_read", None)
             continue
@@ -116,10 +150,21 @@ class WorkerError(RuntimeError):
 
 
 class WorkerPool:
-    """``workers`` processes reading batches of one dataset region; results handed out in order."""
+    """``workers`` processes reading batches of one dataset region; results handed out in order.
+
+    ``stored``: the workers read the stored form (:class:`~hybridpar.data.dataset.StoredForm`).
+    ``on_arrival(x, y)``, if given, runs in the receiver thread on every batch of the current
+    generation as it arrives (the device stage: :mod:`~hybridpar.data.device_stage`); what it
+    returns is what :meth:`get` hands out in place of ``x`` and ``y``. With ``slots``
+    (:class:`~hybridpar.data.host_slots.HostSlots`, which the pool then owns) the workers write the
+    stored form into those buffers, and ``on_arrival`` must have copied ``x`` out when it returns:
+    the buffer goes back to the workers right after.
+    """
 
     def __init__(self, dataset: object, region: Region | None, workers: int,
-                 start_method: str | None = None) -> None:
+                 start_method: str | None = None, stored: bool = False,
+                 on_arrival: Callable[[torch.Tensor, torch.Tensor], tuple[object, object]] | None = None,
+                 slots: HostSlots | None = None) -> None:
         try:
             payload = pickle.dumps(dataset)
         except Exception as err:
@@ -135,9 +180,17 @@ class WorkerPool:
         self._failure: str | None = None  # a fatal worker error, or a result that could not be rebuilt
         self._cond = threading.Condition()
         self._closed = self._stopping = False
+        self._on_arrival = on_arrival
+        self._slots = slots
+        self._free = None
+        if slots is not None:
+            self._free = ctx.Queue()
+            for i in range(len(slots.buffers)):
+                self._free.put(i)
         self._procs = [
             ctx.Process(target=_worker_main, name=f"hybridpar-loader-{i}", daemon=True,
-                        args=(payload, region, self._tasks, self._results, os.getpid()))
+                        args=(payload, region, self._tasks, self._results, os.getpid(), stored,
+                              None if slots is None else slots.buffers, self._free))
             for i in range(workers)]
         for p in self._procs:
             p.start()
@@ -159,12 +212,40 @@ class WorkerPool:
                         self._failure = f"a batch could not be received:\n{traceback.format_exc()}"
                     self._cond.notify_all()
                 continue
+            if kind == "ok" and isinstance(body[0], SlotRef):
+                kind, body = self._from_slot(gen, body)
+            elif kind == "ok" and self._on_arrival is not None and gen == self._generation:
+                kind, body = self._arrived(body)
             with self._cond:
                 if kind == "fatal":
                     self._failure = f"a loader worker could not unpickle the dataset:\n{body}"
                 elif gen == self._generation:  # else a late result of an abandoned iteration
                     self._ready[j] = (kind, body)
                 self._cond.notify_all()
+
+    def _from_slot(self, gen: int, body: tuple) -> tuple[str, object]:
+        """A batch written into a host slot: moved out by ``on_arrival`` (or copied), the slot freed."""
+        ref, y, nbytes, skipped = body
+        try:
+            if gen != self._generation:
+                return "ok", None  # a late result of an abandoned iteration: dropped below
+            x = self._slots.buffers[ref.slot][:ref.n]  # type: ignore[union-attr]
+            y = torch.from_numpy(y)
+            if self._on_arrival is None:
+                return "ok", (x.clone(), y, nbytes, skipped)
+            return self._arrived((x, y, nbytes, skipped))
+        finally:
+            self._free.put(ref.slot)  # type: ignore[union-attr]
+
+    def _arrived(self, body: tuple) -> tuple[str, object]:
+        """``on_arrival`` applied to an ok result; its failure (say, the device out of memory) is
+        that batch's error, raised when the batch is due."""
+        x, y, nbytes, skipped = body
+        try:
+            x, y = self._on_arrival(x, y)  # type: ignore[misc]
+        except Exception as err:
+            return "error", (traceback.format_exc(), _portable(err))
+        return "ok", (x, y, nbytes, skipped)
 
     @property
     def pids(self) -> list[int]:
@@ -236,11 +317,12 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
-        for _ in self._procs:
-            try:
-                self._tasks.put(None)
-            except (OSError, ValueError):
-                break
+        for q in (self._tasks, self._free):  # the sentinel, also for a worker waiting for a slot
+            for _ in self._procs if q is not None else ():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    break
         deadline = time.monotonic() + timeout
         for p in self._procs:
             while p.is_alive() and time.monotonic() < deadline:
@@ -255,9 +337,12 @@ class WorkerPool:
         if self._receiver is not threading.current_thread():
             self._receiver.join(2 * _POLL_S + 1.0)
         self._drain()
-        for q in (self._tasks, self._results):
-            q.cancel_join_thread()
-            q.close()
+        for q in (self._tasks, self._results, self._free):
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        if self._slots is not None:
+            self._slots.close()
         with self._cond:
             self._ready.clear()
 

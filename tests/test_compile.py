@@ -94,25 +94,49 @@ def _layers_case(rank: int, world: int, expected_graphs: int, expected_breaks: i
 
 
 def _engine_case(rank: int, world: int) -> None:
-    """parallelize, Engine.compile, one step against the uncompiled engine."""
+    """parallelize, Engine.compile, three steps against the uncompiled engine's. The first step runs
+    eagerly (it builds the halo plans), the second compiles, the third reuses: on one rank the stage is
+    one graph with no break; on two, breaks only at communication; the third step compiles nothing."""
     import torch
     import torch.nn.functional as F
     from test_engine import make_model
+    from torch._dynamo.utils import counters
 
     import hybridpar as hp
 
     fails, losses, grads = [], [], []
+    xb = torch.randn(2, 2, 16, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    yb = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     for compile_it in (False, True):
+        torch.manual_seed(0)
         engine = hp.parallelize(make_model(), {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss)
-        xb = torch.randn(2, 2, 16, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-        yb = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         x_local, y_local = engine.shard_batch(xb, yb)
         if compile_it:
+            torch._dynamo.reset()
+            counters.clear()
             engine.compile(backend="aot_eager")
-        losses.append(engine.train_step(x_local, y_local))
-        grads.append([p.grad.clone() for p in engine.parameters()])
-    if not torch.allclose(losses[1], losses[0], rtol=1e-10, atol=0):
-        fails.append(f"engine compiled: loss {losses[1].item()} vs {losses[0].item()}")
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        run = []
+        for step in range(3):
+            if step == 2:
+                graphs = counters["stats"]["unique_graphs"]
+            run.append((engine.train_step(x_local, y_local), [p.grad.clone() for p in engine.parameters()]))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append([loss for loss, _ in run])
+        grads.append([g for _, gs in run for g in gs])
+    if compile_it:
+        names = _breaks()
+        if counters["stats"]["unique_graphs"] != graphs:
+            fails.append(f"the third compiled step compiled again ({graphs} graphs before it, "
+                         f"{counters['stats']['unique_graphs']} after)")
+        if world == 1 and (graphs != 1 or names):
+            fails.append(f"one rank: {graphs} graphs and breaks at {names}, expected one graph, no break")
+        if set(names) - COMMUNICATION:
+            fails.append(f"graph breaks outside communication: {sorted(set(names) - COMMUNICATION)}")
+    for k, (a, b) in enumerate(zip(losses[1], losses[0])):
+        if not torch.allclose(a, b, rtol=1e-10, atol=0):
+            fails.append(f"engine compiled, step {k + 1}: loss {a.item()} vs {b.item()}")
     if any(not torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(grads[1], grads[0])):
         fails.append("engine compiled: gradients differ from the uncompiled engine's")
     if fails:

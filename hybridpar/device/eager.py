@@ -33,4 +33,26 @@ def eager(fn: F) -> F:
             disabled.append(torch.compiler.disable(fn))
         return disabled[0](*args, **kwargs)
 
+    # A code object of its own per marked function: dynamo caches compiled frames per code object, so
+    # one shared ``call`` would be re-specialised for every marked function until its recompile limit.
+    call.__code__ = call.__code__.replace(co_name=f"eager_{fn.__name__}")
     return call  # type: ignore[return-value]
+
+
+def first_call_eager(eager_fn: F, compiled_fn: F) -> F:
+    """``eager_fn`` on the first call, ``compiled_fn`` on every later one.
+
+    Why: a model's first call builds what it memoises (halo plans, communicators); under the tracer
+    that building is a graph break and each layer's lookup a frame specialised on its own shapes. Run
+    once eagerly, the compiled function finds everything made and traces the layers as one graph.
+    """
+    calls = [0]
+
+    @functools.wraps(eager_fn)
+    def run(*args, **kwargs):
+        if calls[0] == 0:
+            calls[0] = 1
+            return eager_fn(*args, **kwargs)
+        return compiled_fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -61,6 +61,7 @@ from hybridpar.comm.redistribute import gather as gather_volume
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device import cpu_alloc
+from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
 from hybridpar.grid import ProcessGrid, require_group
 from hybridpar.nn.norm import recomputing
@@ -371,7 +372,7 @@ class Engine:
         p = next(iter(self.parameters()), None)
         if p is not None and x.device != p.device:
             x = x.to(p.device, non_blocking=True)
-        if x.dim() == 5 and self.memory_format is not torch.contiguous_format:
+        if x.dim() == 5:  # a loader's batch may come in another layout (stored channels-last counts)
             x = x.contiguous(memory_format=self.memory_format)
         return x
 
@@ -382,10 +383,12 @@ class Engine:
         communications form one graph (a convolution fused with its activation and pooling), and the
         modules, hence state-dict keys, stay as they are. Communication (halo exchange, gradient
         synchronisation, redistribution) runs eagerly between the graphs: it is their only break (see
-        ``tests/test_compile.py``).
+        ``tests/test_compile.py``). The first call runs eagerly: it builds every layer's halo plans, so
+        that the compiled function finds them made (building one under the tracer would break the
+        graph and specialise a frame per layer).
         """
         self._require_built("compile")
-        self._run = torch.compile(self._run, **kwargs)  # type: ignore[method-assign]
+        self._run = first_call_eager(self._run, torch.compile(self._run, **kwargs))  # type: ignore[method-assign]
         return self
 
     def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:

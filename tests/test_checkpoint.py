@@ -216,6 +216,24 @@ def test_overlapped_copy_waits_only_at_the_update(tmp_path, monkeypatch):
         assert torch.equal(ck.load()["model"]["p"], torch.zeros(1 << 12))
 
 
+def test_reserve_allocates_the_buffers_saves_reuse(tmp_path):
+    """``reserve(state)`` allocates every host buffer a save of ``state`` copies into: the saves after it
+    allocate none (the same buffer objects), and what they store is the state's value at each save."""
+    state = _state(1)
+    with Checkpointer(tmp_path, keep_last=None) as ck:
+        ck.reserve(state)
+        reserved = {k: id(b) for k, b in ck._buffers._bufs.items()}
+        n_tensors = sum(isinstance(t, torch.Tensor) for part in state.values() if isinstance(part, dict)
+                        for t in part.values())
+        assert len(reserved) >= n_tensors > 0
+        for step in (1, 2):
+            state["model"]["conv.weight"] += 1
+            ck.save(step, state)
+            ck.wait()
+            assert {k: id(b) for k, b in ck._buffers._bufs.items()} == reserved
+            _same(ck.load(step)["model"], state["model"])
+
+
 def test_local_and_shared_levels(tmp_path):
     root, local = tmp_path / "shared", tmp_path / "local"
     with Checkpointer(root, keep_last=3, local_dir=local, keep_local=1) as ck:

@@ -45,7 +45,7 @@ from hybridpar.checkpoint.group import Group
 from hybridpar.checkpoint.levels import Found, Levels, available, complete_levels, scan
 from hybridpar.checkpoint.restore import read_version
 from hybridpar.checkpoint.retention import Policy
-from hybridpar.checkpoint.snapshot import HostBuffers, Snapshot
+from hybridpar.checkpoint.snapshot import HostBuffers, Snapshot, check_tensor
 from hybridpar.checkpoint.tree import flatten, key_filter, unflatten
 from hybridpar.checkpoint.version import Version, code_version, config_hash
 from hybridpar.checkpoint.writer import Job, Writer
@@ -176,6 +176,28 @@ class Checkpointer:
         name = mf.version_name(step, self.session, self._seq)
         self._seq += 1
 
+        files, self_made, trees, entries, items = self._contents(state)
+        snap = Snapshot(items, self._buffers, overlap=overlap, overlap_min_bytes=self.overlap_min_bytes)
+        self._snapshot = snap if snap.pending else None
+        job = Job(name, step, self._seq - 1, time.time(), meta, files, self_made, trees, entries,
+                  list(state), snap)
+        self._writer.submit(job)
+
+    def reserve(self, state: Mapping[str, Any]) -> None:
+        """Allocate the host buffers a save of ``state`` copies into, now (not collective).
+
+        A save reuses its host buffers (pinned where the tensors are on a GPU) from the previous save;
+        the first one has to allocate them, and pinning gigabytes takes about a second, which that save
+        would stall training for. Called once before the training loop with the state the loop will
+        save, it moves that cost out of the loop; a later save of other shapes reallocates as before.
+        """
+        for file, key, t in self._contents(state)[4]:
+            self._buffers.get((file, key), check_tensor(key, t))
+
+    def _contents(self, state: Mapping[str, Any]) -> tuple[list, list, dict[str, bytes], dict[str, list[str]],
+                                                            list[tuple[str, str, torch.Tensor]]]:
+        """What this rank writes of ``state``: its files, its self-made copies, each file's packed tree
+        and entry names, and the (file, key, tensor) items to snapshot."""
         parts = self._split(state)
         files = self.placement.writes(self.rank)
         self_made = [c for c in self._copies if c.self_made and c.holder == self.rank]
@@ -188,11 +210,7 @@ class Checkpointer:
             trees[role.name] = pack_tree(flat)
             entries[role.name] = list(content)
             items += [(role.name, k, t) for k, t in flat.tensors.items()]
-        snap = Snapshot(items, self._buffers, overlap=overlap, overlap_min_bytes=self.overlap_min_bytes)
-        self._snapshot = snap if snap.pending else None
-        job = Job(name, step, self._seq - 1, time.time(), meta, files, self_made, trees, entries,
-                  list(state), snap)
-        self._writer.submit(job)
+        return files, self_made, trees, entries, items
 
     def _split(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """This rank's share of ``state``, by file kind."""

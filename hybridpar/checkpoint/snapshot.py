@@ -60,7 +60,8 @@ def _version(t: torch.Tensor) -> int:
     return t._version
 
 
-def _check(key: str, t: torch.Tensor) -> torch.Tensor:
+def check_tensor(key: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, if a checkpoint can hold it; else a TypeError naming the entry and what would do."""
     if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"state entry {key!r} is a {type(t).__name__}: store plain tensors (a DTensor: "
                         f".full_tensor() or .to_local())")
@@ -94,7 +95,7 @@ class Snapshot:
         later_cuda: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         slots = []
         for file, key, t in items:
-            src = _check(key, t)
+            src = check_tensor(key, t)
             buf = buffers.get((file, key), src)
             slots.append((file, key))
             self.host.setdefault(file, []).append((key, buf))

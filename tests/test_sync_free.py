@@ -19,14 +19,18 @@ Python calls and not counted: they exist only on the shared-GPU layout, never un
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import distributed
 
 DELIBERATE = {"hybridpar/comm/transport.py"}
+ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _body(rank: int, world: int) -> None:
+    import traceback
     import warnings
 
     import torch
@@ -40,27 +44,45 @@ def _body(rank: int, world: int) -> None:
                           nn.Conv3d(4, 4, 3, padding=1), nn.LeakyReLU(0.3), nn.AvgPool3d(2), nn.Flatten(),
                           nn.Linear(4 * 4 * 4 * 4, 4)).cuda()
     engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss, overlap=True)
-    opt = torch.optim.SGD(engine.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(2, 2, 16, 16, 16, device="cuda")
     y = torch.randn(2, 4, device="cuda")
-    x_local, y_local = engine.shard_batch(x, y)
+    x_local, y_local = engine.shard_batch(x, y)  # builds the engine at this shape
+    opt = torch.optim.SGD(engine.parameters(), lr=0.01, momentum=0.9)
     for _ in range(2):
         engine.train_step(x_local, y_local)
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
+    syncs: list[str] = []
+    stacks: dict[str, str] = {}
+
+    def attribute(message, category, filename, lineno, file=None, line=None) -> None:
+        """The line of ours that made the synchronising call: torch raises the warning from inside
+        its own Python wrapper (``Stream.synchronize``, ``torch.cuda.synchronize``), so the warning's
+        own filename is torch's; the innermost frame in this repository is the caller."""
+        if "synchroniz" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f.filename.startswith(ROOT) and "/tests/" not in f.filename
+                and "/perf/" not in f.filename]
+        where = f"{ours[-1].filename[len(ROOT) + 1:]}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}"
+        syncs.append(where)
+        stacks[where] = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                                    for f in stack[::-1][:8])
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("warn")  # before the hook: turning the mode on warns of itself
+        warnings.showwarning = attribute
         try:
             engine.train_step(x_local, y_local)
             opt.step()
             opt.zero_grad(set_to_none=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
     hidden = [s for s in syncs if not any(d in s for d in DELIBERATE)]
-    assert not hidden, f"rank {rank}: synchronising CUDA calls that are not deliberate: {hidden}"
+    assert not hidden, (f"rank {rank}: synchronising CUDA calls that are not deliberate: {hidden}; "
+                        f"stacks: {[stacks[h] for h in sorted(set(hidden))]}")
     if rank == 0:
         print(f"deliberate synchronisations in one step: {len(syncs)} ({sorted(set(syncs))})")
 

@@ -85,7 +85,9 @@ class GraphedStep:
         for p in self.engine.parameters():
             p.grad = None  # allocated by the captured backward, in the graph's pool
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: only this thread is held to capture's rules, so a loader's receiver thread
+        # may go on moving batches to the device (on its own stream) while the step is captured
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.loss = self._run()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

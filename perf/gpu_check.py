@@ -19,13 +19,16 @@ Sections run in order of value, so that a short lease still returns the figures 
    autocast, channels_last_3d, ranks sharing the GPU through the staged transport, engine layouts
    with a pipeline cut and a spatial split, the sync-free step).
 2. ``cosmoflow``: the MLPerf CosmoFlow reference model, 128³ x 4 channels, batch 1, one GPU, fed by
-   ``hybridpar.data.VolumeLoader`` from HDF5 (synthetic universes; log1p in the reader): training
-   samples/s (median of steps), MFU against the GPU's dense bf16 peak, the loader's data-wait share,
-   for fp32, bf16, bf16 + channels_last, + torch.compile (inductor), + CUDA graphs.
+   ``hybridpar.data.VolumeLoader`` from HDF5 (synthetic universes; int16 counts onto the GPU, log1p
+   there): training samples/s end to end (data wait included) and of the steps alone, MFU against
+   the GPU's dense bf16 peak, the loader's data-wait share, for fp32, bf16, bf16 + channels_last,
+   + torch.compile (inductor), + CUDA graphs; beside them plain PyTorch (bf16 + channels_last, input
+   already on the GPU), the baseline.
 3. ``memory``: LBANN's CosmoFlow variant at 256³, batch 1: peak memory per rank with 1, 2 and 4
    ranks sharing the GPU, split along depth.
 4. ``checkpoint``: a >= 2 GiB state on the GPU: how long training stalls for our overlapped
-   checkpoint (snapshot to pinned host memory while the next step runs) against ``torch.save`` and
+   checkpoint (snapshot to pinned host memory while the next step runs; host buffers reserved before
+   the loop, two saves, the worse counted) against ``torch.save`` and
    ``torch.distributed.checkpoint.async_save`` (the time its call blocks).
 5. ``unet``: the reconstruction U-Net (:class:`cosmoflow.unet.UNet3d`, the ``reconstruct.yaml``
    configuration) at 128³ x 4, bf16: training step time (forward and backward, slowest rank) and peak
@@ -74,26 +77,28 @@ ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
 # Seconds each section is expected to take, as (set-up, [(row, seconds), ...]) in the order the rows
-# run: "gpu" on one H100 at the full sizes, "smoke" on a 2-core CPU at the --cpu-smoke sizes.
-# ESTIMATES FOR PLANNING THE BUDGET, NOT MEASUREMENTS. The "gpu" figures were reckoned, not timed (no
-# GPU run of this suite has been recorded yet): CUDA start-up and plan tracing ~10 s per process, a
-# few seconds of steps per variant, inductor compiling the 128³ network ~2 min, ~5-10 s per GiB
-# through torch.save; the tests from their count. Every run records what each section really took
-# (gpu_check.json: sections.NAME.seconds): correct this table from those. The "smoke" figures are a
-# 2-core VM's, rounded up, and no smaller than 2 s, so that a 1-second budget skips every section.
+# run: "gpu" on one H200 at the full sizes, "smoke" on a 2-core CPU at the --cpu-smoke sizes.
+# ESTIMATES FOR PLANNING THE BUDGET, NOT MEASUREMENTS. The "gpu" figures are the first H200 run's
+# section times (perf/results/gpu/, 2026-11-28: tests 28 s, cosmoflow 52 s for five variants, memory
+# 29 s, checkpoint 12 s for one save, U-Net 18 s), split over their rows and rounded up by about half,
+# so that a slower node or a cold inductor cache still fits. Every run records what each section
+# really took (gpu_check.json: sections.NAME.seconds): correct this table from those. The "smoke"
+# figures are a 2-core VM's, rounded up, and no smaller than 2 s, so that a 1-second budget skips
+# every section.
 ESTIMATES: dict[str, dict[str, tuple[float, list[tuple[str, float]]]]] = {
     "gpu": {
-        "tests": (0, [("pytest -m cuda", 90)]),
-        "cosmoflow": (15, [("fp32", 15), ("bf16", 12), ("bf16+cl", 12), ("bf16+cl+compile", 120),
-                           ("bf16+cl+graphs", 25)]),
-        "memory": (0, [("1 rank", 20), ("2 ranks", 25), ("4 ranks", 35)]),
-        "checkpoint": (0, [("2 GiB", 40)]),
-        "unet": (0, [("1 rank", 20), ("2 ranks", 25)]),
+        "tests": (0, [("pytest -m cuda", 45)]),
+        "cosmoflow": (10, [("torch bf16+cl", 8), ("fp32", 10), ("bf16", 8), ("bf16+cl", 8),
+                           ("bf16+cl+compile", 40), ("bf16+cl+graphs", 10)]),
+        "memory": (0, [("1 rank", 12), ("2 ranks", 15), ("4 ranks", 20)]),
+        "checkpoint": (0, [("2 GiB", 35)]),
+        "unet": (0, [("1 rank", 12), ("2 ranks", 16)]),
         "scaling": (0, [("run 1", 900), ("run 2", 900)]),
     },
     "smoke": {
         "tests": (0, [("pytest -m cuda", 8)]),
-        "cosmoflow": (3, [("fp32", 4), ("bf16", 2), ("bf16+cl", 2), ("bf16+cl+compile", 5)]),
+        "cosmoflow": (3, [("torch bf16+cl", 2), ("fp32", 4), ("bf16", 2), ("bf16+cl", 2),
+                          ("bf16+cl+compile", 5)]),
         "memory": (0, [("1 rank", 4), ("2 ranks", 5)]),
         "checkpoint": (0, [("1 MiB", 2)]),
         "unet": (0, [("1 rank", 5), ("2 ranks", 7)]),
@@ -209,8 +214,7 @@ def estimate_s(mode: str, name: str) -> float:
     return setup + sum(s for _, s in rows)
 
 
-def plan(mode: str, budget_s: float, skip_tests: bool = False, scaling: bool = False
-         ) -> tuple[list[dict[str, Any]], float]:
+def plan(mode: str, budget_s: float, off: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], float]:
     """What a run would do at ``budget_s`` if every row took its estimate: per section, run or skip (why),
     and the rows it would skip; and the seconds it would take. The real run decides the same way, on
     the time really left."""
@@ -219,7 +223,7 @@ def plan(mode: str, budget_s: float, skip_tests: bool = False, scaling: bool = F
         setup, rows = ESTIMATES[mode][name]
         entry: dict[str, Any] = {"section": name, "estimate_s": estimate_s(mode, name), "starts_at_s": used,
                                  "skipped_rows": {}}
-        reason = _not_asked(name, skip_tests, scaling)
+        reason = (off if off is not None else sections_off()).get(name)
         first, left = setup + rows[0][1], budget_s - used
         if reason is None and first > left:
             reason = f"estimated {first:.0f} s to its first row > {max(left, 0):.0f} s left"
@@ -236,21 +240,28 @@ def plan(mode: str, budget_s: float, skip_tests: bool = False, scaling: bool = F
     return out, used
 
 
-def _not_asked(name: str, skip_tests: bool, scaling: bool) -> str | None:
-    """Why a section is off before any budget is counted (its flag), or None."""
-    if name == "tests" and skip_tests:
-        return "--skip-tests"
-    if name == "scaling" and not scaling:
-        return "off unless --scaling"
-    return None
+def sections_off(skip_tests: bool = False, scaling: bool = False, only: str | None = None) -> dict[str, str]:
+    """The sections a run's flags turn off, each with why, before any budget is counted."""
+    off = {}
+    if only is not None:
+        wanted = {n.strip() for n in only.split(",") if n.strip()}
+        unknown = wanted - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"--only: no section {', '.join(sorted(unknown))}; one of {', '.join(SECTIONS)}")
+        off.update({n: "not in --only" for n in SECTIONS if n not in wanted})
+    if skip_tests:
+        off["tests"] = "--skip-tests"
+    if not scaling and "scaling" not in off:
+        off["scaling"] = "off unless --scaling"
+    return off
 
 
-def print_plan(mode: str, budget_s: float, skip_tests: bool, scaling: bool) -> None:
+def print_plan(mode: str, budget_s: float, off: dict[str, str]) -> None:
     """``--dry-run``: the plan, one line per section and per skipped row; runs nothing."""
-    where = "one H100 at the full sizes" if mode == "gpu" else "a 2-core CPU at the --cpu-smoke sizes"
+    where = "one H200 at the full sizes" if mode == "gpu" else "a 2-core CPU at the --cpu-smoke sizes"
     print(f"gpu_check plan at --budget {budget_s:.0f} s ({mode}; seconds are estimates for {where}, for "
           f"planning, not measurements):")
-    entries, total = plan(mode, budget_s, skip_tests, scaling)
+    entries, total = plan(mode, budget_s, off)
     for i, e in enumerate(entries, 1):
         setup, rows = ESTIMATES[mode][e["section"]]
         parts = ", ".join(f"{label} {s:.0f}" for label, s in rows)
@@ -304,9 +315,60 @@ def _universes(out: Path, n: int, size: int) -> Path:
     return out
 
 
+def _torch_step(size: int, n_conv: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """The baseline beside the engine's rows: the same model as a plain ``nn.Module`` in bf16 autocast
+    with channels_last_3d, its input already on the device (no loader): what PyTorch alone reaches."""
+    import torch.nn.functional as F
+
+    import hybridpar as hp
+    from cosmoflow.model import build_model
+
+    torch.manual_seed(0)
+    fmt = torch.channels_last_3d
+    model = build_model(size, 4, n_conv=n_conv, dropout=0.0).to(device, memory_format=fmt)
+    flops = hp.flops.count(model, (1, 4, size, size, size)).total
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x = torch.randn(1, 4, size, size, size, device=device).contiguous(memory_format=fmt)
+    y = torch.randn(1, 4, device=device)
+    times = []
+    for i in range(3 + steps):
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    rate = 1.0 / statistics.median(times)
+    return {"variant": "torch bf16+cl", "steps": steps, "gflop_per_sample": round(flops / 1e9, 2),
+            "samples_per_s": round(rate, 2), "compute_samples_per_s": round(rate, 2),
+            "step_ms": round(1e3 / rate, 2), "mfu": _mfu(flops * rate, device), "data_wait_share": 0.0,
+            "note": "plain PyTorch, input already on the device (no loader)"}
+
+
+def _mfu(flop_per_s: float, device: torch.device) -> float | None:
+    """Achieved FLOP/s over the GPU's dense bf16 peak (None where the peak is not known, or on CPU)."""
+    name = torch.cuda.get_device_name() if device.type == "cuda" else ""
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return round(flop_per_s / peak, 4) if peak else None
+
+
+def _loader_workers(device: torch.device) -> int:
+    """Reader processes for the GPU run: half the host's cores, 2 to 8 (a 128³ sample takes one about
+    20 ms to read; the GPU consumes one in a few)."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2)) if device.type == "cuda" else 0
+
+
 def _variant_step(variant: str, size: int, n_conv: int, data: Path, steps: int, device: torch.device,
                   compile_backend: str, deadline: float = math.inf) -> dict[str, Any]:
-    """One variant's training throughput; stops early (fewer timed steps, a note) at ``deadline``."""
+    """One variant's training throughput, end to end: the loader reads the HDF5 universes and delivers
+    them on the device (int16 counts, ``log1p`` there), the step trains. ``samples_per_s`` counts the
+    wall time between steps' ends (data wait included); ``compute_samples_per_s`` the steps alone.
+    Stops early (fewer timed steps, a note) at ``deadline``."""
+    if variant.startswith("torch"):
+        return _torch_step(size, n_conv, steps, device)
     import torch.nn.functional as F
 
     import hybridpar as hp
@@ -327,20 +389,25 @@ def _variant_step(variant: str, size: int, n_conv: int, data: Path, steps: int, 
     opt = torch.optim.SGD(engine.parameters(), lr=1e-4, momentum=0.9)
     accel.prepare(engine)
     ds = open_dataset(str(data), sample_size=size, channels=4)
-    loader = VolumeLoader(ds, engine.input_grid, batch_size=1, workers=2 if device.type == "cuda" else 0,
-                          prefetch=4)
+    loader = VolumeLoader(ds, engine.input_grid, batch_size=1, workers=_loader_workers(device), prefetch=4,
+                          device=device)
     times: list[float] = []
+    walls: list[float] = []
     waits: list[float] = []
     done, warmup, stopped = 0, 3, False
+    last = time.perf_counter()
     try:
         while done < warmup + steps and not stopped:
             for x, y in loader:
                 t0 = time.perf_counter()
                 accel.step(engine, opt, x, y)
                 _sync(device)
+                end = time.perf_counter()
                 if done >= warmup:
-                    times.append(time.perf_counter() - t0)
+                    times.append(end - t0)
+                    walls.append(end - last)
                     waits.append(loader.last_wait)
+                last = end
                 done += 1
                 if done >= warmup + steps:
                     break
@@ -355,13 +422,10 @@ def _variant_step(variant: str, size: int, n_conv: int, data: Path, steps: int, 
         row["note"] = f"stopped at the budget's end after {len(times)} of {steps} timed steps"
     if not times:
         return row
-    step = statistics.median(times)
-    rate = 1.0 / step
-    name = torch.cuda.get_device_name() if device.type == "cuda" else ""
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    row.update(samples_per_s=round(rate, 2), step_ms=round(1e3 * step, 2),
-               mfu=round(flops * rate / peak, 4) if peak else None,
-               data_wait_share=round(sum(waits) / (sum(waits) + sum(times)), 4))
+    rate = len(walls) / sum(walls)
+    row.update(samples_per_s=round(rate, 2), compute_samples_per_s=round(1.0 / statistics.median(times), 2),
+               step_ms=round(1e3 * statistics.median(times), 2), mfu=_mfu(flops * rate, device),
+               data_wait_share=round(sum(waits) / sum(walls), 4))
     return row
 
 
@@ -460,9 +524,10 @@ def section_memory(run: Run, sizes: Sizes, rows: list[tuple[str, float]], work: 
 # ---------------------------------------------------------------------------- 4. checkpoint stall
 def bench_checkpoint(nbytes: int, device: torch.device, work: Path, step_ms: float = 200.0,
                      deadline: float = math.inf) -> dict[str, Any]:
-    """Stall of one save: ours (overlapped snapshot, measured as the time save() blocks plus the wait
-    before the next optimizer update, while a step of ``step_ms`` of device work runs) vs torch.save
-    and DCP's async_save; the later two are left out (None) once ``deadline`` has passed."""
+    """Stall of a save: ours (overlapped snapshot, measured as the time save() blocks plus the wait
+    before the next optimizer update, while a step of ``step_ms`` of device work runs; the worse of two
+    saves after ``reserve``, whose one-time cost is reported apart) vs torch.save and DCP's async_save;
+    the later two are left out (None) once ``deadline`` has passed."""
     import hybridpar as hp
     from hybridpar.checkpoint import Checkpointer
 
@@ -477,17 +542,25 @@ def bench_checkpoint(nbytes: int, device: torch.device, work: Path, step_ms: flo
             a.mul_(1.0000001)
             _sync(device)
 
-    ck = Checkpointer(work / "ckpt")
+    ck = Checkpointer(work / "ckpt", keep_last=1)
     t0 = time.perf_counter()
-    ck.save(1, state, overlap=True)
-    blocked = time.perf_counter() - t0
-    fake_step()
-    t1 = time.perf_counter()
-    ck.before_update()  # what the optimizer step waits for
-    stall = blocked + time.perf_counter() - t1
+    ck.reserve(state)  # once, before the training loop: the host buffers every save reuses
+    reserve = time.perf_counter() - t0
+    stalls = []
+    for version in (1, 2):
+        t0 = time.perf_counter()
+        ck.save(version, state, overlap=True)
+        blocked = time.perf_counter() - t0
+        fake_step()
+        t1 = time.perf_counter()
+        ck.before_update()  # what the optimizer step waits for
+        _sync(device)  # on CUDA before_update makes the compute stream wait: count that wait too
+        stalls.append(blocked + time.perf_counter() - t1)
+        ck.wait()  # the next save starts after this one is written (saves are many steps apart)
     ck.close()
+    stall = max(stalls)
     row: dict[str, Any] = {"state_gib": round(nbytes / 2**30, 2), "step_ms": step_ms,
-                           "ours_stall_s": round(stall, 4),
+                           "reserve_s": round(reserve, 3), "ours_stall_s": round(stall, 4),
                            "ours_stall_share_of_step": round(stall / (step_ms / 1e3), 4),
                            "torch_save_s": None, "dcp_async_save_blocking_s": None}
     if time.monotonic() > deadline:
@@ -596,12 +669,12 @@ RUNNERS: dict[str, Callable[[Run, Sizes, list[tuple[str, float]], Path], None]] 
     "checkpoint": section_checkpoint, "unet": section_unet, "scaling": section_scaling}
 
 
-def run_section(run: Run, name: str, sizes: Sizes, work: Path, skip_tests: bool, scaling: bool) -> None:
+def run_section(run: Run, name: str, sizes: Sizes, work: Path, off: dict[str, str]) -> None:
     """One section under the budget: skipped (why) if off or if its set-up and first row do not fit,
     else run, with its status, reason and seconds recorded and the results written either way."""
     record = run.results["sections"][name]
     setup, rows = ESTIMATES[run.mode][name]
-    reason = _not_asked(name, skip_tests, scaling)
+    reason = off.get(name)
     first, left = setup + rows[0][1], run.left()
     if reason is None and first > left:
         reason = (f"estimated {first:.0f} s to its first row > {max(left, 0):.0f} s left of the "
@@ -657,10 +730,13 @@ def write(results: dict[str, Any], out: Path) -> Path:
     if "tests" in results:
         parts.append(f"tests: {results['tests']['summary']}")
     if results.get("cosmoflow"):
-        rows = [[r["variant"], r.get("samples_per_s", "-"), r.get("step_ms", "-"), r.get("mfu", "-"),
-                 r.get("data_wait_share", "-"), _problem(r)] for r in results["cosmoflow"]]
-        parts.append(print_table(["variant", "samples/s", "step ms", "MFU", "data wait", "error / note"],
-                                 rows, f"CosmoFlow {results['cosmoflow_size']}³ x 4, batch 1", echo=False))
+        rows = [[r["variant"], r.get("samples_per_s", "-"), r.get("compute_samples_per_s", "-"),
+                 r.get("step_ms", "-"), r.get("mfu", "-"), r.get("data_wait_share", "-"), _problem(r)]
+                for r in results["cosmoflow"]]
+        parts.append(print_table(["variant", "samples/s", "steps alone /s", "step ms", "MFU", "data wait",
+                                  "error / note"], rows,
+                                 f"CosmoFlow {results['cosmoflow_size']}³ x 4, batch 1; samples/s end to end "
+                                 f"(loader included), MFU of that", echo=False))
     if results.get("memory"):
         rows = [[r["ranks"], r["size"], r.get("peak_gib_per_rank", "-"), _problem(r)]
                 for r in results["memory"]]
@@ -669,9 +745,9 @@ def write(results: dict[str, Any], out: Path) -> Path:
                                  echo=False))
     c = results.get("checkpoint")
     if c:
-        parts.append(print_table(["state GiB", "step ms", "our stall s", "share of step", "torch.save s",
-                                  "DCP async_save blocks s"],
-                                 [[c["state_gib"], c["step_ms"], c["ours_stall_s"],
+        parts.append(print_table(["state GiB", "step ms", "reserve s (once)", "our stall s", "share of step",
+                                  "torch.save s", "DCP async_save blocks s"],
+                                 [[c["state_gib"], c["step_ms"], c.get("reserve_s", "-"), c["ours_stall_s"],
                                    c["ours_stall_share_of_step"], c["torch_save_s"],
                                    c["dcp_async_save_blocking_s"]]], "Checkpoint stall", echo=False))
     if results.get("unet"):
@@ -716,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", action="store_true",
                     help="write into perf/results/gpu (tracked: the figures the READMEs quote)")
     ap.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help=f"run only these sections, comma-separated ({', '.join(SECTIONS)})")
     ap.add_argument("--scaling", action="store_true", help="also run the scaling harness twice on the CPUs")
     args = ap.parse_args(argv)
     if args.out is None:
@@ -727,8 +805,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: --budget must be a positive number of seconds, got {args.budget:g}",
               file=sys.stderr)
         return 2
+    try:
+        off = sections_off(args.skip_tests, args.scaling, args.only)
+    except ValueError as err:
+        print(f"gpu_check: {err}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        print_plan(mode, args.budget, args.skip_tests, args.scaling)
+        print_plan(mode, args.budget, off)
         return 0
     if mode == "gpu" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a GPU machine, or "
@@ -742,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = GPU if mode == "gpu" else SMOKE
     with tempfile.TemporaryDirectory() as tmp:
         for name in SECTIONS:
-            run_section(run, name, sizes, Path(tmp), args.skip_tests, args.scaling)
+            run_section(run, name, sizes, Path(tmp), off)
     path = run.save()
     counts = {s: [n for n, r in results["sections"].items() if r["status"] == s]
               for s in ("ran", "skipped", "timed_out", "failed")}

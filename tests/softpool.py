@@ -56,3 +56,40 @@ def to_dist(m: SoftPool3d, grid: hp.ProcessGrid, overlap: bool = False) -> DistS
 
 
 hp.nn.register(SoftPool3d, role="window", op="pool", window=window, flops=flops, to_dist=to_dist)
+
+
+class SharpPool3d(SoftPool3d):
+    """SoftPool3d with learnable parameters on both sides of the halo exchange, as a user's layer has
+    them: a per-channel sharpness ``beta`` (``e^(beta x)``, computed on the shard before its halos are
+    exchanged) and a per-channel ``gain`` on the pooled output."""
+
+    def __init__(self, channels: int, kernel: int = 3, stride: int = 2, padding: int = 1) -> None:
+        super().__init__(kernel, stride, padding)
+        self.beta = nn.Parameter(torch.linspace(0.5, 1.5, channels))
+        self.gain = nn.Parameter(torch.linspace(1.0, 2.0, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(self.beta.view(1, -1, 1, 1, 1) * x)
+        num = F.avg_pool3d(e * x, self.kernel, self.stride, self.padding)
+        return self.gain.view(1, -1, 1, 1, 1) * num / F.avg_pool3d(e, self.kernel, self.stride, self.padding)
+
+
+class DistSharpPool3d(hp.nn.SpatialLayer, SharpPool3d):
+    """SharpPool3d split, written with the public recipe only: no call about its parameters' gradients."""
+
+    def __init__(self, channels: int, kernel: int = 3, stride: int = 2, padding: int = 1, *,
+                 grid: hp.ProcessGrid) -> None:
+        SharpPool3d.__init__(self, channels, kernel, stride, padding)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(self.beta.view(1, -1, 1, 1, 1) * x)
+        both = self.with_halos(torch.cat([e * x, e], dim=1))
+        w = self.window()
+        num, den = F.avg_pool3d(both, [a.kernel for a in w], [a.stride for a in w]).chunk(2, dim=1)
+        return self.gain.view(1, -1, 1, 1, 1) * num / den
+
+
+hp.nn.register(SharpPool3d, role="window", op="pool", window=window, flops=flops,
+               to_dist=lambda m, grid, overlap=False: DistSharpPool3d(m.beta.numel(), m.kernel, m.stride,
+                                                                      m.padding, grid=grid))

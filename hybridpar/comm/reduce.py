@@ -147,6 +147,11 @@ def mark_grad_split(params: Iterable[torch.Tensor], split: int) -> None:
         _SPLIT[p] = split
 
 
+def is_marked(param: torch.Tensor) -> bool:
+    """Whether anyone has said how many shards contribute to ``param``'s gradient."""
+    return param in _SPLIT
+
+
 def grad_split(param: torch.Tensor) -> int:
     """How many shards contribute partial gradients to ``param`` (1 for replicated computation)."""
     return _SPLIT.get(param, 1)

@@ -13,7 +13,7 @@ import copy
 
 from torch import nn
 
-from hybridpar.comm.reduce import grad_split, mark_grad_split
+from hybridpar.comm.reduce import grad_split, is_marked, mark_grad_split
 
 
 def sharing_copy(m: nn.Module) -> nn.Module:
@@ -32,7 +32,8 @@ def share_state(src: nn.Module, dst: nn.Module) -> None:
         path, _, name = key.rpartition(".")
         holder = dst.get_submodule(path)
         if name in holder._parameters:
-            mark_grad_split([t], grad_split(own[key]))
+            if is_marked(own[key]):
+                mark_grad_split([t], grad_split(own[key]))
             holder._parameters[name] = t
         else:
             holder._buffers[name] = t

@@ -20,7 +20,7 @@ from torch import nn
 from hybridpar.comm.agree import check_agree
 from hybridpar.comm.halo import DimExchange, HaloExchanger, exchange
 from hybridpar.comm.redistribute import infer_global_shape
-from hybridpar.comm.reduce import mark_grad_split
+from hybridpar.comm.reduce import is_marked, mark_grad_split
 from hybridpar.comm.transport import get_transport
 from hybridpar.device.eager import eager
 from hybridpar.geometry import HaloPlan
@@ -63,6 +63,7 @@ class SpatialLayer(nn.Module):
         self.global_input_shape = None
         self.layer_name = type(self).__name__
         self._exchangers: dict[tuple, HaloExchanger] = {}
+        self.mark_split_params()
         # The ranks of the split share this layer's weights: on its first forward they are checked
         # equal (hybridpar.comm.agree), unless whoever built it has made them so (weights_agreed()).
         self._agree_hook = self.register_forward_pre_hook(_check_weights_once)
@@ -152,6 +153,18 @@ class SpatialLayer(nn.Module):
         with no padding gives this rank's shard of the output. Differentiable (the backward sends
         the halos' gradients back to their owners)."""
         return exchange(x, self.window_exchanger(self.global_shape(x), fill))
+
+    def mark_split_params(self) -> None:
+        """Say that each of this layer's parameters (its submodules' too) not yet accounted for gets a
+        partial gradient from every shard of the split, to be summed over them.
+
+        Why this default: a split layer computes its own shard of the output, so a parameter it applies,
+        before the halo exchange or after, contributes to each rank's shard alone, and the whole
+        gradient is the sum of the ranks' (averaging them would train it at a fraction of its gradient).
+        A layer whose gradients leave it already reduced says so itself (``_mark_params(1)``, as the
+        norm layers do). Called by ``init_spatial`` and again by the converter after ``to_dist``, for
+        parameters made after ``init_spatial``."""
+        mark_grad_split([p for p in self.parameters() if not is_marked(p)], self.grid.spatial_size)
 
     def _mark_params(self, split: int) -> None:
         """Tell the engine's bucketed reduction how many shards contribute to each parameter."""

@@ -42,6 +42,9 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
         d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)
     share_state(m, d)
+    for s in d.modules():  # parameters a Dist layer made after init_spatial, or kept in plain submodules
+        if isinstance(s, SpatialLayer):
+            s.mark_split_params()
     d.train(m.training)
     return d
 

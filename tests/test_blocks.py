@@ -17,6 +17,8 @@ The plans and the reshape arithmetic are checked without processes.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -291,12 +293,15 @@ def test_shuffle_plans_split_where_even_and_gathers_where_not():
 
 
 def test_a_shuffle_by_module_swapping_is_refused_where_shards_would_mix():
-    """Run by module swapping, the forward reshapes each shard by the extents it reads: where the
-    split is uneven (5 planes over 2) that is not the output's split, and the plan refuses it."""
+    """Run by module swapping, the forward reshapes each shard by the extents it reads: on an even split
+    that is the output's split, and it computes alike on a shard and the volume (sizes given to a
+    reshape may differ: no warning, no refusal); where the split is uneven (5 planes over 2) it is not,
+    and the plan refuses it."""
     import hybridpar as hp
 
     spec = hp.ParallelSpec.from_dict(S2)
-    with pytest.warns(UserWarning, match="reads the spatial extents"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert [r.split for r in spec.plan(SwappedShuffleNet(), (2, 1, 6, 5, 3), 2)] == [(2, 1, 1)] * 3
     with pytest.raises(hp.SpecError, match=r"calls reshape \(a reshape whose shards do not map onto"):
         spec.plan(SwappedShuffleNet(), (2, 1, 5, 4, 3), 2)

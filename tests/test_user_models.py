@@ -450,14 +450,39 @@ class ExtentReader(nn.Module):
         return h
 
 
-def test_module_swapping_warns_where_a_forward_reads_a_shards_extents():
-    """Run by module swapping, a forward that reads a split activation's spatial extents sees the
-    shard's: said when the plan is made; reading the batch size is not."""
+class DeepBranch(nn.Module):
+    """An untraceable forward that adds a layer when its input is deep enough (16 on the volume, 8 on a
+    shard of two), and one that doubles its output on a deep input."""
+
+    def __init__(self, double: bool = False) -> None:
+        super().__init__()
+        self.conv, self.extra = nn.Conv3d(1, 1, 3, padding=1), nn.Conv3d(1, 1, 3, padding=1)
+        self.double = double
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.conv(x)
+        if x.shape[2] > 12:
+            u = u * 2 if self.double else self.extra(u)
+        return u
+
+
+def test_module_swapping_refuses_a_forward_that_computes_otherwise_on_a_shard():
+    """Run by module swapping, a forward reads a split activation's extents as the shard's. Where what
+    it computes from them differs from the volume's (a scale by an extent, a branch adding a layer or a
+    product), the plan refuses it in one line naming the call; reading the batch size, or reshaping a
+    shard by its extents (a pixel shuffle, tests/test_blocks.py), is not refused."""
     import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
 
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
-    with pytest.warns(UserWarning, match=r"reads the spatial extents of a split activation outside any"):
-        spec.plan(ExtentReader(), SHAPE, 2)
+    shape = (2, 1, 16, 8, 8)
+    for model, call in ((ExtentReader(), r"test_user_models.py:\d+ the volume runs mul\(<5-d tensor>, 2.0\), "
+                                         r"the shard mul\(<5-d tensor>, 1.0\)"),
+                        (DeepBranch(), "the volume runs layer extra, the shard nothing more"),
+                        (DeepBranch(double=True), r"volume runs mul\(<5-d tensor>, 2\), the shard nothing")):
+        with pytest.raises(SpecError, match=r"computes something else on rank \[0, 0, 0\]'s shard "
+                                            r"\(8x8x8 of 16x8x8\).*" + call):
+            spec.plan(model, shape, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        spec.plan(ExtentReader(dim=0), SHAPE, 2)
+        spec.plan(ExtentReader(dim=0), shape, 2)

@@ -13,8 +13,9 @@ features, the layouts are followed at run time (:func:`follow_gates`) so that th
 the sum of every shard's part.
 
 What it cannot do: cut the model into pipeline stages (that needs the data flow), or let one layer run
-under another split. Python code that reads a split tensor's spatial shape sees the shard's (the plan
-warns where the forward reads one: :func:`hybridpar.planner.swapped.swapped_plan`).
+under another split. Python code that reads a split tensor's spatial shape sees the shard's: the plan
+refuses the model where what it computes from them would differ from the volume's
+(:mod:`hybridpar.planner.shard_rehearsal`).
 """
 
 from __future__ import annotations

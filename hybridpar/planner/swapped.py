@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -24,6 +22,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
+from hybridpar.planner.shard_rehearsal import check_shards_compute_alike
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
@@ -226,15 +225,17 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     """One record per call of a leaf module on a meta forward of the global input, in call order:
     registered splittable layers under ``split`` (those on a replicated input, a pooled gate, whole),
     the rest replicated. Fails with a :class:`SpecError` when the forward does not run on the meta
-    device (it branches on tensor values) or a layer nobody registered reads a split activation.
+    device (it branches on tensor values), a layer nobody registered reads a split activation, or
+    what it computes from a split activation's extents differs on a shard
+    (:mod:`hybridpar.planner.shard_rehearsal`).
     ``nested``: ``model`` is a block inside a traced graph, whose input is split and whose shape reads
     answer with global extents (:mod:`hybridpar.pipeline.global_extents`), as a traced graph's do."""
     records, modules, watch = _follow(model, input_shape, split, micro, nested)
-    if watch.extents_read and not nested and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(f"model ({type(model).__name__}): run by module swapping, its forward reads the "
-                      f"spatial extents of a split activation outside any layer; there they are the "
-                      f"shard's, not the volume's (a traced forward reads the volume's): check that what it "
-                      f"computes from them does not depend on the split", stacklevel=3)
+    if watch.extents_read and not nested:  # there they read the shard's: it must not matter
+        outputs: dict[str, list] = {}
+        for r in records:
+            outputs.setdefault(r.name.split("#")[0], []).append((tuple(r.output_shape), r.out_split))
+        check_shards_compute_alike(model, dict((m, n) for n, m in leaves(model)), input_shape, split, outputs)
     sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
                                 activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),

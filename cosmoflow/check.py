@@ -17,7 +17,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from cosmoflow.data import _expand, open_dataset
+from cosmoflow.data import open_dataset
+from cosmoflow.data_files import expand_paths
 from cosmoflow.validate import DataError
 
 
@@ -28,7 +29,7 @@ def check_paths(paths: list[str], sample_size: int | None, channels: int,
     Returns (files, samples, bad samples); a file that cannot be opened counts as one bad sample.
     """
     files = samples = bad = 0
-    for path in _expand(paths):
+    for path in expand_paths(paths):
         files += 1
         try:
             ds = open_dataset(path, sample_size=sample_size, channels=channels, skip_bad=True)

@@ -5,7 +5,7 @@ later, naming neither the file nor the sample. The same rules run in two places:
 read (:mod:`cosmoflow.data`), so a damaged file stops a run, or with ``data.skip_bad`` is skipped, at
 the sample that is wrong; and in :mod:`cosmoflow.check`, over every sample of a directory.
 
-Besides the layout and dtype (:func:`cosmoflow.data.inspect_file`): particle counts are non-negative
+Besides the layout and dtype (:func:`cosmoflow.data_files.inspect_file`): particle counts are non-negative
 and at most :data:`MAX_COUNT` in a voxel, and not all 0 (a dataset never written); parameters are
 finite and within [-1, 1] (``unitPar`` is normalised); the initial density field, where a file has one,
 is finite; and HDF5's Fletcher-32 checksums, where the file was written with them (``cosmoflow.pack``

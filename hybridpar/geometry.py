@@ -45,6 +45,12 @@ def shard_range(extent: int, parts: int, index: int) -> Range:
     return start, start + base + (1 if index < rem else 0)
 
 
+def shard_box(extents: Sequence[int], parts: Sequence[int], coord: Sequence[int]) -> tuple[Range, ...]:
+    """The ranges held at grid coordinate ``coord`` of a volume of ``extents`` split ``parts`` ways per
+    dim (a dim split once is held whole, whatever the coordinate)."""
+    return tuple(shard_range(n, p, c if p > 1 else 0) for n, p, c in zip(extents, parts, coord, strict=True))
+
+
 def shard_ranges(extent: int, parts: int) -> list[Range]:
     """All shards of ``range(extent)`` over ``parts`` ranks."""
     return [shard_range(extent, parts, i) for i in range(parts)]

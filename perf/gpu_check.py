@@ -322,6 +322,7 @@ def _torch_step(size: int, n_conv: int, steps: int, device: torch.device) -> dic
 
     import hybridpar as hp
     from cosmoflow.model import build_model
+    from perf.common import time_steps
 
     torch.manual_seed(0)
     fmt = torch.channels_last_3d
@@ -330,18 +331,15 @@ def _torch_step(size: int, n_conv: int, steps: int, device: torch.device) -> dic
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x = torch.randn(1, 4, size, size, size, device=device).contiguous(memory_format=fmt)
     y = torch.randn(1, 4, device=device)
-    times = []
-    for i in range(3 + steps):
-        t0 = time.perf_counter()
+    def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    rate = 1.0 / statistics.median(times)
+
+    rate = 1.0 / statistics.median(time_steps(step, 3, steps))
     return {"variant": "torch bf16+cl", "steps": steps, "gflop_per_sample": round(flops / 1e9, 2),
             "samples_per_s": round(rate, 2), "compute_samples_per_s": round(rate, 2),
             "step_ms": round(1e3 / rate, 2), "mfu": _mfu(flops * rate, device), "data_wait_share": 0.0,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hybridpar.comm.transport import point_to_point
 from hybridpar.device import memfmt
 from hybridpar.device.eager import eager
-from hybridpar.geometry import Range, shard_range
+from hybridpar.geometry import Range, shard_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.profiling import range as prange
 
@@ -25,8 +25,7 @@ _TAG = 300
 
 def local_box(shape: tuple[int, int, int], grid: ProcessGrid, coord: tuple[int, ...] | None = None) -> Box:
     """The global (D, H, W) ranges held at spatial ``coord`` (default: this rank's) of ``grid``."""
-    coord = grid.spatial_coord if coord is None else coord
-    return tuple(shard_range(shape[i], grid.spatial_shape[i], coord[i]) for i in range(3))  # type: ignore
+    return shard_box(shape, grid.spatial_shape, grid.spatial_coord if coord is None else coord)  # type: ignore
 
 
 def _coords(grid: ProcessGrid) -> list[tuple[int, int, int]]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hybridpar.geometry import shard_range
+from hybridpar.geometry import shard_box
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner.space_maps import STEPS
 from hybridpar.planner.terms import SpecError, Split
@@ -147,9 +147,7 @@ def _local(shape: Sequence[int], split: Split, coord: Sequence[int]) -> tuple[in
     """The shard at ``coord`` of a volume of ``shape`` under ``split`` (the whole where not split)."""
     if len(shape) != 5:
         return tuple(shape)
-    dims = [hi - lo for n, p, c in zip(shape[2:], split, coord, strict=True)
-            for lo, hi in [shard_range(n, p, c if p > 1 else 0)]]
-    return (*shape[:2], *dims)
+    return (*shape[:2], *(hi - lo for lo, hi in shard_box(shape[2:], split, coord)))
 
 
 def _show(call: Call | None) -> str:

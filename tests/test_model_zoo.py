@@ -97,9 +97,12 @@ NAMES = {"DynUNet": "DynUNet aliased blocks", "BasicUNet": "BasicUNet isinstance
          "RegUNet": "RegUNet interpolate to a shape, untraceable even-extent check",
          "resnet10": "resnet10 2^3 last level, no rule",
          "VNet": "VNet 1^3 last level, no rule"}
-# every model on the issue's two splits, (2, 1, 1) on 2 ranks and (2, 2, 1) on 4
+# every model on the issue's two splits, (2, 1, 1) on 2 ranks and (2, 2, 1) on 4; VNet's 17 GFLOPs a
+# forward in float64 on 4 ranks oversubscribing 2 cores cost half a minute, so on (2, 2, 1) its plan is
+# checked (test_function_pads_and_channel_repeats_gather_nothing) and its numbers on (2, 1, 1) only
 CASES = [(world, NAMES[model], model, {"grid": {"spatial": split}})
-         for world, split in ((2, [2, 1, 1]), (4, [2, 2, 1])) for model in NAMES]
+         for world, split in ((2, [2, 1, 1]), (4, [2, 2, 1])) for model in NAMES
+         if not (model == "VNet" and world == 4)]
 
 
 @pytest.mark.parametrize("world,desc,model,spec", CASES, ids=[c[1].split()[0] + f"-{c[0]}" for c in CASES])

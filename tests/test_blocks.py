@@ -209,6 +209,7 @@ CASES = [
     (2, "SE gate of Linear layers, x * gate", "LinearSENet", S2, ODD),
     (2, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S2, ODD),
     (2, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S2, ODD),
+    (2, "SE gate squeezed by mean, by module swapping", "SwappedMeanSENet", S2, ODD),
     (2, "norms under in-place activations by module swapping", "SwappedNormInplaceNet", S2, ODD),
     (2, "pixel shuffle and unshuffle, even split", "ShuffleNet", S2, (2, 1, 6, 5, 3)),
     (2, "MONAI DynUNet, instance norms without affine", "DynUNetInstance", S2, (2, 1, 8, 8, 4)),
@@ -383,14 +384,19 @@ class MeanSENet(ConvSENet):
         return self.out(self.fc(h.mean((2, 3, 4), keepdim=True)) * h)
 
 
-def test_a_mean_squeeze_by_module_swapping_is_named():
-    """By module swapping, a squeeze written as ``mean`` over a split volume is refused naming the
-    call (not the 1³ layer after it); traced, it is gathered, and flagged as a gather."""
+def SwappedMeanSENet() -> nn.Module:  # noqa: N802
+    return _Untraced(MeanSENet())
+
+
+def test_a_mean_squeeze_is_reduced_by_module_swapping_and_gathered_traced():
+    """By module swapping, a squeeze written as ``mean`` over a split volume gives the volume's mean on
+    every rank (the 1³ layers after it run whole: the numbers are CASES'); traced, it is gathered, and
+    flagged as a gather."""
     import hybridpar as hp
 
     spec = hp.ParallelSpec.from_dict(S2)
-    with pytest.raises(hp.SpecError, match=r"its forward calls mean on split activations.*AdaptiveAvgPool3d"):
-        spec.plan(_Untraced(MeanSENet()), (2, 1, 7, 6, 5), 2)
+    swapped = {r.name: r for r in spec.plan(_Untraced(MeanSENet()), (2, 1, 7, 6, 5), 2)}
+    assert swapped["inner.stem"].split == (2, 1, 1) and swapped["inner.fc.0"].split == (1, 1, 1)
     rows = {r.name: r for r in spec.plan(MeanSENet(), (2, 1, 7, 6, 5), 2)}
     assert rows["mean"].gather and rows["mul"].split == (2, 1, 1)
 

@@ -13,8 +13,6 @@ Three SGD steps in float64 against the same model in one process, on 2 and 4 ran
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -433,56 +431,3 @@ def test_shape_reads_plan_without_gathers():
     assert rows["interpolate"].kind == "interpolate" and rows["interpolate"].split == (2, 2, 1)
     assert rows["pad"].split == (2, 2, 1) and rows["repeat"].split == (2, 2, 1)
     assert rows["size"].output_shape == () and rows["size"].activation_bytes == 0
-
-
-class ExtentReader(nn.Module):
-    """A forward torch.fx cannot trace (a branch on a tensor's rank) that scales by an extent."""
-
-    def __init__(self, dim: int = 2) -> None:
-        super().__init__()
-        self.conv = nn.Conv3d(1, 1, 3, padding=1)
-        self.dim = dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv(x)
-        if h.dim() == 5:
-            h = h * (h.size(self.dim) / 8)
-        return h
-
-
-class DeepBranch(nn.Module):
-    """An untraceable forward that adds a layer when its input is deep enough (16 on the volume, 8 on a
-    shard of two), and one that doubles its output on a deep input."""
-
-    def __init__(self, double: bool = False) -> None:
-        super().__init__()
-        self.conv, self.extra = nn.Conv3d(1, 1, 3, padding=1), nn.Conv3d(1, 1, 3, padding=1)
-        self.double = double
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = self.conv(x)
-        if x.shape[2] > 12:
-            u = u * 2 if self.double else self.extra(u)
-        return u
-
-
-def test_module_swapping_refuses_a_forward_that_computes_otherwise_on_a_shard():
-    """Run by module swapping, a forward reads a split activation's extents as the shard's. Where what
-    it computes from them differs from the volume's (a scale by an extent, a branch adding a layer or a
-    product), the plan refuses it in one line naming the call; reading the batch size, or reshaping a
-    shard by its extents (a pixel shuffle, tests/test_blocks.py), is not refused."""
-    import hybridpar as hp
-    from hybridpar.planner.terms import SpecError
-
-    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
-    shape = (2, 1, 16, 8, 8)
-    for model, call in ((ExtentReader(), r"test_user_models.py:\d+ the volume runs mul\(<5-d tensor>, 2.0\), "
-                                         r"the shard mul\(<5-d tensor>, 1.0\)"),
-                        (DeepBranch(), "the volume runs layer extra, the shard nothing more"),
-                        (DeepBranch(double=True), r"volume runs mul\(<5-d tensor>, 2\), the shard nothing")):
-        with pytest.raises(SpecError, match=r"computes something else on rank \[0, 0, 0\]'s shard "
-                                            r"\(8x8x8 of 16x8x8\).*" + call):
-            spec.plan(model, shape, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        spec.plan(ExtentReader(dim=0), shape, 2)

@@ -216,3 +216,21 @@ def replicated_into_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> 
     if group is None or dist.get_world_size(group) == 1 or not x.requires_grad:
         return x
     return ReplicatedIntoShards.apply(x, group)
+
+
+def max_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Each shard's maxima -> the maxima over the shards on every rank (replicated), differentiable.
+
+    The gradient goes to the shards that hold the maximum, shared evenly between them where several
+    do (as ``torch.amax`` shares it between equal elements): the result is the sum over the shards of
+    ``x`` where it is the maximum, divided by how many shards hold it, so that one sum all-reduce
+    carries the value and its adjoint (:class:`SumToReplicated`).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    top = x.detach().clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    holds = x.detach() == top
+    holders = holds.to(x.dtype)
+    _all_reduce([holders], group)
+    return sum_to_replicated(torch.where(holds, x, torch.zeros_like(x)) / holders, group)

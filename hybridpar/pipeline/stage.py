@@ -28,14 +28,14 @@ from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
-from hybridpar.pipeline.global_extents import bind_nested, swap_nested
 from hybridpar.pipeline.model_state import Layers
+from hybridpar.pipeline.split_forward import bind_nested, follow
 from hybridpar.pipeline.stage_graph import StageGraph
-from hybridpar.pipeline.swap import follow_gates, swap
+from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
-from hybridpar.planner.swapped import nested_block, swapped_gates
+from hybridpar.planner.swapped import nested_block
 from hybridpar.planner.terms import SpecError
 
 
@@ -67,6 +67,9 @@ class Stage:
         if self.stage_graph is not None:  # first: it may refuse the size, before any shape is set
             self.stage_graph.bind(plan, input_shape)
         for m, row, end in self.sinks:
+            if row < 0:  # a forward run by module swapping: the model's input
+                bind_nested(m, input_shape)
+                continue
             shape = tuple(plan[row].input_shape[2:] if end == "in" else plan[row].output_shape[2:])
             if isinstance(m, SpatialLayer):
                 m.global_input_shape = shape
@@ -190,7 +193,7 @@ class StageBuilder:
     def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split (its global input
         shape is set by :meth:`Stage.bind`); a block torch.fx could not trace into runs by module
-        swapping inside it (:mod:`hybridpar.pipeline.global_extents`)."""
+        swapping inside it (:mod:`hybridpar.pipeline.split_forward`)."""
         if lp.split != REPLICATED and nested_block(module):
             def inner(path: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
                 d = to_distributed(m, grid, self.overlap, f"{name}.{path}")
@@ -198,7 +201,9 @@ class StageBuilder:
                     d.layer_name = f"{type(d).__name__}({name}.{path})"
                 return d
 
-            block = swap_nested(module, self.layout(lp.split), lp.input_shape, inner)
+            grid = self.layout(lp.split)
+            block, whole = swap(module, grid, inner)
+            follow(block, grid, whole, self._to_dist, lp.input_shape)
             self.sinks.append((block, self.index[id(lp)], "in"))
             return block
         m = to_distributed(module, self.layout(lp.split), self.overlap, name)
@@ -227,10 +232,16 @@ class StageBuilder:
                 return self.convert(name, m, first[name])
             return to_distributed(m, grid, self.overlap)  # never called on this input
 
-        swapped = swap(self.model, self.layout(self.spec.grid.spatial), convert)
-        if swapped_gates(self.model, input_shape, self.spec.grid.spatial):
-            follow_gates(swapped, self.layout(self.spec.grid.spatial))
+        grid = self.layout(self.spec.grid.spatial)
+        swapped, whole = swap(self.model, grid, convert)
+        if grid.spatial_size > 1:
+            follow(swapped, grid, whole, self._to_dist, input_shape)
+            self.sinks.append((swapped, -1, "in"))
         return swapped
+
+    def _to_dist(self, m: nn.Module, grid: ProcessGrid) -> nn.Module:
+        """The split counterpart of a layer a call in a forward stands for (``F.interpolate``)."""
+        return to_distributed(m, grid, self.overlap)
 
     def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
                       output_split: tuple[int, int, int]) -> Layers:

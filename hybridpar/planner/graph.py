@@ -14,7 +14,7 @@ Which modules are nodes (run as one layer) and which are traced into:
 * containers (``nn.Sequential``, and custom modules made of children: residual blocks, U-Net levels)
   are traced into; one whose forward cannot be traced is one node, which runs split by module
   swapping inside it, its shape reads answering with global extents as a traced graph's do
-  (:mod:`hybridpar.pipeline.global_extents`).
+  (:mod:`hybridpar.pipeline.split_forward`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,276 @@
+"""A forward torch.fx cannot trace, run on shards exactly: the model's own forward, at the top level or
+as a block inside a traced graph, with its layers swapped for their split counterparts
+(:func:`hybridpar.pipeline.swap.swap`) and every call between them met as
+:mod:`hybridpar.planner.calls` says.
+
+Why: the Python between the layers sees tensors, and on a rank those are shards. Left alone, ``x.shape``
+would give the shard's extents (a branch on depth would go the other way on a shard), ``x.mean()`` the
+shard's mean, and ``F.interpolate(x, size=skip.shape[2:])`` would resample each shard on its own. Here a
+``TorchFunctionMode`` follows the split activations and their global extents (those of the input, of
+each layer's output, of what calls make of them) and answers as the volume would:
+
+* shape reads (``x.shape``, ``x.size(d)``, ``x.numel()``) give the volume's extents;
+* a call that stands for a layer (``interpolate``, ``pad``, functional pools and convs) runs as that
+  layer's split counterpart, the layer a traced graph would run;
+* a reduction over the volume (``mean``, ``sum``, ``amax``, ``norm``) gives its global value on every rank,
+  so that Python branching on it takes the same branch everywhere;
+* elementwise calls, ``cat``/``stack`` and pieces along leading dims run on the shards, a replicated
+  operand that spans the volume taken at the shard's box, and any replicated operand with a gradient
+  entered through :func:`~hybridpar.comm.reduce.replicated_into_shards`, so its gradient is the sum
+  of every shard's part (a parameter of the model, a squeeze-and-excitation gate);
+* reshape chains given the volume's sizes (a pixel shuffle) run with the shard's.
+
+The plan refuses, before any step, what none of these covers
+(:class:`hybridpar.planner.swapped.LayoutWatch`, of which this is the run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.comm.reduce import max_to_replicated, replicated_into_shards, sum_to_replicated
+from hybridpar.geometry import shard_box
+from hybridpar.grid import ProcessGrid
+from hybridpar.nn.layout import Gather
+from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.planner import calls
+from hybridpar.planner.space_maps import source_dims, step
+from hybridpar.planner.swapped import Extents, LayoutWatch, leaves
+
+ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
+
+
+class SplitForward(LayoutWatch):
+    """The layouts of a forward followed on this rank's shards (see the module doc). ``whole``: per
+    split layer, the module that computes as it does on the volume (its output extents come from a
+    meta run of it); ``to_dist(module, grid)``: the split counterpart of a layer a call stands for."""
+
+    def __init__(self, grid: ProcessGrid, whole: dict[nn.Module, nn.Module], to_dist: ToDist) -> None:
+        super().__init__(grid.spatial_shape)
+        self.grid, self.whole, self.to_dist = grid, whole, to_dist
+        self.group = grid.spatial_group if grid.spatial_size > 1 else None
+        self.input_extents: Extents = ()
+        self._dist: dict[str, nn.Module] = {}  # a call's layer -> its split counterpart, built once
+        self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
+
+    def bind(self, input_shape: Sequence[int]) -> None:
+        """The global shape of the forward's input (at build, and whenever the engine runs another size)."""
+        self.input_extents = tuple(input_shape[2:])
+
+    # ------------------------------------------------------------------ geometry
+    def box(self, extents: Extents) -> tuple[tuple[int, int], ...]:
+        return shard_box(extents, self.grid.spatial_shape, self.grid.spatial_coord)
+
+    def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype
+                     ) -> Extents:
+        """The global extents of ``m``'s output on a volume of ``extents`` (memoised per size)."""
+        key = (id(m), tuple(lead), extents, dtype)
+        if key not in self._extents:
+            state, own = meta_state(m)
+            if any(t.is_floating_point() for t in state.values()):
+                dtype = own  # the layer's own: only the extents count
+            out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
+            self._extents[key] = tuple(out.shape[-3:])
+        return self._extents[key]
+
+    def _fit(self, t: Any, extents: Extents) -> Any:
+        """A replicated operand as a split computation on a volume of ``extents`` reads it: its dims that
+        span the volume narrowed to this shard's box, its gradient summed over the shards."""
+        if not isinstance(t, torch.Tensor) or t in self.split:
+            return t
+        if t.requires_grad:
+            t = replicated_into_shards(t, self.group)
+        for k, (lo, hi) in enumerate(self.box(extents)):
+            d = t.dim() - 3 + k
+            if d >= 0 and t.shape[d] == extents[k] and hi - lo != extents[k]:
+                t = t.narrow(d, lo, hi - lo)
+        return t
+
+    def _fitted(self, args: tuple, kwargs: dict, extents: Extents) -> tuple[tuple, dict]:
+        fit = lambda a: self._fit(a, extents)  # noqa: E731
+        args = tuple(type(a)(map(fit, a)) if isinstance(a, list | tuple) else fit(a) for a in args)
+        return args, {k: fit(v) for k, v in kwargs.items()}
+
+    # ------------------------------------------------------------------ layers
+    def before_layer(self, m: nn.Module, x: torch.Tensor | None) -> None:
+        """A split layer runs on the volume its input is a shard of."""
+        if x is None or x not in self.split:
+            return
+        if isinstance(m, SpatialLayer):
+            m.global_input_shape = self.split[x]
+        elif isinstance(m, Gather):
+            m.shape = self.split[x]
+
+    def layer_extents(self, m: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Extents:
+        return self._out_extents(self.whole.get(m, m), x.shape[:-3], self.split[x], x.dtype)
+
+    # ------------------------------------------------------------------ calls, on shards
+    def _run_shape(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is None or t not in self.split or not calls.reads_shape(func):
+            return func(*args, **kwargs)
+        whole = torch.Size((*t.shape[:-3], *self.split[t]))
+        if calls.name_of(func) in ("numel", "nelement"):
+            return math.prod(whole)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return whole if dim is None else whole[dim]
+
+    def _run_pointwise(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        extents = self.split[x]
+        args, kwargs = self._fitted(args, kwargs, extents)
+        out = func(*args, **kwargs)
+        self.mark(out, extents)
+        return out
+
+    _run_keep = _run_join = _run_pieces = _run_pointwise
+
+    def _run_reduce(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        nd, extents = x.dim(), self.split[x]
+        dims, keep = kind.dims, kind.keepdim
+        if kind.reduce in ("amax", "amin"):
+            sign = 1 if kind.reduce == "amax" else -1
+            return sign * max_to_replicated((sign * x).amax(dim=dims, keepdim=keep), self.group)
+        if kind.reduce == "norm":
+            part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
+            return sum_to_replicated(part, self.group).pow(1 / kind.ord)
+        total = sum_to_replicated(x.sum(dim=dims, keepdim=keep), self.group)
+        if kind.reduce == "mean":
+            return total / math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
+        return total
+
+    def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        m = kind.module
+        key = repr(m)
+        d = self._dist.get(key)
+        if d is None:
+            d = self._dist[key] = self.to_dist(m, self.grid)
+            if isinstance(d, SpatialLayer):
+                d.weights_agreed()  # it holds no weights of its own: a functional conv's come per call
+        extents = self.split[x]
+        if isinstance(d, SpatialLayer):
+            d.global_input_shape = extents
+        if func in (F.conv3d, F.conv_transpose3d):
+            names = ("input", "weight", "bias")
+            given = {**dict(zip(names, args)), **kwargs}
+            state = {k: self._fit(given[k], extents) for k in ("weight", "bias") if given.get(k) is not None}
+            out = torch.func.functional_call(d, state, (x,))
+        else:
+            out = d(x)
+        if not _replicates(m):
+            self.mark(out, self._out_extents(m, x.shape[:-3], extents, x.dtype))
+        return out
+
+    def _run_step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:
+        """A reshape chain's step, its sizes given as the volume's, run with the shard's (the plan
+        checked that every shard maps onto its own output shard)."""
+        name = calls.name_of(func)
+        if src in self.split:
+            start, steps = (*src.shape[:-3], *self.split[src]), {}
+        else:
+            start, steps, _ = self.chains[src]
+        before = steps[len(steps) - 1] if steps else source_dims(start)
+        whole = _whole_shape(name, args, kwargs, before)
+        dims = step(name, args[1:], kwargs, before, whole)
+        steps = {**steps, len(steps): dims}
+        if name in ("view", "reshape"):
+            local = [hi - lo for lo, hi in self.box(start[2:])]
+            out = func(args[0], tuple(_local_dims(dims, start, src.shape[0], local)))
+        else:
+            out = func(*args, **kwargs)
+        if out.dim() == 5:
+            self.mark(out, whole[2:])
+        else:
+            self.chains[out] = (start, steps, whole)
+        return out
+
+    def _chain_shape(self, func, args, kwargs) -> Any:
+        whole = torch.Size(self.chains[args[0]][2])
+        if calls.name_of(func) in ("numel", "nelement"):
+            return math.prod(whole)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return whole if dim is None else whole[dim]
+
+
+def _whole_shape(name: str, args: tuple, kwargs: dict, dims: Any) -> tuple[int, ...]:
+    """The shape a step makes of the volume's value (its atoms ``dims``): a view's sizes, -1 resolved."""
+    sizes = [math.prod(a[2] for a in d) for d in dims]
+    if name in ("view", "reshape"):
+        shape = list(args[1:] if len(args) > 1 else kwargs.get("shape", ()))
+        shape = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], list | tuple) else shape
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape[shape.index(-1)] = math.prod(sizes) // known
+        return tuple(shape)
+    if name == "permute":
+        order = kwargs.get("dims", args[1:])
+        order = order[0] if len(order) == 1 and isinstance(order[0], list | tuple) else order
+        return tuple(sizes[d % len(sizes)] for d in order)
+    if name in ("transpose", "swapaxes"):
+        a, b = (d % len(sizes) for d in args[1:3])
+        sizes[a], sizes[b] = sizes[b], sizes[a]
+    return tuple(sizes)
+
+
+def _local_dims(dims: Any, start: Sequence[int], batch: int, local: Sequence[int]) -> list[int]:
+    """The sizes of a chain's value on a shard of ``local`` extents (its atoms ``dims``, from a volume
+    of shape ``start``): the outermost digit of each spatial axis counts the shard's, not the volume's."""
+    out = []
+    for d in dims:
+        size = 1
+        for src, stride, n in d:
+            if src == "n":
+                size *= batch
+            elif isinstance(src, int) and stride * n == start[2 + src]:
+                size *= local[src] // stride
+            else:
+                size *= n
+        out.append(size)
+    return out
+
+
+def _replicates(m: nn.Module) -> bool:
+    from hybridpar.nn import registry
+
+    entry = registry.lookup(m)
+    return entry is not None and entry.replicated_output(m)
+
+
+def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Module], to_dist: ToDist,
+           input_shape: Sequence[int]) -> SplitForward:
+    """Run ``swapped`` (:func:`~hybridpar.pipeline.swap.swap`'s) split under ``grid`` with its forward's
+    calls followed (see the module doc), its input a shard of a volume of global ``input_shape``
+    (:meth:`SplitForward.bind` changes it). Returns the mode, kept as ``swapped._hybridpar_block``."""
+    mode = SplitForward(grid, whole, to_dist)
+    mode.bind(input_shape)
+    mode.hook([m for _, m in leaves(swapped)])
+    inner = swapped.forward
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        mode.reset()
+        mode.mark(x, mode.input_extents)
+        try:
+            with mode:
+                return inner(x, *args, **kwargs)
+        finally:
+            mode.reset()
+
+    swapped.forward = forward  # an attribute of this copy only: its class and state dict keys unchanged
+    swapped._hybridpar_block = mode
+    return mode
+
+
+def bind_nested(m: nn.Module, input_shape: Sequence[int]) -> bool:
+    """Give a forward made by :func:`follow` the global ``input_shape`` it now runs on; False for any
+    other module."""
+    mode = getattr(m, "_hybridpar_block", None)
+    if mode is None:
+        return False
+    mode.bind(input_shape)
+    return True

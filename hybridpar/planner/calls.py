@@ -1,0 +1,268 @@
+"""What a call made outside any layer does to a split activation: the one table that a forward run by
+module swapping is planned by (:class:`hybridpar.planner.swapped.LayoutWatch`, on the global volume)
+and run by (:class:`hybridpar.pipeline.split_forward.SplitForward`, on shards).
+
+Why one table: the plan decides before any step whether each call can run split, and the run then
+does exactly what the plan accepted; two sets of rules would leave holes where a call is accepted by
+one and computed otherwise by the other. The functions a traced graph may call are the registry's
+(:func:`hybridpar.nn.registry.function_role`, :func:`~hybridpar.nn.registry.function_module`); this
+module adds what only a forward outside a graph meets: reductions over the volume, joins and pieces
+along channels, indexing, and reads of a tensor's values.
+
+A split activation here is a tensor whose last three dims are a volume's D, H, W, split over the
+grid (its leading dims, batch and channels, are whole on every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.nn import registry
+from hybridpar.planner.space_maps import STEPS
+
+KINDS = ("shape", "step", "module", "reduce", "keep", "pointwise", "join", "pieces", "value", "refuse")
+"""``shape``: reads a shape (answered with global extents); ``step``: a reshape chain's step
+(:mod:`hybridpar.planner.space_maps`); ``module``: stands for a registered layer (``F.interpolate``),
+run as its split counterpart; ``reduce``: reduces over the whole volume (the global value, replicated);
+``keep``: works along leading dims only (a channel mean); ``pointwise``: elementwise, broadcasting;
+``join``: ``cat`` or ``stack`` along a leading dim; ``pieces``: ``chunk``, ``split``, ``unbind`` along a
+leading dim; ``value``: reads values into Python (a shard's, not the volume's); ``refuse``: anything
+else."""
+
+
+@dataclass(frozen=True)
+class CallKind:
+    """How one call meets its split inputs (see :data:`KINDS`)."""
+
+    kind: str
+    module: nn.Module | None = None  # ``module``: the layer the call stands for
+    reduce: str = ""  # ``reduce``: sum, mean, amax, amin or norm
+    dims: tuple[int, ...] = ()  # ``reduce``: the dims reduced; ``keep``: the dims worked along
+    keepdim: bool = False
+    ord: float = 2.0  # ``reduce`` ``norm``: its order
+    why: str = ""  # ``refuse``: what would be needed
+
+
+SHAPE_READS = ("size", "numel", "nelement")
+VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
+SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
+        "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
+        "__repr__", "__hash__", "__eq__") + STEPS[-1:]
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "contiguous", "to", "float",
+        "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
+        "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
+        "maximum", "minimum", "sqrt", "rsqrt", "log", "sin", "cos", "softmax", "log_softmax", "sign",
+        "reciprocal", "exp2", "expm1", "floor", "ceil", "round", "erf", "hardsigmoid", "logsigmoid",
+        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+        "__gt__", "__lt__", "__ge__", "__le__", "__ne__", "gt", "lt", "ge", "le", "ne", "eq",
+        "__and__", "__or__", "__xor__", "logical_and", "logical_or", "logical_not", "clamp_min",
+        "clamp_max", "nan_to_num", "__iadd__", "__isub__", "__imul__", "__itruediv__", "sub_", "div_",
+        "clamp_", "sigmoid_", "tanh_", "fill_", "zero_", "copy_", "leaky_relu", "leaky_relu_")
+# Along which dims (``None``: all): how each reduction names them.
+REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
+              "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2)}
+JOINS = ("cat", "concat", "concatenate", "stack")
+PIECES = ("chunk", "split", "tensor_split", "unbind")
+KEEP = ("softmax", "log_softmax")  # along one dim, given: leading only
+
+
+def name_of(func: Any) -> str:
+    """A function's name as it is called (``torch.mean``, ``Tensor.mean`` and ``F.softmax`` alike)."""
+    name = getattr(func, "__name__", None)
+    if name is None and getattr(func, "__self__", None) is not None:  # a property's getter
+        return getattr(func.__self__, "__name__", str(func))
+    return str(func) if name is None else name
+
+
+def reads_shape(func: Any) -> bool:
+    """``x.shape`` (the property's getter), ``x.size()``, ``x.numel()``: answered with global extents."""
+    return getattr(func, "__self__", None) is torch.Tensor.shape or name_of(func) in SHAPE_READS
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, key: str, default: Any = None) -> Any:
+    return kwargs[key] if key in kwargs else args[pos] if len(args) > pos else default
+
+
+def _dims(dim: Any, nd: int) -> tuple[int, ...] | None:
+    """``dim`` (an int, a sequence, None or ``()``: all) normalised against a tensor of ``nd`` dims."""
+    if dim is None or (isinstance(dim, list | tuple) and not dim):
+        return None
+    dims = dim if isinstance(dim, list | tuple) else (dim,)
+    if not all(isinstance(d, int) for d in dims):
+        raise TypeError
+    return tuple(sorted({d % nd for d in dims}))
+
+
+def _reduction(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
+    key, pos = REDUCTIONS[name]
+    dim = None if key is None else _arg(args, kwargs, pos, key)
+    if name in ("max", "min") and len(args) + len(kwargs) > 1:
+        return CallKind("refuse", why=f"{name} along a dim gives indices of the shard; use amax or amin")
+    if name in ("norm", "linalg_vector_norm"):
+        p = _arg(args, kwargs, 1, "p" if name == "norm" else "ord", 2)
+        p = 2 if p in ("fro", None) else p
+        if not isinstance(p, int | float) or not 0 < p < float("inf"):
+            return CallKind("refuse", why=f"{name} of order {p!r}: only finite positive orders")
+        keep = bool(_arg(args, kwargs, 3, "keepdim", False))
+        ord_ = float(p)
+    else:
+        keep, ord_ = bool(_arg(args, kwargs, 2, "keepdim", False)), 2.0
+    if name in ("sum", "mean") and _arg(args, kwargs, 3, "dtype") is not None:
+        return CallKind("refuse", why=f"{name} with a dtype")
+    try:
+        dims = _dims(dim, nd)
+    except TypeError:
+        return CallKind("refuse", why=f"{name} along named dims")
+    spatial = set(range(nd - 3, nd))
+    if dims is None or spatial <= set(dims):
+        same = {"max": "amax", "min": "amin", "linalg_vector_norm": "norm"}
+        return CallKind("reduce", reduce=same.get(name, name),
+                        dims=tuple(range(nd)) if dims is None else dims, keepdim=keep, ord=ord_)
+    if spatial & set(dims):
+        return CallKind("refuse", why=f"{name} over some of the volume's dims {list(dims)} but not all "
+                                      f"(D, H, W are {sorted(spatial)}): reduce over all three, or none")
+    return CallKind("keep", dims=dims, keepdim=keep)
+
+
+def _along(name: str, dim: Any, nd: int) -> CallKind:
+    """A join or pieces along ``dim`` of tensors of ``nd`` dims (a stack makes one more)."""
+    if not isinstance(dim, int):
+        return CallKind("refuse", why=f"{name} along {dim!r}")
+    d = dim % (nd + 1 if name == "stack" else nd)
+    if d < nd - 3 or (name == "stack" and d <= nd - 3):
+        return CallKind("join" if name in JOINS else "pieces")
+    return CallKind("refuse", why=f"{name} along dim {dim}, a split dim of the volume (the leading "
+                                  f"{nd - 3} are whole on every rank)")
+
+
+def index_keeps_space(index: Any, nd: int) -> bool:
+    """Whether ``x[index]`` leaves the last three dims of an ``nd``-dim ``x`` whole (``x[:, :3]``)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if items.count(Ellipsis) > 1 or any(i is None or isinstance(i, torch.Tensor | list) for i in items):
+        return False
+    per_dim: list[Any] = []
+    for i in items:
+        per_dim += [slice(None)] * (nd - len(items) + 1) if i is Ellipsis else [i]
+    per_dim += [slice(None)] * (nd - len(per_dim))
+    return len(per_dim) == nd and all(i == slice(None) for i in per_dim[nd - 3:])
+
+
+def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
+    """How a call of ``func(*args, **kwargs)`` meets its split inputs, the first of ``nd`` dims; the
+    arguments as the volume's forward gives them (sizes read from shapes are global)."""
+    name = name_of(func).strip("_") if name_of(func) not in VALUE_READS else name_of(func)
+    if reads_shape(func):
+        return CallKind("shape")
+    if name_of(func) in VALUE_READS:
+        return CallKind("value")
+    if name in STEPS:
+        return CallKind("step")
+    try:
+        module = registry.function_module(func, args, kwargs)
+    except (TypeError, ValueError, NotImplementedError) as err:
+        return CallKind("refuse", why=str(err))
+    if module is not None:
+        return CallKind("module", module=module)
+    if func in (F.conv3d, F.conv_transpose3d):
+        return _functional_conv(func, args, kwargs)
+    if name in REDUCTIONS:
+        return _reduction(name, args, kwargs, nd)
+    if name in JOINS:
+        return _along(name, _arg(args, kwargs, 1, "dim", 0), nd)
+    if name in PIECES:
+        return _along(name, _arg(args, kwargs, 2, "dim", 0), nd)
+    if name == "getitem":
+        ok = index_keeps_space(args[1], nd)
+        return CallKind("keep" if ok else "refuse", why="" if ok else "indexing into the volume's dims")
+    if name in KEEP:
+        dim = _arg(args, kwargs, 1, "dim")
+        ok = isinstance(dim, int) and dim % nd < nd - 3
+        return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} along a dim of the volume")
+    if name in ("unsqueeze", "squeeze", "flatten", "movedim"):
+        return _leading(name, args, kwargs, nd)
+    role = registry.function_role(func) or registry.function_role(name)
+    if role == "concat":
+        return _along("cat", _arg(args, kwargs, 1, "dim", 0), nd)
+    if role == "pointwise" or name in LIKE or name_of(func) in LIKE:
+        return CallKind("pointwise")
+    if name_of(func) in SAFE or name in SAFE or role == "shape":
+        return CallKind("shape")
+    return CallKind("refuse")
+
+
+def _leading(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
+    """``unsqueeze``/``squeeze``/``flatten``/``movedim`` along leading dims only."""
+    if name == "unsqueeze":
+        d = _arg(args, kwargs, 1, "dim")
+        ok = isinstance(d, int) and (d % (nd + 1)) <= nd - 3
+    elif name == "squeeze":
+        d = _arg(args, kwargs, 1, "dim")
+        ok = isinstance(d, int) and d % nd < nd - 3
+    elif name == "flatten":
+        a, b = _arg(args, kwargs, 1, "start_dim", 0), _arg(args, kwargs, 2, "end_dim", -1)
+        ok = isinstance(a, int) and isinstance(b, int) and b % nd < nd - 3
+    else:
+        src, dst = _arg(args, kwargs, 1, "source"), _arg(args, kwargs, 2, "destination")
+        ok = all(isinstance(v, int) and v % nd < nd - 3 for v in (src, dst))
+    return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} that moves a dim of the volume")
+
+
+def _functional_conv(func: Any, args: tuple, kwargs: dict) -> CallKind:
+    """``F.conv3d(x, weight, bias, ...)``: an ``nn.Conv3d`` (or transposed) of that weight's shape, run
+    split with the call's own weight and bias (see :func:`conv_module`)."""
+    try:
+        return CallKind("module", module=conv_module(func, args, kwargs))
+    except (TypeError, ValueError) as err:
+        return CallKind("refuse", why=str(err))
+
+
+def conv_module(func: Any, args: tuple, kwargs: dict) -> nn.Module:
+    """The ``nn.Conv3d`` (``nn.ConvTranspose3d``) a functional call stands for, on the meta device (its
+    weight and bias are the call's, given at each call)."""
+    names = ("input", "weight", "bias", "stride", "padding") + (
+        ("dilation", "groups") if func is F.conv3d else ("output_padding", "groups", "dilation"))
+    got = {**dict(zip(names, args)), **kwargs}
+    w, b = got["weight"], got.get("bias")
+    if not isinstance(w, torch.Tensor) or w.dim() != 5:
+        raise ValueError("a functional conv3d takes a 5-D weight")
+    groups = got.get("groups", 1)
+    common = dict(kernel_size=tuple(w.shape[2:]), stride=got.get("stride", 1), padding=got.get("padding", 0),
+                  dilation=got.get("dilation", 1), groups=groups, bias=b is not None, device="meta")
+    if func is F.conv3d:
+        if isinstance(common["padding"], str) and common["padding"] == "same" and common["stride"] != 1:
+            raise ValueError("padding='same' needs stride 1")
+        return nn.Conv3d(w.shape[1] * groups, w.shape[0], **common)
+    return nn.ConvTranspose3d(w.shape[0], w.shape[1] * groups, output_padding=got.get("output_padding", 0),
+                              **common)
+
+
+def describe(func: Any, kind: CallKind) -> str:
+    """The call's name and why it cannot run split, for a refusal."""
+    why = f": {kind.why}" if kind.why else ""
+    return f"{name_of(func)}{why}"
+
+
+def _ours(filename: str) -> bool:
+    return f"{os.sep}torch{os.sep}" in filename or f"{os.sep}hybridpar{os.sep}" in filename
+
+
+def caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this package: the forward's line."""
+    f = sys._getframe(1)
+    while f is not None and _ours(f.f_code.co_filename):
+        f = f.f_back
+    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+def line_of(err: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not _ours(f.filename)]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"

@@ -1,0 +1,173 @@
+"""Forwards torch.fx cannot trace, as users write them, run split exactly (hybridpar.pipeline.split_forward).
+
+A shape check anywhere in a forward (``if x.shape[2] % 2``) makes it untraceable; the engine then runs
+the model's own forward on shards, at the top level or as a block inside a traced model. There, shape
+reads answer the volume's extents, and ``F.pad``, ``F.interpolate`` to a skip's size, functional pools
+and convs, reductions over the volume, ``cat``/``stack``/``chunk`` along channels and the model's own
+parameters all give what one process gives: three SGD steps in float64, every loss, every parameter
+and the predictions, on 2 ranks, 2x2x1 and data x spatial, with odd and uneven extents. What cannot
+run split is refused before any step, in one line naming the call and its source line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layer_cases import Failures
+from test_user_models import _compare
+
+SHAPE = (2, 2, 9, 8, 6)  # D odd: the guard pads it to 10; split 2 ways along D, 5 + 4 before the pad
+
+
+class UserUNet(nn.Module):
+    """A small U-Net as users write it: an odd-size guard, a functional pool, ``interpolate`` to the
+    skip's size, a branch on a shape, a reduction kept in the graph, a gate, a functional conv with
+    its own weight, a learnable per-channel scale, ``chunk`` and ``stack``, and back to the input size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv3d(2, 4, 3, padding=1)
+        self.down = nn.Conv3d(4, 4, 3, padding=1)
+        self.dec = nn.Conv3d(8, 4, 3, padding=1)
+        self.w = nn.Parameter(torch.randn(2, 4, 3, 3, 3) * 0.2)
+        self.b = nn.Parameter(torch.randn(2) * 0.1)
+        self.gamma = nn.Parameter(torch.ones(1, 4, 1, 1, 1) + 0.1 * torch.randn(1, 4, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[2:]
+        if x.shape[2] % 2:  # even out odd depths for the pool
+            x = F.pad(x, (0, 0, 0, 0, 0, 1), mode="replicate")
+        e = F.relu(self.enc(x))
+        d = F.relu(self.down(F.max_pool3d(e, 2)))
+        if d.shape[2] > 4:  # deep enough: one more pass (on a shard of 5, 2 or 3 would say otherwise)
+            d = F.relu(self.down(d))
+        d = d - d.mean(dim=(2, 3, 4), keepdim=True)  # centred over the volume
+        u = F.interpolate(d, size=e.shape[2:], mode="trilinear", align_corners=False)
+        h = F.relu(self.dec(torch.cat([u, e], dim=1))) * self.gamma
+        h = h * torch.sigmoid(F.adaptive_avg_pool3d(h, 1))  # a squeeze-and-excitation gate
+        a, b = h.chunk(2, dim=1)
+        h = torch.cat([torch.stack([a, b]).sum(0), h[:, 2:]], dim=1)
+        h = h / (1 + h.amax(dim=(1, 2, 3, 4), keepdim=True))
+        out = F.conv3d(h, self.w, self.b, padding=1)
+        out = F.interpolate(out, size=size, mode="trilinear", align_corners=False)
+        norm = torch.linalg.vector_norm(h, dim=(2, 3, 4), keepdim=True)  # per sample: the batch may be split
+        return out + norm[:, :2] * 1e-2
+
+
+class _Untraceable(nn.Module):
+    """A block without weights of its own that torch.fx cannot trace (a branch on its input's depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[2:]
+        if x.shape[2] % 2:
+            x = F.pad(x, (0, 0, 0, 0, 0, 1))
+        y = F.relu(self.conv(F.avg_pool3d(x, 2)))
+        if y.shape[2] >= 5:
+            y = y * 2
+        y = y - y.mean(dim=(2, 3, 4), keepdim=True)
+        return F.interpolate(y, size=size, mode="nearest")
+
+
+class NestedUNet(nn.Module):
+    """A traced model whose middle block torch.fx cannot trace: that block runs by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(2, 4, 3, padding=1)
+        self.block = _Untraceable()
+        self.head = nn.Conv3d(4, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.head(self.block(h))
+
+
+class DeepBranch(nn.Module):
+    """Adds a layer when the input is deep enough (9 on the volume, 5 or 4 on a shard of two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.extra = nn.Conv3d(2, 1, 3, padding=1), nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.conv(x)
+        if x.shape[2] > 6:
+            u = self.extra(u) * (u.size(2) / 8)
+        return u / (1 + u.abs().amax()) + u.norm() * 1e-2  # over the whole batch: spatial split only
+
+
+def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
+    fails = Failures()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    for desc, model, spec in cases:
+        out = {"NestedUNet": 1, "DeepBranch": 1}.get(model, 2)
+        y = torch.randn((SHAPE[0], out, *SHAPE[2:]), dtype=torch.float64, generator=g)
+        try:
+            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y)
+        except Exception as err:  # name the case, then go on with the others
+            fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
+       ("nested block", "NestedUNet", {"grid": {"spatial": [2, 1, 1]}}),
+       ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}})]
+FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
+        ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+        ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
+        ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
+
+
+@pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
+def test_untraceable_forwards_match_one_process(pools, world, cases):
+    pools(world).run(_body, cases, timeout=400)
+
+
+class _Refused(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if x.shape[2] > 0:  # untraceable
+            if self.what == "crop":
+                h = h[:, :, 1:-1]
+            elif self.what == "partial mean":
+                h = h - h.mean(dim=2, keepdim=True)
+            elif self.what == "cat along depth":
+                h = torch.cat([h, h], dim=2)
+            elif self.what == "branch on a value":
+                h = h * 2 if h.mean() > 0 else h
+            elif self.what == "batch mean":
+                h = h - h.mean()
+            elif self.what == "item":
+                h = h * len(h.tolist())
+        return h
+
+
+@pytest.mark.parametrize("what,match", [
+    ("crop", r"__getitem__: indexing into the volume's dims at test_untraced_forwards.py:\d+"),
+    ("partial mean", r"mean: mean over some of the volume's dims \[2\] but not all .* at test_untraced"),
+    ("cat along depth", r"cat: cat along dim 2, a split dim of the volume"),
+    ("branch on a value", r"at test_untraced_forwards.py:\d+: RuntimeError.*branch on configuration"),
+    ("item", r"at test_untraced_forwards.py:\d+ reads the values of a split activation"),
+    ("batch mean", r"mean \(over the batch, which data parallelism or micro-batches hold apart"),
+])
+def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
+    """Planned on the volume before any step, alike on every rank: one error naming the call and line."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": [2, 1, 1]}})
+    with pytest.raises(SpecError, match=match):
+        spec.plan(_Refused(what), (2, 1, 8, 8, 8), 4)

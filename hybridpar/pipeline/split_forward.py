@@ -116,11 +116,7 @@ class SplitForward(LayoutWatch):
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if t is None or t not in self.split or not calls.reads_shape(func):
             return func(*args, **kwargs)
-        whole = torch.Size((*t.shape[:-3], *self.split[t]))
-        if calls.name_of(func) in ("numel", "nelement"):
-            return math.prod(whole)
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return whole if dim is None else whole[dim]
+        return _answer(func, args, kwargs, torch.Size((*t.shape[:-3], *self.split[t])))
 
     def _run_pointwise(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         extents = self.split[x]
@@ -191,11 +187,15 @@ class SplitForward(LayoutWatch):
         return out
 
     def _chain_shape(self, func, args, kwargs) -> Any:
-        whole = torch.Size(self.chains[args[0]][2])
-        if calls.name_of(func) in ("numel", "nelement"):
-            return math.prod(whole)
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return whole if dim is None else whole[dim]
+        return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
+
+
+def _answer(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:
+    """What a shape read (``x.shape``, ``x.size(d)``, ``x.numel()``) gives of a value of shape ``whole``."""
+    if calls.name_of(func) in ("numel", "nelement"):
+        return math.prod(whole)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return whole if dim is None else whole[dim]
 
 
 def _whole_shape(name: str, args: tuple, kwargs: dict, dims: Any) -> tuple[int, ...]:

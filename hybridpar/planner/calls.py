@@ -28,19 +28,16 @@ from torch import nn
 from hybridpar.nn import registry
 from hybridpar.planner.space_maps import STEPS
 
-KINDS = ("shape", "step", "module", "reduce", "keep", "pointwise", "join", "pieces", "value", "refuse")
-"""``shape``: reads a shape (answered with global extents); ``step``: a reshape chain's step
-(:mod:`hybridpar.planner.space_maps`); ``module``: stands for a registered layer (``F.interpolate``),
-run as its split counterpart; ``reduce``: reduces over the whole volume (the global value, replicated);
-``keep``: works along leading dims only (a channel mean); ``pointwise``: elementwise, broadcasting;
-``join``: ``cat`` or ``stack`` along a leading dim; ``pieces``: ``chunk``, ``split``, ``unbind`` along a
-leading dim; ``value``: reads values into Python (a shard's, not the volume's); ``refuse``: anything
-else."""
-
 
 @dataclass(frozen=True)
 class CallKind:
-    """How one call meets its split inputs (see :data:`KINDS`)."""
+    """How one call meets its split inputs. ``kind``: ``shape`` (reads a shape, answered with global
+    extents), ``step`` (a reshape chain's step, :mod:`hybridpar.planner.space_maps`), ``module``
+    (stands for a registered layer, ``F.interpolate``, run as its split counterpart), ``reduce``
+    (over the whole volume: the global value, replicated), ``keep`` (works along leading dims only:
+    a channel mean), ``pointwise`` (elementwise, broadcasting), ``join`` (``cat``/``stack`` along a
+    leading dim), ``pieces`` (``chunk``/``split``/``unbind`` along a leading dim), ``value`` (reads
+    values into Python: a shard's, not the volume's) or ``refuse``."""
 
     kind: str
     module: nn.Module | None = None  # ``module``: the layer the call stands for
@@ -55,11 +52,11 @@ SHAPE_READS = ("size", "numel", "nelement")
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
 SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
-        "__repr__", "__hash__", "__eq__") + STEPS[-1:]
-LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "contiguous", "to", "float",
+        "__repr__", "__hash__", "__eq__")
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float",
         "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
         "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
-        "maximum", "minimum", "sqrt", "rsqrt", "log", "sin", "cos", "softmax", "log_softmax", "sign",
+        "maximum", "minimum", "sqrt", "rsqrt", "log", "sin", "cos", "sign",
         "reciprocal", "exp2", "expm1", "floor", "ceil", "round", "erf", "hardsigmoid", "logsigmoid",
         "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
         "__gt__", "__lt__", "__ge__", "__le__", "__ne__", "gt", "lt", "ge", "le", "ne", "eq",

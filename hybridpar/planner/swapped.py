@@ -71,9 +71,8 @@ def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
     ``Flatten`` gathers its input first, a softmax over channels works voxel by voxel)."""
     if entry is None or entry.splittable or entry.extra.get("flattens"):
         return False
-    dim = getattr(m, "dim", None)
-    channels = isinstance(dim, int) and dim % 5 < 2
-    return not (isinstance(m, nn.Softmax | nn.LogSoftmax | nn.Softmin) and channels)
+    dim = getattr(m, "dim", None)  # a softmax's or a GLU's
+    return not (entry.op == "pointwise" and isinstance(dim, int) and dim % 5 < 2)
 
 
 class LayoutWatch(TorchFunctionMode):

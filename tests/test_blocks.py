@@ -210,6 +210,10 @@ CASES = [
     (2, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S2, ODD),
     (2, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S2, ODD),
     (2, "SE gate squeezed by mean, by module swapping", "SwappedMeanSENet", S2, ODD),
+    (2, "a volume viewed flat into tanh and a Linear, by module swapping", "SwappedFlatHeadNet", S2,
+     (2, 1, 4, 4, 4)),
+    (2, "a volume viewed flat into a Linear, by module swapping", "SwappedDirectFlatHeadNet", S2,
+     (2, 1, 4, 4, 4)),
     (2, "norms under in-place activations by module swapping", "SwappedNormInplaceNet", S2, ODD),
     (2, "pixel shuffle and unshuffle, even split", "ShuffleNet", S2, (2, 1, 6, 5, 3)),
     (2, "MONAI DynUNet, instance norms without affine", "DynUNetInstance", S2, (2, 1, 8, 8, 4)),
@@ -414,19 +418,30 @@ class FlatHeadNet(nn.Module):
         return self.head(torch.tanh(h.view(h.shape[0], -1)))
 
 
-def test_a_split_volume_reshaped_part_way_is_refused_by_module_swapping():
-    """By module swapping, a split volume flattened by ``view`` and read by a function or a layer
-    would be the shard's, not the volume's: refused, naming the reader."""
+class DirectFlatHeadNet(FlatHeadNet):
+    """The split volume flattened by ``view`` straight into the Linear head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return self.head(h.view(h.shape[0], -1))
+
+
+def SwappedFlatHeadNet() -> nn.Module:  # noqa: N802
+    return _Untraced(FlatHeadNet())
+
+
+def SwappedDirectFlatHeadNet() -> nn.Module:  # noqa: N802
+    return _Untraced(DirectFlatHeadNet())
+
+
+def test_a_split_volume_reshaped_part_way_is_gathered_by_module_swapping():
+    """By module swapping, a split volume flattened by ``view`` and read by a function or a layer is
+    gathered first (the view replayed on the whole volume), as a traced graph gathers it: the layer
+    is planned whole on a gathered input (the numbers are CASES')."""
     import hybridpar as hp
 
     spec = hp.ParallelSpec.from_dict(S2)
-    with pytest.raises(hp.SpecError, match=r"calls tanh \(on a split volume reshaped to 2 dims\)"):
-        spec.plan(_Untraced(FlatHeadNet()), (2, 1, 4, 4, 4), 2)
-
-    class Direct(FlatHeadNet):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.conv(x)
-            return self.head(h.view(h.shape[0], -1))
-
-    with pytest.raises(hp.SpecError, match=r"inner.head \(Linear, on a split volume reshaped to 2 dims\)"):
-        spec.plan(_Untraced(Direct()), (2, 1, 4, 4, 4), 2)
+    for model in (SwappedFlatHeadNet(), SwappedDirectFlatHeadNet()):
+        rows = {r.name: r for r in spec.plan(model, (2, 1, 4, 4, 4), 2)}
+        assert rows["inner.conv"].split == (2, 1, 1) and rows["inner.head"].split == (1, 1, 1)
+    assert rows["inner.head"].gather

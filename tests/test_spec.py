@@ -356,16 +356,16 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     raises(["module swapping", "per-layer rules"], spec_of({"spatial": [2, 1, 1]}, layers={"a": {"spatial":
            "replicate"}}).plan, Branchy(), (1, 1, 8, 8, 8))
     # a function that needs the whole volume, called on a split activation outside any layer
-    raises(["model (FlattenBranchy)", "calls flatten: flatten that moves a dim", "nn.Flatten"],
-           spec_of({"spatial": [2, 1, 1]}).plan, FlattenBranchy(), (1, 1, 8, 8, 8))
-    assert len(spec.plan(FlattenBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
+    raises(["model (CumsumBranchy)", "calls cumsum at test_spec.py", "nn.Flatten"],
+           spec_of({"spatial": [2, 1, 1]}).plan, CumsumBranchy(), (1, 1, 8, 8, 8))
+    assert len(spec.plan(CumsumBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
     # nested, it runs split by module swapping inside itself (its layers checked on their extents)
     plan = spec_of({"spatial": [2, 1, 1]}).plan(nn.Sequential(Branchy()), (1, 1, 8, 8, 8))
     assert [(r.name, r.kind, r.split) for r in plan] == [("0", "Branchy", (2, 1, 1))]
-    raises(["0 (FlattenBranchy), run by module swapping inside", "calls flatten", "spatial: replicate"],
-           spec_of({"spatial": [2, 1, 1]}).plan, nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+    raises(["0 (CumsumBranchy), run by module swapping inside", "calls cumsum", "spatial: replicate"],
+           spec_of({"spatial": [2, 1, 1]}).plan, nn.Sequential(CumsumBranchy()), (1, 1, 8, 8, 8))
     plan = spec_of({"spatial": [2, 1, 1]}, layers={"0": {"spatial": "replicate"}}).plan(
-        nn.Sequential(FlattenBranchy()), (1, 1, 8, 8, 8))
+        nn.Sequential(CumsumBranchy()), (1, 1, 8, 8, 8))
     assert [r.split for r in plan] == [(1, 1, 1)]
 
 
@@ -384,9 +384,9 @@ class ValueBranch(Branchy):
         return self.a(x) if x.sum() > 0 else x
 
 
-class FlattenBranchy(Branchy):
+class CumsumBranchy(Branchy):
     def forward(self, x):
-        return torch.flatten(self.a(x) * 2, 1) if x.dim() == 5 else x
+        return torch.cumsum(self.a(x) * 2, 2) if x.dim() == 5 else x
 
 
 class Branchy2(nn.Module):

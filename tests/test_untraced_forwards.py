@@ -3,10 +3,11 @@
 A shape check anywhere in a forward (``if x.shape[2] % 2``) makes it untraceable; the engine then runs
 the model's own forward on shards, at the top level or as a block inside a traced model. There, shape
 reads answer the volume's extents, and ``F.pad``, ``F.interpolate`` to a skip's size, functional pools
-and convs, reductions over the volume, ``cat``/``stack``/``chunk`` along channels and the model's own
-parameters all give what one process gives: three SGD steps in float64, every loss, every parameter
-and the predictions, on 2 ranks, 2x2x1 and data x spatial, with odd and uneven extents. What cannot
-run split is refused before any step, in one line naming the call and its source line.
+and convs, reductions over the volume, ``cat``/``stack``/``chunk`` along channels, the model's own
+parameters and a volume flattened into Linear layers all give what one process gives: three SGD steps
+in float64, every loss, every parameter and the predictions, on 2 ranks, 2x2x1 and data x spatial,
+with odd and uneven extents. What cannot run split is refused before any step, in one line naming the
+call and its source line.
 """
 
 from __future__ import annotations
@@ -103,13 +104,32 @@ class DeepBranch(nn.Module):
         return u / (1 + u.abs().amax()) + u.norm() * 1e-2  # over the whole batch: spatial split only
 
 
+class FlatRegressor(nn.Module):
+    """A CosmoFlow-like regressor as users write it: a size check, then the pooled volume flattened by
+    ``torch.flatten`` and ``view`` into Linear layers (gathered first, as a traced graph would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 4 * 4 * 3, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if min(x.shape[2:]) < 4:
+            raise ValueError(f"input {tuple(x.shape)} too small")
+        h = F.max_pool3d(F.relu(self.conv(x)), 2)
+        h = torch.relu(self.fc(torch.flatten(h, 1)))
+        return self.out(h.view(h.size(0), -1))
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
         out = {"NestedUNet": 1, "DeepBranch": 1}.get(model, 2)
-        y = torch.randn((SHAPE[0], out, *SHAPE[2:]), dtype=torch.float64, generator=g)
+        shape = (SHAPE[0], 4) if model == "FlatRegressor" else (SHAPE[0], out, *SHAPE[2:])
+        y = torch.randn(shape, dtype=torch.float64, generator=g)
         try:
             _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y)
         except Exception as err:  # name the case, then go on with the others
@@ -119,11 +139,13 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
 
 TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("nested block", "NestedUNet", {"grid": {"spatial": [2, 1, 1]}}),
-       ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}})]
+       ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}}),
+       ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
-        ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
+        ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("flattened into Linear layers, 2x2", "FlatRegressor", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])

@@ -33,7 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
+from hybridpar.comm.redistribute import gather
 from hybridpar.comm.reduce import max_to_replicated, replicated_into_shards, sum_to_replicated
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
@@ -54,11 +57,16 @@ class SplitForward(LayoutWatch):
 
     def __init__(self, grid: ProcessGrid, whole: dict[nn.Module, nn.Module], to_dist: ToDist) -> None:
         super().__init__(grid.spatial_shape)
-        self.grid, self.whole, self.to_dist = grid, whole, to_dist
+        self.grid, self.originals, self.to_dist = grid, whole, to_dist
         self.group = grid.spatial_group if grid.spatial_size > 1 else None
         self.input_extents: Extents = ()
         self._dist: dict[str, nn.Module] = {}  # a call's layer -> its split counterpart, built once
         self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
+        self.replays = WeakIdKeyDictionary()  # a chain -> (its split source, its extents, the steps)
+
+    def reset(self) -> None:
+        super().reset()
+        self.replays = WeakIdKeyDictionary()
 
     def bind(self, input_shape: Sequence[int]) -> None:
         """The global shape of the forward's input (at build, and whenever the engine runs another size)."""
@@ -99,17 +107,40 @@ class SplitForward(LayoutWatch):
         return args, {k: fit(v) for k, v in kwargs.items()}
 
     # ------------------------------------------------------------------ layers
-    def before_layer(self, m: nn.Module, x: torch.Tensor | None) -> None:
-        """A split layer runs on the volume its input is a shard of."""
-        if x is None or x not in self.split:
-            return
+    def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
+        """A split layer runs on the volume its input is a shard of; a layer that reads its input
+        whole (:meth:`needs_whole`) is given it gathered."""
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            return None
+        if self.needs_whole(m, x):
+            return tuple(self.whole(a) if a is x else a for a in args)
+        if x not in self.split:
+            return None
         if isinstance(m, SpatialLayer):
             m.global_input_shape = self.split[x]
         elif isinstance(m, Gather):
             m.shape = self.split[x]
+        return None
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole value of a split activation, or of one part way through reshapes (its source
+        gathered, the steps replayed with the volume's sizes), on every rank of the split."""
+        if t in self.split:
+            return gather(t, self.grid, self.split[t])
+        src, extents, replay = self.replays[t]
+        w = gather(src, self.grid, extents)
+        for func, rest, kwargs in replay:
+            w = func(w, *rest, **kwargs)
+        return w
+
+    def wholes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        pick = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.chains else a  # noqa: E731
+        args = tuple(type(a)(map(pick, a)) if isinstance(a, list | tuple) else pick(a) for a in args)
+        return args, {k: pick(v) for k, v in kwargs.items()}
 
     def layer_extents(self, m: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Extents:
-        return self._out_extents(self.whole.get(m, m), x.shape[:-3], self.split[x], x.dtype)
+        return self._out_extents(self.originals.get(m, m), x.shape[:-3], self.split[x], x.dtype)
 
     # ------------------------------------------------------------------ calls, on shards
     def _run_shape(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
@@ -169,8 +200,11 @@ class SplitForward(LayoutWatch):
         name = calls.name_of(func)
         if src in self.split:
             start, steps = (*src.shape[:-3], *self.split[src]), {}
+            replay = (src, self.split[src], [])
         else:
             start, steps, _ = self.chains[src]
+            replay = self.replays[src]
+        replay = (*replay[:2], [*replay[2], (func, args[1:], kwargs)])
         before = steps[len(steps) - 1] if steps else source_dims(start)
         whole = _whole_shape(name, args, kwargs, before)
         dims = step(name, args[1:], kwargs, before, whole)
@@ -184,6 +218,7 @@ class SplitForward(LayoutWatch):
             self.mark(out, whole[2:])
         else:
             self.chains[out] = (start, steps, whole)
+            self.replays[out] = replay
         return out
 
     def _chain_shape(self, func, args, kwargs) -> Any:
@@ -208,6 +243,10 @@ def _whole_shape(name: str, args: tuple, kwargs: dict, dims: Any) -> tuple[int, 
             known = math.prod(s for s in shape if s != -1)
             shape[shape.index(-1)] = math.prod(sizes) // known
         return tuple(shape)
+    if name == "flatten":
+        a = kwargs.get("start_dim", args[1] if len(args) > 1 else 0) % len(sizes)
+        b = kwargs.get("end_dim", args[2] if len(args) > 2 else -1) % len(sizes)
+        return (*sizes[:a], math.prod(sizes[a:b + 1]), *sizes[b + 1:])
     if name == "permute":
         order = kwargs.get("dims", args[1:])
         order = order[0] if len(order) == 1 and isinstance(order[0], list | tuple) else order
@@ -257,7 +296,10 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
         mode.mark(x, mode.input_extents)
         try:
             with mode:
-                return inner(x, *args, **kwargs)
+                out = inner(x, *args, **kwargs)
+            # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole
+            return tree_map(lambda t: mode.whole(t) if isinstance(t, torch.Tensor) and t in mode.chains
+                            else t, out)
         finally:
             mode.reset()
 

@@ -160,6 +160,8 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
         return CallKind("shape")
     if name_of(func) in VALUE_READS:
         return CallKind("value")
+    if name == "flatten" and _leading(name, args, kwargs, nd).kind == "keep":
+        return CallKind("keep")
     if name in STEPS:
         return CallKind("step")
     try:

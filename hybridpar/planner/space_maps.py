@@ -86,14 +86,14 @@ def _ints(args: Sequence[Any]) -> list[int]:
     return flat
 
 
-STEPS = ("view", "reshape", "permute", "transpose", "swapaxes", "contiguous")  # by name, as called
+STEPS = ("view", "reshape", "flatten", "permute", "transpose", "swapaxes", "contiguous")  # by name, as called
 
 
 def step(name: str, rest: Sequence[Any], kwargs: dict, dims: Dims, out_shape: Sequence[int]) -> Dims:
     """The atoms after ``name`` (one of :data:`STEPS`) with arguments ``rest`` (after the tensor)
     turned ``dims`` into a value of ``out_shape``."""
     n = len(dims)
-    if name in ("view", "reshape"):
+    if name in ("view", "reshape", "flatten"):
         return _regroup(dims, tuple(out_shape))
     if name == "permute":
         order = [d % n for d in _ints(kwargs.get("dims", rest))]

@@ -142,10 +142,11 @@ class LayoutWatch(TorchFunctionMode):
                 return self._run_step(func, args, kwargs, tensors[0])
             if calls.reads_shape(func):
                 return self._chain_shape(func, args, kwargs)
-            if calls.name_of(func) not in calls.SAFE:
-                self.unsafe.append(f"{calls.name_of(func)} (on a split volume reshaped to {tensors[0].dim()} "
-                                   f"dims) at {calls.caller()}")
-            return func(*args, **kwargs)
+            if calls.name_of(func) in calls.SAFE:
+                return func(*args, **kwargs)
+            # read as a value of its own (x.view(N, -1) into a sum): the whole value, gathered
+            args, kwargs = self.wholes(args, kwargs)
+            split = [t for t in _tensors(args, kwargs) if t in self.split]
         if not split:
             return func(*args, **kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim())
@@ -228,12 +229,22 @@ class LayoutWatch(TorchFunctionMode):
                                f"{calls.caller()}")
         return out
 
+    def wholes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with every volume part way through reshapes as its whole value (here,
+        on the volume, it is that already; a run gathers it)."""
+        return args, kwargs
+
+    def needs_whole(self, m: nn.Module, x: torch.Tensor) -> bool:
+        """Whether layer ``m`` reads ``x`` whole: a split volume reshaped part way (``x.view(N, -1)``
+        before a Linear), or a split volume read by a layer that needs the whole (a Linear over W)."""
+        return x in self.chains or (x in self.split and dense_on_split(m, registry.lookup(m)))
+
     def hook(self, modules: list[nn.Module]) -> list:
         """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's."""
-        def enter(m: nn.Module, args: tuple) -> None:
-            if self.depth == 0:
-                self.before_layer(m, next((a for a in args if isinstance(a, torch.Tensor)), None))
+        def enter(m: nn.Module, args: tuple) -> tuple | None:
+            new = self.before_layer(m, args) if self.depth == 0 else None
             self.depth += 1
+            return new
 
         def leave(m: nn.Module, args: tuple, out: object) -> None:
             try:  # still inside the layer: what is read here is not the forward's
@@ -246,8 +257,10 @@ class LayoutWatch(TorchFunctionMode):
         return [m.register_forward_pre_hook(enter) for m in modules] + \
             [m.register_forward_hook(leave, always_call=True) for m in modules]
 
-    def before_layer(self, m: nn.Module, x: torch.Tensor | None) -> None:
-        """Called as layer ``m`` starts on ``x`` (the plan needs nothing here; a run sets its extents)."""
+    def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
+        """Called as layer ``m`` starts on ``args``; new arguments, or None (the plan needs nothing
+        here; a run sets extents and gathers what a layer reads whole)."""
+        return None
 
 
 def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
@@ -315,17 +328,12 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         if x is None or not isinstance(out, torch.Tensor):
             return
         entry = registry.lookup(m)
-        if x in watch.chains:  # a split volume reshaped part way (x.view(N, -1) before a Linear)
-            watch.unsafe.append(f"{names[m]} ({type(m).__name__}, on a split volume reshaped to "
-                                f"{x.dim()} dims)")
-            raise _unsafe(model, watch)
         if x in watch.split and entry is None:
             raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")
-        if x in watch.split and dense_on_split(m, entry):
-            watch.unsafe.append(f"{names[m]} ({type(m).__name__}, which needs the whole volume)")
-        runs_split = watch.runs_split(m, x)  # on a replicated input (a pooled gate), whole
+        gathers = watch.needs_whole(m, x)  # runs whole on the gathered volume
+        runs_split = watch.runs_split(m, x) and not gathers  # on a replicated input (a pooled gate), whole
         watch.after_layer(m, x, out, runs_split)
         try:
             halo = node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape),
@@ -335,6 +343,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
                 raise _unsafe(model, watch) from None
             raise
         add(names[m], m, x, out, runs_split, halo)
+        if gathers:
+            records[-1] = dataclasses.replace(records[-1], gather=True)
 
     watch.on_function = function
     handles = [m.register_forward_pre_hook(enter) for m in names]

@@ -370,13 +370,18 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
 
 
 def test_unregistered_layer_in_a_split_region_is_an_error():
-    """A module nobody registered, reading a split activation, is never gathered silently."""
-    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Branchy2(), nn.Conv3d(2, 2, 3, padding=1))
-    raises(["1 (Branchy2)", "not registered", "hybridpar.nn.register", "spatial: replicate"],
+    """A torch module nobody registered, reading a split activation, is never gathered silently; a
+    module of the user's own type runs its own forward split (its calls followed one by one)."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.LocalResponseNorm(2),
+                          nn.Conv3d(2, 2, 3, padding=1))
+    raises(["1 (LocalResponseNorm)", "not registered", "hybridpar.nn.register", "spatial: replicate"],
            spec_of({"spatial": [2, 1, 1]}).plan, model, (1, 1, 8, 8, 8))
     ruled = spec_of({"spatial": [2, 1, 1]}, layers={"1": {"spatial": "replicate"}})
     plan = ruled.plan(model, (1, 1, 8, 8, 8))
     assert [r.gather for r in plan] == [False, True, False]
+    own = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Branchy2(), nn.Conv3d(2, 2, 3, padding=1))
+    plan = spec_of({"spatial": [2, 1, 1]}).plan(own, (1, 1, 8, 8, 8))
+    assert [(r.split, r.gather) for r in plan] == [((2, 1, 1), False)] * 3
 
 
 class ValueBranch(Branchy):

@@ -122,12 +122,56 @@ class FlatRegressor(nn.Module):
         return self.out(h.view(h.size(0), -1))
 
 
+class ChannelScale(nn.Module):
+    """A layer of the user's own with a parameter, not registered."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(1 + 0.1 * torch.randn(1, c, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class ResidualScale(nn.Module):
+    """A block of the user's own with a child and a parameter of its own (the graph keeps it whole)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(c, c, 3, padding=1)
+        self.gamma = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.conv(x)
+
+
+class Squeeze(nn.Module):
+    """A module of the user's own whose output is a reduction over the volume (replicated)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3, 4), keepdim=True)
+
+
+class OwnLayersNet(nn.Module):
+    """A traced model made of the user's own unregistered modules: each runs its own forward split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(2, 4, 3, padding=1)
+        self.scale, self.res, self.squeeze = ChannelScale(4), ResidualScale(4), Squeeze()
+        self.fc, self.head = nn.Conv3d(4, 4, 1), nn.Conv3d(4, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.res(self.scale(torch.relu(self.stem(x))))
+        return self.head(h * torch.sigmoid(self.fc(self.squeeze(h))))
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
-        out = {"NestedUNet": 1, "DeepBranch": 1}.get(model, 2)
+        out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1}.get(model, 2)
         shape = (SHAPE[0], 4) if model == "FlatRegressor" else (SHAPE[0], out, *SHAPE[2:])
         y = torch.randn(shape, dtype=torch.float64, generator=g)
         try:
@@ -140,12 +184,15 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
 TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("nested block", "NestedUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}}),
-       ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}})]
+       ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}}),
+       ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
-        ("flattened into Linear layers, 2x2", "FlatRegressor", {"grid": {"spatial": [2, 2, 1]}})]
+        ("flattened into Linear layers, 2x2", "FlatRegressor", {"grid": {"spatial": [2, 2, 1]}}),
+        ("own unregistered layers, data x spatial", "OwnLayersNet",
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])

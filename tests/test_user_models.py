@@ -256,6 +256,8 @@ CASES = [
     (4, "PReLU by module swapping, 2x2", "PReLUNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a conv subclass with its own forward, run whole", "WSNet",
      {"grid": {"spatial": [2, 1, 1]}, "layers": {"ws": {"spatial": "replicate"}}}),
+    (4, "a conv subclass with its own forward, run split by that forward", "WSNet",
+     {"grid": {"spatial": [2, 2, 1]}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "unused split heads by module swapping", "SwappedUnusedNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
@@ -390,19 +392,19 @@ def test_an_empty_shard_is_one_error_on_every_rank(pools):
 
 def test_a_subclass_with_its_own_forward_is_not_split_as_its_base():
     """WSConv3d(nn.Conv3d) standardises its weight in its forward: split as a Conv3d it would silently
-    lose that. It is refused in one line naming it and its base, in the traced planner and by module
-    swapping alike; torch's own subclasses (Conv1d under _ConvNd) and hybridpar's split layers still
-    resolve to their entries."""
+    lose that. It is not its base's entry: it runs its own forward, split call by call (its
+    ``F.conv3d`` as a split conv with the standardised weight), in the traced planner and by module
+    swapping alike (the numbers are CASES'); torch's own subclasses (Conv1d under _ConvNd) and
+    hybridpar's split layers still resolve to their entries."""
     import hybridpar as hp
     from hybridpar.nn import registry
     from hybridpar.planner.swapped import swapped_plan
 
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
-    with pytest.raises(hp.SpecError, match=r"ws \(WSConv3d\): a Conv3d subclass with its own forward "
-                                           r"\(WSConv3d\.forward\)"):
-        spec.plan(WSNet(), SHAPE, 2)
-    with pytest.raises(hp.SpecError, match=r"ws \(WSConv3d\): a Conv3d subclass with its own forward"):
-        swapped_plan(WSNet(), SHAPE, (2, 1, 1), 1)
+    rows = {r.name: r for r in spec.plan(WSNet(), SHAPE, 2)}
+    assert rows["ws"].kind == "WSConv3d" and rows["ws"].split == (2, 1, 1) and not rows["ws"].gather
+    rows = {r.name: r for r in swapped_plan(WSNet(), SHAPE, (2, 1, 1), 1)}
+    assert rows["conv3d"].kind == "Conv3d" and rows["conv3d"].split == (2, 1, 1)
     assert registry.lookup(WSConv3d) is None and registry.lookup(nn.Conv3d) is not None
     assert registry.lookup(nn.Conv1d) is not None and registry.lookup(nn.SyncBatchNorm) is not None
     assert registry.lookup(hp.nn.DistConv3d) is registry.lookup(nn.Conv3d)

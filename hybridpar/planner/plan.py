@@ -45,7 +45,7 @@ from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, Untraceable
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
-from hybridpar.planner.swapped import nested_block, swapped_plan
+from hybridpar.planner.swapped import nested_block, nested_output_split, swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
 if TYPE_CHECKING:  # the spec reader imports this module to plan
@@ -111,11 +111,12 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
     return role or "dense", None
 
 
-def _check_nested(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> None:
-    """Whether a block torch.fx could not trace into runs split by module swapping inside it (every layer
-    in it registered and wide enough, nothing but elementwise functions between them)."""
+def _check_nested(node: Node, in_shape: tuple[int, ...], split: Split, micro: int) -> bool:
+    """Refuse a module of the user's that the graph keeps whole unless it runs split by its own forward
+    (every layer in it registered and wide enough, every call between them one that runs split:
+    :mod:`hybridpar.planner.calls`); whether its output is split."""
     try:
-        swapped_plan(node.module, in_shape, split, micro, nested=True)
+        return nested_output_split(node.module, in_shape, split, micro)
     except TooSmallToSplit:
         raise
     except SpecError as err:
@@ -172,6 +173,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
     halo_list = []
     gathers: list[bool] = []
     auto: dict[str, str] = {}  # node -> why the planner replicated it (see _too_small)
+    whole_out: set[str] = set()  # user modules run split whose output is replicated (a reduction)
     for i, node in enumerate(nodes):
         in_shape, out_shape = shapes[i]
         spatial_in = len(in_shape) == 5
@@ -219,20 +221,22 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                 and not (INPUT in node.inputs and input_split is None):
             try:  # too small to split here: replicated, and what reads it after it, until it is large again
                 a.halos(i, entry, split)
-                if role == "nested":  # its own layers, each on its own extents
-                    _check_nested(node, in_shape, split, micro)
+                if role == "nested" and not _check_nested(node, in_shape, split, micro):  # its own layers,
+                    whole_out.add(node.name)  # each on its own extents; its output replicated
             except TooSmallToSplit as err:
                 auto[node.name] = _too_small(in_shape, out_shape, split, err)
                 split = REPLICATED
         elif role == "nested" and split != REPLICATED:  # a rule's split, strict, or the first reader
-            _check_nested(node, in_shape, split, micro)
+            if not _check_nested(node, in_shape, split, micro):
+                whole_out.add(node.name)
         if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
             from_auto = next((n for n in node.inputs if n in auto), None)
             if from_auto is not None:
                 auto[node.name] = f"reads {from_auto}, replicated"
         if INPUT in node.inputs and input_split is None:
             input_split = split if spatial_in else REPLICATED
-        replicated_out = entry is not None and entry.replicated_output(node.module)
+        replicated_out = node.name in whole_out or \
+            (entry is not None and entry.replicated_output(node.module))
         out_split[node.name] = split if mapped else \
             REPLICATED if (replicated_out or len(out_shape) != 5) else split
         splits.append(split)

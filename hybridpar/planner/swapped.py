@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import flops as flop_count
@@ -30,14 +31,23 @@ from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, st
 from hybridpar.planner.terms import SpecError, Split
 
 
+def users(m: nn.Module) -> bool:
+    """Whether ``m`` is a module of the user's own type, not registered: its forward is the user's
+    Python, which a forward run by module swapping runs as it is, call by call
+    (:mod:`hybridpar.planner.calls`), rather than as one layer."""
+    return registry.lookup(m) is None and not type(m).__module__.startswith(("torch.", "hybridpar."))
+
+
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that run as one layer: registered ones (not traced into) and childless ones."""
+    """Modules that run as one layer: registered ones (not traced into) and childless ones not of the
+    user's own type (:func:`users`: whose calls are followed one by one)."""
     out: list[tuple[str, nn.Module]] = []
 
     def walk(prefix: str, m: nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if registry.lookup(child) is not None or not any(True for _ in child.children()):
+            parent = any(True for _ in child.children())
+            if registry.lookup(child) is not None or not (parent or users(child)):
                 out.append((path, child))
             else:
                 walk(path, child)
@@ -53,13 +63,10 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def nested_block(m: nn.Module | None) -> bool:
-    """Whether ``m``, a node of a traced graph, is a block torch.fx could not trace into: a module of the
-    user's made of children, unregistered, holding no parameters or buffers of its own (the tracer's
-    other reasons to keep a module whole). Such a block runs by module swapping inside itself."""
-    if m is None or registry.lookup(m) is not None or type(m).__module__.startswith("torch.nn"):
-        return False
-    own = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
-    return not own and any(True for _ in m.children())
+    """Whether ``m``, a node of a traced graph, is a module of the user's own type that the graph keeps
+    whole (torch.fx could not trace into it, or it holds parameters or buffers of its own): it runs
+    its own forward, split, by module swapping inside itself (:mod:`hybridpar.pipeline.split_forward`)."""
+    return m is not None and users(m)
 
 
 Extents = tuple[int, ...]
@@ -273,7 +280,7 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     (:mod:`hybridpar.planner.calls`). The input is split under ``split``; shape reads answer with
     global extents at run time (:mod:`hybridpar.pipeline.split_forward`), as a traced graph's do.
     ``nested``: ``model`` is a block inside a traced graph."""
-    records, modules, _ = _follow(model, input_shape, split, micro)
+    records, modules, _, _ = _follow(model, input_shape, split, micro, nested)
     sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
                                 activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
@@ -283,10 +290,18 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
             for r, f, m in zip(records, sums, modules, strict=True)]
 
 
-def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int
-            ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch]:
-    """The records of :func:`swapped_plan` (FLOPs not counted), their modules, and the watch that
-    followed the forward; raises what the forward does that cannot run split."""
+def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Split, micro: int) -> bool:
+    """Check that ``block``, a node of a traced graph run by module swapping on a split input of global
+    ``input_shape``, runs split (the :class:`SpecError` of :func:`swapped_plan` if not), and say whether
+    its output is split (a block ending in a reduction over the volume returns a replicated value)."""
+    return _follow(block, input_shape, split, micro, nested=True)[3]
+
+
+def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool = False
+            ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch, bool]:
+    """The records of :func:`swapped_plan` (FLOPs not counted), their modules, the watch that
+    followed the forward, and whether its (first) output is split; raises what the forward does that
+    cannot run split. ``nested``: a node of a traced graph, which may call no layer at all."""
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
@@ -355,7 +370,9 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         watch.mark(x, tuple(input_shape[2:]))
     try:
         with watch:
-            meta_call(model, state, x)
+            outs = tree_leaves(meta_call(model, state, x))
+        out = next((t for t in outs if isinstance(t, torch.Tensor)), None)
+        out_split = out is not None and out in watch.split
     except SpecError:
         raise
     except Exception as err:
@@ -366,11 +383,11 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     finally:
         for h in handles:
             h.remove()
-    if not records:
+    if not records and not nested:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
     if watch.unsafe:
         raise _unsafe(model, watch)
-    return records, modules, watch
+    return records, modules, watch, out_split
 
 
 def _unsafe(model: nn.Module, watch: LayoutWatch) -> SpecError:

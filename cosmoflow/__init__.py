@@ -12,9 +12,28 @@ Only the application lives here (generic parallel machinery is in ``hybridpar``)
 * :mod:`cosmoflow.unet` - the 3D U-Net of the reconstruction task (initial field from evolved one);
 * :mod:`cosmoflow.correlation` - r(k), the cross-correlation coefficient per Fourier shell;
 * :mod:`cosmoflow.reconstruct` - the reconstruction task's scores, table, plots and result file.
+
+The names below are imported when first used (PEP 562), not when the package is: importing a
+torch-free module such as :mod:`cosmoflow.train_args` (``launch/train.py --help``) must not import
+torch, which takes seconds.
 """
 
-from cosmoflow.data import CosmoDataset, open_dataset
-from cosmoflow.model import build_lbann_model, build_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cosmoflow.data import CosmoDataset, open_dataset
+    from cosmoflow.model import build_lbann_model, build_model
+
+_HOME = {"CosmoDataset": "cosmoflow.data", "open_dataset": "cosmoflow.data",
+         "build_lbann_model": "cosmoflow.model", "build_model": "cosmoflow.model"}
 
 __all__ = ["CosmoDataset", "build_lbann_model", "build_model", "open_dataset"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'cosmoflow' has no attribute {name!r}")

@@ -14,25 +14,34 @@ wrap around, as the model's circular padding says).
 The input is what the run's data files hold: particle counts channels last, one box (D, H, W, C) or
 several (N, D, H, W, C) (dataset ``full`` unless named), of which the run's first ``data.channels``
 channels are read and fed as ``log1p``, as in training. The output is a new file holding the dataset
-(default ``prediction``) of shape (N, 1, D, H, W), float32. It is written under a temporary name and
-renamed when complete. With h5py built for MPI and ranks started by mpirun or srun, all ranks write one
+(default ``prediction``) of shape (N, 1, D, H, W), float32. One process writes it as one
+self-contained file. With h5py built for MPI and ranks started by mpirun or srun, all ranks write one
 file with the MPI driver; otherwise (or with ``HYBRIDPAR_HDF5_WRITER=files``) each rank writes its
 shard into ``OUT.rankNNNN.h5`` beside the output and rank 0 writes the output as an HDF5 virtual
 dataset of them (:class:`hybridpar.data.split_hdf5.SplitHdf5`): a reader sees one dataset either way
-(keep the rank files beside it).
+(keep the rank files beside it). Every file is written under a temporary name, renamed when complete
+and removed on any failure; every file the write will create (rank files included) is checked before
+any work, and an existing one is replaced only with ``--overwrite``.
+
+A checkpoint saved on other ranks than the inference runs on loads all the same: the model is whole in
+every version, and the per-rank state (data loader position, random generators) is not needed; rank 0
+says so in one line.
 
 ``--truth`` (dataset ``linear`` unless named; (D, H, W) or (N, D, H, W)) scores each box against
 the true initial field: r(k) and the transfer function T(k) = sqrt(P_pred / P_truth) per shell of
 the box's fundamental frequency, computed on the split volumes with ``hp.fft``.
 
 Bad input (a missing file or dataset, a box the split or the U-Net cannot take, a checkpoint of
-another model, an output that exists without ``--overwrite``) is one line, exit status 2.
+another model, an output or rank file that exists without ``--overwrite``, a directory in the place of
+one) is one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +60,7 @@ from cosmoflow.validate import DataError, count_problem
 from hybridpar.checkpoint import Checkpointer
 from hybridpar.comm.redistribute import local_box
 from hybridpar.data.hdf5 import check_datasets
-from hybridpar.data.split_hdf5 import SplitHdf5
+from hybridpar.data.split_hdf5 import SplitHdf5, check_targets, writer_mode
 from hybridpar.inference import output_grid, output_shape
 from hybridpar.process import failure
 
@@ -102,6 +111,8 @@ def run_config(run_dir: Path) -> Config:
 def open_dataset(path: Path, name: str, what: str, ndims: tuple[int, ...]) -> h5py.Dataset:
     """Dataset ``name`` of ``path`` (opened read-only and checked: nothing outside its folder, every
     declared value stored), of one of ``ndims`` dimensions."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; name an HDF5 file (FILE.h5[:DATASET])")
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist")
     try:
@@ -208,6 +219,25 @@ def _say(rank: int) -> Callable[[str], None]:
     return (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
 
+def load_model_state(run_dir: Path, step: int | None, rank: int) -> dict:
+    """The model weights and step of the run's newest intact checkpoint (or of ``step``). What the
+    checkpointer would warn about (a damaged copy skipped, per-rank state of another world size not
+    needed) is one line each on rank 0, not a warning with its source line."""
+    ckpt = Checkpointer(run_dir / "checkpoints", None, keep_last=None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = ckpt.load(step, keys=("model", "step"))
+    finally:
+        ckpt.close()
+    if rank == 0:
+        for w in caught:
+            print(str(w.message), file=sys.stderr, flush=True)
+    if state is None:
+        raise ConfigError(f"{run_dir / 'checkpoints'}: no checkpoint yet; train the run first")
+    return state
+
+
 def run(args: argparse.Namespace) -> None:
     """Infer every box of ``--input`` with the run's model into ``--output`` (see module doc)."""
     info = hp.init_distributed()
@@ -217,8 +247,8 @@ def run(args: argparse.Namespace) -> None:
     grid = parse_grid(args.grid, info.world_size)
     in_path, in_name = split_path(args.input, "full")
     out_path, out_name = split_path(args.output, "prediction")
-    if out_path.exists() and not args.overwrite:  # before any work; SplitHdf5 checks again
-        raise ConfigError(f"output {out_path} exists; pass --overwrite to replace it")
+    # every file the write will create, before any work (SplitHdf5 checks again)
+    check_targets(out_path, info.world_size, writer_mode(), args.overwrite)
     reader = CountsReader(open_dataset(in_path, in_name, "input", (4, 5)), cfg.data.channels)
     n_box, channels, *volume = reader.shape
     model = build_unet(cfg, channels)
@@ -226,14 +256,9 @@ def run(args: argparse.Namespace) -> None:
     for extent in volume:
         unet.check_extent(extent)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    ckpt = Checkpointer(run_dir / "checkpoints", None, keep_last=None)
-    try:
-        state = ckpt.load(args.step, keys=("model", "step"))
-    finally:
-        ckpt.close()
-    if state is None:
-        raise ConfigError(f"{run_dir / 'checkpoints'}: no checkpoint yet; train the run first")
-    errors.check_loadable(shapes, state["model"], f"{ckpt.root} (step {state.get('step', args.step)})")
+    state = load_model_state(run_dir, args.step, info.rank)
+    errors.check_loadable(shapes, state["model"],
+                          f"{run_dir / 'checkpoints'} (step {state.get('step', args.step)})")
     model.load_state_dict(state["model"], strict=True)
     spec = {"grid": {"data": 1, "pipe": 1, "spatial": list(grid)}}
     engine = hp.parallelize(model, spec, input_shape=(1, channels, *volume))
@@ -243,15 +268,14 @@ def run(args: argparse.Namespace) -> None:
         t_path, t_name = split_path(args.truth, "linear")
         score = TruthScore(open_dataset(t_path, t_name, "truth", (3, 4)), output_grid(engine), tuple(volume),
                            n_box)
-    output = SplitHdf5(out_path, out_name, out_shape, overwrite=args.overwrite)
-    say(f"inferring {n_box} box(es) of {'x'.join(map(str, volume))} voxels on {info.world_size} rank(s) "
-        f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {output.mode}")
     started = time.monotonic()
 
     def progress(n: int, total: int, seconds: float) -> None:
         say(f"box {n + 1}/{total}: {seconds:.1f} s")
 
-    with output:
+    with SplitHdf5(out_path, out_name, out_shape, overwrite=args.overwrite) as output:  # removed on failure
+        say(f"inferring {n_box} box(es) of {'x'.join(map(str, volume))} voxels on {info.world_size} rank(s) "
+            f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {output.mode}")
         hp.infer(engine, reader, output, each=score, progress=progress)
     if score is not None:
         say(score.table())

@@ -2,8 +2,10 @@
 
 Why: a scientist watches a run live (progress bar on rank 0), compares runs later (CSV, TensorBoard
 event files) and looks at what the model learned (loss curves, predicted against true per
-parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies; a
-run resumed from a checkpoint first drops the rows of the steps it will run again. The progress line
+parameter). CSV rows are appended and flushed as they come, so nothing is lost if the job dies; no
+step's row is written twice: a run resumed from a checkpoint first drops the rows of the steps it will
+run again, and a run that starts from step 0 where an earlier start left rows (it died before its first
+checkpoint) sets those rows aside and starts the CSV files anew, saying so. The progress line
 redraws itself on a terminal and is one plain line per ``every`` steps otherwise (log files, mpirun),
 with the time left (:mod:`cosmoflow.eta`); each validation pass says when it starts and what it scored.
 Epochs are counted from 1 in every line a person reads (the CSV files keep their own columns).
@@ -70,6 +72,11 @@ class CsvLog:
         return len(rows) - len(keep)
 
 
+def _numbered(path: Path, n: int) -> Path:
+    """``metrics_steps.csv`` -> ``metrics_steps.N.csv`` (as ``config.N.yaml`` keeps a run's configs)."""
+    return path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+
 def warn(message: str) -> None:
     """One line on stderr (the reporter's, so rank 0's only)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
@@ -119,6 +126,31 @@ class Reporter:
         if self.enabled:
             self.steps.truncate_after("step", step)
             self.epochs.truncate_after("last_step", step)
+
+    def start_afresh(self, why: str = "no checkpoint to resume from") -> str | None:
+        """A run starting from step 0 over a run directory whose CSV files hold an earlier start's rows
+        (it saved no checkpoint, or ``checkpoint.resume`` is false): its steps run again, from new
+        weights, so its rows are moved to ``metrics_steps.N.csv`` and ``metrics_epochs.N.csv`` (the
+        first free N; nothing is deleted) and the CSV files start anew. Prints and returns the line
+        that says so, with ``why`` the run starts from step 0 (None: nothing to set aside)."""
+        if not self.enabled:
+            return None
+        logs = [log for log in (self.steps, self.epochs) if log.read()]
+        if not logs:
+            return None
+        n = 1
+        while any(_numbered(log.path, n).exists() for log in (self.steps, self.epochs)):
+            n += 1
+        moved = []
+        for log in logs:
+            rows = len(log.read())
+            os.replace(log.path, _numbered(log.path, n))
+            log.fields = None
+            moved.append(f"{rows} row{'s' if rows != 1 else ''} of {log.path.name} to "
+                         f"{_numbered(log.path, n).name}")
+        line = f"starting the metrics anew from step 1 ({why}): moved {' and '.join(moved)}"
+        print(line, flush=True)
+        return line
 
     def step(self, row: dict[str, Any], total_steps: int) -> None:
         """Log one step's ``row`` (``epoch``: the epochs done before it, as the CSV keeps it)."""

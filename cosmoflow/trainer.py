@@ -55,6 +55,7 @@ from hybridpar.checkpoint import (
 )
 from hybridpar.data import Augment, VolumeLoader
 from hybridpar.device.accel import Accel
+from hybridpar.process.launchers import launch_world_size
 from hybridpar.process.lifetime import collective_timeout
 from hybridpar.profiling import StepTimer
 from hybridpar.profiling import range as prange
@@ -199,11 +200,39 @@ def _init_from(model: torch.nn.Module, path: str, shapes: dict[str, tuple[int, .
     model.load_state_dict(state, strict=True)
 
 
+def check_layout(cfg: Config, spec: hp.ParallelSpec, world: int) -> None:
+    """The checks across keys that need only the config and the world size (the grid's product, the
+    batch over the data replicas and micro-batches, the sample over the spatial split), run before any
+    process group, data set or model exists, so that a layout mistake costs a second, not a start-up.
+    Each is one :class:`ConfigError` naming the keys; the planner checks the same again with the model."""
+    try:
+        grid = spec.resolve_grid(world).grid
+    except hp.SpecError as err:
+        raise ConfigError(f"parallel.{err}") from None
+    batch, micro = cfg.train.batch_size, spec.pipeline.microbatches
+    if batch % grid.data:
+        fits = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        raise ConfigError(f"train.batch_size: {batch} does not split evenly over parallel.grid "
+                          f"data({grid.data}) replicas on {world} rank(s); use a multiple of {grid.data}, "
+                          f"or data in {{{fits}}}")
+    per = batch // grid.data
+    if per % micro:
+        fits = ", ".join(str(m) for m in range(1, per + 1) if per % m == 0)
+        raise ConfigError(f"parallel.pipeline.microbatches: {micro} does not divide the per-replica batch "
+                          f"{per} (train.batch_size {batch} / data({grid.data})); counts that would: {fits}")
+    size = cfg.data.sample_size
+    for axis, parts in zip("dhw", grid.spatial):
+        if parts > size:
+            raise ConfigError(f"parallel.grid.spatial: {list(grid.spatial)} splits the {axis} dim in "
+                              f"{parts}, but data.sample_size is {size} voxels; split it in at most {size}")
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Train per ``cfg``; returns the final summary (validation MAE per parameter and the baseline, or
     the reconstruction's scores)."""
     started = time.monotonic()
     spec = hp.ParallelSpec.from_dict(cfg.parallel)
+    check_layout(cfg, spec, launch_world_size())  # before the process group, the data and the model
     info = hp.init_distributed(**({"timeout_s": spec.timeout_s} if spec.timeout_s else {}))
     rank = info.rank
     run_dir = Path(cfg.run_dir)
@@ -218,6 +247,7 @@ def run(cfg: Config) -> dict[str, Any]:
     skip = cfg.data.skip_bad
     train_ds = open_dataset(cfg.data.train, sample_size=S, channels=channels, target=target, skip_bad=skip)
     val_ds = open_dataset(cfg.data.val, sample_size=S, channels=channels, target=target, skip_bad=skip)
+    augment = _augment(cfg, train_ds)  # data.augment against the data, before the model is built
     t = cfg.train
     accel = Accel(hp.process.launchers.device(), t.precision, t.channels_last, t.compile, t.cuda_graphs)
     model = build_network(cfg).to(accel.device)
@@ -250,7 +280,7 @@ def run(cfg: Config) -> dict[str, Any]:
     on_device = accel.device if accel.device.type == "cuda" else None
     loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed,
                           workers=cfg.data.workers, prefetch=cfg.data.prefetch, stage_dir=cfg.data.stage_dir,
-                          augment=_augment(cfg, train_ds), device=on_device)
+                          augment=augment, device=on_device)
     val_loader = VolumeLoader(val_ds, engine.input_grid, batch_size=batch, shuffle=False, drop_last=False,
                               workers=cfg.data.workers, prefetch=cfg.data.prefetch, device=on_device)
     bn_loader = VolumeLoader(train_ds, engine.input_grid, batch_size=batch, seed=cfg.train.seed + 7,
@@ -289,6 +319,9 @@ def run(cfg: Config) -> dict[str, Any]:
                         steps_per_epoch=steps_per_epoch)
     if resumed:
         reporter.rewind(step)  # the steps after the checkpoint run again: their rows go
+    else:
+        # an earlier start's rows set aside, said in one line
+        reporter.start_afresh("no checkpoint to resume from" if ck.resume else "checkpoint.resume is false")
     timer = StepTimer(rank=rank)
     total = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps is not None:
@@ -425,17 +458,10 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch/train.py``'s entry: ``--config FILE [--set key=value ...]``, or ``--help-config``."""
-    import argparse  # noqa: PLC0415
-
     from cosmoflow.config import load_config  # noqa: PLC0415
+    from cosmoflow.train_args import parse  # noqa: PLC0415
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", help="YAML config (see launch/configs/)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config entry, e.g. --set train.epochs=4 (repeatable)")
-    ap.add_argument("--help-config", action="store_true",
-                    help="print every config key with its type, default, range and meaning, and exit")
-    args = ap.parse_args(argv)
+    args = parse(argv)
     if args.help_config:
         from cosmoflow.config_reference import text  # noqa: PLC0415
 

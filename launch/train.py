@@ -16,8 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cosmoflow.trainer import main  # noqa: E402
-from hybridpar.process import failure  # noqa: E402
-
 if __name__ == "__main__":
+    from cosmoflow.train_args import parse  # argparse only: --help answers before torch is imported
+
+    parse()
+    from cosmoflow.trainer import main
+    from hybridpar.process import failure
+
     failure.leave(main())

@@ -155,7 +155,9 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path
 
 
 def test_missing_data_is_a_one_line_error(tmp_path):
-    res = train_script(_args(tmp_path / "nowhere", tmp_path / "run", "train.epochs=1"), nproc=1, timeout=120)
+    one_rank = "parallel={grid: {data: 1, pipe: 1, spatial: [1, 1, 1]}}"  # the layout is checked first
+    res = train_script(_args(tmp_path / "nowhere", tmp_path / "run", "train.epochs=1", one_rank), nproc=1,
+                       timeout=120)
     assert res.returncode != 0
     assert "error:" in res.stderr and "nowhere" in res.stderr
 

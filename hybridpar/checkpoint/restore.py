@@ -16,7 +16,7 @@ from hybridpar.checkpoint.file_placement import GLOBAL_FILE, RANK, STAGE, rank_f
 from hybridpar.checkpoint.format import CorruptFile, RankFile
 from hybridpar.checkpoint.levels import Levels, locations
 from hybridpar.checkpoint.manifest import confined
-from hybridpar.checkpoint.tree import ROOT, Flat, KeyFilter, merge, select
+from hybridpar.checkpoint.tree import ROOT, Flat, KeyFilter, escape, merge, select
 
 
 def read_file(levels: Levels, body: dict[str, Any], fname: str, keep: KeyFilter) -> tuple[Flat, list[str]]:
@@ -51,8 +51,13 @@ def read_version(levels: Levels, body: dict[str, Any], rank: int, keep: KeyFilte
     if mine in files:
         order.append(mine)
     elif any(files[f]["kind"] == RANK and files[f].get("entries") for f in files):
-        notes.append(f"rank {rank} did not exist when {body['name']} was saved (world "
-                     f"{body['layout']['world']}): its per-rank entries are not restored")
+        entries = sorted({e for f in files if files[f]["kind"] == RANK for e in files[f]["entries"]})
+        if any(keep(escape(e)) for e in entries):
+            notes.append(f"rank {rank} did not exist when {body['name']} was saved (world "
+                         f"{body['layout']['world']}): its per-rank entries are not restored")
+        else:  # nothing asked for was per rank (inference reads the model): one note, the same on every rank
+            notes.append(f"saved on {body['layout']['world']} rank(s): its per-rank state "
+                         f"({', '.join(entries)}) was not needed here")
     parts = []
     for fname in order:
         flat, problems = read_file(levels, body, fname, keep)

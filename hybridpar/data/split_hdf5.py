@@ -7,17 +7,23 @@ each rank writing its shard, yet a reader should see one dataset. Two ways, one 
   one file (``driver="mpio"``) and writes its hyperslab;
 * ``files`` (any h5py): each writing rank puts its shard into ``STEM.rankNNNN.h5`` beside the output,
   and rank 0 writes the output as an HDF5 virtual dataset mapping those files (by relative name, so the
-  folder may move; HDF5 finds them beside the output).
+  folder may move; HDF5 finds them beside the output). Where one rank holds the whole output (one
+  process, or a split whose output is replicated), its file *is* the output: one self-contained file,
+  which may be copied alone (a virtual dataset copied without its rank files reads as its fill value).
 
-Nothing is half-written under a final name: each file is written under a temporary name in the same
-folder and renamed into place once complete (rank files first, the output last), in :meth:`commit`.
-``HYBRIDPAR_HDF5_WRITER=files`` (or ``mpi``) forces a mode.
+Nothing is half-written under a final name, and nothing we did not write is replaced: every file a write
+will create (the output, and in ``files`` mode on several ranks each rank file) is checked before any
+work, and an existing one is refused unless ``overwrite`` (a directory always). Each file is written
+under a temporary name in the same folder and renamed into place once complete (rank files first, the
+output last), in :meth:`commit`; a failure removes the temporary files (and the rank files just placed,
+should the output's own rename fail). ``HYBRIDPAR_HDF5_WRITER=files`` (or ``mpi``) forces a mode.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,24 +72,70 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _agreed_error(mine: str, src: int) -> str:
+    """Rank ``src``'s error message (empty: none) on every rank, so that all fail together."""
+    held = [mine]
+    if _world()[1] > 1:
+        dist.broadcast_object_list(held, src=src)
+    return held[0]
+
+
+def _first_error(mine: str) -> str:
+    """The first rank's error message of any rank's (empty: none), on every rank."""
+    if _world()[1] == 1:
+        return mine
+    every: list[Any] = [None] * _world()[1]
+    dist.all_gather_object(every, mine)
+    return next((e for e in every if e), "")
+
+
+def part_name(path: str | os.PathLike, rank: int) -> str:
+    """The name of rank ``rank``'s file of output ``path`` (``files`` mode), beside the output."""
+    return f"{Path(path).stem}.rank{rank:04d}.h5"
+
+
+def planned_files(path: str | os.PathLike, world: int, mode: str) -> list[Path]:
+    """Every file a write of ``path`` on ``world`` ranks in ``mode`` may create: the output, and in
+    ``files`` mode on several ranks each rank's file (which ranks write is known only once they have
+    written, so all of them are counted)."""
+    out = Path(path)
+    parts = [out.with_name(part_name(out, r)) for r in range(world)] if mode == "files" and world > 1 else []
+    return [out, *parts]
+
+
+def check_targets(path: str | os.PathLike, world: int, mode: str, overwrite: bool) -> None:
+    """Refuse, in one line naming the file, to create ``path`` where a file it would create is a directory,
+    or exists and ``overwrite`` is false; or where the output's folder does not exist. Every rank
+    sees the same files, so every rank raises the same line."""
+    out = Path(path)
+    if not out.parent.is_dir():
+        raise ValueError(f"output folder {out.parent} does not exist")
+    for p in planned_files(out, world, mode):
+        rank_file = p != out
+        name = f"output {out}: its rank file {p}" if rank_file else f"output {p}"
+        if p.is_dir():
+            raise ValueError(f"{name} is a directory; name a file to write")
+        if os.path.lexists(p) and not overwrite:
+            earlier = " (from an earlier split write)" if rank_file else ""
+            raise ValueError(f"{name} exists{earlier}; pass --overwrite to replace it")
+
+
 class SplitHdf5:
     """Dataset ``name`` of shape ``shape`` (N, C, D, H, W) in a new file ``path``, written split.
 
     Collective: every rank constructs it and calls :meth:`commit`. A rank assigns
     ``writer[n, :, d0:d1, h0:h1, w0:w1] = shard`` for its one box (any volumes ``n``, always the same
-    box; a rank may write nothing). Refuses an existing ``path`` unless ``overwrite``.
+    box; a rank may write nothing). Refuses (:func:`check_targets`) an existing output or rank file
+    unless ``overwrite``, and a directory in their place always.
     """
 
     def __init__(self, path: str | os.PathLike, name: str, shape: tuple[int, ...], dtype: Any = "float32",
                  overwrite: bool = False) -> None:
         self.path, self.name, self.shape = Path(path), name, tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
-        if self.path.exists() and not overwrite:
-            raise ValueError(f"output {self.path} exists; pass --overwrite to replace it")
-        if not self.path.parent.is_dir():
-            raise ValueError(f"output folder {self.path.parent} does not exist")
         self.mode = writer_mode()
         self.rank, self.world = _world()
+        check_targets(self.path, self.world, self.mode, overwrite)
         self.tag = _agreed_token()
         self.tmp = self.path.with_name(f".{self.path.name}.{self.tag}.tmp")
         self.box: Box | None = None
@@ -98,7 +150,7 @@ class SplitHdf5:
 
     def part(self, rank: int) -> str:
         """The name of rank ``rank``'s file (``files`` mode), beside the output."""
-        return f"{self.path.stem}.rank{rank:04d}.h5"
+        return part_name(self.path, rank)
 
     def _part_tmp(self) -> Path:
         return self.path.with_name(f".{self.part(self.rank)}.{self.tag}.tmp")
@@ -148,29 +200,69 @@ class SplitHdf5:
             p.unlink(missing_ok=True)
 
     def commit(self) -> None:
-        """Close and rename into place (collective): rank files first, then the output."""
+        """Close and rename into place (collective): rank files first, then the output; on any failure
+        the temporary files are removed (:meth:`abort`) and every rank raises the same error."""
+        try:
+            self._commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _commit(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
         _barrier()
         if self.mode == "mpi":
+            failed = ""
             if self.rank == 0:
-                os.replace(self.tmp, self.path)
-            _barrier()
+                failed = _attempt(lambda: os.replace(self.tmp, self.path), self.path)
+            if failed := _agreed_error(failed, 0):
+                raise ValueError(failed)
             return
-        if self.box is not None:
-            os.replace(self._part_tmp(), self.path.with_name(self.part(self.rank)))
         held: list[Any] = [(self.box, self.volumes)]
         if self.world > 1:
             held = [None] * self.world
             dist.all_gather_object(held, (self.box, self.volumes))
+        sole = self._sole_writer(held)
+        if sole is not None:  # one rank holds the whole output: its file is the output
+            failed = ""
+            if self.rank == sole:
+                failed = _attempt(lambda: os.replace(self._part_tmp(), self.path), self.path)
+            if failed := _agreed_error(failed, sole):
+                raise ValueError(failed)
+            return
+        failed = _attempt(lambda: self._write_virtual(held), self.path) if self.rank == 0 else ""
+        if failed := _agreed_error(failed, 0):  # nothing placed yet: every rank drops its temporary files
+            raise ValueError(failed)
+        failed = ""
+        if self.box is not None:
+            mine = self.path.with_name(self.part(self.rank))
+            failed = _attempt(lambda: os.replace(self._part_tmp(), mine), mine)
+        failed = _first_error(failed)
         if self.rank == 0:
-            self._write_virtual(held)
-        _barrier()
+            failed = failed or _attempt(lambda: os.replace(self.tmp, self.path), self.path)
+            if failed:  # the rank files would be left pointing nowhere: they go too
+                for rank, (box, _) in enumerate(held):
+                    if box is not None:
+                        self.path.with_name(self.part(rank)).unlink(missing_ok=True)
+        if failed := _agreed_error(failed, 0):
+            raise ValueError(failed)
+
+    def _sole_writer(self, held: list[tuple[Box | None, list[int]]]) -> int | None:
+        """The rank that wrote every voxel of every volume, if one rank wrote everything."""
+        writers = [r for r, (box, _) in enumerate(held) if box is not None]
+        if len(writers) != 1:
+            return None
+        box, volumes = held[writers[0]]
+        whole = tuple((0, s) for s in self.shape[2:])
+        if tuple(map(tuple, box)) != whole or sorted(volumes) != list(range(self.shape[0])):
+            return None
+        return writers[0]
 
     def _write_virtual(self, held: list[tuple[Box | None, list[int]]]) -> None:
-        """Rank 0: the output as a virtual dataset over the rank files, every voxel of every volume
-        mapped once (checked)."""
+        """Rank 0: the output's temporary file as a virtual dataset over the rank files (by their final
+        names), every voxel of every volume mapped once (checked)."""
         layout = h5py.VirtualLayout(shape=self.shape, dtype=self.dtype)
         per_volume: dict[int, list[Box]] = {n: [] for n in range(self.shape[0])}
         for rank, (box, volumes) in enumerate(held):
@@ -186,7 +278,18 @@ class SplitHdf5:
             _check_tiling(boxes, self.shape[2:], f"{self.path} volume {n}")
         with h5py.File(self.tmp, "w") as f:
             f.create_virtual_dataset(self.name, layout, fillvalue=np.nan)
-        os.replace(self.tmp, self.path)
+
+
+def _attempt(action: Callable[[], Any], target: Path) -> str:
+    """Run ``action``, which writes ``target``: '' if it did, else one line naming ``target`` and why
+    not (an ``OSError``'s reason, not the temporary name it was raised for; a ``ValueError`` as is)."""
+    try:
+        action()
+    except OSError as err:
+        return f"output {target} cannot be written: {err.strerror or err}"
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int, most: int = 64 << 20) -> tuple[int, ...]:

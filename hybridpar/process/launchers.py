@@ -68,6 +68,18 @@ def detect_launcher(env: dict[str, str] | None = None) -> tuple[str, int, int, i
     return None
 
 
+def launch_world_size(env: Mapping[str, str] | None = None) -> int:
+    """The world size this process will join, read from the launcher before any process group exists
+    (as :func:`init_distributed` reads it): so that checks of a config against the world size run in
+    the first second, not after the group and the model are built. A plain process: 1."""
+    env = os.environ if env is None else env
+    found = detect_launcher(dict(env))
+    if found is not None:
+        return found[2]
+    mpi = _mpi4py_world(env)
+    return mpi[1] if mpi else 1
+
+
 # Variables an MPI launcher's process manager sets (PMI, PMIx, Open MPI, MVAPICH, Cray PALS, Intel MPI):
 # without one of them the process was not started by mpirun, and initialising MPI would only start a
 # singleton (MPICH's opens a listening socket on every interface and a /dev/shm segment a crash leaks).

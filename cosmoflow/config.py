@@ -6,6 +6,9 @@ an hour later. The config is also copied into the run directory, so a run can be
 A config is plain data: YAML without tags (``!!python/...`` constructs nothing), its aliases bounded
 (:mod:`hybridpar.plain_yaml`), every value checked against its field's type and range (:data:`AT_LEAST`);
 any of these is a :class:`ConfigError`, which the training entry reports in one line with exit 2.
+Sizes are checked from above too: a network whose weights, or one sample's largest activation, would not
+fit in this machine's memory is refused naming the key and the largest value that fits
+(:mod:`cosmoflow.model_size`), the same for a config file and for the one an export carries.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from cosmoflow.model_size import memory_problem
 from hybridpar.plain_yaml import YamlProblem, read_plain
 from hybridpar.planner.config import check_keys
 
@@ -427,7 +431,24 @@ def validate(cfg: Config) -> None:
                           f"(running: the P(k) features standardised with the training set's statistics)")
     if cfg.task == "reconstruct":
         _validate_reconstruct(cfg)
-        return
+    else:
+        _validate_regress(cfg)
+    problem = memory_problem(cfg, Config())  # the sizes' upper bound, once every count is known sane
+    if problem:
+        raise ConfigError(problem)
+
+
+def _halvings_fit(size: int) -> int:
+    """How many times a volume of side ``size`` can be halved exactly."""
+    return (size & -size).bit_length() - 1
+
+
+def _validate_regress(cfg: Config) -> None:
+    m = cfg.model
+    if m.base_filters > m.max_filters:
+        raise ConfigError(f"model.base_filters: {m.base_filters} channels exceed model.max_filters "
+                          f"({m.max_filters}), which caps every conv's channels; at most {m.max_filters} has "
+                          f"an effect (or raise model.max_filters)")
     if cfg.model.ridge_probe not in ("trained", "fixed"):
         raise ConfigError(f"model.ridge_probe: {cfg.model.ridge_probe!r} is not one of trained, fixed "
                           "(fixed: the ridge-started probe kept at the ridge solution)")
@@ -435,9 +456,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.ridge_start and model.power_spectrum both feed spectrum features to the "
                           "head (the reference's, or the growth branch's); set one of them to false")
     n = cfg.model.n_conv
-    if cfg.data.sample_size % (2 ** n):
+    if n > _halvings_fit(cfg.data.sample_size):  # 2 ** n only once n is known to be small
         fits = [k for k in range(1, 8) if cfg.data.sample_size % (2 ** k) == 0]
-        raise ConfigError(f"model.n_conv: {n} pooling layers need a sample size divisible by {2 ** n}; "
+        divisor = 2 ** n if n < 64 else f"2^{n}"
+        raise ConfigError(f"model.n_conv: {n} pooling layers need a sample size divisible by {divisor}; "
                           f"data.sample_size {cfg.data.sample_size} fits n_conv in {fits}")
 
 
@@ -451,12 +473,16 @@ def _validate_reconstruct(cfg: Config) -> None:
     if u.levels < 3:
         raise ConfigError(f"unet.levels: {u.levels}; a reconstruction U-Net needs at least 3 levels to "
                           "reach the displacement scale (several Mpc/h)")
-    step = 2 ** (u.levels - 1)
-    if cfg.data.sample_size % step:
+    if u.levels - 1 > _halvings_fit(cfg.data.sample_size):  # 2 ** levels only once levels is small
         fits = [k for k in range(3, 8) if cfg.data.sample_size % 2 ** (k - 1) == 0]
         hint = f"fits levels in {fits}" if fits else "fits none: 3 levels need a multiple of 4"
+        step = 2 ** (u.levels - 1) if u.levels < 64 else f"2^{u.levels - 1}"
         raise ConfigError(f"unet.levels: {u.levels} levels need a sample size divisible by {step}; "
                           f"data.sample_size {cfg.data.sample_size} {hint}")
+    if u.width > u.max_width:
+        raise ConfigError(f"unet.width: {u.width} channels exceed unet.max_width ({u.max_width}), which caps "
+                          f"every level's channels; at most {u.max_width} has an effect (or raise "
+                          f"unet.max_width)")
     if u.shift_reach < 0 or (u.shift_reach and not u.displacement):
         raise ConfigError(f"unet.shift_reach: {u.shift_reach}; it is the reach in voxels (>= 0) of the field "
                           "moved back along the displacement, which needs unet.displacement: true")

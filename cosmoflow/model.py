@@ -449,13 +449,16 @@ def build_model_from_export(path: str | os.PathLike) -> nn.Module:
     """The model an export holds (``python -m hybridpar.checkpoint export RUN OUT[.safetensors]``), rebuilt
     from the run configuration the export carries and loaded with its weights, on the CPU, every key
     matching; nothing else is needed (no config file, no ``build_model`` arguments). An export without a
-    configuration, or one this code cannot build, is one :class:`~cosmoflow.config.ConfigError` line."""
+    configuration, or one this code cannot build, is one :class:`~cosmoflow.config.ConfigError` line.
+
+    The configuration is a file's, so it is trusted no more than a config file: it passes the same
+    checks, upper bounds on its sizes included (:mod:`cosmoflow.model_size`), before the weights are
+    read or anything is built."""
     from cosmoflow.config import ConfigError, config_from_dict  # noqa: PLC0415 (config reads YAML)
     from hybridpar.checkpoint import CheckpointError, load_weights, read_config  # noqa: PLC0415
 
     try:
         tree = read_config(path)
-        state = load_weights(path)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
     if tree is None:
@@ -463,7 +466,12 @@ def build_model_from_export(path: str | os.PathLike) -> nn.Module:
                           "from elsewhere): build the model with build_model(...) and load_state_dict")
     if isinstance(tree.get("train"), dict):  # how it trained (a CUDA graph) is no part of the model, and
         tree = {**tree, "train": {**tree["train"], "cuda_graphs": False}}  # must not refuse a CPU here
-    model = build_network(config_from_dict(tree, f"{path}'s configuration"))
+    cfg = config_from_dict(tree, f"{path}'s configuration")
+    try:
+        state = load_weights(path)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    model = build_network(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(f"{path}: its weights do not fit the model its configuration builds "

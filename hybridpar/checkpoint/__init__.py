@@ -9,9 +9,10 @@ keep a browsable history of models. The package, one idea per module:
 * :mod:`.version` the :class:`Version` record and the lineage stamped into every save;
 * :mod:`.snapshot` host buffers and the copy that may overlap the next forward/backward;
 * :mod:`.format` the per-rank file (raw tensor bytes, header, footer, crc32 per piece); :mod:`.header`
-  its JSON header and every check on it (reading never runs code); :mod:`.legacy` format-1 files;
-* :mod:`.export` weights as a ``torch.load(weights_only=True)`` state dict or safetensors, and
-  :func:`load_weights` to read either back;
+  its JSON header and every check on it (reading never runs code); :mod:`.legacy` format-1 files, whose
+  numpy values :mod:`.legacy_numpy` rebuilds from an allow-list of dtypes;
+* :mod:`.export` weights as a ``torch.load(weights_only=True)`` state dict or safetensors, written
+  through a temporary name and never over a file unasked, and :func:`load_weights` to read either back;
 * :mod:`.manifest` the manifest written last and atomically: a version exists once it is there;
 * :mod:`.placement` who writes which file and who keeps which partner copy (pure geometry);
 * :mod:`.levels` L1 node-local / L2 partner / L3 shared directories and what is visible in them;

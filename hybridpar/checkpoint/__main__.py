@@ -7,7 +7,7 @@ this package. Read-only: nothing here writes into ``ROOT``, and nothing read run
     ls ROOT [--full]                     versions, metadata, levels, verified or not
     verify ROOT [STEP]                   read every byte against its checksum (exit 1 if unusable)
     export ROOT OUT [--step S]           the full model's state dict: OUT.pt (torch.load(weights_only=True)
-                                         reads it) or OUT.safetensors (--format safetensors)
+           [--overwrite]                 reads it) or OUT.safetensors (--format safetensors)
     diff ROOT A B                        per-tensor change norms between two versions
 
 ROOT is a checkpoint root or a run directory holding one as ``checkpoints/``. ``--local DIR`` (with
@@ -15,8 +15,11 @@ ROOT is a checkpoint root or a run directory holding one as ``checkpoints/``. ``
 (the newest version of that step) or version names. ``export`` without ``--step`` exports the newest
 version, and refuses it if it is damaged rather than export an older one unasked; the file carries the
 run's configuration too (:func:`hybridpar.checkpoint.export.read_config`), from which an application
-rebuilds the model (``cosmoflow.model.build_model_from_export``). Every error is one line on stderr: exit
-2 for a wrong command line, 1 for anything else.
+rebuilds the model (``cosmoflow.model.build_model_from_export``). ``export`` never replaces OUT unless
+``--overwrite`` is given, does not create OUT's folder, and writes through a temporary name beside OUT
+(removed on failure) with the mode ``torch.save`` gives, 0666 less the umask. Every error is one line on
+stderr: exit 2 for a wrong command line (an OUT that exists, or whose folder does not), 1 for anything
+else.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from hybridpar.checkpoint.export import (
     SAFETENSORS,
     TORCH,
     config_text,
+    output_problem,
     plain,
     save_safetensors,
     save_torch,
@@ -190,6 +194,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if fmt == SAFETENSORS and args.all:
         raise Usage("--format safetensors writes one state dict of tensors (--entry); --all needs "
                     "--format torch")
+    problem = output_problem(args.out, args.overwrite)  # before any work: the file is left as it was
+    if problem:
+        raise Usage(problem)
     levels = _levels(args)
     if args.step is not None:
         f = _pick(levels, args.step)
@@ -285,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"refused if damaged)")
     p.add_argument("--entry", default="model", help="which entry of the state (default: model)")
     p.add_argument("--all", action="store_true", help="export every entry as one dict (--format torch only)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (default: refuse)")
     p.add_argument("--format", choices=(TORCH, SAFETENSORS), default=None,
                    help="torch: read with torch.load(path, weights_only=True); safetensors: read with "
                    "safetensors.torch.load_file (default: from OUT's suffix, else torch)")

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +60,70 @@ def tensors_only(weights: Mapping[str, Any], what: str) -> dict[str, torch.Tenso
     return dict(weights)
 
 
+def output_problem(path: str | os.PathLike, overwrite: bool) -> str | None:
+    """Why ``path`` cannot be written as a new export (None: it can), checked before any work.
+
+    Why: an export must never replace a file nobody asked it to replace (``--overwrite`` asks), and a
+    folder that is not there is the user's to make (a typo'd path should not grow a tree of folders).
+    """
+    p = Path(path)
+    if not p.parent.is_dir():
+        return f"output folder {p.parent} does not exist; export does not create folders (mkdir -p it first)"
+    if p.is_dir():
+        return f"output {p} is a directory; name a file to write"
+    if os.path.lexists(p) and not overwrite:
+        return f"output {p} exists; pass --overwrite to replace it"
+    return None
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: the CLI runs one thread)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_new(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Call ``write`` on a temporary name beside ``path``, then rename it to ``path``.
+
+    Why: a failed or interrupted export must leave neither a half-written file under the real name nor
+    the temporary one (removed on any failure), and the file gets the mode ``torch.save``'s would, 0666
+    less the umask (safetensors and ``mkstemp`` make 0600, which colleagues on a shared file system cannot
+    read). A failure is one CheckpointError naming ``path``.
+    """
+    p = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{p}: cannot write ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def save_safetensors(weights: Mapping[str, Any], path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """Write a state dict of tensors as one safetensors file (``metadata``: text that travels with it)."""
+    """Write a state dict of tensors as one safetensors file (``metadata``: text that travels with it),
+    through :func:`write_new`."""
     from safetensors.torch import save_file  # noqa: PLC0415 (only the CLI's export needs it)
 
-    flat = tensors_only(weights, str(path))
-    save_file({k: v.detach().cpu().contiguous() for k, v in flat.items()}, str(path),
-              metadata={"format": "pt", **metadata})
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors_only(weights, str(path)).items()}
+    write_new(path, lambda tmp: save_file(flat, str(tmp), metadata={"format": "pt", **metadata}))
 
 
 def save_torch(state: Mapping[str, Any], path: str | os.PathLike, config: Mapping[str, Any] | None) -> None:
-    """Write ``state`` with ``torch.save`` (read back with ``weights_only=True``), ``config`` as JSON text
-    in its attribute :data:`CONFIG_KEY` (see the module's docstring)."""
+    """Write ``state`` with ``torch.save`` (read back with ``weights_only=True``) through
+    :func:`write_new`, ``config`` as JSON text in its attribute :data:`CONFIG_KEY` (see the module's
+    docstring)."""
     out = OrderedDict(state)
     if config is not None:
         setattr(out, _CONFIG_ATTR, json.dumps(config, sort_keys=True))
-    torch.save(out, path)
+    write_new(path, lambda tmp: torch.save(out, tmp))
 
 
 def config_text(config: Mapping[str, Any] | None) -> dict[str, str]:

@@ -21,6 +21,7 @@ an unpickler that admits only the globals such a header holds (:mod:`.legacy`).
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import struct
@@ -154,16 +155,47 @@ def evict(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- reading
+def _open_regular(path: Path) -> io.FileIO:
+    """``path`` opened for reading, or CorruptFile naming it unless it is a regular file.
+
+    Why by descriptor: a directory, a FIFO or a symlink to a folder planted under a rank file's name
+    must fail as one line naming the *path* (``os.fdopen`` on a directory names only the descriptor),
+    so that a reader falls back to another copy or an older version. ``O_NONBLOCK``: a FIFO must not
+    hang the open; the type is checked on the open descriptor, so the file cannot be swapped between
+    the check and the read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CorruptFile(f"{path}: cannot open ({e.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptFile(f"{path}: not a regular file (a {_kind(mode)}), refused")
+        return io.FileIO(fd, "rb", closefd=True)
+    except OSError as e:
+        os.close(fd)
+        raise CorruptFile(f"{path}: cannot open ({e.strerror})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
 class RankFile:
     """An open rank file whose footer and header have been checked against what the manifest expects."""
 
     def __init__(self, path: Path, size: int | None = None, header_crc: int | None = None) -> None:
         self.path = path
-        try:  # O_NONBLOCK: a FIFO planted under the name must not hang the open
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as e:
-            raise CorruptFile(f"{path}: cannot open ({e.strerror})") from None
-        self._f = os.fdopen(fd, "rb", buffering=0)
+        self._f = _open_regular(path)
         try:
             self._check(size, header_crc)
         except OSError as e:
@@ -174,10 +206,7 @@ class RankFile:
             raise
 
     def _check(self, size: int | None, header_crc: int | None) -> None:
-        st = os.fstat(self._f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptFile(f"{self.path}: not a regular file")
-        actual = st.st_size
+        actual = os.fstat(self._f.fileno()).st_size
         if size is not None and actual != size:
             raise CorruptFile(f"{self.path}: {actual} bytes, the manifest says {size} (truncated or "
                               f"overwritten)")

@@ -21,7 +21,9 @@ OrderedDicts are containers (:mod:`.tree`), never leaves.
 Reading checks, before anything is allocated from it: every dtype is in :data:`DTYPES`; every shape is
 non-negative and its element count times the dtype's size is the entry's byte count; the tensors tile
 the data region exactly, in order (no gap, no overlap, nothing past the header); nesting stays within
-:data:`MAX_DEPTH`.
+:data:`MAX_DEPTH`; keys are as :func:`.tree.flatten` writes them (none empty, none repeated in one
+container, a sequence's keys its indices, no key both a tensor and a value), since an empty key joins to
+its container's own path and rebuilding the state would recurse forever.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridpar.checkpoint.tree import SEP, Flat
+from hybridpar.checkpoint.tree import ROOT, SEP, Flat
 
 FORMAT = 2
 MAX_DEPTH = 64  # nesting of a leaf, and of a container path; real states are under 10 deep
@@ -206,8 +208,40 @@ def check_containers(containers: Any, decode_keys: bool) -> dict[str, tuple[str,
         keys = [_unleaf(k) for k in spec[1]] if decode_keys else spec[1]
         if not all(isinstance(k, _KEY_TYPES) for k in keys):
             raise BadHeader(f"container {path[:60]!r} has a key that is not a str, int, float, bool or None")
+        _check_container_keys(path, spec[0], keys)
         out[path] = (spec[0], keys)
     return out
+
+
+def _check_container_keys(path: str, kind: str, keys: list) -> None:
+    """A container's keys as :func:`.tree.flatten` writes them: a sequence's are its indices, a dict's are
+    neither empty nor repeated once written as text. Why: an empty key joins to its container's own path
+    (at the root, the root again: rebuilding the state would recurse forever), and a repeated one would
+    rebuild a state that was never saved."""
+    where = path[:60] or "<root>"
+    if kind in ("list", "tuple"):
+        if keys != list(range(len(keys))) or not all(type(k) is int for k in keys):
+            raise BadHeader(f"{kind} container {where!r} has keys {str(keys)[:60]}, not its indices")
+        return
+    seen: set[str] = set()
+    for k in keys:
+        text = str(k)
+        if text == "":
+            raise BadHeader(f"container {where!r} has an empty key, which no saved state holds")
+        if text in seen:
+            raise BadHeader(f"container {where!r} repeats the key {text[:60]!r}")
+        seen.add(text)
+
+
+def check_keys(table: dict[str, TensorEntry], flat: Flat) -> None:
+    """Every leaf key non-empty and either a tensor's or a value's, never both (:func:`check_containers`
+    checks the containers' own keys); BadHeader naming the first that is not."""
+    for key in (*table, *flat.values):
+        if key == ROOT:
+            raise BadHeader("a leaf has the empty key, which no saved state holds")
+    both = set(table) & set(flat.values)
+    if both:
+        raise BadHeader(f"key {min(both)[:80]!r} is both a tensor and a value")
 
 
 def decode_header(raw: bytes, data_start: int, data_end: int) -> tuple[dict[str, TensorEntry], Flat]:
@@ -233,4 +267,6 @@ def decode_header(raw: bytes, data_start: int, data_end: int) -> tuple[dict[str,
     if type(tree) is not dict or set(tree) != {"values", "containers"} or type(tree["values"]) is not dict:
         raise BadHeader("the tree is not {values, containers}")
     values = {k: _unleaf(v) for k, v in tree["values"].items()}
-    return table, Flat({}, values, check_containers(tree["containers"], decode_keys=True))
+    flat = Flat({}, values, check_containers(tree["containers"], decode_keys=True))
+    check_keys(table, flat)
+    return table, flat

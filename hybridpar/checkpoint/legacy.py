@@ -8,7 +8,9 @@ for: "header references posix.system, refused (a checkpoint is data)".
 
 What a real header references: ``TensorEntry`` (the table), and in the state tree ``numpy.dtype`` with
 ``numpy._core.numeric._frombuffer`` (``numpy.core`` before numpy 2) for an ndarray such as numpy's RNG
-key, ``numpy._core.multiarray.scalar`` for a numpy number, and ``collections.OrderedDict``. Not admitted:
+key, ``numpy._core.multiarray.scalar`` for a numpy number, and ``collections.OrderedDict``. The numpy
+ones are rebuilt by :mod:`.legacy_numpy`, from an allow-list of dtypes with their real item sizes. Not
+admitted:
 ``numpy.ndarray`` and ``_reconstruct`` (protocol-2 arrays), which allocate from a declared shape before
 any byte backs it; format-1 files were always written with protocol 5, which never uses them.
 """
@@ -21,35 +23,29 @@ import pickletools
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
-from hybridpar.checkpoint.header import MAX_DEPTH, BadHeader, TensorEntry, check_containers, check_table
+from hybridpar.checkpoint.header import (
+    MAX_DEPTH,
+    BadHeader,
+    TensorEntry,
+    check_containers,
+    check_keys,
+    check_table,
+)
+from hybridpar.checkpoint.legacy_numpy import DtypeSpec, frombuffer, resolve_dtypes, scalar
 from hybridpar.checkpoint.tree import Flat
 
 FORMAT = 1
 
 
-def _numpy(module: str, name: str) -> Any:
-    import importlib  # noqa: PLC0415
-
-    for m in (f"numpy._core.{module}", f"numpy.core.{module}"):
-        try:
-            return getattr(importlib.import_module(m), name)
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
 def _admitted() -> dict[tuple[str, str], Any]:
-    frombuffer, scalar = _numpy("numeric", "_frombuffer"), _numpy("multiarray", "scalar")
+    """The globals a format-1 header may name, each mapped to what is called in its place: the numpy ones
+    to :mod:`.legacy_numpy`'s checked rebuilds (a dtype from an allow-list, with its real item size)."""
     out: dict[tuple[str, str], Any] = {("hybridpar.checkpoint.format", "TensorEntry"): TensorEntry,
                                        ("collections", "OrderedDict"): OrderedDict,
-                                       ("numpy", "dtype"): np.dtype}
+                                       ("numpy", "dtype"): DtypeSpec}
     for prefix in ("numpy._core", "numpy.core"):
-        if frombuffer is not None:
-            out[(f"{prefix}.numeric", "_frombuffer")] = frombuffer
-        if scalar is not None:
-            out[(f"{prefix}.multiarray", "scalar")] = scalar
+        out[(f"{prefix}.numeric", "_frombuffer")] = frombuffer
+        out[(f"{prefix}.multiarray", "scalar")] = scalar
     return out
 
 
@@ -125,4 +121,6 @@ def decode_header(raw: bytes, data_start: int, data_end: int) -> tuple[dict[str,
             or not all(type(k) is str for k in tree[0]):
         raise BadHeader("the tree is not (values, containers)")
     _height(tree[0], {}, set())
-    return table, Flat({}, tree[0], check_containers(tree[1], decode_keys=False))
+    flat = Flat({}, resolve_dtypes(tree[0]), check_containers(tree[1], decode_keys=False))
+    check_keys(table, flat)
+    return table, flat

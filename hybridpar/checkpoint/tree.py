@@ -86,6 +86,9 @@ def _flatten(obj: Any, path: str, out: Flat) -> None:
             if not isinstance(k, str | int | float | None):
                 raise TypeError(f"checkpoint state key {k!r} at {path or '<root>'!r} is a "
                                 f"{type(k).__name__}: only str, int, float, bool and None keys can be stored")
+            if str(k) == "":  # it would join to this container's own path (the root's is the root again)
+                raise ValueError(f"checkpoint state key {k!r} at {path or '<root>'!r} is empty; a checkpoint "
+                                 f"names every entry, rename it")
             if str(k) in seen:
                 raise ValueError(f"keys {seen[str(k)]!r} and {k!r} at {path or '<root>'!r} collide once "
                                  f"written as text; rename one of them")

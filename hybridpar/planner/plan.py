@@ -25,7 +25,8 @@ the first layer that would split the model input (a grid finer than the input is
 layout). A layer rule's split is never changed.
 A gather inside a split region (a replicated node whose output is split again later) is what a
 layer nobody registered would silently cost: it is flagged (``LayerPlan.gather``), warned about by
-the engine and marked by ``explain``. An unregistered module on a split input is an error.
+the engine and marked by ``explain``. A torch module nobody registered on a split input is an error;
+a module of the user's own type runs its own forward split (:func:`~hybridpar.planner.swapped.nested_block`).
 """
 
 from __future__ import annotations

@@ -166,13 +166,26 @@ class OwnLayersNet(nn.Module):
         return self.head(h * torch.sigmoid(self.fc(self.squeeze(h))))
 
 
+class VolumeMean(nn.Module):
+    """An untraceable forward that returns a reduction over the volume: a replicated output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        return h.mean((2, 3, 4), keepdim=True) if x.shape[2] > 1 else h
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
         out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1}.get(model, 2)
-        shape = (SHAPE[0], 4) if model == "FlatRegressor" else (SHAPE[0], out, *SHAPE[2:])
+        shape = {"FlatRegressor": (SHAPE[0], 4), "VolumeMean": (SHAPE[0], 2, 1, 1, 1)}.get(
+            model, (SHAPE[0], out, *SHAPE[2:]))
         y = torch.randn(shape, dtype=torch.float64, generator=g)
         try:
             _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y)
@@ -185,7 +198,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("nested block", "NestedUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}}),
        ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}}),
-       ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}})]
+       ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}}),
+       ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

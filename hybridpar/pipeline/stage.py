@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
@@ -24,7 +23,6 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from hybridpar.comm.redistribute import local_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
-from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.convert import to_distributed
@@ -35,7 +33,7 @@ from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
-from hybridpar.planner.swapped import nested_block
+from hybridpar.planner.swapped import nested_block, returned
 from hybridpar.planner.terms import SpecError
 
 
@@ -84,7 +82,7 @@ class Stage:
         a copy of it on the meta device, for the rows a module-swapped model's structure makes)."""
         if self.output_rows is not None:
             return [plan[i] for i in self.output_rows]
-        return swapped_outputs(model, plan[-1], self.output_split, input_shape)[0]
+        return swapped_outputs(model, plan[-1], self.input_split, input_shape)[0]
 
     @property
     def lead_output(self) -> Any:
@@ -104,25 +102,23 @@ class Stage:
 
 
 def swapped_outputs(model: nn.Module, last: Any, split: tuple[int, int, int], input_shape: tuple[int, ...]
-                    ) -> tuple[list[Any], TreeSpec | None]:
-    """What a model run by module swapping returns (one meta forward of ``model``, or of its copy on
-    the meta device): one row per output, each the last layer's row with that output's shape, and the
-    structure (None: one tensor). Its volumes are split as the last layer's output is, so they must
-    share its extent."""
-    state, dtype = meta_state(model)
-    leaves, spec = tree_flatten(meta_call(model, state, torch.empty(input_shape, dtype=dtype, device="meta")))
-    if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and spec.is_leaf():
-        return [last], None
-    volume = tuple(last.output_shape[2:])
-    for k, t in enumerate(leaves):
-        odd = not isinstance(t, torch.Tensor) or t.dim() != 5 or tuple(t.shape[2:]) != volume
-        if split != REPLICATED and odd:
-            raise SpecError(f"model ({type(model).__name__}): run by module swapping, it returns "
-                            f"output {k} of shape {list(getattr(t, 'shape', []))} beside a volume split "
-                            f"{list(split)} of {list(volume)} voxels; returned volumes must share the "
-                            f"split layer's extent (a traced forward gathers them instead)")
-    return [dataclasses.replace(last, name=f"{OUTPUT}[{k}]", output_shape=tuple(t.shape))
-            for k, t in enumerate(leaves)], spec
+                    ) -> tuple[list[Any], TreeSpec | None, tuple[int, int, int]]:
+    """What a model run by module swapping returns (a meta forward of ``model``, or of its copy on the
+    meta device, its layouts followed as the run follows them: :func:`returned`): one row per output,
+    each the last layer's row with that output's shape and layout, the structure (None: one tensor),
+    and the outputs' split. Split outputs share one extent and are not mixed with replicated ones."""
+    leaves, splits, spec = returned(model, input_shape, split)
+    split_out = [t for t, s in zip(leaves, splits, strict=True) if s]
+    if split_out and (len(split_out) != len(leaves) or len({tuple(t.shape[2:]) for t in split_out}) > 1):
+        raise SpecError(f"model ({type(model).__name__}): run by module swapping, it returns "
+                        f"{[list(getattr(t, 'shape', [])) for t in leaves]}, of which the volumes "
+                        f"{[list(t.shape) for t in split_out]} are split {list(split)}; returned volumes "
+                        f"must be split alike (one extent) or all whole (a traced forward gathers them)")
+    out_split = split if split_out else REPLICATED
+    rows = [dataclasses.replace(last, name=f"{OUTPUT}[{k}]" if len(leaves) > 1 else last.name,
+                                output_shape=tuple(t.shape), out_split=out_split)
+            for k, t in enumerate(leaves)]
+    return rows, None if len(leaves) == 1 and spec.is_leaf() else spec, out_split
 
 
 def make_groups(plan: list[Any], grid: ProcessGrid) -> None:
@@ -172,8 +168,9 @@ class StageBuilder:
             outputs = [plan[i] for i in output_rows]
             spec = tree_flatten(pack_output(out_node(graph).fx_node.args[0]))[1]
         elif graph is None:
-            outputs, spec = swapped_outputs(self.model, out, output_split, input_shape)
-            output_rows = None if spec is not None else output_rows
+            input_split = self.spec.grid.spatial if len(input_shape) == 5 else REPLICATED  # the plan's
+            outputs, spec, output_split = swapped_outputs(self.model, out, input_split, input_shape)
+            output_rows = None
         stage_graph = None
         if graph is None:
             layers: Layers = [("", self._swapped(plan, input_shape))]

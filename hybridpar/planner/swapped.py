@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import flops as flop_count
@@ -294,13 +294,21 @@ def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Spl
     """Check that ``block``, a node of a traced graph run by module swapping on a split input of global
     ``input_shape``, runs split (the :class:`SpecError` of :func:`swapped_plan` if not), and say whether
     its output is split (a block ending in a reduction over the volume returns a replicated value)."""
-    return _follow(block, input_shape, split, micro, nested=True)[3]
+    return bool(_follow(block, input_shape, split, micro, nested=True)[3][1][:1] == [True])
+
+
+def returned(model: nn.Module, input_shape: Sequence[int], split: Split
+             ) -> tuple[list[Any], list[bool], TreeSpec]:
+    """What a forward run by module swapping returns on the volume of ``input_shape`` (meta tensors,
+    as leaves of their structure), and whether each is split under ``split`` (a volume the forward
+    reduced, flattened or gathered is not)."""
+    return _follow(model, input_shape, split, input_shape[0])[3]
 
 
 def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool = False
-            ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch, bool]:
+            ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch, tuple[list[Any], list[bool], TreeSpec]]:
     """The records of :func:`swapped_plan` (FLOPs not counted), their modules, the watch that
-    followed the forward, and whether its (first) output is split; raises what the forward does that
+    followed the forward, and what it returns (:func:`returned`); raises what the forward does that
     cannot run split. ``nested``: a node of a traced graph, which may call no layer at all."""
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
@@ -370,9 +378,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         watch.mark(x, tuple(input_shape[2:]))
     try:
         with watch:
-            outs = tree_leaves(meta_call(model, state, x))
-        out = next((t for t in outs if isinstance(t, torch.Tensor)), None)
-        out_split = out is not None and out in watch.split
+            outs, spec = tree_flatten(meta_call(model, state, x))
+        out_split = (outs, [isinstance(t, torch.Tensor) and t in watch.split for t in outs], spec)
     except SpecError:
         raise
     except Exception as err:

@@ -6,9 +6,10 @@ its :data:`~cosmoflow.config.AT_LEAST`, :data:`~cosmoflow.config.BELOW` and
 :data:`~cosmoflow.config.ZERO_MEANS`, and each key's meaning is the comment beside its declaration (a
 section's, its class docstring). Read from there, the reference cannot drift from what the loader
 accepts; ``tests/test_config_reference.py`` checks that every key has a meaning and that the committed
-``docs/config.md`` is this module's output.
+``docs/config.md`` and ``cosmoflow/config_reference.txt`` are this module's output.
 
     python -m cosmoflow.config_reference --markdown > docs/config.md
+    python -m cosmoflow.config_reference > cosmoflow/config_reference.txt   # what --help-config prints
 """
 
 from __future__ import annotations

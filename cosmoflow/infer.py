@@ -21,7 +21,9 @@ shard into ``OUT.rankNNNN.h5`` beside the output and rank 0 writes the output as
 dataset of them (:class:`hybridpar.data.split_hdf5.SplitHdf5`): a reader sees one dataset either way
 (keep the rank files beside it). Every file is written under a temporary name, renamed when complete
 and removed on any failure; every file the write will create (rank files included) is checked before
-any work, and an existing one is replaced only with ``--overwrite``.
+any work, and an existing one is replaced only with ``--overwrite``. Rank files of the output that
+this write does not make (``OUT.rank0003.h5`` of an earlier run on more ranks) are refused too, and
+removed with ``--overwrite`` once the new output is in place (rank 0 says so in one line).
 
 A checkpoint saved on other ranks than the inference runs on loads all the same: the model is whole in
 every version, and the per-rank state (data loader position, random generators) is not needed; rank 0
@@ -277,6 +279,10 @@ def run(args: argparse.Namespace) -> None:
         say(f"inferring {n_box} box(es) of {'x'.join(map(str, volume))} voxels on {info.world_size} rank(s) "
             f"split {grid}, step {state.get('step', '?')} of {run_dir}, writing {output.mode}")
         hp.infer(engine, reader, output, each=score, progress=progress)
+    if output.removed:
+        names = ", ".join(p.name for p in output.removed)
+        say(f"removed {len(output.removed)} rank file(s) of an earlier write that {out_path} no longer uses: "
+            f"{names}")
     if score is not None:
         say(score.table())
     say(f"wrote {out_path}:{out_name} {out_shape} in {time.monotonic() - started:.1f} s")
@@ -289,11 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="OUT.h5[:DATASET] (default dataset: prediction)")
     ap.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest intact one)")
     ap.add_argument("--grid", help="spatial split D,H,W over all ranks (default: the ranks along D)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output (and remove rank files of it this run does not write)")
     ap.add_argument("--truth", help="TRUTH.h5[:DATASET] (default dataset: linear): print r(k) and T(k)")
     args = ap.parse_args(argv)
     return errors.run_job(lambda: run(args))
 
 
 if __name__ == "__main__":
-    failure.leave(main())
+    failure.run_main(main)  # under torchelastic's @record: torchrun's report names the root cause

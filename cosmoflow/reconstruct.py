@@ -334,4 +334,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hybridpar.process import failure
+
+    failure.run_main(main)  # under torchelastic's @record, as launch/train.py and cosmoflow.infer

@@ -4,11 +4,17 @@ Why a module of its own: ``--help`` should answer at once, yet importing the tra
 which takes seconds (20 on a cold network file system). This module imports nothing of the
 application, so ``launch/train.py`` reads its arguments (and answers ``--help``) before the trainer,
 and the trainer reads the same arguments through it.
+
+``--help-config`` answers at once too: the reference is generated from :mod:`cosmoflow.config`, whose
+imports (the spec's checks in :mod:`hybridpar.planner`) bring torch, so its text is committed beside
+this module (``config_reference.txt``, kept current by ``tests/test_config_reference.py``) and read
+from there; only where that file is missing is it generated.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 DESCRIPTION = "Train CosmoFlow (or the reconstruction U-Net) with hybridpar, as the config says."
 
@@ -28,3 +34,17 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments of ``argv`` (default: the command line); ``--help`` prints and exits here."""
     return parser().parse_args(argv)
+
+
+REFERENCE = Path(__file__).with_name("config_reference.txt")
+"""``--help-config``'s text (``python -m cosmoflow.config_reference > cosmoflow/config_reference.txt``)."""
+
+
+def help_config() -> str:
+    """Every config key with its type, default, range and meaning (``--help-config``), without torch."""
+    try:
+        return REFERENCE.read_text(encoding="utf-8")
+    except OSError:  # an installation without the file: generate it (imports the config, and torch)
+        from cosmoflow.config_reference import text  # noqa: PLC0415
+
+        return text()

@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse(argv)
     if args.help_config:
-        from cosmoflow.config_reference import text  # noqa: PLC0415
+        from cosmoflow.train_args import help_config  # noqa: PLC0415
 
-        sys.stdout.write(text())
+        sys.stdout.write(help_config())
         return 0
     return errors.run_job(lambda: run(load_config(args.config, args.set)))

@@ -17,10 +17,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
-    from cosmoflow.train_args import parse  # argparse only: --help answers before torch is imported
+    from cosmoflow.train_args import help_config, parse  # argparse only: --help answers before torch
 
-    parse()
+    if parse().help_config:
+        sys.stdout.write(help_config())  # the committed reference, read without torch
+        sys.exit(0)
     from cosmoflow.trainer import main
     from hybridpar.process import failure
 
-    failure.leave(main())
+    failure.run_main(main)  # under torchelastic's @record: torchrun's report names the root cause

@@ -311,3 +311,21 @@ def test_write_new_is_a_checkpoint_error_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"m\.pt: cannot write \(Permission denied\)"):
         write_new(tmp_path / "m.pt", boom)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_manifest_that_is_a_directory_leaks_no_descriptor(tmp_path):
+    """MANIFEST.json a directory: one CorruptFile naming it, every descriptor opened for it closed
+    (counted in /proc/self/fd, 50 reads), and load falls back to the older version."""
+    root = tmp_path / "run"
+    _, new = two_versions(root)
+    (new / mf.MANIFEST).unlink()
+    (new / mf.MANIFEST).mkdir()
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("no /proc/self/fd to count descriptors in")
+    before = len(list(fds.iterdir()))
+    for _ in range(50):
+        with pytest.raises(CorruptFile, match=f"{new / mf.MANIFEST}: "):
+            mf.read(new)
+    assert len(list(fds.iterdir())) == before
+    falls_back(root, str(new / mf.MANIFEST))

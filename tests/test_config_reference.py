@@ -1,7 +1,7 @@
 """The configuration reference (``launch/train.py --help-config``, ``docs/config.md``) against the typed
 config it is read from: every key of every section is listed with a meaning, its default read back
 through ``--set`` gives the default config, its range is what validation enforces, and the committed
-docs/config.md is the generator's current output."""
+docs/config.md and cosmoflow/config_reference.txt are the generator's current output."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 
 from cosmoflow.config import Config, load_config
 from cosmoflow.config_reference import _comments, markdown, sections, text
+from cosmoflow.train_args import REFERENCE
 from cosmoflow.trainer import main
 
 from distributed import ROOT
@@ -49,6 +50,10 @@ def test_defaults_read_back_as_the_default_config():
 
 
 def test_help_config_prints_it_and_docs_are_current(capsys):
+    """``--help-config`` prints the committed cosmoflow/config_reference.txt (read without torch), which
+    is the generator's current text."""
+    assert REFERENCE.read_text() == text(), ("cosmoflow/config_reference.txt is stale: python -m "
+                                             "cosmoflow.config_reference > cosmoflow/config_reference.txt")
     assert main(["--help-config"]) == 0
     printed = capsys.readouterr().out
     assert printed == text() and all(f"  {k} " in printed for k in _declared())

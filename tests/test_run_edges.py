@@ -1,5 +1,6 @@
-"""Issue 46's edges of a run, each checked in process in well under a second (one subprocess, for
-``--help``): nothing is replaced that we did not write, and every failure is one line.
+"""Issue 46's edges of a run, each checked in process in well under a second (a subprocess each for
+``--help`` and ``--help-config``): nothing is replaced that we did not write, and every failure is
+one line.
 
 * ``SplitHdf5``, which ``python -m cosmoflow.infer`` writes through: every file it will create (the
   rank files of a split write too) is checked before any work, an existing one refused without
@@ -10,8 +11,14 @@
   that is a directory are one line each, exit 2, nothing written; the checkpointer's notes are one line
   each on rank 0; a checkpoint read on more ranks than saved it says once that its per-rank state was
   not needed (``restore.read_version``), where a resume that needs it still names the rank.
-* ``launch/train.py``: ``--help`` imports no torch; ``--set`` reads a flow mapping typed without
-  spaces as meant; the checks across keys fail before any process group or model exists.
+* ``launch/train.py``: ``--help`` and ``--help-config`` import no torch (the second reads the committed
+  reference, in well under 2 s); ``--set`` reads a flow mapping typed without spaces as meant; the
+  checks across keys fail before any process group or model exists.
+* Rank files an earlier, more split write left beside the output (``out.rank0003.h5``): refused without
+  ``overwrite``, removed with it once the new output is in place (and listed), nothing else touched.
+* torchrun's error file (``TORCHELASTIC_ERROR_FILE``): an exception that escapes an entry point is
+  recorded there by ``@record`` (``failure.run_main``), and ``cosmoflow.infer``'s one line for bad
+  input is what the file names, with exit status 2.
 * ``metrics_steps.csv``: a start from step 0 over an earlier start's rows sets them aside, says so in
   one line, and writes no step twice.
 """
@@ -19,9 +26,11 @@
 from __future__ import annotations
 
 import csv
+import json
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -33,11 +42,13 @@ import yaml
 from cosmoflow import infer, trainer
 from cosmoflow.config import load_config
 from cosmoflow.metrics import Reporter
+from cosmoflow.train_args import REFERENCE
 from hybridpar.checkpoint.file_placement import RANK, rank_file
 from hybridpar.checkpoint.restore import read_version
 from hybridpar.checkpoint.tree import key_filter
-from hybridpar.data.split_hdf5 import SplitHdf5, check_targets
+from hybridpar.data.split_hdf5 import SplitHdf5, _remove_stale, check_targets, rank_files_beside
 from hybridpar.plain_yaml import read_plain
+from hybridpar.process import failure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +87,8 @@ def test_every_file_it_will_create_is_checked(tmp_path):
         check_targets(out, 2, "files", overwrite=False)
     assert "\n" not in str(err.value) and part.read_bytes() == b"not ours"
     check_targets(out, 2, "files", overwrite=True)
-    check_targets(out, 1, "files", overwrite=False)  # one process writes no rank file
+    with pytest.raises(ValueError, match=r"out\.rank0001\.h5 of an earlier split write exists"):
+        check_targets(out, 1, "files", overwrite=False)  # one process writes none: an earlier write's
     part.unlink()
     part.mkdir()
     with pytest.raises(ValueError, match=r"rank file .*out\.rank0001\.h5 is a directory"):
@@ -228,3 +240,107 @@ def test_start_from_scratch_sets_earlier_rows_aside(tmp_path, capsys):
     with (tmp_path / "metrics_steps.1.csv").open() as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["1", "2", "3"]
     assert Reporter(tmp_path / "none", True, tensorboard=False, progress=False).start_afresh() is None
+
+
+def test_help_config_imports_no_torch():
+    """``launch/train.py --help-config`` prints the committed reference, under 2 s, without torch."""
+    probe = ("import runpy, sys\nsys.argv = ['launch/train.py', '--help-config']\ntry:\n"
+             "    runpy.run_path('launch/train.py', run_name='__main__')\nexcept SystemExit as e:\n"
+             "    print('exit', e.code)\nprint('torch imported:', 'torch' in sys.modules)\n")
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    took = time.monotonic() - started
+    assert res.stdout.startswith(REFERENCE.read_text()), res.stdout[:300] + res.stderr
+    assert res.stdout.endswith("exit 0\ntorch imported: False\n"), res.stdout[-300:] + res.stderr
+    assert took < 2, f"--help-config took {took:.1f} s"
+
+
+def _stale_folder(tmp_path: Path) -> Path:
+    """A folder where a 4-rank write of out.h5 was: its rank files, and names that are not its rank files."""
+    folder = tmp_path / "preds"
+    folder.mkdir()
+    for name in ("out.rank0000.h5", "out.rank0003.h5", "out.rank3.h5", "out.rank0001.h5.bak",
+                 "other.rank0001.h5", "xout.rank0002.h5"):
+        (folder / name).write_bytes(b"earlier")
+    (folder / "out.rank0002.h5").mkdir()  # not a file: never removed
+    return folder
+
+
+def test_stale_rank_files_refused_without_overwrite(tmp_path):
+    """A rank file of the output that this write would not create (one process writes none) is
+    refused in one line without overwrite; every file is left as it was."""
+    folder = _stale_folder(tmp_path)
+    before = {p.name: p.is_dir() or p.read_bytes() for p in folder.iterdir()}
+    assert [p.name for p in rank_files_beside(folder / "out.h5")] == [
+        "out.rank0000.h5", "out.rank0002.h5", "out.rank0003.h5"]
+    with pytest.raises(ValueError, match=r"rank file .*out\.rank0000\.h5 and 2 more of an earlier split "
+                       r"write exists; pass --overwrite") as err:
+        check_targets(folder / "out.h5", 1, "files", overwrite=False)
+    assert "\n" not in str(err.value)
+    assert {p.name: p.is_dir() or p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_stale_rank_files_removed_with_overwrite(tmp_path):
+    """With overwrite, one writer's self-contained output replaces the earlier write: its rank files go
+    (listed in ``removed``), a directory under such a name and every other name stay; a split write keeps
+    the rank files it wrote."""
+    folder = _stale_folder(tmp_path)
+    data = np.ones((1, 1, 2, 2, 2), "float32")
+    with SplitHdf5(folder / "out.h5", "y", data.shape, overwrite=True) as out:
+        out[0, :, 0:2, 0:2, 0:2] = data[0]
+    assert [p.name for p in out.removed] == ["out.rank0000.h5", "out.rank0003.h5"]
+    assert _left(folder) == ["other.rank0001.h5", "out.h5", "out.rank0001.h5.bak", "out.rank0002.h5",
+                             "out.rank3.h5", "xout.rank0002.h5"]
+    with h5py.File(folder / "out.h5") as f:
+        np.testing.assert_array_equal(f["y"][...], data)
+    for r in (0, 1, 3):
+        (folder / f"out.rank{r:04d}.h5").write_bytes(b"x")
+    removed = _remove_stale(folder / "out.h5", ["out.rank0000.h5", "out.rank0001.h5"])
+    assert [p.name for p in removed] == ["out.rank0003.h5"]
+    assert (folder / "out.rank0000.h5").exists() and (folder / "out.rank0001.h5").exists()
+
+
+def test_infer_refuses_a_stale_rank_file(run_dir, tmp_path, capsys):
+    """``cosmoflow.infer`` on one process over an earlier split write's rank file: one line, exit 2."""
+    stale = tmp_path / "pred.rank0003.h5"
+    stale.write_bytes(b"earlier")
+    code = infer.main([str(run_dir), "--input", str(tmp_path / "in.h5"),
+                       "--output", str(tmp_path / "pred.h5")])
+    _one_line(capsys, code, r"rank file .*pred\.rank0003\.h5 of an earlier split write exists")
+    assert stale.read_bytes() == b"earlier"
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # pytest's captured stderr has no fd
+def test_run_main_records_what_escapes(run_dir, tmp_path, monkeypatch, capsys):
+    """``failure.run_main`` (how launch/train.py, ``cosmoflow.infer`` and ``cosmoflow.reconstruct`` run): an
+    exception the entry point lets escape is written to torchrun's error file by ``@record`` and ends
+    with exit status 1; ``cosmoflow.infer``'s one line for bad input is what the file names, and its
+    status 2 is passed on (``leave`` stubbed: it would end the process)."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    codes: list[int] = []
+
+    class Left(BaseException):
+        pass
+
+    def leave(code: int) -> None:
+        codes.append(code)
+        raise Left
+
+    def bug() -> int:
+        raise RuntimeError("a bug nobody foresaw")
+
+    monkeypatch.setattr(failure, "leave", leave)
+    with pytest.raises(Left):
+        failure.run_main(bug)
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "RuntimeError: a bug nobody foresaw"
+    assert "Traceback" in recorded["extraInfo"]["py_callstack"] and "a bug nobody" in capsys.readouterr().err
+    error_file.unlink()
+    (tmp_path / "in.h5").mkdir()
+    with pytest.raises(Left):
+        failure.run_main(lambda: infer.main([str(run_dir), "--input", str(tmp_path / "in.h5"),
+                                             "--output", str(tmp_path / "pred.h5")]))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert codes == [1, 2] and len(lines) == 1 and "is a directory" in lines[0], lines
+    assert json.loads(error_file.read_text())["message"]["message"] == lines[0]

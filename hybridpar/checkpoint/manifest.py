@@ -108,14 +108,19 @@ def read(vdir: Path) -> dict[str, Any] | None:
         return None
     except OSError as e:
         raise CorruptFile(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
-                raise CorruptFile(f"{path}: not a regular file of at most {MAX_BYTES} bytes")
-            raw = f.read(MAX_BYTES + 1)
+    try:  # the type checked on the descriptor itself (os.fdopen on a directory raises and leaks it)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+            raise CorruptFile(f"{path}: not a regular file of at most {MAX_BYTES} bytes")
+        parts, got = [], 0
+        while got <= MAX_BYTES and (chunk := os.read(fd, MAX_BYTES + 1 - got)):
+            parts.append(chunk)
+            got += len(chunk)
+        raw = b"".join(parts)
     except OSError as e:
         raise CorruptFile(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(raw)
         body, crc = doc["manifest"], doc["crc32"]

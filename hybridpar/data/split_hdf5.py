@@ -13,7 +13,10 @@ each rank writing its shard, yet a reader should see one dataset. Two ways, one 
 
 Nothing is half-written under a final name, and nothing we did not write is replaced: every file a write
 will create (the output, and in ``files`` mode on several ranks each rank file) is checked before any
-work, and an existing one is refused unless ``overwrite`` (a directory always). Each file is written
+work, and an existing one is refused unless ``overwrite`` (a directory always). So are the rank files
+of that output an earlier, more split write left (``OUT.rank0003.h5`` where this write makes 2 or none):
+refused without ``overwrite``; with it, removed once the new output is in place (:attr:`SplitHdf5.removed`
+names them), so that no stale shard sits beside an output that does not use it. Each file is written
 under a temporary name in the same folder and renamed into place once complete (rank files first, the
 output last), in :meth:`commit`; a failure removes the temporary files (and the rank files just placed,
 should the output's own rename fail). ``HYBRIDPAR_HDF5_WRITER=files`` (or ``mpi``) forces a mode.
@@ -22,6 +25,7 @@ should the output's own rename fail). ``HYBRIDPAR_HDF5_WRITER=files`` (or ``mpi`
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -103,14 +107,30 @@ def planned_files(path: str | os.PathLike, world: int, mode: str) -> list[Path]:
     return [out, *parts]
 
 
+def rank_files_beside(path: str | os.PathLike) -> list[Path]:
+    """The rank files of output ``path`` that exist beside it: names :func:`part_name` gives for some
+    rank (``OUT.rank0003.h5``), and nothing else (not ``OUT.rank3.h5``, not another output's)."""
+    out = Path(path)
+    pattern = re.compile(re.escape(out.stem) + r"\.rank([0-9]+)\.h5")
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return []
+    found = [n for n in names if (m := pattern.fullmatch(n)) and n == part_name(out, int(m.group(1)))]
+    return [out.with_name(n) for n in sorted(found)]
+
+
 def check_targets(path: str | os.PathLike, world: int, mode: str, overwrite: bool) -> None:
     """Refuse, in one line naming the file, to create ``path`` where a file it would create is a directory,
-    or exists and ``overwrite`` is false; or where the output's folder does not exist. Every rank
-    sees the same files, so every rank raises the same line."""
+    or exists and ``overwrite`` is false; or where the output's folder does not exist; or, without
+    ``overwrite``, where a rank file of ``path`` that this write does not create exists (an earlier,
+    more split write's, which the write would otherwise leave beside an output that does not use it).
+    Every rank sees the same files, so every rank raises the same line."""
     out = Path(path)
     if not out.parent.is_dir():
         raise ValueError(f"output folder {out.parent} does not exist")
-    for p in planned_files(out, world, mode):
+    planned = planned_files(out, world, mode)
+    for p in planned:
         rank_file = p != out
         name = f"output {out}: its rank file {p}" if rank_file else f"output {p}"
         if p.is_dir():
@@ -118,6 +138,11 @@ def check_targets(path: str | os.PathLike, world: int, mode: str, overwrite: boo
         if os.path.lexists(p) and not overwrite:
             earlier = " (from an earlier split write)" if rank_file else ""
             raise ValueError(f"{name} exists{earlier}; pass --overwrite to replace it")
+    stale = [p for p in rank_files_beside(out) if p not in planned]
+    if stale and not overwrite:
+        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+        raise ValueError(f"output {out}: the rank file {stale[0]}{more} of an earlier split write exists; "
+                         "pass --overwrite to replace the output and remove it")
 
 
 class SplitHdf5:
@@ -126,7 +151,9 @@ class SplitHdf5:
     Collective: every rank constructs it and calls :meth:`commit`. A rank assigns
     ``writer[n, :, d0:d1, h0:h1, w0:w1] = shard`` for its one box (any volumes ``n``, always the same
     box; a rank may write nothing). Refuses (:func:`check_targets`) an existing output or rank file
-    unless ``overwrite``, and a directory in their place always.
+    unless ``overwrite``, and a directory in their place always. With ``overwrite``, the rank files of
+    the output that this write did not write are removed once it is in place, and listed in
+    :attr:`removed` (on rank 0).
     """
 
     def __init__(self, path: str | os.PathLike, name: str, shape: tuple[int, ...], dtype: Any = "float32",
@@ -135,6 +162,7 @@ class SplitHdf5:
         self.dtype = np.dtype(dtype)
         self.mode = writer_mode()
         self.rank, self.world = _world()
+        self.overwrite = overwrite
         check_targets(self.path, self.world, self.mode, overwrite)
         self.tag = _agreed_token()
         self.tmp = self.path.with_name(f".{self.path.name}.{self.tag}.tmp")
@@ -142,6 +170,7 @@ class SplitHdf5:
         self.volumes: list[int] = []
         self.file: h5py.File | None = None
         self.ds: h5py.Dataset | None = None
+        self.removed: list[Path] = []  # stale rank files of an earlier write, removed by commit (rank 0)
         if self.mode == "mpi":
             from mpi4py import MPI  # noqa: PLC0415 (only with an MPI-enabled h5py)
 
@@ -201,14 +230,18 @@ class SplitHdf5:
 
     def commit(self) -> None:
         """Close and rename into place (collective): rank files first, then the output; on any failure
-        the temporary files are removed (:meth:`abort`) and every rank raises the same error."""
+        the temporary files are removed (:meth:`abort`) and every rank raises the same error. Then, with
+        ``overwrite``, rank 0 removes the output's rank files this write did not write (:attr:`removed`)."""
         try:
-            self._commit()
+            written = self._commit()
         except BaseException:
             self.abort()
             raise
+        if self.rank == 0 and self.overwrite:
+            self.removed = _remove_stale(self.path, written)
 
-    def _commit(self) -> None:
+    def _commit(self) -> list[str]:
+        """Place the files; the names of the rank files placed (none where the output holds the data)."""
         if self.file is not None:
             self.file.close()
             self.file = None
@@ -219,7 +252,7 @@ class SplitHdf5:
                 failed = _attempt(lambda: os.replace(self.tmp, self.path), self.path)
             if failed := _agreed_error(failed, 0):
                 raise ValueError(failed)
-            return
+            return []
         held: list[Any] = [(self.box, self.volumes)]
         if self.world > 1:
             held = [None] * self.world
@@ -231,7 +264,7 @@ class SplitHdf5:
                 failed = _attempt(lambda: os.replace(self._part_tmp(), self.path), self.path)
             if failed := _agreed_error(failed, sole):
                 raise ValueError(failed)
-            return
+            return []
         failed = _attempt(lambda: self._write_virtual(held), self.path) if self.rank == 0 else ""
         if failed := _agreed_error(failed, 0):  # nothing placed yet: every rank drops its temporary files
             raise ValueError(failed)
@@ -248,6 +281,7 @@ class SplitHdf5:
                         self.path.with_name(self.part(rank)).unlink(missing_ok=True)
         if failed := _agreed_error(failed, 0):
             raise ValueError(failed)
+        return [self.part(rank) for rank, (box, _) in enumerate(held) if box is not None]
 
     def _sole_writer(self, held: list[tuple[Box | None, list[int]]]) -> int | None:
         """The rank that wrote every voxel of every volume, if one rank wrote everything."""
@@ -278,6 +312,22 @@ class SplitHdf5:
             _check_tiling(boxes, self.shape[2:], f"{self.path} volume {n}")
         with h5py.File(self.tmp, "w") as f:
             f.create_virtual_dataset(self.name, layout, fillvalue=np.nan)
+
+
+def _remove_stale(path: Path, written: list[str]) -> list[Path]:
+    """Remove the rank files of output ``path`` (:func:`rank_files_beside`) not named in ``written``: an
+    earlier write's, which the new output does not use. A directory under such a name is left; so is a
+    file that cannot be removed. Returns those removed."""
+    removed = []
+    for p in rank_files_beside(path):
+        if p.name in written or p.is_dir():
+            continue
+        try:
+            p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed
 
 
 def _attempt(action: Callable[[], Any], target: Path) -> str:

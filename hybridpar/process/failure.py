@@ -12,6 +12,10 @@ so torchrun's closing report shows that line as the root cause instead of a link
 ranks that stopped because of it say so, dated a second later, so that torchrun (which picks the
 earliest) names the right rank.
 
+A failure no entry point foresaw (an exception that escapes its one-line reporting) is recorded by
+``@record`` itself: :func:`run_main` runs an entry point under it, so torchrun's report names that
+traceback as the root cause too.
+
 Exit codes (:data:`CONFIG_ERROR`, :data:`RUNTIME_FAULT`) tell a job that cannot start as configured
 from one that failed while running. mpirun and srun pass a rank's code on; torchrun exits 1 and shows
 each rank's code in its report.
@@ -24,6 +28,8 @@ import os
 import signal
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
 
@@ -125,6 +131,22 @@ def leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Run a process entry point's ``main`` and :func:`leave` with its exit status, under torchelastic's
+    ``@record`` (``torch.distributed.elastic.multiprocessing.errors``): an exception ``main`` lets
+    escape is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's root cause), printed, and ends the
+    process with :data:`RUNTIME_FAULT`. Imported here, when the entry point runs, not before its
+    ``--help``. A ``SystemExit`` (argparse's usage error: 2) passes through as it is."""
+    from torch.distributed.elastic.multiprocessing.errors import record  # noqa: PLC0415
+
+    try:
+        code = record(main)()
+    except Exception:
+        traceback.print_exc()
+        leave(RUNTIME_FAULT)
+    leave(code or 0)
 
 
 def _keep_exit_code() -> None:

@@ -199,7 +199,26 @@ class HaloPlan:
 
 
 class HaloError(ValueError):
-    """A split too fine for a layer: a halo needs more than the neighbouring shard holds."""
+    """A split too fine for a layer: a halo needs more than the neighbouring shard holds.
+
+    Besides its message it carries ``layer`` (the name it was given, possibly empty) and ``reason``:
+    what fails in a few words, without the layer's name or the advice on what would fit, which the
+    planner prints for a layer it replicated. A layer's own halo function (one a user registered) may
+    raise it with a message alone: ``reason`` is then the message's first clause, a leading name taken
+    off, as the messages here are written (``"name: what fails; what fits"``).
+    """
+
+    def __init__(self, message: str, *, layer: str = "", reason: str | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.reason = _first_clause(message) if reason is None else reason
+
+
+def _first_clause(message: str) -> str:
+    """``"name: what fails; what fits"`` -> ``"what fails"`` (a head with a space is no layer name)."""
+    why = message.split(";")[0]
+    head, _, rest = why.partition(": ")
+    return rest if rest and " " not in head else why
 
 
 def _need(out: Range, kernel: int, stride: int, pad_lo: int, dilation: int) -> Range:
@@ -287,10 +306,10 @@ def _link(extent: int, ins: list[Range], outs: list[Range], needs: list[Range], 
                 across = " (across the periodic boundary)" if off else ""
                 held = ins[j][1] - ins[j][0] if nb is not None else 0
                 wrap = ", periodic" if shift is not None else ""
-                raise HaloError(
-                    f"{layer}: dim {dim}: a halo of {width} voxels from the {side} neighbour{across} is "
-                    f"wider than its shard of {held} voxels (input extent {extent} split {parts} "
-                    f"ways{wrap}); {fits}")
+                reason = (f"dim {dim}: a halo of {width} voxels from the {side} neighbour{across} is "
+                          f"wider than its shard of {held} voxels (input extent {extent} split {parts} "
+                          f"ways{wrap})")
+                raise HaloError(f"{layer}: {reason}; {fits}", layer=layer, reason=reason)
             sends[j][1 if step < 0 else 0] = (a - ins[j][0], b - ins[j][0])
     return [HaloPlan(p.own, p.out, p.need, p.pad_lo, p.pad_hi, p.recv_lo, p.recv_hi, p.trim_lo, p.trim_hi,
                      sends[i][0], sends[i][1], p.mode, p.index) for i, (p, _, _) in enumerate(local)]
@@ -311,10 +330,10 @@ def check_split(extent: int, n_out: int, parts: int, layer: str, dim: str) -> No
     """Every shard of the input and of the output needs a voxel: raises :class:`HaloError` naming the
     largest split that fits."""
     if parts > 1 and (extent < parts or n_out < parts):
-        raise HaloError(
-            f"{layer}: dim {dim} has input extent {extent} and output extent {n_out}, too small to split "
-            f"over {parts} ranks (every shard needs at least one voxel); use a split of at most "
-            f"{max(1, min(extent, n_out))} along {dim}")
+        reason = (f"dim {dim} has input extent {extent} and output extent {n_out}, too small to split "
+                  f"over {parts} ranks (every shard needs at least one voxel)")
+        raise HaloError(f"{layer}: {reason}; use a split of at most {max(1, min(extent, n_out))} along {dim}",
+                        layer=layer, reason=reason)
 
 
 def _check_reach(extent: int, mode: str, pads: tuple[int, int], layer: str, dim: str) -> None:
@@ -362,7 +381,7 @@ def window_plans(extent: int, parts: int, kernel: int, stride: int = 1, pad_lo: 
             fits = (f"use a split of at most "
                     f"{max_parts(extent, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode, mode=mode)} "
                     f"along {dim}")
-        raise HaloError(f"{err}{fits}") from None
+        raise HaloError(f"{err}{fits}", layer=err.layer, reason=err.reason) from None
 
 
 def max_parts(extent: int, kernel: int, stride: int = 1, pad_lo: int = 0, pad_hi: int = 0,

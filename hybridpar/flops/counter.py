@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.families import uses_batch_statistics
 
@@ -144,21 +145,21 @@ def _select(model: nn.Module) -> tuple[dict[nn.Module, str], list[str]]:
     return chosen, unsupported
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (nothing allocated)."""
-    tensors = list(itertools.chain(model.parameters(), model.buffers()))
-    if all(t.is_meta for t in tensors):
+def meta_copy(model: nn.Module, *, reuse_meta: bool = False) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (shapes, dtypes and ties as
+    the model's; nothing allocated): what counting FLOPs and planning the model at another size read
+    of it. ``reuse_meta``: a model already wholly on the meta device is returned as it is (a reader that
+    only runs it need not copy it, and a model built under ``with torch.device('meta'):`` need not be
+    deep-copyable). Whatever ``copy.deepcopy`` raises (a module holding a process group) propagates:
+    each caller says what it means for it."""
+    if reuse_meta and all(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model
     memo: dict[int, object] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as err:  # e.g. a module holding a process group
-        raise TypeError(f"cannot copy {type(model).__name__} to the meta device ({err}); build the model "
-                        "under `with torch.device('meta'):` and pass that instead") from err
+    return copy.deepcopy(model, memo)
 
 
 def _first_tensor(value: object) -> torch.Tensor | None:
@@ -199,7 +200,11 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
     """
     if dtype is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    meta = meta_copy(model)
+    try:
+        meta = meta_copy(model, reuse_meta=True)
+    except Exception as err:  # e.g. a module holding a process group
+        raise TypeError(f"cannot copy {type(model).__name__} to the meta device ({err}); build the model "
+                        "under `with torch.device('meta'):` and pass that instead") from err
     for mod in meta.modules():  # same FLOPs either way, and training mode refuses a batch of one
         if uses_batch_statistics(mod):
             mod.eval()
@@ -213,8 +218,8 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
             return
         name = chosen[module]
         calls[name] = calls.get(name, 0) + 1
-        if calls[name] > 1:
-            name = f"{name}#{calls[name]}"
+        if calls[name] > 1:  # numbered from 1 here (the second call is #2, the plan's #1): only the
+            name = call_key(name, calls[name])  # module's path is read back (call_keys.module_path)
         records.append(_layer(name, module, x, y))
 
     handles = [m.register_forward_hook(hook) for m in chosen]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hybridpar import globs
+from hybridpar.call_keys import module_path
 from hybridpar.flops.counter import FlopCount, LayerFlops, TrainingTotals, count
 from hybridpar.geometry import HaloPlan, shard_range
 from hybridpar.nn.formulas import LayerGeometry
@@ -96,7 +97,7 @@ class ShardedFlops:
 
 def _match(name: str, splits: Mapping[str, Sequence[int]]) -> tuple[tuple[int, ...] | None, bool]:
     """The split for a layer (exact name first, then the first matching glob) and whether exact."""
-    base, patterns = name.split("#", 1)[0], list(splits)
+    base, patterns = module_path(name), list(splits)
     k = globs.rule_for(base, patterns)
     return (tuple(splits[patterns[k]]), patterns[k] == base) if k is not None else (None, False)
 

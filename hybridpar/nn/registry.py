@@ -310,8 +310,9 @@ def transposed_window(m: nn.Module) -> Windows:
 def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
     """A split without halos still needs every shard non-empty (raises ``HaloError``)."""
     if extent < parts:
-        raise geometry.HaloError(f"{name}: dim {AXES[axis]} has extent {extent}, too small to split over "
-                                 f"{parts} ranks; use a split of at most {extent}")
+        reason = f"dim {AXES[axis]} has extent {extent}, too small to split over {parts} ranks"
+        raise geometry.HaloError(f"{name}: {reason}; use a split of at most {extent}", layer=name,
+                                 reason=reason)
 
 
 def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int, ...],

@@ -159,7 +159,8 @@ def resample_plans(n: int, m: int, parts: int, taps: DimTaps, layer: str = "laye
     try:
         return plans_from_needs(n, m, parts, lambda outs: _needs(taps, outs), layer, dim)
     except HaloError as err:
-        raise HaloError(f"{err}use a split of at most {_max_parts(n, m, taps)} along {dim}") from None
+        raise HaloError(f"{err}use a split of at most {_max_parts(n, m, taps)} along {dim}", layer=err.layer,
+                        reason=err.reason) from None
 
 
 def _max_parts(n: int, m: int, taps: DimTaps) -> int:
@@ -347,7 +348,8 @@ def _upsample_halos(m: nn.Upsample, name: str, in_shape: tuple[int, ...], out_sh
             halos.append((0, 0))
             continue
         if m.mode not in MODES:
-            raise HaloError(f"{name}: Upsample mode {m.mode!r} cannot run split; use one of {MODES}")
+            reason = f"Upsample mode {m.mode!r} cannot run split"
+            raise HaloError(f"{name}: {reason}; use one of {MODES}", layer=name, reason=reason)
         taps = dim_taps(shape[i], r.out[i], r.scales[i], m.mode, m.align_corners, torch.float32)
         plans = resample_plans(shape[i], r.out[i], parts, taps, layer=name, dim=registry.AXES[i])
         halos.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))

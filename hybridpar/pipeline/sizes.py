@@ -18,7 +18,6 @@ CPU side of the default group).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
@@ -34,17 +34,6 @@ from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
 
 DIMS = "dhw"
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors (shapes, dtypes and ties as
-    the model's; no memory): what the planner needs of a model to plan it at another size."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _voxels(shape: tuple[int, ...]) -> str:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from hybridpar.call_keys import module_path
 from hybridpar.comm.redistribute import local_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
@@ -248,7 +249,7 @@ class StageBuilder:
         for i, lp in enumerate(mine):
             if i > 0 and mine[i - 1].output_split != lp.split:
                 layers.append((None, self._redistribute(mine[i - 1].output_split, lp.split, lp, "in")))
-            path = lp.name.split("#")[0]  # a module without weights called again: "act#1"
+            path = module_path(lp.name)  # a module without weights called again: "act#1"
             layers.append((None if path != lp.name else lp.name,
                            self.convert(lp.name, self.model.get_submodule(path), lp)))
         following = [lp for lp in plan if lp.stage == stage + 1]

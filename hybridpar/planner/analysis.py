@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar import geometry
+from hybridpar.call_keys import module_path
 from hybridpar.nn import registry
 from hybridpar.nn.formulas import LayerGeometry
 from hybridpar.planner.faithful import check_faithful
@@ -34,7 +35,27 @@ Halos = tuple[tuple[int, int], ...]
 
 class TooSmallToSplit(SpecError):
     """A layer's shard would be thinner than its halo, or its extent smaller than the split: the
-    planner replicates such a layer unless the spec is ``strict``."""
+    planner replicates such a layer unless the spec is ``strict``.
+
+    Its fields hold what the message says, for a reader that words it otherwise (the planner's note on
+    a layer it replicated reads them, never the text): ``layer``, ``kind`` (the module's type, or
+    ``"function"``), ``split``, ``extents`` (its input's D, H, W) and ``reason`` (what fails, from the
+    halo check's :class:`~hybridpar.geometry.HaloError`)."""
+
+    def __init__(self, message: str, *, layer: str = "", kind: str = "", split: Split = (1, 1, 1),
+                 extents: tuple[int, ...] = (), reason: str = "") -> None:
+        super().__init__(message)
+        self.layer, self.kind, self.split, self.extents, self.reason = layer, kind, split, extents, reason
+
+
+def _cannot_split(name: str, m: nn.Module | None, in_shape: tuple[int, ...], split: Split, reason: str,
+                  detail: str) -> TooSmallToSplit:
+    """The error of layer ``name`` under a ``split`` too fine for it, its message ending in ``detail``."""
+    extents = tuple(in_shape[2:])
+    kind = type(m).__name__ if m is not None else "function"
+    return TooSmallToSplit(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of "
+                           f"{'x'.join(map(str, extents))} voxels{detail}", layer=name, kind=kind,
+                           split=split, extents=extents, reason=reason)
 
 
 def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
@@ -115,24 +136,20 @@ def node_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None
             registry.check_extent(name, in_shape[2 + i], parts, i)
         return ((0, 0),) * 3
     except geometry.HaloError as err:
-        size = "x".join(map(str, in_shape[2:]))
-        kind = type(m).__name__ if m is not None else "function"
-        raise TooSmallToSplit(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of "
-                              f"{size} voxels: {err}") from None
+        raise _cannot_split(name, m, in_shape, split, err.reason, f": {err}") from None
 
 
 def _terse_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None,
                  in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split) -> Halos:
     """:func:`node_halos` without geometry's search for what would fit (O(extent^2) per call, which
     adds up at 512^3): a planner only needs to know that a split fails, so the message is shorter;
-    :meth:`ParallelSpec.plan` gives the full one."""
+    :meth:`ParallelSpec.plan` gives the full one. Its ``reason`` is the full one's, so a layer the
+    planner replicates is explained alike either way."""
     try:
         return node_halos("", m, entry, in_shape, out_shape, split)
-    except TooSmallToSplit:
-        size = "x".join(map(str, in_shape[2:]))
-        kind = type(m).__name__ if m is not None else "function"
-        raise TooSmallToSplit(f"layers: {name} ({kind}) cannot run split {list(split)} on its input of "
-                              f"{size} voxels (spec.plan says what would fit)") from None
+    except TooSmallToSplit as err:
+        short = " (spec.plan says what would fit)"
+        raise _cannot_split(name, m, in_shape, split, err.reason, short) from None
 
 
 def forward_flops(m: nn.Module | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> int:
@@ -163,7 +180,7 @@ def leaf_flop_sums(counted: flop_count.FlopCount,
     index = {name: i for i, (name, _) in enumerate(leaves)}
     sums = [[0, 0, 0, 0] for _ in leaves]
     for rec in counted.per_layer:
-        parts = rec.name.split("#", 1)[0].split(".")
+        parts = module_path(rec.name).split(".")
         for k in range(len(parts), 0, -1):
             leaf = index.get(".".join(parts[:k]))
             if leaf is not None:

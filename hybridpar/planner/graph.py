@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner.terms import SpecError
@@ -66,8 +67,8 @@ class UntraceableError(SpecError):
 @dataclass(frozen=True)
 class Node:
     """One call in forward order: a module (``op == "module"``, ``target`` its qualified name, and
-    ``name`` too, with ``#k`` appended for its k-th further call) or a function or tensor method
-    (``name`` the fx node's name). ``inputs`` names the producers of its tensor
+    ``name`` too, with ``#k`` appended for its k-th further call: :mod:`hybridpar.call_keys`) or a
+    function or tensor method (``name`` the fx node's name). ``inputs`` names the producers of its tensor
     arguments in argument order (:data:`INPUT` for the model input)."""
 
     name: str
@@ -199,7 +200,7 @@ def trace(model: nn.Module) -> ModelGraph:
                 raise SpecError(f"model: module {target} ({type(module).__name__}) is called more than "
                                 f"once in forward; its weights would be shared between calls, which a "
                                 f"split or a pipeline cut does not follow: use one module per call")
-            name = target if calls[target] == 1 else f"{target}#{calls[target] - 1}"
+            name = call_key(target, calls[target] - 1)
             nodes.append(Node(name, "module", target, module, inputs, n))
         else:
             op = "method" if n.op == "call_method" else "function"

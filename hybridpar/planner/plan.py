@@ -126,17 +126,17 @@ def _check_nested(node: Node, in_shape: tuple[int, ...], split: Split, micro: in
                         f"whole") from None
 
 
-def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split, err: SpecError) -> str:
-    """Why a node cannot run under ``split`` (``err``, its halo check's), in a few words for ``explain``."""
+def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split,
+               err: TooSmallToSplit) -> str:
+    """Why a node cannot run under ``split`` (``err``: its halo check's, or that of a layer inside it),
+    in a few words for ``explain``: its own extents where they are fewer than the split, else the
+    halo check's reason."""
     for what, shape in (("input", in_shape), ("output", out_shape)):
         for k, parts in enumerate(split):
             if len(shape) == 5 and shape[2 + k] < parts:
                 size = "x".join(map(str, shape[2:]))
                 return f"its {what} of {size} voxels is fewer than the split {list(split)} along {'dhw'[k]}"
-    why = str(err).split(" voxels: ", 1)[-1].split(";")[0]
-    head, _, rest = why.partition(": ")
-    why = rest if rest and " " not in head else why  # the layer's name again
-    return f"split {list(split)} of its input of {'x'.join(map(str, in_shape[2:]))} voxels: {why}"
+    return f"split {list(split)} of its input of {'x'.join(map(str, in_shape[2:]))} voxels: {err.reason}"
 
 
 def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:

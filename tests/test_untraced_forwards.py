@@ -3,11 +3,11 @@
 A shape check anywhere in a forward (``if x.shape[2] % 2``) makes it untraceable; the engine then runs
 the model's own forward on shards, at the top level or as a block inside a traced model. There, shape
 reads answer the volume's extents, and ``F.pad``, ``F.interpolate`` to a skip's size, functional pools
-and convs, reductions over the volume, ``cat``/``stack``/``chunk`` along channels, the model's own
-parameters and a volume flattened into Linear layers all give what one process gives: three SGD steps
-in float64, every loss, every parameter and the predictions, on 2 ranks, 2x2x1 and data x spatial,
-with odd and uneven extents. What cannot run split is refused before any step, in one line naming the
-call and its source line.
+and convs, reductions over the volume (a hand-written instance norm's ``std`` too), ``cat``, ``stack``
+and ``chunk`` along channels, the model's own parameters, layers of the user's own type and a volume
+flattened into Linear layers all give what one process gives: three SGD steps in float64, every loss,
+every parameter and the predictions, on 2 ranks, 2x2x1 and data x spatial, with odd and uneven
+extents. What cannot run split is refused before any step, in one line naming the call and its line.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class _Untraceable(nn.Module):
         y = F.relu(self.conv(F.avg_pool3d(x, 2)))
         if y.shape[2] >= 5:
             y = y * 2
-        y = y - y.mean(dim=(2, 3, 4), keepdim=True)
+        y = (y - y.mean(dim=(2, 3, 4), keepdim=True)) / (y.std(dim=(2, 3, 4), keepdim=True) + 1e-3)
         return F.interpolate(y, size=size, mode="nearest")
 
 
@@ -101,7 +101,7 @@ class DeepBranch(nn.Module):
         u = self.conv(x)
         if x.shape[2] > 6:
             u = self.extra(u) * (u.size(2) / 8)
-        return u / (1 + u.abs().amax()) + u.norm() * 1e-2  # over the whole batch: spatial split only
+        return u / (1 + u.abs().amax()) + u.norm() * 1e-2 + u.var(unbiased=False)  # the whole batch's
 
 
 class FlatRegressor(nn.Module):

@@ -167,10 +167,15 @@ class SplitForward(LayoutWatch):
         if kind.reduce == "norm":
             part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
             return sum_to_replicated(part, self.group).pow(1 / kind.ord)
+        count = math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
+        if kind.reduce in ("var", "std"):  # two passes, as torch computes it: the mean, then the squares
+            mean = sum_to_replicated(x.sum(dim=dims, keepdim=True), self.group) / count
+            mean = replicated_into_shards(mean, self.group)  # every shard's part of its gradient, summed
+            squares = sum_to_replicated((x - mean).square().sum(dim=dims, keepdim=keep), self.group)
+            var = squares / max(count - kind.correction, 0)
+            return var.sqrt() if kind.reduce == "std" else var
         total = sum_to_replicated(x.sum(dim=dims, keepdim=keep), self.group)
-        if kind.reduce == "mean":
-            return total / math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
-        return total
+        return total / count if kind.reduce == "mean" else total
 
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         m = kind.module

@@ -45,6 +45,7 @@ class CallKind:
     dims: tuple[int, ...] = ()  # ``reduce``: the dims reduced; ``keep``: the dims worked along
     keepdim: bool = False
     ord: float = 2.0  # ``reduce`` ``norm``: its order
+    correction: int = 1  # ``reduce`` ``var``, ``std``: Bessel's correction
     why: str = ""  # ``refuse``: what would be needed
 
 
@@ -65,7 +66,8 @@ LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone",
         "clamp_", "sigmoid_", "tanh_", "fill_", "zero_", "copy_", "leaky_relu", "leaky_relu_")
 # Along which dims (``None``: all): how each reduction names them.
 REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
-              "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2)}
+              "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2),
+              "var": ("dim", 1), "std": ("dim", 1)}
 JOINS = ("cat", "concat", "concatenate", "stack")
 PIECES = ("chunk", "split", "tensor_split", "unbind")
 KEEP = ("softmax", "log_softmax")  # along one dim, given: leading only
@@ -110,6 +112,13 @@ def _reduction(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
             return CallKind("refuse", why=f"{name} of order {p!r}: only finite positive orders")
         keep = bool(_arg(args, kwargs, 3, "keepdim", False))
         ord_ = float(p)
+    elif name in ("var", "std"):  # (dim, unbiased, keepdim) or (dim, *, correction, keepdim)
+        unbiased = args[2] if len(args) > 2 and isinstance(args[2], bool) else kwargs.get("unbiased", True)
+        correction = kwargs.get("correction", 1 if unbiased else 0)
+        keep = bool(kwargs.get("keepdim", args[3] if len(args) > 3 else False))
+        if not isinstance(correction, int | float):
+            return CallKind("refuse", why=f"{name} with correction {correction!r}")
+        ord_ = float(correction)
     else:
         keep, ord_ = bool(_arg(args, kwargs, 2, "keepdim", False)), 2.0
     if name in ("sum", "mean") and _arg(args, kwargs, 3, "dtype") is not None:
@@ -122,7 +131,8 @@ def _reduction(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
     if dims is None or spatial <= set(dims):
         same = {"max": "amax", "min": "amin", "linalg_vector_norm": "norm"}
         return CallKind("reduce", reduce=same.get(name, name),
-                        dims=tuple(range(nd)) if dims is None else dims, keepdim=keep, ord=ord_)
+                        dims=tuple(range(nd)) if dims is None else dims, keepdim=keep, ord=ord_,
+                        correction=int(ord_) if name in ("var", "std") else 1)
     if spatial & set(dims):
         return CallKind("refuse", why=f"{name} over some of the volume's dims {list(dims)} but not all "
                                       f"(D, H, W are {sorted(spatial)}): reduce over all three, or none")

@@ -22,6 +22,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import flops as flop_count
+from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner import calls
@@ -332,7 +333,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         count[name] = count.get(name, -1) + 1  # the k-th further call is "name#k", as in a graph
         modules.append(m)
         records.append(LayerPlan(
-            name=name if not count[name] else f"{name}#{count[name]}",
+            name=call_key(name, count[name]),
             kind=type(m).__name__, stage=0, split=s, rule=None, input_shape=tuple(x.shape),
             output_shape=tuple(out.shape), local_input_shape=local_shape(tuple(x.shape), micro, s),
             local_output_shape=local_shape(tuple(out.shape), micro, out_split),

@@ -356,7 +356,7 @@ def test_graphs_are_traced_and_untraceable_forwards_named():
     raises(["module swapping", "per-layer rules"], spec_of({"spatial": [2, 1, 1]}, layers={"a": {"spatial":
            "replicate"}}).plan, Branchy(), (1, 1, 8, 8, 8))
     # a function that needs the whole volume, called on a split activation outside any layer
-    raises(["model (CumsumBranchy)", "calls cumsum at test_spec.py", "nn.Flatten"],
+    raises(["model (CumsumBranchy)", "calls cumsum: cumsum along a dim of the volume", "nn.Flatten"],
            spec_of({"spatial": [2, 1, 1]}).plan, CumsumBranchy(), (1, 1, 8, 8, 8))
     assert len(spec.plan(CumsumBranchy(), (1, 1, 8, 8, 8))) == 1  # unsplit: nothing to refuse
     # nested, it runs split by module swapping inside itself (its layers checked on their extents)

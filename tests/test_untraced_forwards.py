@@ -166,6 +166,29 @@ class OwnLayersNet(nn.Module):
         return self.head(h * torch.sigmoid(self.fc(self.squeeze(h))))
 
 
+class Idioms(nn.Module):
+    """More of what users write between layers: a tensor made from the volume's shape without a device,
+    a position parameter the size of the volume, a max, a repeat, an expand and a normalisation along
+    channels, a downsampling interpolate, and attention over the flattened voxels (gathered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 4, *SHAPE[2:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)) + self.pos
+        if h.shape[2] % 2:
+            h = torch.cat([h, torch.zeros(h.shape[0], 1, *h.shape[2:])], dim=1)[:, :4]
+        h = F.normalize(h * h.max(dim=1, keepdim=True).values, dim=1)
+        h = h[:, :2].repeat(1, 2, 1, 1, 1) + h.expand(-1, -1, -1, -1, -1)
+        h = F.interpolate(F.interpolate(h, scale_factor=0.5, mode="trilinear"), size=h.shape[2:])
+        n, c, d, hh, w = h.shape
+        t = h.flatten(2).transpose(1, 2)  # (n, voxels, c)
+        t = torch.softmax(t @ t.transpose(1, 2) / c, dim=-1) @ t
+        return t.transpose(1, 2).reshape(n, c, d, hh, w)[:, :1]
+
+
 class VolumeMean(nn.Module):
     """An untraceable forward that returns a reduction over the volume: a replicated output."""
 
@@ -183,7 +206,7 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
-        out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1}.get(model, 2)
+        out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1, "Idioms": 1}.get(model, 2)
         shape = {"FlatRegressor": (SHAPE[0], 4), "VolumeMean": (SHAPE[0], 2, 1, 1, 1)}.get(
             model, (SHAPE[0], out, *SHAPE[2:]))
         y = torch.randn(shape, dtype=torch.float64, generator=g)
@@ -199,7 +222,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("shape branch", "DeepBranch", {"grid": {"spatial": [2, 1, 1]}}),
        ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}}),
        ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}}),
-       ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}})]
+       ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}}),
+       ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

@@ -18,6 +18,7 @@ from torch import nn
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.families import uses_batch_statistics
+from hybridpar.nn.meta import OnMeta
 
 __all__ = ["FlopCount", "LayerFlops", "TrainingTotals", "count", "meta_copy"]
 
@@ -224,7 +225,7 @@ def count(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | 
 
     handles = [m.register_forward_hook(hook) for m in chosen]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), OnMeta():
             x = torch.empty(tuple(input_shape), device="meta", dtype=dtype, requires_grad=input_requires_grad)
             meta(x)
     finally:

@@ -76,10 +76,11 @@ class SplitForward(LayoutWatch):
     def box(self, extents: Extents) -> tuple[tuple[int, int], ...]:
         return shard_box(extents, self.grid.spatial_shape, self.grid.spatial_coord)
 
-    def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype
-                     ) -> Extents:
-        """The global extents of ``m``'s output on a volume of ``extents`` (memoised per size)."""
-        key = (id(m), tuple(lead), extents, dtype)
+    def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
+                     name: object = None) -> Extents:
+        """The global extents of ``m``'s output on a volume of ``extents``, memoised per size under
+        ``name`` (a layer's identity; a call's stand-in, made anew at every call, its description)."""
+        key = (id(m) if name is None else name, tuple(lead), extents, dtype)
         if key not in self._extents:
             state, own = meta_state(m)
             if any(t.is_floating_point() for t in state.values()):
@@ -196,7 +197,7 @@ class SplitForward(LayoutWatch):
         else:
             out = d(x)
         if not _replicates(m):
-            self.mark(out, self._out_extents(m, x.shape[:-3], extents, x.dtype))
+            self.mark(out, self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key))
         return out
 
     def _run_step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:

@@ -70,7 +70,8 @@ REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin":
               "var": ("dim", 1), "std": ("dim", 1)}
 JOINS = ("cat", "concat", "concatenate", "stack")
 PIECES = ("chunk", "split", "tensor_split", "unbind")
-KEEP = ("softmax", "log_softmax")  # along one dim, given: leading only
+KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp")
+"""Along one dim, given: kept split where it is a leading dim."""
 
 
 def name_of(func: Any) -> str:
@@ -104,7 +105,11 @@ def _reduction(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
     key, pos = REDUCTIONS[name]
     dim = None if key is None else _arg(args, kwargs, pos, key)
     if name in ("max", "min") and len(args) + len(kwargs) > 1:
-        return CallKind("refuse", why=f"{name} along a dim gives indices of the shard; use amax or amin")
+        dim = _arg(args, kwargs, 1, "dim")
+        if isinstance(dim, int) and dim % nd < nd - 3:  # along channels: voxel by voxel, indices too
+            return CallKind("keep")
+        return CallKind("refuse", why=f"{name} along {dim!r}: a dim of the volume or another tensor; on a "
+                                      f"shard its indices are the shard's (amax/amin over D, H, W run split)")
     if name in ("norm", "linalg_vector_norm"):
         p = _arg(args, kwargs, 1, "p" if name == "norm" else "ord", 2)
         p = 2 if p in ("fro", None) else p
@@ -191,8 +196,10 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
     if name == "getitem":
         ok = index_keeps_space(args[1], nd)
         return CallKind("keep" if ok else "refuse", why="" if ok else "indexing into the volume's dims")
+    if name in ("repeat", "expand", "tile"):
+        return _leading(name, args, kwargs, nd)
     if name in KEEP:
-        dim = _arg(args, kwargs, 1, "dim")
+        dim = _arg(args, kwargs, 2 if name == "normalize" else 1, "dim", 1 if name == "normalize" else None)
         ok = isinstance(dim, int) and dim % nd < nd - 3
         return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} along a dim of the volume")
     if name in ("unsqueeze", "squeeze", "flatten", "movedim"):
@@ -209,6 +216,12 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
 
 def _leading(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
     """``unsqueeze``/``squeeze``/``flatten``/``movedim`` along leading dims only."""
+    if name in ("repeat", "expand", "tile"):
+        sizes = args[1:] if len(args) > 1 else kwargs.get("size", kwargs.get("dims", ()))
+        sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], list | tuple) else list(sizes)
+        keep = -1 if name == "expand" else 1
+        ok = len(sizes) >= 3 and all(isinstance(v, int) and v in (keep, 1) for v in sizes[-3:])
+        return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} along a dim of the volume")
     if name == "unsqueeze":
         d = _arg(args, kwargs, 1, "dim")
         ok = isinstance(d, int) and (d % (nd + 1)) <= nd - 3

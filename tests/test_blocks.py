@@ -210,6 +210,8 @@ CASES = [
     (2, "SE gate of 1^3 convs by module swapping", "SwappedConvSENet", S2, ODD),
     (2, "SE gate of Linear layers by module swapping", "SwappedLinearSENet", S2, ODD),
     (2, "SE gate squeezed by mean, by module swapping", "SwappedMeanSENet", S2, ODD),
+    (2, "SE gate squeezed by mean, traced", "MeanSENet", S2, ODD),
+    (4, "SE gate squeezed by mean, traced", "MeanSENet", S4, (2, 1, 7, 5, 4)),
     (2, "a volume viewed flat into tanh and a Linear, by module swapping", "SwappedFlatHeadNet", S2,
      (2, 1, 4, 4, 4)),
     (2, "a volume viewed flat into a Linear, by module swapping", "SwappedDirectFlatHeadNet", S2,
@@ -392,17 +394,19 @@ def SwappedMeanSENet() -> nn.Module:  # noqa: N802
     return _Untraced(MeanSENet())
 
 
-def test_a_mean_squeeze_is_reduced_by_module_swapping_and_gathered_traced():
-    """By module swapping, a squeeze written as ``mean`` over a split volume gives the volume's mean on
-    every rank (the 1³ layers after it run whole: the numbers are CASES'); traced, it is gathered, and
-    flagged as a gather."""
+def test_a_mean_squeeze_is_reduced_split_traced_and_by_module_swapping():
+    """A squeeze written as ``mean`` over a split volume gives the volume's mean on every rank, by
+    module swapping and traced alike (one table: hybridpar.planner.calls), not a gather; the 1³
+    layers after it run whole (the numbers are CASES')."""
     import hybridpar as hp
 
     spec = hp.ParallelSpec.from_dict(S2)
     swapped = {r.name: r for r in spec.plan(_Untraced(MeanSENet()), (2, 1, 7, 6, 5), 2)}
     assert swapped["inner.stem"].split == (2, 1, 1) and swapped["inner.fc.0"].split == (1, 1, 1)
     rows = {r.name: r for r in spec.plan(MeanSENet(), (2, 1, 7, 6, 5), 2)}
-    assert rows["mean"].gather and rows["mul"].split == (2, 1, 1)
+    assert not rows["mean"].gather and rows["mean"].split == (2, 1, 1)
+    assert rows["mean"].output_split == (1, 1, 1)
+    assert rows["mul"].split == (2, 1, 1)
 
 
 class FlatHeadNet(nn.Module):

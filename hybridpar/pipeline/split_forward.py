@@ -160,23 +160,7 @@ class SplitForward(LayoutWatch):
     _run_keep = _run_join = _run_pieces = _run_pointwise
 
     def _run_reduce(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
-        nd, extents = x.dim(), self.split[x]
-        dims, keep = kind.dims, kind.keepdim
-        if kind.reduce in ("amax", "amin"):
-            sign = 1 if kind.reduce == "amax" else -1
-            return sign * max_to_replicated((sign * x).amax(dim=dims, keepdim=keep), self.group)
-        if kind.reduce == "norm":
-            part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
-            return sum_to_replicated(part, self.group).pow(1 / kind.ord)
-        count = math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
-        if kind.reduce in ("var", "std"):  # two passes, as torch computes it: the mean, then the squares
-            mean = sum_to_replicated(x.sum(dim=dims, keepdim=True), self.group) / count
-            mean = replicated_into_shards(mean, self.group)  # every shard's part of its gradient, summed
-            squares = sum_to_replicated((x - mean).square().sum(dim=dims, keepdim=keep), self.group)
-            var = squares / max(count - kind.correction, 0)
-            return var.sqrt() if kind.reduce == "std" else var
-        total = sum_to_replicated(x.sum(dim=dims, keepdim=keep), self.group)
-        return total / count if kind.reduce == "mean" else total
+        return reduce_over_volume(kind, x, self.split[x], self.group)
 
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         m = kind.module
@@ -229,6 +213,28 @@ class SplitForward(LayoutWatch):
 
     def _chain_shape(self, func, args, kwargs) -> Any:
         return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
+
+
+def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
+                       group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
+    """The reduction ``kind`` (over all of D, H, W) of the volume whose shard on this rank is ``x`` (the
+    volume of global ``extents``, split over ``group``): its global value, replicated on every rank."""
+    nd, dims, keep = x.dim(), kind.dims, kind.keepdim
+    if kind.reduce in ("amax", "amin"):
+        sign = 1 if kind.reduce == "amax" else -1
+        return sign * max_to_replicated((sign * x).amax(dim=dims, keepdim=keep), group)
+    if kind.reduce == "norm":
+        part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
+        return sum_to_replicated(part, group).pow(1 / kind.ord)
+    count = math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
+    if kind.reduce in ("var", "std"):  # two passes, as torch computes it: the mean, then the squares
+        mean = sum_to_replicated(x.sum(dim=dims, keepdim=True), group) / count
+        mean = replicated_into_shards(mean, group)  # every shard's part of its gradient, summed
+        squares = sum_to_replicated((x - mean).square().sum(dim=dims, keepdim=keep), group)
+        var = squares / max(count - kind.correction, 0)
+        return var.sqrt() if kind.reduce == "std" else var
+    total = sum_to_replicated(x.sum(dim=dims, keepdim=keep), group)
+    return total / count if kind.reduce == "mean" else total
 
 
 def _answer(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:

@@ -25,6 +25,8 @@ from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
+from hybridpar.pipeline.split_forward import reduce_over_volume
+from hybridpar.planner import calls
 from hybridpar.planner.graph import INPUT, ModelGraph, trace_values
 from hybridpar.planner.plan import broadcasts
 from hybridpar.planner.records import LayerPlan
@@ -113,6 +115,13 @@ class StageGraph(nn.Module):
             if node.name in maps and rec.split != (1, 1, 1) and node.target in RESHAPES:
                 self.local_reshapes[node.name] = (maps[node.name].form(node.name), maps[node.name].source)
         self._bind_reshapes(plan, input_shape)
+        # reductions over the volume of a split value: its global value on every rank (the plan's role)
+        self.reductions: dict[str, calls.CallKind] = {}
+        for node, rec in zip(self.nodes, self.records, strict=True):
+            kind = calls.volume_reduction(node.target, node.fx_node.args, dict(node.fx_node.kwargs),
+                                          len(rec.input_shape)) if node.module is None else None
+            if kind is not None and rec.split != (1, 1, 1):
+                self.reductions[node.name] = kind
         self.stand_ins = nn.ModuleDict()  # functions that run as layers (F.interpolate: an Upsample)
         for node, rec in zip(self.nodes, self.records, strict=True):
             if node.op == "module":
@@ -217,6 +226,10 @@ class StageGraph(nn.Module):
                 out = self.get_submodule(target)(*args, **kwargs)
             elif name in self.stand_ins:
                 out = self.stand_ins[name](args[0])
+            elif name in self.reductions:
+                grid = self.layout(rec.split)
+                out = reduce_over_volume(self.reductions[name], args[0], self.value_shape[inputs[0]][2:],
+                                         grid.spatial_group if grid.spatial_size > 1 else None)
             elif name in self.local_reshapes:  # the shard's shape, not the global one the forward read
                 shape = form_shape(self.local_reshapes[name][0], batch, self.reshape_extents[name])
                 out = getattr(args[0], target)(shape) if op == "method" else target(args[0], shape)

@@ -288,3 +288,13 @@ def line_of(err: BaseException) -> str:
     """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not _ours(f.filename)]
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+
+
+def volume_reduction(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind | None:
+    """The reduction a call makes over the whole volume of an ``nd``-dim split input, per sample (its
+    dims hold D, H, W and not the batch, which data parallelism may split), or None: what a traced
+    graph runs split (:func:`hybridpar.pipeline.split_forward.reduce_over_volume`) rather than gathered."""
+    if nd != 5 or name_of(func).strip("_") not in REDUCTIONS:
+        return None
+    kind = _reduction(name_of(func).strip("_"), args, kwargs, nd)
+    return kind if kind.kind == "reduce" and 0 not in kind.dims else None

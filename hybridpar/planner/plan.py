@@ -41,6 +41,7 @@ from torch import nn
 
 from hybridpar import globs
 from hybridpar.nn import registry
+from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit, analyse, check_input_shape
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
@@ -102,6 +103,8 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
         return (entry.role, entry) if entry is not None else ("unregistered", None)
     if node.name == OUTPUT:  # the outputs, each in its own layout: the split ones in one
         return "output", None
+    if calls.volume_reduction(node.target, node.fx_node.args, dict(node.fx_node.kwargs), len(in_shape)):
+        return "volume_reduction", None  # over D, H, W per sample: split, its value replicated
     role = registry.function_role(node.target)
     if role == "shape" and node.name not in values:
         role = "dense"
@@ -205,7 +208,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
             first_reader = INPUT in node.inputs and input_split is None
             replicate = small and not first_reader and not _split_input(node, out_split, input_split)
             split = REPLICATED if replicate else grid.spatial
-        elif role in ("pointwise", "reduce", "shape"):  # a shape read takes its input as it is
+        elif role in ("pointwise", "reduce", "shape", "volume_reduction"):  # a shape read: as it is
             split = producer
         elif role == "output":  # split outputs stay split where one share of the volume weighs them all
             extents = {shapes[index[n]][1][2:] if n != INPUT else a.input_shape[2:] for n in node.inputs}
@@ -236,7 +239,7 @@ def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> l
                 auto[node.name] = f"reads {from_auto}, replicated"
         if INPUT in node.inputs and input_split is None:
             input_split = split if spatial_in else REPLICATED
-        replicated_out = node.name in whole_out or \
+        replicated_out = node.name in whole_out or role == "volume_reduction" or \
             (entry is not None and entry.replicated_output(node.module))
         out_split[node.name] = split if mapped else \
             REPLICATED if (replicated_out or len(out_shape) != 5) else split

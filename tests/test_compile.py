@@ -151,3 +151,40 @@ def test_compiles_with_breaks_only_at_communication(pools, world, graphs, breaks
 @pytest.mark.parametrize("world", [1, 2])
 def test_compiled_engine_trains_the_same_step(pools, world):
     pools(world).run(_engine_case, timeout=300)
+
+
+def _untraced_case(rank: int, world: int) -> None:
+    """A forward torch.fx cannot trace, compiled: its calls are followed in Python state
+    (hybridpar.pipeline.split_forward) that a compiled graph would not consult again, so that forward
+    runs eagerly; three steps equal the uncompiled engine's (they differed from the second step on)."""
+    import torch
+    import torch.nn.functional as F
+    from test_untraced_forwards import SHAPE, DeepBranch
+
+    import hybridpar as hp
+
+    g = torch.Generator().manual_seed(4)
+    xb = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    yb = torch.randn((SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64, generator=g)
+    losses = []
+    for compile_it in (False, True):
+        torch.manual_seed(0)
+        spec = {"grid": {"spatial": [world, 1, 1]}}
+        engine = hp.parallelize(DeepBranch().double(), spec, loss_fn=F.mse_loss)
+        x_local, y_local = engine.shard_batch(xb, yb)
+        if compile_it:
+            torch._dynamo.reset()
+            engine.compile(backend="aot_eager")
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        run = []
+        for _ in range(3):
+            run.append(engine.train_step(x_local, y_local).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(run)
+    if any(abs(a - b) > 1e-10 * abs(b) for a, b in zip(losses[1], losses[0])):
+        raise AssertionError(f"rank {rank}: compiled {losses[1]} != eager {losses[0]}")
+
+
+def test_a_compiled_untraceable_forward_trains_the_same_steps(pools):
+    pools(2).run(_untraced_case, timeout=300)

@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.comm.redistribute import gather
 from hybridpar.comm.reduce import max_to_replicated, replicated_into_shards, sum_to_replicated
+from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Gather
@@ -303,6 +304,7 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
     mode.hook([m for _, m in leaves(swapped)])
     inner = swapped.forward
 
+    @eager  # the mode's layouts live in Python state a compiled graph would not consult again
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         mode.reset()
         mode.mark(x, mode.input_extents)

@@ -257,6 +257,8 @@ class _Refused(nn.Module):
                 h = h * 2 if h.mean() > 0 else h
             elif self.what == "batch mean":
                 h = h - h.mean()
+            elif self.what == "mean over the batch alone":
+                h = h - h.mean(0, keepdim=True)
             elif self.what == "item":
                 h = h * len(h.tolist())
         return h
@@ -269,6 +271,7 @@ class _Refused(nn.Module):
     ("branch on a value", r"at test_untraced_forwards.py:\d+: RuntimeError.*branch on configuration"),
     ("item", r"at test_untraced_forwards.py:\d+ reads the values of a split activation"),
     ("batch mean", r"mean \(over the batch, which data parallelism or micro-batches hold apart"),
+    ("mean over the batch alone", r"mean \(over the batch, which data parallelism"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

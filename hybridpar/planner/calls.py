@@ -53,7 +53,7 @@ SHAPE_READS = ("size", "numel", "nelement")
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
 SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
-        "__repr__", "__hash__", "__eq__")
+        "__repr__", "__hash__")
 LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float",
         "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
         "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",

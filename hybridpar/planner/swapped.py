@@ -168,7 +168,8 @@ class LayoutWatch(TorchFunctionMode):
                             f"configuration")
         if kind.kind == "step":
             return self._run_step(func, args, kwargs, split[0])
-        if kind.kind == "reduce" and 0 in kind.dims and self.batch_apart:
+        batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)
+        if kind.kind in ("reduce", "keep") and 0 in kind.dims and batch and self.batch_apart:
             self.unsafe.append(f"{calls.name_of(func)} (over the batch, which data parallelism or "
                                f"micro-batches hold apart: reduce each sample, dim=(1, 2, 3, 4)) at "
                                f"{calls.caller()}")

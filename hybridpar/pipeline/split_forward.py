@@ -45,7 +45,7 @@ from hybridpar.nn.layout import Gather
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
-from hybridpar.planner.space_maps import source_dims, step
+from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
 from hybridpar.planner.swapped import Extents, LayoutWatch, leaves
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
@@ -202,7 +202,7 @@ class SplitForward(LayoutWatch):
         steps = {**steps, len(steps): dims}
         if name in ("view", "reshape"):
             local = [hi - lo for lo, hi in self.box(start[2:])]
-            out = func(args[0], tuple(_local_dims(dims, start, src.shape[0], local)))
+            out = func(args[0], form_shape(form_of(dims, start), src.shape[0], local))
         else:
             out = func(*args, **kwargs)
         if out.dim() == 5:
@@ -268,23 +268,6 @@ def _whole_shape(name: str, args: tuple, kwargs: dict, dims: Any) -> tuple[int, 
         a, b = (d % len(sizes) for d in args[1:3])
         sizes[a], sizes[b] = sizes[b], sizes[a]
     return tuple(sizes)
-
-
-def _local_dims(dims: Any, start: Sequence[int], batch: int, local: Sequence[int]) -> list[int]:
-    """The sizes of a chain's value on a shard of ``local`` extents (its atoms ``dims``, from a volume
-    of shape ``start``): the outermost digit of each spatial axis counts the shard's, not the volume's."""
-    out = []
-    for d in dims:
-        size = 1
-        for src, stride, n in d:
-            if src == "n":
-                size *= batch
-            elif isinstance(src, int) and stride * n == start[2 + src]:
-                size *= local[src] // stride
-            else:
-                size *= n
-        out.append(size)
-    return out
 
 
 def _replicates(m: nn.Module) -> bool:

@@ -120,6 +120,22 @@ def form_shape(form: Form, batch: int, extents: Sequence[int]) -> tuple[int, ...
                  for b, outers, fixed in form)
 
 
+def form_of(dims: Dims, in_shape: Sequence[int]) -> Form:
+    """Dims ``dims`` of a chain from a volume of ``in_shape``, in terms that hold at any input size."""
+    out = []
+    for d in dims:
+        batch, outers, fixed = False, [], 1
+        for src, stride, n in d:
+            if src == "n":
+                batch = True
+            elif isinstance(src, int) and stride * n == in_shape[2 + src]:  # the outermost digit
+                outers.append((src, stride))
+            else:
+                fixed *= n
+        out.append((batch, tuple(outers), fixed))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SpaceMap:
     """A chain of reshapes from split volume ``source`` (global ``in_shape``) to a volume of global
@@ -150,18 +166,7 @@ class SpaceMap:
 
     def form(self, node: str) -> Form:
         """Node ``node``'s output dims in terms that hold at any input size (see :data:`Form`)."""
-        out = []
-        for d in self.dims[node]:
-            batch, outers, fixed = False, [], 1
-            for src, stride, n in d:
-                if src == "n":
-                    batch = True
-                elif isinstance(src, int) and stride * n == self.in_shape[2 + src]:  # the outermost digit
-                    outers.append((src, stride))
-                else:
-                    fixed *= n
-            out.append((batch, tuple(outers), fixed))
-        return tuple(out)
+        return form_of(self.dims[node], self.in_shape)
 
     def local_shape(self, node: str, batch: int, extents: Sequence[int]) -> tuple[int, ...]:
         """Node ``node``'s output shape on a rank holding ``extents`` (D, H, W) of the input volume."""

@@ -23,9 +23,9 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from hybridpar.axes import AXES, Axes, LeftoverError, fill_leftover
 from hybridpar.process.lifetime import collective_timeout, on_shutdown
 
-AXES = ("d", "h", "w")
 _GROUP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
 
 
@@ -71,27 +71,26 @@ def _self_group() -> dist.ProcessGroup:
     return _GROUP_CACHE[key][0]
 
 
-def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> tuple[int, int, tuple[int, ...]]:
-    sizes = [data, pipe, *spatial]
+def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> Axes:
     if len(spatial) != 3:
         raise ValueError(f"ProcessGrid: spatial must have 3 entries (d, h, w), got {tuple(spatial)}")
-    if sizes.count(-1) > 1:
-        raise ValueError("ProcessGrid: at most one size may be -1 (the ranks left over)")
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        if known <= 0 or world % known:
-            raise ValueError(f"ProcessGrid: world size {world} is not divisible by the fixed sizes "
-                             f"(product {known})")
-        sizes[sizes.index(-1)] = world // known
+    try:
+        sizes = fill_leftover([data, pipe, *spatial], world)
+    except LeftoverError as err:
+        if err.several:
+            raise ValueError("ProcessGrid: at most one size may be -1 (the ranks left over)") from None
+        raise ValueError(f"ProcessGrid: world size {world} is not divisible by the fixed sizes "
+                         f"(product {err.known})") from None
     if any(s < 1 for s in sizes):
         raise ValueError(f"ProcessGrid: sizes must be positive, got data={data} pipe={pipe} "
                          f"spatial={tuple(spatial)}")
-    d, p, sd, sh, sw = sizes
-    if d * p * sd * sh * sw != world:
+    axes = Axes.of(sizes)
+    if axes.world != world:
+        d, p, (sd, sh, sw) = axes.data, axes.pipe, axes.spatial
         raise ValueError(
-            f"ProcessGrid: data({d}) * pipe({p}) * spatial({sd}*{sh}*{sw}) = {d * p * sd * sh * sw} "
+            f"ProcessGrid: data({d}) * pipe({p}) * spatial({sd}*{sh}*{sw}) = {axes.world} "
             f"!= world size {world}")
-    return d, p, (sd, sh, sw)
+    return axes
 
 
 def require_group(who: str) -> None:
@@ -113,17 +112,26 @@ class ProcessGrid:
 
     def __init__(self, data: int = 1, pipe: int = 1, spatial: Sequence[int] = (1, 1, 1)) -> None:
         require_group("ProcessGrid")
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.data, self.pipe, self.stage_spatial = _resolve(data, pipe, spatial, self.world_size)
-        self.stage_size = math.prod(self.stage_spatial)
-        idx = self.rank
-        self.spatial_index = idx % self.stage_size          # position within the stage's ranks
-        self.pipe_index = (idx // self.stage_size) % self.pipe
-        self.data_index = idx // (self.stage_size * self.pipe)
-        self._layout(self.stage_spatial)
+        axes = _resolve(data, pipe, spatial, dist.get_world_size())
+        self._place(axes, dist.get_rank(), axes.spatial, {})
 
     # ------------------------------------------------------------------ layouts
+    def _place(self, axes: Axes, rank: int, split: tuple[int, int, int],
+               layouts: dict[tuple[int, ...], ProcessGrid]) -> None:
+        """This grid as ``rank``'s view of the job's ``axes`` under the spatial ``split``, entered in
+        ``layouts``: the layouts of one job, shared by all of them, so that each is made (and its
+        groups created) once however many parts ask for it."""
+        self.axes = axes
+        self.world_size, self.rank = axes.world, rank
+        self.data, self.pipe, self.stage_spatial = axes.data, axes.pipe, axes.spatial
+        self.stage_size = axes.stage_size
+        self.spatial_index = rank % self.stage_size          # position within the stage's ranks
+        self.pipe_index = (rank // self.stage_size) % self.pipe
+        self.data_index = rank // (self.stage_size * self.pipe)
+        self._layout(split)
+        self._layouts = layouts
+        layouts[self.spatial_shape] = self
+
     def _layout(self, spatial: tuple[int, int, int]) -> None:
         self.spatial_shape = tuple(int(s) for s in spatial)
         self.spatial_size = math.prod(self.spatial_shape)
@@ -141,13 +149,10 @@ class ProcessGrid:
         spatial = (1, 1, 1) if spatial is None else tuple(int(s) for s in spatial)
         if len(spatial) != 3:
             raise ValueError(f"ProcessGrid.with_spatial: need 3 sizes (d, h, w), got {spatial}")
-        if spatial == self.spatial_shape:
-            return self
-        other = object.__new__(ProcessGrid)
-        for k in ("world_size", "rank", "data", "pipe", "stage_spatial", "stage_size",
-                  "spatial_index", "pipe_index", "data_index"):
-            setattr(other, k, getattr(self, k))
-        other._layout(spatial)
+        other = self._layouts.get(spatial)
+        if other is None:
+            other = object.__new__(ProcessGrid)
+            other._place(self.axes, self.rank, spatial, self._layouts)
         return other
 
     @property
@@ -257,8 +262,7 @@ class ProcessGrid:
         if self.spatial_shape != self.stage_spatial:
             return self.root.mesh
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return init_device_mesh(dev, (self.data, self.pipe, *self.stage_spatial),
-                                mesh_dim_names=("data", "pipe", *AXES))
+        return init_device_mesh(dev, tuple(self.axes.sizes.values()), mesh_dim_names=AXES)
 
     def __repr__(self) -> str:
         return (f"ProcessGrid(data={self.data}, pipe={self.pipe}, spatial={self.spatial_shape}, "

@@ -58,7 +58,7 @@ def hyperslab(n: int, box: Box) -> tuple:
 
 def output_grid(engine: Engine) -> ProcessGrid:
     """The layout of the engine's volume output (the last stage's split)."""
-    return engine.grid.with_spatial(engine.output_split)
+    return engine.layout.of(engine.output_split)
 
 
 def output_shape(engine: Engine) -> tuple[int, ...]:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridpar.axes import SPATIAL_AXES
 from hybridpar.data.dataset import Region
 from hybridpar.geometry import shard_range
-
-AXES = ("d", "h", "w")
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Placement:
         if len(self.spatial_shape) != 3 or len(self.spatial_coord) != 3:
             raise ValueError(f"Placement: spatial_shape {self.spatial_shape} and spatial_coord "
                              f"{self.spatial_coord} need 3 entries (d, h, w)")
-        for axis, n, c in zip(AXES, self.spatial_shape, self.spatial_coord, strict=True):
+        for axis, n, c in zip(SPATIAL_AXES, self.spatial_shape, self.spatial_coord, strict=True):
             if n < 1 or not 0 <= c < n:
                 raise ValueError(f"Placement: coordinate {c} along {axis} outside 0..{n - 1}")
 
@@ -59,7 +58,8 @@ class Placement:
         assumes, so the input lands exactly where the first layer expects it.
         """
         slices = []
-        for axis, n, parts, c in zip(AXES, extent, self.spatial_shape, self.spatial_coord, strict=True):
+        for axis, n, parts, c in zip(SPATIAL_AXES, extent, self.spatial_shape, self.spatial_coord,
+                                     strict=True):
             if n < parts:
                 raise ValueError(
                     f"sample extent {n} along {axis} cannot be split over {parts} ranks (every shard "

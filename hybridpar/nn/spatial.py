@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridpar.axes import DIM_NAMES
 from hybridpar.comm.agree import check_agree
 from hybridpar.comm.halo import DimExchange, HaloExchanger, exchange
 from hybridpar.comm.redistribute import infer_global_shape
@@ -27,8 +28,6 @@ from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.window import Windows
-
-DIM_NAMES = ("D", "H", "W")
 
 
 def _check_weights_once(layer: SpatialLayer, _args: tuple) -> None:

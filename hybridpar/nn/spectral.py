@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from hybridpar import fft as hfft
+from hybridpar.axes import DIM_NAMES
 from hybridpar.comm.reduce import sum_to_replicated, sync_grads
 from hybridpar.geometry import ntuple
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.formulas import Work
-from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
+from hybridpar.nn.spatial import SpatialLayer
 
 
 # ---------------------------------------------------------------------- the power spectrum

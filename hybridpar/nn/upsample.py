@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar.axes import DIM_NAMES, SPATIAL_AXES
 from hybridpar.comm.halo import HaloExchanger, exchange
 from hybridpar.device import memfmt
 from hybridpar.device.precision import narrowed, result_dtype, widened
 from hybridpar.geometry import HaloError, HaloPlan, Range, check_split, plans_from_needs
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import formulas, registry
-from hybridpar.nn.spatial import DIM_NAMES, SpatialLayer
+from hybridpar.nn.spatial import SpatialLayer
 
 MODES = ("nearest", "nearest-exact", "trilinear")
 
@@ -351,7 +352,7 @@ def _upsample_halos(m: nn.Upsample, name: str, in_shape: tuple[int, ...], out_sh
             reason = f"Upsample mode {m.mode!r} cannot run split"
             raise HaloError(f"{name}: {reason}; use one of {MODES}", layer=name, reason=reason)
         taps = dim_taps(shape[i], r.out[i], r.scales[i], m.mode, m.align_corners, torch.float32)
-        plans = resample_plans(shape[i], r.out[i], parts, taps, layer=name, dim=registry.AXES[i])
+        plans = resample_plans(shape[i], r.out[i], parts, taps, layer=name, dim=SPATIAL_AXES[i])
         halos.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
     return tuple(halos)
 

@@ -43,9 +43,7 @@ from the previous stage, in that format.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,37 +51,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from hybridpar.comm.agree import broadcast_state
-from hybridpar.comm.redistribute import gather as gather_volume
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device import cpu_alloc
-from hybridpar.device.eager import first_call_eager
-from hybridpar.device.precision import autocast_state
 from hybridpar.grid import ProcessGrid, require_group
-from hybridpar.nn.norm import recomputing
-from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.pipeline import deferred
 from hybridpar.pipeline import model_state as state
-from hybridpar.pipeline.batch import shard, split_sizes
-from hybridpar.pipeline.reducer import GradReducer
-from hybridpar.pipeline.running_stats import ReplicaStats
-from hybridpar.pipeline.runtime import StepContext, StepRuntime
-from hybridpar.pipeline.sizes import SizePlans, agree_size
-from hybridpar.pipeline.stage import REPLICATED, StageBuilder, make_groups
-from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG, StageTransport
+from hybridpar.pipeline import predicting
+from hybridpar.pipeline.batch import shard
+from hybridpar.pipeline.building import Source, build, reducers
+from hybridpar.pipeline.sizes import agree_size
+from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
+from hybridpar.pipeline.stepping import Stepper
 from hybridpar.planner import ParallelSpec, load_spec
 from hybridpar.planner.explain import banner, format_plan
-from hybridpar.planner.faithful import check_faithful
-from hybridpar.planner.graph import ModelGraph, UntraceableError
-from hybridpar.planner.graph import trace as trace_graph
-from hybridpar.planner.plan import build_plan
-from hybridpar.planner.schedule import Action, actions, forward_actions, in_flight, schedule
-from hybridpar.planner.terms import SpecError
-from hybridpar.profiling import range as prange
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 
@@ -91,7 +73,9 @@ _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (
 class Engine:
     """A model parallelized per a spec (see module doc). Build with :func:`parallelize` after
     joining the job's process group (``hybridpar.init_distributed()``, or a launcher's script that
-    calls it)."""
+    calls it). Its parts: building (:mod:`~hybridpar.pipeline.building`), stepping
+    (:mod:`~hybridpar.pipeline.stepping`), predicting (:mod:`~hybridpar.pipeline.predicting`) and
+    state (:mod:`~hybridpar.pipeline.model_state`); this class holds the user's API over them."""
 
     def __init__(self, model: nn.Module, spec: ParallelSpec, loss_fn: Callable | None = None,
                  input_shape: Sequence[int] | None = None, overlap: bool = False,
@@ -99,12 +83,7 @@ class Engine:
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
         require_group("parallelize")
         self.memory_format = memory_format
-        self._untraced = ""
-        self.graph: ModelGraph | None = None
-        try:
-            self.graph = trace_graph(model)  # an untraceable model fails here
-        except UntraceableError as err:
-            self._untraced_by(err, spec)
+        self._source: Source | None = Source.trace(model, spec)  # released once built (see _build)
         if all(p.device.type == "cpu" for p in model.parameters()):
             cpu_alloc.tune()  # GPipe frees all micro-batches' activations at once: keep that memory
         self.world = dist.get_world_size()
@@ -112,15 +91,11 @@ class Engine:
         self.spec = spec.resolve_grid(self.world)
         g = self.spec.grid
         self.grid = ProcessGrid(data=g.data, pipe=g.pipe, spatial=g.spatial)
-        self.model: nn.Module | None = model  # released once built (see _build)
         self.loss_fn = loss_fn
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.defer_weight_grads = defer_weight_grads
-        self.transport: StageTransport | None = None
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[Any] | None = None
-        self.reducer: GradReducer | None = None
-        self.replica_stats: ReplicaStats | None = None
         self._training = model.training
         if input_shape is not None:
             self._build(tuple(input_shape))
@@ -149,71 +124,29 @@ class Engine:
         """The communicators of activations ("F") and gradients ("B"); None: the default group."""
         return self.transport.p2p_groups
 
-    @property
-    def loss_group(self) -> dist.ProcessGroup:
-        return self.transport.loss_group
-
-    def _layout(self, split: tuple[int, int, int]) -> ProcessGrid:
-        return self.grid.with_spatial(split)
-
-    def _untraced_by(self, err: UntraceableError, spec: ParallelSpec) -> None:
-        """No traced graph to run (``err`` says why): the model runs by module swapping, which a
-        pipeline cannot."""
-        if spec.grid.pipe != 1:
-            raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a "
-                            f"model runs by module swapping") from None
-        self.graph, self._untraced = None, str(err)  # run by module swapping (pipeline/swap.py)
-
     def _build(self, input_shape: tuple[int, ...]) -> None:
-        """Plan, groups (in one order on every rank), the stage transport, then this rank's stage."""
+        """The build (:func:`~hybridpar.pipeline.building.build`), then what this engine reads of it."""
         self.input_shape = input_shape
-        if self.graph is not None:
-            try:  # never train on a graph that computes something other than the model's forward
-                check_faithful(self.graph, self.model, tuple(input_shape))
-            except UntraceableError as err:
-                self._untraced_by(err, self.spec)
-        self.plan = build_plan(self.spec, self.model, input_shape, self.world, self.graph)
-        make_groups(self.plan, self.grid)
-        self.transport = StageTransport(self.grid, self.memory_format)
-        stage = StageBuilder(self.model, self.graph, self.spec, self.grid, self.overlap,
-                             self._untraced).build(self.plan, input_shape)  # no builder left to hold it
-        self.stage = stage
-        # the plans at other sizes (predict, shard_batch), from the model's structure kept on the meta device
-        self._sizes = SizePlans(self.model, self.graph is not None, self.spec, self.world, self.plan,
-                                input_shape)
+        self._built = built = build(self._source, self.spec, self.grid, self.world, input_shape, self.overlap,
+                                    self.memory_format)
+        self.plan, self.layout, self.transport = built.plan, built.layout, built.transport
+        self.stage = built.stage
+        self.layers, self.stage_graph = built.stage.layers, built.stage.stage_graph
         self._size = tuple(input_shape[1:])  # (C, D, H, W) the stage's shapes are bound to
-        self.layers, self.stage_graph, self._defer = stage.layers, stage.stage_graph, stage.defer
-        # (micro-batches, grad mode, deferral) -> (split end, action list), for a built stage
-        self._step_plans: dict[tuple[int, bool, bool], tuple[int | None, list[Action]]] = {}
-        for _, layer in self.layers:  # their weights are the first rank's (broadcast above)
-            for m in layer.modules():
-                if isinstance(m, SpatialLayer):
-                    m.weights_agreed()
-        self._ends()
-        self.input_split, self.output_split = stage.input_split, stage.output_split
-        self.input_grid = self._layout(self.input_split)
+        self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
+        self.input_grid = self.layout.of(self.input_split)
         self.train(self._training)
-        # Keep only what the original model is still needed for (its state-dict keys, in order): every
-        # rank holding all stages' weights would defeat a pipeline of a model too big for one (the
-        # stages share the model's tensors; a user who drops the model lets the other stages' go).
-        run = None if self.graph is None else {n.target for n in self.graph.nodes if n.op == "module"}
-        self._state_keys = state.ModelKeys(self.model, run)  # module swapping runs the whole model
-        self.model = self.graph = None  # the traced graph holds the model's modules too
+        self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format)
+        # The stages share the model's tensors: a user who drops the model lets the other stages' go.
         # What still reaches the model's layers is reference cycles, freed only when Python's cycle
         # collector next runs (until then this rank holds every stage's weights): the traced graph (fx's
         # GraphModule and its Graph refer to each other), fx's tracer (its closures refer to it, it to
         # the model), and, in a process's first build, the frames of the build, pinned by a frame that
         # refers to itself (torch.fx.wrap, run by torch._dynamo's import on the first meta forward).
+        self._source = None
         gc.collect()
-        if self.grid.data * self.grid.stage_size > 1:
-            self.reducer = GradReducer(self.parameters(), self.grid.stage_group, self.bucket_bytes)
-        if self.grid.data > 1:  # norm layers' running statistics, the same on every replica
-            self.replica_stats = ReplicaStats([m for _, m in self.layers], self.grid.data_group)
-
-    def _ends(self) -> None:
-        """The plan rows of the stage's ends at the size its shapes are bound to."""
-        self.first_layer, self.last_layer = self.stage.first_layer, self.stage.last_layer
-        self.output_record = self.stage.output_record
+        self.reducer, self.replica_stats = reducers(built, self.parameters(), self.bucket_bytes)
+        self._stepper.reducer, self._stepper.replica_stats = self.reducer, self.replica_stats
 
     def _at_size(self, size: tuple[int, ...], caller: str) -> None:
         """Bind the stage's shapes to a global input of ``size`` (C, D, H, W): the plan at that size
@@ -222,11 +155,11 @@ class Engine:
         size = tuple(int(s) for s in size)
         if size == self._size:
             return
-        plan = self._sizes.at(size, caller)
-        shape = self._sizes.shape(size)
-        self.stage.bind(plan, shape, self.stage.outputs_at(plan, self._sizes.model, shape))
+        sizes = self._built.sizes
+        plan = sizes.at(size, caller)
+        shape = sizes.shape(size)
+        self.stage.bind(plan, shape, self.stage.outputs_at(plan, sizes.model, shape))
         self._size = size
-        self._ends()
 
     def bind(self, input_shape: Sequence[int], caller: str = "Engine.bind") -> Engine:
         """Ready the engine for a global input of ``input_shape`` (N, C, D, H, W): built at it the first
@@ -299,82 +232,12 @@ class Engine:
         refused in one line, alike on every rank."""
         self.bind(x.shape, "Engine.shard_batch")
         out = self.stage.lead_output.output_shape
-        return shard(x, y, self.grid, self.input_grid, self._layout(self.output_split),
+        return shard(x, y, self.grid, self.input_grid, self.layout.of(self.output_split),
                      tuple(out[2:]) if len(out) == 5 else None, self.memory_format)
-
-    def _loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
-        """``loss_fn`` on this rank's output (a tensor, or the tuple, list or dict the model returns);
-        on a split output, its share of the whole volume's mean (``loss_fn`` must average over
-        elements, as torch's losses do by default): summed over the output's ranks, the shares are the
-        loss of the whole volume. Split outputs of one structure share one split and one extent (the
-        plan gathers them otherwise), so one share weighs them all."""
-        loss = self.loss_fn(out, y)
-        if self.output_split == REPLICATED:
-            return loss
-        lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
-        return loss * (math.prod(lead.shape[2:]) / math.prod(self.stage.lead_output.output_shape[2:]))
-
-    # ------------------------------------------------------------------ stage execution
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        for _, m in self.layers:
-            x = m(x)
-        return x
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        with prange("stage_forward", "compute"):
-            if self.spec.pipeline.recompute and torch.is_grad_enabled():
-                return checkpoint(self._run, x, use_reentrant=False,
-                                  context_fn=lambda: (contextlib.nullcontext(), recomputing()))
-            return self._run(x)
-
-    def _step_plan(self, microbatches: int) -> tuple[int | None, list[Action]]:
-        """The split end (:meth:`_split_upto`) and the action list of a step of ``microbatches``,
-        worked out once per count (and per grad mode and deferral switch) instead of every step."""
-        key = (microbatches, torch.is_grad_enabled(), self.defer_weight_grads)
-        if key not in self._step_plans:
-            name, stages, stage = self.spec.pipeline.schedule, self.grid.pipe, self.grid.pipe_index
-            upto = self._split_upto(schedule(name, stages, microbatches, stage))
-            steps = actions(name, stages, microbatches, stage, split_last=upto is not None)
-            self._step_plans[key] = upto, steps
-        return self._step_plans[key]
-
-    def _split_upto(self, ops: list[tuple[str, int]]) -> int | None:
-        """End of the split part of the stage whose last backward runs in two passes
-        (:func:`deferred.split_end`), or None: not the first stage (no one waits for its input
-        gradient), not with recomputed activations, and only where deferrable layers exist."""
-        if (not self.defer_weight_grads or self.first_stage or self.spec.pipeline.recompute
-                or not torch.is_grad_enabled()):
-            return None
-        return deferred.split_end([m for _, m in self.layers], self._defer, in_flight(ops))
-
-    def _in_shape(self, b: int) -> tuple[int, ...]:
-        return self.stage.recv_shape(b, self._layout)
-
-    def post_recv(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Work:
-        """Receive into ``t`` from global rank ``peer`` (:meth:`StageTransport.post_recv`)."""
-        return self.transport.post_recv(t, peer, group, tag)
-
-    def post_send(self, t: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Work:
-        """Send the dense ``t`` to global rank ``peer`` (the counterpart of :meth:`post_recv`)."""
-        return self.transport.post_send(t, peer, group, tag)
 
     def _send(self, t: torch.Tensor, dst_stage: int, tag: int) -> Work:
         """Every send of a step goes through here (a test wraps it to see the order)."""
         return self.transport.send(t, dst_stage, tag)
-
-    def _params(self, lo: int, hi: int | None, undeferred: bool = False) -> list[nn.Parameter]:
-        """Trainable parameters of layers ``lo:hi`` (``undeferred``: of those not deferred only)."""
-        return [p for (_, m), d in list(zip(self.layers, self._defer))[lo:hi] if not (undeferred and d)
-                for p in m.parameters() if p.requires_grad]
-
-    def _placed(self, x: torch.Tensor) -> torch.Tensor:
-        """An input on the stage's device (a loader's CPU batch onto the GPU) and in its format."""
-        p = next(iter(self.parameters()), None)
-        if p is not None and x.device != p.device:
-            x = x.to(p.device, non_blocking=True)
-        if x.dim() == 5:  # a loader's batch may come in another layout (stored channels-last counts)
-            x = x.contiguous(memory_format=self.memory_format)
-        return x
 
     def compile(self, **kwargs: Any) -> Engine:
         """``torch.compile`` this stage's forward (``kwargs`` to ``torch.compile``).
@@ -388,18 +251,8 @@ class Engine:
         graph and specialise a frame per layer).
         """
         self._require_built("compile")
-        self._run = first_call_eager(self._run, torch.compile(self._run, **kwargs))  # type: ignore[method-assign]
+        self._stepper.compile(**kwargs)
         return self
-
-    def _dtype_device(self, x: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
-        """The dtype activations cross a pipeline cut in (under autocast: its dtype, what the
-        convolutions after the cut compute in), and the stage's device."""
-        p = next(iter(self.parameters()), None)
-        ref = x if x is not None and x.is_floating_point() else p
-        if ref is None:
-            return torch.get_default_dtype(), torch.device("cpu")
-        autocast, low = autocast_state(ref.device.type)
-        return (low if autocast and ref.dtype == torch.float32 else ref.dtype), ref.device
 
     def train_step(self, x_local: torch.Tensor, y_local: torch.Tensor,
                    loss_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -409,38 +262,18 @@ class Engine:
         loss is multiplied by before backward (fp16 training: ``scaler.scale(torch.ones(()))`` of a
         ``torch.amp.GradScaler``, so the scale stays on the device). Under ``torch.autocast`` the
         forward passes run under it and the backward passes outside it.
+
+        Training runs at the build size: its shapes are bound back (after a prediction at another
+        size), and a first stage's input shard of another size is refused before any collective.
         """
         self._require_built("train_step")
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
-        self._at_build_size(x_local)
-        sizes = split_sizes(y_local.shape[0], self.spec.pipeline.microbatches)
-        x_local = self._placed(x_local) if self.first_stage else x_local
-        xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
-        dtype, device = self._dtype_device(x_local)
-        upto, steps = self._step_plan(len(sizes))
-        split_output = self.output_split != REPLICATED and self.last_stage
-        ctx = StepContext(self.grid, self.transport, [m for _, m in self.layers], self._defer, self._forward,
-                          self._loss, self._send, self._in_shape, self._params, self.reducer,
-                          self.replica_stats, self._training,
-                          self._layout(self.output_split).spatial_group if split_output else None)
-        return StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
-
-    def _at_build_size(self, x_local: torch.Tensor) -> None:
-        """Training runs at the build size: its shapes are bound back (after a prediction at another
-        size), and a first stage's input shard of another size is refused before any collective."""
-        if len(self.input_shape) != 5:
-            return
-        self._at_size(self.input_shape[1:], "Engine.train_step")
-        if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
-            box = local_box(tuple(self.input_shape[2:]), self.input_grid)
-            want, got = tuple(hi - lo for lo, hi in box), tuple(x_local.shape[2:])
-            if got != want:
-                voxels = lambda s: "x".join(map(str, s))  # noqa: E731
-                raise ValueError(f"Engine.train_step: trains at the build size "
-                                 f"{voxels(self.input_shape[2:])}, whose shard on this rank is "
-                                 f"{voxels(want)} voxels; got {voxels(got)} "
-                                 f"(predict and shard_batch take other sizes)")
+        if len(self.input_shape) == 5:
+            self._at_size(self.input_shape[1:], "Engine.train_step")
+            if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
+                _check_build_size(x_local, self.input_shape, local_box(self.input_shape[2:], self.input_grid))
+        return self._stepper.train(x_local, y_local, loss_scale, self._send, self._training)
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor | None, batch: int | None = None, gather: bool = True) -> Any:
@@ -467,47 +300,34 @@ class Engine:
             self._at_size(size, "Engine.predict")
             batch = first_batch if batch is None else batch
         batch = x_local.shape[0] if batch is None else batch
-        sizes = split_sizes(batch, self.spec.pipeline.microbatches)
-        x_local = self._placed(x_local) if self.first_stage else x_local
-        xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
-        dtype, device = self._dtype_device(x_local)
-        ctx = StepContext(self.grid, self.transport, [m for _, m in self.layers], self._defer, self._forward,
-                          self._loss, self._send, self._in_shape, self._params, None, self.replica_stats,
-                          self._training, None)
-        steps = forward_actions(self.grid.pipe, len(sizes), self.grid.pipe_index)
-        runtime = StepRuntime(ctx, steps, xs, [], sizes, dtype, device, None, None)
-        runtime.run()
-        outs = [tree_leaves(out) for out in runtime.outputs]
-        ys = []
-        for k, rec in enumerate(self.stage.outputs):
-            split = self.output_split != REPLICATED and len(rec.output_shape) == 5
-            if self.last_stage:
-                y = torch.cat([leaves[k] for leaves in outs])
-                if split and gather:  # whole volumes
-                    y = gather_volume(y, self._layout(self.output_split), tuple(rec.output_shape[2:]))
-            elif split and not gather:
-                y = None  # the last stage holds the shards
-            else:
-                y = torch.empty((batch, *rec.output_shape[1:]), dtype=dtype, device=device)
-            if self.grid.pipe > 1 and (gather or not split):
-                dist.broadcast(y, self.transport.peer(self.grid.pipe - 1), group=self.grid.pipe_group)
-            ys.append(y)
-        return ys[0] if self.stage.output_spec is None else tree_unflatten(ys, self.stage.output_spec)
+        outs, dtype, device = self._stepper.forward_pass(x_local, batch, self._send, self._training)
+        return predicting.outputs(self._built, outs, batch, gather, dtype, device)
 
     # ------------------------------------------------------------------ state
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the original model's state dict."""
         self._require_built("local_state_dict")
-        return state.local_state(self.layers, self._state_keys, self.first_stage)
+        return state.local_state(self.layers, self._built.state_keys, self.first_stage)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (keys, shapes, order), assembled from all stages, on every rank."""
-        return state.full_state(self.layers, self.grid, self._state_keys)
+        return state.full_state(self.layers, self.grid, self._built.state_keys)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the original model's state dict into this rank's layers (any layout saved it)."""
         self._require_built("load_full_state_dict")
         state.load_state(self.layers, state_dict)
+
+
+def _check_build_size(x_local: torch.Tensor, input_shape: tuple[int, ...],
+                      box: list[tuple[int, int]]) -> None:
+    """Refuse a first stage's input shard that is not this rank's ``box`` of the build size."""
+    want, got = tuple(hi - lo for lo, hi in box), tuple(x_local.shape[2:])
+    if got != want:
+        voxels = lambda s: "x".join(map(str, s))  # noqa: E731
+        raise ValueError(f"Engine.train_step: trains at the build size {voxels(input_shape[2:])}, whose "
+                         f"shard on this rank is {voxels(want)} voxels; got {voxels(got)} "
+                         f"(predict and shard_batch take other sizes)")
 
 
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.axes import SPATIAL_AXES
 from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
@@ -32,8 +33,6 @@ from hybridpar.planner import ParallelSpec
 from hybridpar.planner.graph import trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
-
-DIMS = "dhw"
 
 
 def _voxels(shape: tuple[int, ...]) -> str:
@@ -53,7 +52,7 @@ def _what_fits(row: LayerPlan, split: tuple[int, int, int]) -> str:
                for k in range(3)] if len(row.input_shape) == 5 else []
     small = [(k, extent) for k, extent in enumerate(extents) if extent < split[k]]
     if small:
-        return "; ".join(f"use a split of at most {extent} along {DIMS[k]}" for k, extent in small)
+        return "; ".join(f"use a split of at most {extent} along {SPATIAL_AXES[k]}" for k, extent in small)
     return "build an engine for this size (parallelize(..., input_shape=...))"
 
 

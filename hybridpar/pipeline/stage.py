@@ -23,6 +23,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from hybridpar.call_keys import module_path
 from hybridpar.comm.redistribute import local_box
 from hybridpar.grid import ProcessGrid
+from hybridpar.job_layout import JobLayout
 from hybridpar.nn.layout import Redistribute
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import deferred
@@ -122,30 +123,19 @@ def swapped_outputs(model: nn.Module, last: Any, split: tuple[int, int, int], in
     return rows, None if len(leaves) == 1 and spec.is_leaf() else spec, out_split
 
 
-def make_groups(plan: list[Any], grid: ProcessGrid) -> None:
-    """Every group the stage's layers and gradient reduction may use, created on every rank in one
-    order (``new_group`` requires it). Groups of one rank are local and lazy (grid's ``_self_group``)."""
-    for split in sorted({lp.split for lp in plan} | {grid.stage_spatial}):
-        layout = grid.with_spatial(split)
-        if layout.spatial_size > 1:
-            layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
-    for size, name in ((grid.data * grid.stage_size, "stage_group"), (grid.data, "data_group"),
-                       (grid.pipe, "pipe_group")):
-        if size > 1:
-            getattr(grid, name)
-
-
 class StageBuilder:
     """Builds :class:`Stage` from ``model`` (traced as ``graph``, or None: untraceable, for the
-    reason ``untraced``) under the resolved ``spec`` on ``grid``."""
+    reason ``untraced``) under the resolved ``spec``, in the job's ``layout``."""
 
-    def __init__(self, model: nn.Module, graph: ModelGraph | None, spec: ParallelSpec, grid: ProcessGrid,
+    def __init__(self, model: nn.Module, graph: ModelGraph | None, spec: ParallelSpec, layout: JobLayout,
                  overlap: bool, untraced: str = "") -> None:
-        self.model, self.graph, self.spec, self.grid = model, graph, spec, grid
+        self.model, self.graph, self.spec, self.job = model, graph, spec, layout
+        self.grid = layout.grid
         self.overlap, self.untraced = overlap, untraced
 
     def layout(self, split: tuple[int, int, int]) -> ProcessGrid:
-        return self.grid.with_spatial(split)
+        """The grid of a split the plan uses (resolved once, :class:`JobLayout`)."""
+        return self.job.of(split)
 
     def build(self, plan: list[Any], input_shape: tuple[int, ...]) -> Stage:
         stage = self.grid.pipe_index

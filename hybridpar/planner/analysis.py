@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridpar import flops as flop_count
 from hybridpar import geometry
+from hybridpar.axes import REPLICATED
 from hybridpar.call_keys import module_path
 from hybridpar.nn import registry
 from hybridpar.nn.formulas import LayerGeometry
@@ -26,8 +27,6 @@ from hybridpar.planner.faithful import check_faithful
 from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
 from hybridpar.planner.space_maps import SpaceMap, find_space_maps
 from hybridpar.planner.terms import SpecError, Split
-
-REPLICATED: Split = (1, 1, 1)
 
 Shapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Halos = tuple[tuple[int, int], ...]

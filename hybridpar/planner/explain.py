@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from hybridpar.axes import Axes
 from hybridpar.planner.config import ParallelSpec
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
@@ -88,6 +89,7 @@ def format_plan(spec: ParallelSpec, records: Sequence[LayerPlan], input_shape: S
     micro = n // g.data // p.microbatches
     lines = [
         f"grid: {g.arithmetic} = {g.data * g.pipe * g.stage_size} ranks",
+        f"axes: {Axes.of(g.sizes).describe(r.split for r in records)}",
         f"pipeline: {p.schedule}, {p.microbatches} micro-batch(es) of {micro} sample(s) "
         f"(global batch {n} / data({g.data}) = {n // g.data} per replica), "
         f"recompute {'on' if p.recompute else 'off'}",

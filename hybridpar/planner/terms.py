@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-Split = tuple[int, int, int]
+from hybridpar.axes import Split as Split  # re-exported: planner modules spell a split from here
 
 
 class SpecError(ValueError):

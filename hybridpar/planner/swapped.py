@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -248,23 +248,31 @@ class LayoutWatch(TorchFunctionMode):
         before a Linear), or a split volume read by a layer that needs the whole (a Linear over W)."""
         return x in self.chains or (x in self.split and dense_on_split(m, registry.lookup(m)))
 
-    def hook(self, modules: list[nn.Module]) -> list:
-        """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's."""
+    def hook(self, modules: Iterable[nn.Module],
+             on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:
+        """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's and
+        this mode lets them pass (its ``depth``). ``on_leave(m, args, out)`` runs as a layer ends, still
+        inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
+        outermost layer). The one place this mode is paused inside layers."""
         def enter(m: nn.Module, args: tuple) -> tuple | None:
             new = self.before_layer(m, args) if self.depth == 0 else None
             self.depth += 1
             return new
 
         def leave(m: nn.Module, args: tuple, out: object) -> None:
-            try:  # still inside the layer: what is read here is not the forward's
-                x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                if x is not None and self.depth == 1:
-                    self.after_layer(m, x, out, self.runs_split(m, x))
+            try:
+                (on_leave or self._left)(m, args, out)
             finally:
                 self.depth -= 1
 
+        modules = list(modules)
         return [m.register_forward_pre_hook(enter) for m in modules] + \
             [m.register_forward_hook(leave, always_call=True) for m in modules]
+
+    def _left(self, m: nn.Module, args: tuple, out: object) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is not None and self.depth == 1:
+            self.after_layer(m, x, out, self.runs_split(m, x))
 
     def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
         """Called as layer ``m`` starts on ``args``; new arguments, or None (the plan needs nothing
@@ -318,15 +326,6 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     watch = LayoutWatch(split, batch_apart=micro < input_shape[0])
     count: dict[str, int] = {}
 
-    def enter(m: nn.Module, args: tuple) -> None:
-        watch.depth += 1
-
-    def hook(m: nn.Module, args: tuple, out: object) -> None:
-        try:  # still inside the layer for the watch: what the hook reads is not the forward's
-            record(m, args, out)
-        finally:
-            watch.depth -= 1
-
     def add(name: str, m: nn.Module, x: torch.Tensor, out: torch.Tensor, runs_split: bool, halo) -> None:
         entry = registry.lookup(m)
         s = split if runs_split else REPLICATED
@@ -372,8 +371,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
             records[-1] = dataclasses.replace(records[-1], gather=True)
 
     watch.on_function = function
-    handles = [m.register_forward_pre_hook(enter) for m in names]
-    handles += [m.register_forward_hook(hook) for m in names]
+    handles = watch.hook(names, on_leave=record)
     state, dtype = meta_state(model)
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     if split != REPLICATED:

@@ -10,7 +10,6 @@ record (:mod:`hybridpar.job_layout`), not how a step runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from hybridpar.planner.faithful import check_faithful
 from hybridpar.planner.graph import ModelGraph, UntraceableError
 from hybridpar.planner.graph import trace as trace_graph
 from hybridpar.planner.plan import build_plan
+from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.terms import SpecError
 
 
@@ -72,7 +72,7 @@ class Built:
     """What a build leaves: the plan, the job's layout, the stage transport, this rank's stage, the
     plans at other sizes and the original model's state-dict keys."""
 
-    plan: list[Any]
+    plan: list[LayerPlan]
     layout: JobLayout
     transport: StageTransport
     stage: Stage

@@ -66,6 +66,7 @@ from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
 from hybridpar.pipeline.stepping import Stepper
 from hybridpar.planner import ParallelSpec, load_spec
 from hybridpar.planner.explain import banner, format_plan
+from hybridpar.planner.records import LayerPlan
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 
@@ -95,7 +96,7 @@ class Engine:
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         self.defer_weight_grads = defer_weight_grads
         self.layers: list[tuple[str | None, nn.Module]] = []
-        self.plan: list[Any] | None = None
+        self.plan: list[LayerPlan] | None = None
         self._training = model.training
         if input_shape is not None:
             self._build(tuple(input_shape))

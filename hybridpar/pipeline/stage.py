@@ -14,7 +14,6 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -35,8 +34,9 @@ from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
+from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.swapped import nested_block, returned
-from hybridpar.planner.terms import SpecError
+from hybridpar.planner.terms import SpecError, Split
 
 
 @dataclass
@@ -46,12 +46,12 @@ class Stage:
     layers: Layers  # the name is "" for one module that stands for a whole stage (graph, swapped)
     stage_graph: StageGraph | None
     defer: list[bool]  # per layer: may its weight gradients wait (deferred.deferrable)
-    first_layer: Any  # the plan rows of the stage's first and last layers
-    last_layer: Any
+    first_layer: LayerPlan  # the plan rows of the stage's first and last layers
+    last_layer: LayerPlan
     input_split: tuple[int, int, int]  # the split of the model input (of its first reader)
-    output_record: Any  # the plan row of the model's output
+    output_record: LayerPlan  # the plan row of the model's output
     output_split: tuple[int, int, int]
-    outputs: list[Any]  # the plan rows of the outputs (one, or those of a returned tuple, list, dict)
+    outputs: list[LayerPlan]  # the plan rows of the outputs (one, or those of a returned tuple, list, dict)
     output_spec: TreeSpec | None  # the structure the outputs are returned in (None: one tensor)
     # Where the plan's shapes live in the built layers, each as (module, plan row index, "in" | "out"):
     # a split layer's global input shape, a Redistribute's global shape, a swapped block's input (see bind)
@@ -59,7 +59,7 @@ class Stage:
     ends: tuple[int, int, int] = (0, 0, 0)  # the plan row indices of first_layer, last_layer, output_record
     output_rows: list[int] | None = None  # the plan row indices of outputs (None: rows of their own)
 
-    def bind(self, plan: list[Any], input_shape: tuple[int, ...], outputs: list[Any]) -> None:
+    def bind(self, plan: list[LayerPlan], input_shape: tuple[int, ...], outputs: list[LayerPlan]) -> None:
         """Give every shape the built layers hold the value it has in ``plan``, a plan of the same
         decisions as the built one (every row in the same split) for the global ``input_shape``:
         the layers then run on inputs of that size, their halo plans memoised per shape. The one
@@ -79,7 +79,8 @@ class Stage:
         self.first_layer, self.last_layer, self.output_record = plan[first], plan[last], plan[out]
         self.outputs = outputs
 
-    def outputs_at(self, plan: list[Any], model: nn.Module, input_shape: tuple[int, ...]) -> list[Any]:
+    def outputs_at(self, plan: list[LayerPlan], model: nn.Module, input_shape: tuple[int, ...]
+                   ) -> list[LayerPlan]:
         """The rows of the outputs in ``plan`` (for the global ``input_shape``; ``model``: the model, or
         a copy of it on the meta device, for the rows a module-swapped model's structure makes)."""
         if self.output_rows is not None:
@@ -87,7 +88,7 @@ class Stage:
         return swapped_outputs(model, plan[-1], self.input_split, input_shape)[0]
 
     @property
-    def lead_output(self) -> Any:
+    def lead_output(self) -> LayerPlan:
         """The plan row of the first volume output (its split and extents are every split output's)."""
         return next((r for r in self.outputs if len(r.output_shape) == 5), self.outputs[0])
 
@@ -103,8 +104,8 @@ class Stage:
         return (b, *shape[1:])
 
 
-def swapped_outputs(model: nn.Module, last: Any, split: tuple[int, int, int], input_shape: tuple[int, ...]
-                    ) -> tuple[list[Any], TreeSpec | None, tuple[int, int, int]]:
+def swapped_outputs(model: nn.Module, last: LayerPlan, split: Split, input_shape: tuple[int, ...]
+                    ) -> tuple[list[LayerPlan], TreeSpec | None, Split]:
     """What a model run by module swapping returns (a meta forward of ``model``, or of its copy on the
     meta device, its layouts followed as the run follows them: :func:`returned`): one row per output,
     each the last layer's row with that output's shape and layout, the structure (None: one tensor),
@@ -137,7 +138,7 @@ class StageBuilder:
         """The grid of a split the plan uses (resolved once, :class:`JobLayout`)."""
         return self.job.of(split)
 
-    def build(self, plan: list[Any], input_shape: tuple[int, ...]) -> Stage:
+    def build(self, plan: list[LayerPlan], input_shape: tuple[int, ...]) -> Stage:
         stage = self.grid.pipe_index
         rows = [i for i, lp in enumerate(plan) if lp.stage == stage]
         lo, hi = rows[0], rows[-1] + 1
@@ -178,7 +179,7 @@ class StageBuilder:
         built.bind(plan, input_shape, outputs)
         return built
 
-    def convert(self, name: str, module: nn.Module, lp: Any) -> nn.Module:
+    def convert(self, name: str, module: nn.Module, lp: LayerPlan) -> nn.Module:
         """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split (its global input
         shape is set by :meth:`Stage.bind`); a block torch.fx could not trace into runs by module
         swapping inside it (:mod:`hybridpar.pipeline.split_forward`)."""
@@ -200,14 +201,14 @@ class StageBuilder:
             m.layer_name = f"{type(m).__name__}({name})"
         return m
 
-    def _redistribute(self, src: tuple[int, int, int], dst: tuple[int, int, int], lp: Any,
+    def _redistribute(self, src: tuple[int, int, int], dst: tuple[int, int, int], lp: LayerPlan,
                       end: str) -> Redistribute:
         """A Redistribute of ``lp``'s input (``end`` "in") or output ("out") from ``src`` to ``dst``."""
         r = Redistribute(self.layout(src), self.layout(dst))
         self.sinks.append((r, self.index[id(lp)], end))
         return r
 
-    def _swapped(self, plan: list[Any], input_shape: tuple[int, ...]) -> nn.Module:
+    def _swapped(self, plan: list[LayerPlan], input_shape: tuple[int, ...]) -> nn.Module:
         """The untraceable model with its layers swapped for their split versions (said once)."""
         if dist.get_rank() == 0:
             warnings.warn(f"hybridpar.parallelize: {self.untraced}. Running it by module swapping: its "
@@ -231,7 +232,7 @@ class StageBuilder:
         """The split counterpart of a layer a call in a forward stands for (``F.interpolate``)."""
         return to_distributed(m, grid, self.overlap)
 
-    def _chain_layers(self, plan: list[Any], mine: list[Any], stage: int,
+    def _chain_layers(self, plan: list[LayerPlan], mine: list[LayerPlan], stage: int,
                       output_split: tuple[int, int, int]) -> Layers:
         """A sequence's stage: its layers in order, Redistributes where the split changes, and one at
         the end into the next stage's split (the last stage keeps the output's)."""
@@ -250,7 +251,7 @@ class StageBuilder:
         return layers
 
     @staticmethod
-    def _warn_replicated(plan: list[Any]) -> None:
+    def _warn_replicated(plan: list[LayerPlan]) -> None:
         """Never replicate silently: layers the planner runs whole because their volume is too small to
         split (auto-replication; ``strict: true`` refuses instead) are said once per job (rank 0)."""
         auto = [lp for lp in plan if lp.auto_replicated]
@@ -261,7 +262,7 @@ class StageBuilder:
                           f"them '!', and strict: true in the spec refuses instead", stacklevel=4)
 
     @staticmethod
-    def _warn_gathers(plan: list[Any]) -> None:
+    def _warn_gathers(plan: list[LayerPlan]) -> None:
         """Never replicate silently: a gather inside a split region is said once per job (rank 0)."""
         gathers = [lp for lp in plan if lp.gather]
         if gathers and dist.get_rank() == 0:

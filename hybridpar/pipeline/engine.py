@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.auto_layout import auto_spec
 from hybridpar.comm.agree import broadcast_state
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
@@ -334,10 +335,14 @@ def _check_build_size(x_local: torch.Tensor, input_shape: tuple[int, ...],
 def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
                 *, input_shape: Sequence[int] | None = None, overlap: bool = False,
                 bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                memory_format: torch.memory_format = torch.contiguous_format) -> Engine:
-    """Make ``model`` (any module whose forward torch.fx can trace) hybrid-parallel per ``spec``.
+                memory_format: torch.memory_format = torch.contiguous_format,
+                spec_out: str | Path | None = None) -> Engine:
+    """Make ``model`` hybrid-parallel per ``spec``.
 
-    ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, or a path to the YAML file. The
+    ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, a path to the YAML file, or
+    ``"auto"``: the layout :mod:`hybridpar.advisor` predicts fastest for ``input_shape`` on this job's
+    ranks, device memory and machine calibration (:mod:`hybridpar.auto_layout`), printed by the first
+    rank with the runners-up and, given ``spec_out``, written there as YAML. The
     engine is built from ``input_shape`` (global N, C, D, H, W) or from the first batch it sees.
     ``defer_weight_grads``: a stage's last backward sends its input gradient before computing its
     weight gradients, where that costs no peak memory (:mod:`hybridpar.pipeline.deferred`); False
@@ -353,7 +358,9 @@ def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_f
     construction), so ranks that seeded or loaded their own weights still train one model; load a
     checkpoint into the engine (``load_full_state_dict``) or into the model on every rank before this call.
     """
-    if isinstance(spec, (str, Path)):
+    if isinstance(spec, str) and spec == "auto":
+        spec = auto_spec(model, input_shape, spec_out)
+    elif isinstance(spec, (str, Path)):
         spec = load_spec(spec)
     elif isinstance(spec, dict):
         spec = ParallelSpec.from_dict(spec)

@@ -7,10 +7,11 @@ The public surface is small: :func:`init_distributed`, :class:`ProcessGrid`, the
 
 from hybridpar import data, fft, flops, nn, profiling
 from hybridpar.comm import gather, no_grad_sync, redistribute, scatter
+from hybridpar.entry import parallelize
 from hybridpar.grid import ProcessGrid
 from hybridpar.inference import infer
 from hybridpar.nn.layout import Redistribute
-from hybridpar.pipeline import Engine, parallelize
+from hybridpar.pipeline import Engine
 from hybridpar.planner import GridSpec, LayerRule, ParallelSpec, PipelineSpec, SpecError, load_spec
 from hybridpar.process.launchers import init_distributed
 from hybridpar.profiling import timeline

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.comm.redistribute import local_box
+from hybridpar.entry import parallelize
 from hybridpar.grid import ProcessGrid
-from hybridpar.pipeline.engine import Engine, parallelize
+from hybridpar.pipeline.engine import Engine
 from hybridpar.planner import ParallelSpec
 
 Box = tuple[tuple[int, int], ...]

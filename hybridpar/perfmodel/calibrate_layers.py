@@ -90,7 +90,7 @@ def measure_engine_overhead(repeats: int = 20) -> tuple[float, float]:
     """
     import torch.nn.functional as F  # noqa: PLC0415
 
-    from hybridpar.pipeline import parallelize  # noqa: PLC0415
+    from hybridpar.pipeline import Engine  # noqa: PLC0415
     from hybridpar.planner import ParallelSpec  # noqa: PLC0415
 
     times = {}
@@ -98,7 +98,7 @@ def measure_engine_overhead(repeats: int = 20) -> tuple[float, float]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv3d(1, 1, 1), nn.Flatten(), nn.Linear(8, 4))
         spec = ParallelSpec.from_dict({"pipeline": {"microbatches": m}})
-        engine = parallelize(model, spec, loss_fn=F.mse_loss, input_shape=(4, 1, 2, 2, 2))
+        engine = Engine(model, spec, F.mse_loss, input_shape=(4, 1, 2, 2, 2))
         x, y = torch.randn(4, 1, 2, 2, 2), torch.randn(4, 4)
         opt = torch.optim.SGD(engine.parameters(), lr=1e-3, momentum=0.9)
 

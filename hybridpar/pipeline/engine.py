@@ -1,4 +1,4 @@
-"""``hybridpar.parallelize``: an ordinary model + a spec -> a hybrid-parallel engine.
+"""The Engine :func:`hybridpar.parallelize` returns: an ordinary model + a spec, hybrid-parallel.
 
 Why: a scientist writes an ``nn.Module`` (a sequence, a residual network, a U-Net) and a YAML file;
 the engine does the rest in a fixed order: (1) trace the model and resolve the spec against it and
@@ -45,14 +45,12 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.auto_layout import auto_spec
 from hybridpar.comm.agree import broadcast_state
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
@@ -65,7 +63,7 @@ from hybridpar.pipeline.building import Source, build, reducers
 from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
 from hybridpar.pipeline.stepping import Stepper
-from hybridpar.planner import ParallelSpec, load_spec
+from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.records import LayerPlan
 
@@ -330,38 +328,3 @@ def _check_build_size(x_local: torch.Tensor, input_shape: tuple[int, ...],
         raise ValueError(f"Engine.train_step: trains at the build size {voxels(input_shape[2:])}, whose "
                          f"shard on this rank is {voxels(want)} voxels; got {voxels(got)} "
                          f"(predict and shard_batch take other sizes)")
-
-
-def parallelize(model: nn.Module, spec: ParallelSpec | dict | str | Path, loss_fn: Callable | None = None,
-                *, input_shape: Sequence[int] | None = None, overlap: bool = False,
-                bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
-                memory_format: torch.memory_format = torch.contiguous_format,
-                spec_out: str | Path | None = None) -> Engine:
-    """Make ``model`` hybrid-parallel per ``spec``.
-
-    ``spec`` is a :class:`ParallelSpec`, a dict of the YAML's shape, a path to the YAML file, or
-    ``"auto"``: the layout :mod:`hybridpar.advisor` predicts fastest for ``input_shape`` on this job's
-    ranks, device memory and machine calibration (:mod:`hybridpar.auto_layout`), printed by the first
-    rank with the runners-up and, given ``spec_out``, written there as YAML. The
-    engine is built from ``input_shape`` (global N, C, D, H, W) or from the first batch it sees.
-    ``defer_weight_grads``: a stage's last backward sends its input gradient before computing its
-    weight gradients, where that costs no peak memory (:mod:`hybridpar.pipeline.deferred`); False
-    runs every backward in one pass.
-    ``HYBRIDPAR_TRANSPORT=mpi`` selects MPI for stage-to-stage traffic as it does for halos (ranks
-    started by mpirun; between CPU ranks of one host it copies through shared memory, where gloo goes
-    through TCP loopback). The job's process group must exist:
-    ``hybridpar.init_distributed()`` first (a plain process gets a one-rank group).
-    ``memory_format``: ``torch.channels_last_3d`` runs the activations NDHWC (input shards and
-    activations received from the previous stage are in it; the layers keep it).
-
-    Every rank's parameters and buffers of ``model`` become those of rank 0 (a broadcast, as DDP does at
-    construction), so ranks that seeded or loaded their own weights still train one model; load a
-    checkpoint into the engine (``load_full_state_dict``) or into the model on every rank before this call.
-    """
-    if isinstance(spec, str) and spec == "auto":
-        spec = auto_spec(model, input_shape, spec_out)
-    elif isinstance(spec, (str, Path)):
-        spec = load_spec(spec)
-    elif isinstance(spec, dict):
-        spec = ParallelSpec.from_dict(spec)
-    return Engine(model, spec, loss_fn, input_shape, overlap, bucket_bytes, defer_weight_grads, memory_format)

@@ -25,7 +25,8 @@ the same region of the raw universe's ``linear`` dataset (the initial density fi
 
 h5py handles cannot cross a fork or be pickled, so files are opened lazily, on the first read in
 each process; pickling drops them and a process that finds handles opened by another pid discards
-them. The files are inspected once in :func:`open_dataset` (and closed again) to detect the
+them (:class:`cosmoflow.data_process.ProcessState` holds them, with the process's counters and
+verdicts). The files are inspected once in :func:`open_dataset` (and closed again) to detect the
 formats and keep all labels in memory, which also gives the loader ``labels`` for free; before that,
 :mod:`cosmoflow.data_files` does that inspection, :func:`hybridpar.data.hdf5.check_datasets` first
 refusing a file whose datasets link outside its folder or declare more than the file holds.
@@ -33,16 +34,14 @@ refusing a file whose datasets link outside its folder or declare more than the 
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import get_args
 
-import h5py
 import numpy as np
 import torch
 
 from cosmoflow.data_files import HDF5_SUFFIXES, FileEntry, PathsLike, Target, expand_paths, inspect_file
+from cosmoflow.data_process import ProcessState
 from cosmoflow.validate import (
     LABEL_BOUND,
     DataError,
@@ -76,17 +75,6 @@ def _region_bounds(region: Sequence[slice] | None, size: int) -> tuple[tuple[int
     return tuple(bounds)
 
 
-def _chunk_bytes(ds: h5py.Dataset, sel: tuple[tuple[int, int], ...]) -> int:
-    """Bytes of all chunks a hyperslab touches (HDF5 reads chunks whole); the slab itself if contiguous."""
-    item = ds.dtype.itemsize
-    if ds.chunks is None:
-        return math.prod(b - a for a, b in sel) * item
-    count = 1
-    for (a, b), c in zip(sel, ds.chunks, strict=True):
-        count *= (b - 1) // c - a // c + 1
-    return count * math.prod(ds.chunks) * item
-
-
 class CosmoDataset:
     """Samples of one or more HDF5 files; picklable, opening files lazily in each process.
 
@@ -107,6 +95,8 @@ class CosmoDataset:
         self.sample_size = sample_size
         self.channels = channels
         self.chunk_cache_bytes = chunk_cache_bytes
+        self._process = ProcessState(chunk_cache_bytes)
+        """This process's open files, byte counters and verdicts (dropped on pickling and on a fork)."""
         self._starts = np.cumsum([0] + [e.count for e in entries])
         far = np.abs(labels).max(1, initial=0) > LABEL_BOUND
         suspect = np.flatnonzero(~np.isfinite(labels).all(1) | far)  # checked one by one below
@@ -114,29 +104,6 @@ class CosmoDataset:
         if self._bad_labels and not skip_bad:
             i, problem = next(iter(self._bad_labels.items()))
             raise DataError(f"{self.describe(i)}: {problem}{_HINT}")
-        self._reset_process()
-
-    def _reset_process(self) -> None:
-        self._pid = os.getpid()
-        self._files: dict[str, h5py.File] = {}
-        self._bytes_read = 0
-        self._chunk_bytes_read = 0
-        self._verdicts: dict[int, str | None] = {}  # sample -> problem (None: good), judged whole
-        self._skipped: list[str] = []  # descriptions of samples skipped and not yet taken
-
-    def _check_process(self) -> None:
-        if self._pid != os.getpid():  # forked: the inherited handles belong to the parent
-            self._reset_process()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_files", "_pid", "_bytes_read", "_chunk_bytes_read", "_verdicts", "_skipped"):
-            state.pop(key)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_process()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -165,17 +132,15 @@ class CosmoDataset:
 
     @property
     def bytes_read(self) -> int:
-        self._check_process()
-        return self._bytes_read
+        return self._process.here().bytes_read
 
     @property
     def chunk_bytes_read(self) -> int:
-        self._check_process()
-        return self._chunk_bytes_read
+        return self._process.here().chunk_bytes_read
 
     def reset_counters(self) -> None:
-        self._check_process()
-        self._bytes_read = self._chunk_bytes_read = 0
+        here = self._process.here()
+        here.bytes_read = here.chunk_bytes_read = 0
 
     def locate(self, index: int) -> tuple[FileEntry, int]:
         """The file holding sample ``index`` and the sample's index inside that file."""
@@ -196,10 +161,10 @@ class CosmoDataset:
         """What is wrong with sample ``index``, read whole (counts, parameters, the initial field if the
         file has one, checksums), as a message naming file and sample; None if it is good. Cached in
         this process."""
-        self._check_process()
+        verdicts = self._process.here().verdicts
         index = self._index(index)
-        if index in self._verdicts:
-            return self._verdicts[index]
+        if index in verdicts:
+            return verdicts[index]
         entry, local = self.locate(index)
         where = self.describe(index)
         problem = self._bad_labels.get(index)
@@ -208,38 +173,38 @@ class CosmoDataset:
                 sel = self._slab(entry, local, None)
                 name = "full" if entry.format == "universe" else "x"
                 lead = ((local, local + 1),) if entry.format == "packed" else ()
-                ds = self._file(entry.path)[name]
+                ds = self._process.file(entry.path)[name]
                 x = checked_read(lambda: ds[tuple(slice(a, b) for a, b in (*lead, *sel))], where)
                 problem = count_problem(x[0] if lead else x, of="the sample", name=name)
-            if problem is None and entry.format == "universe" and "linear" in self._file(entry.path):
-                lin = self._file(entry.path)["linear"]
+            if problem is None and entry.format == "universe" and "linear" in self._process.file(entry.path):
+                lin = self._process.file(entry.path)["linear"]
                 problem = field_problem(checked_read(lambda: lin[tuple(slice(a, b) for a, b in sel)], where))
         except DataError as err:
-            self._verdicts[index] = str(err)
+            verdicts[index] = str(err)
             return str(err)
-        self._verdicts[index] = None if problem is None else f"{where}: {problem}"
-        return self._verdicts[index]
+        verdicts[index] = None if problem is None else f"{where}: {problem}"
+        return verdicts[index]
 
     def _usable(self, index: int) -> int:
         """``index``, or with ``skip_bad`` the next good sample after it (recording the skipped ones)."""
         index = self._index(index)
         if not self.skip_bad:
             return index
-        self._check_process()
+        here = self._process.here()
         for step in range(len(self)):
             j = (index + step) % len(self)
-            new = j not in self._verdicts
+            new = j not in here.verdicts
             problem = self.problem(j)
             if problem is None:
                 return j
             if new:
-                self._skipped.append(problem)
+                here.skipped.append(problem)
         raise DataError(f"every one of the {len(self)} samples is bad; the first: {self.problem(index)}")
 
     def take_skipped(self) -> list[str]:
         """The bad samples this process skipped since the last call (the loader gathers them)."""
-        self._check_process()
-        out, self._skipped = self._skipped, []
+        here = self._process.here()
+        out, here.skipped = here.skipped, []
         return out
 
     def _index(self, index: int) -> int:
@@ -247,14 +212,6 @@ class CosmoDataset:
         if not -n <= index < n:
             raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
         return int(index) % n
-
-    def _file(self, path: str) -> h5py.File:
-        self._check_process()
-        f = self._files.get(path)
-        if f is None:
-            kw = {} if self.chunk_cache_bytes is None else {"rdcc_nbytes": self.chunk_cache_bytes}
-            f = self._files[path] = h5py.File(path, "r", **kw)
-        return f
 
     def _slab(self, entry: FileEntry, local: int, region: Region | None) -> tuple[tuple[int, int], ...]:
         """The region's voxel bounds along D, H, W in the file's dataset (after a packed file's index)."""
@@ -265,26 +222,21 @@ class CosmoDataset:
         corner = (local // (n * n), (local // n) % n, local % n)
         return tuple((c * s + a, c * s + b) for c, (a, b) in zip(corner, bounds))
 
-    def _read_slab(self, ds: h5py.Dataset, sel: tuple[tuple[int, int], ...]) -> np.ndarray:
-        out = ds[tuple(slice(a, b) for a, b in sel)]
-        self._bytes_read += out.nbytes
-        self._chunk_bytes_read += _chunk_bytes(ds, sel)
-        return out
-
     def read_raw(self, index: int, region: Region | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(x, y)`` as stored: x int16 (d, h, w, C) channels last, y the float32 parameters; only the
         region is read."""
         index = self._usable(index)
         entry, local = self.locate(index)
-        f = self._file(entry.path)
+        f = self._process.file(entry.path)
         sel = self._slab(entry, local, region) + ((0, self.channels),)
         where = f"{self.describe(index)}, region {_region_text(sel)}"
+        read_slab = self._process.read_slab
         if entry.format == "universe":
-            x = checked_read(lambda: self._read_slab(f["full"], sel), where, _HINT)
+            x = checked_read(lambda: read_slab(f["full"], sel), where, _HINT)
         elif entry.format == "split":
-            x = checked_read(lambda: self._read_slab(f["x"], sel), where, _HINT)
+            x = checked_read(lambda: read_slab(f["x"], sel), where, _HINT)
         else:
-            x = checked_read(lambda: self._read_slab(f["x"], ((local, local + 1), *sel))[0], where, _HINT)
+            x = checked_read(lambda: read_slab(f["x"], ((local, local + 1), *sel))[0], where, _HINT)
         problem = count_problem(x, name="full" if entry.format == "universe" else "x")
         if problem is not None:
             raise DataError(f"{where}: {problem}{_HINT}")
@@ -296,10 +248,10 @@ class CosmoDataset:
         entry, local = self.locate(index)
         if entry.format != "universe":
             raise ValueError(f"{entry.path}: only raw universes carry the initial density field 'linear'")
-        ds = self._file(entry.path)["linear"]
+        ds = self._process.file(entry.path)["linear"]
         sel = self._slab(entry, local, region)
         where = f"{self.describe(index)}, region {_region_text(sel)}"
-        y = np.asarray(checked_read(lambda: self._read_slab(ds, sel), where, _HINT), dtype=np.float32)
+        y = np.asarray(checked_read(lambda: self._process.read_slab(ds, sel), where, _HINT), dtype=np.float32)
         problem = field_problem(y)
         if problem is not None:
             raise DataError(f"{where}: {problem}{_HINT}")
@@ -339,10 +291,7 @@ class CosmoDataset:
 
     def close(self) -> None:
         """Close this process's open files (they reopen on the next read)."""
-        self._check_process()
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self._process.close()
 
 
 def log_counts(raw: np.ndarray) -> np.ndarray:

@@ -21,10 +21,11 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cosmoflow.config import Config
+Config = Any
+"""A :class:`cosmoflow.config.Config`: that module imports this one to bound its sizes, so this one imports
+no config code, not even for its annotations (an import cycle otherwise)."""
 
 WORD = 4  # bytes of a float32
 KERNEL = 27  # a k3 conv's weights per input and output channel

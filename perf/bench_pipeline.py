@@ -272,7 +272,32 @@ def model_config(args: argparse.Namespace) -> dict:
             "split": args.depth // 2 if args.split is None else args.split, "micro": args.micro}
 
 
-def main(argv: list[str] | None = None) -> None:
+# what the result's figures mean, written beside them in the JSON
+DEFINITIONS = {
+    "pipeline_efficiency": "bound / T_pipe, bound = sum_k t_k + (M-1) max_k t_k (for "
+                           "balanced stages (M+S-1) t: throughput against the ideal "
+                           "M/(M+S-1) of the bubble-free throughput of the same "
+                           "stages on the same machine)",
+    "schedule_efficiency": "schedule bound / T_pipe; schedule bound = "
+                           "hybridpar.planner.schedule.makespan of the schedule with "
+                           "f_k, b_k = stage k's forward / backward phase of "
+                           "T_stage_k over M, no transfers: the same schedule's bubble "
+                           "for these (possibly unbalanced) stages",
+    "t_k": "T_stage_k / M; T_stage_k: process k of S running its stage's M forwards "
+           "and M backwards in the schedule's order, all S at once, plain torch.nn, "
+           "no communication",
+    "speedup": "T_whole / T_pipe", "ideal": "S*M/(M+S-1)",
+    "efficiency_vs_one_process": "speedup / ideal = pipe throughput / (whole "
+                                 "throughput * ideal)",
+    "efficiency_vs_accum": "(T_accum / T_pipe) / ideal",
+    "stage_balance": "(t0 + t1) / (S * max(t0, t1)), per-stage fwd+bwd of one "
+                     "micro-batch, one process alone",
+    "c": "T_stages / (M * max(t0, t1)): how much slower the stages run side by side "
+         "than alone"}
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[str], dict]:
+    """The flags, and from them the M values, the schedules and the configuration every rank gets."""
     ap = common.parser("pipeline", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
     add_model_args(ap)
     ap.add_argument("--batch", type=int, default=0,
@@ -289,7 +314,83 @@ def main(argv: list[str] | None = None) -> None:
     for m in ms:
         if args.batch and args.batch % m:
             ap.error(f"--batch {args.batch} is not divisible by M={m}")
+    return args, ms, schedules, cfg
 
+
+def _result(s: str, m: int, cfg: dict, samples: dict, rounds: list[dict],
+            med: dict[str, float]) -> tuple[dict, list]:
+    """One schedule at one M: its efficiencies against the bubble bound and the schedule bound (over
+    all rounds and per round), and its table row."""
+    b, name = batch_of(cfg, m), f"{s} M={m}"
+    ideal = STAGES * m / (m + STAGES - 1)
+    speedup = med[f"whole M={m}"] / med[name]
+    vs_accum = med[f"accum M={m}"] / med[name]
+    # the same stages, both at once, no pipeline: the best a pipeline of them can do here is
+    # to run every stage once while filling and draining, and the slowest M - 1 more times
+    per_stage = [med[f"stages {name} rank {k}"] / m for k in range(STAGES)]
+    bound = sum(per_stage) + (m - 1) * max(per_stage)
+    pipe_eff = bound / med[name]
+    # the same, but the schedule's own step with each stage's forward and backward apart
+    fb = [phases(samples, name, m, k) for k in range(STAGES)]
+    sched = makespan(s, STAGES, m, [f for f, _ in fb], [b for _, b in fb])
+    sched_eff = sched / med[name]
+    stage = [med[f"alone stage {k} M={m}"] for k in range(STAGES)]
+    balance = sum(stage) / (STAGES * max(stage))
+    conc = med[f"stages {name}"] / (m * max(stage))
+    per_round, sched_round = [], []
+    for rd in rounds:
+        t = [statistics.median(rd[f"stages {name} rank {k}"]) / m for k in range(STAGES)]
+        per_round.append((sum(t) + (m - 1) * max(t)) / statistics.median(rd[name]))
+        fb_r = [phases(rd, name, m, k) for k in range(STAGES)]
+        sched_round.append(makespan(s, STAGES, m, [f for f, _ in fb_r], [b for _, b in fb_r])
+                           / (1e3 * statistics.median(rd[name])))
+    losses = [rd["pipe_loss"][name] for rd in rounds]
+    ref = [rd["single_loss"][name] for rd in rounds]
+    result = {
+        "schedule": s, "M": m, "batch": b, "micro_batch": b // m,
+        "ideal_bubble": (STAGES - 1) / (m + STAGES - 1),
+        "ideal_speedup": ideal, "speedup": speedup,
+        "pipeline_efficiency": pipe_eff, "pipeline_efficiency_per_round": per_round,
+        "schedule_bound_ms": sched, "schedule_efficiency": sched_eff,
+        "schedule_efficiency_per_round": sched_round,
+        "stage_forward_backward_ms_per_micro_batch": fb,
+        "efficiency_vs_one_process": speedup / ideal, "efficiency_vs_accum": vs_accum / ideal,
+        "throughput_samples_s": 1e3 * b / med[name],
+        "whole_throughput_samples_s": 1e3 * b / med[f"whole M={m}"],
+        "bound_ms": bound, "stages_concurrent_ms": med[f"stages {name}"],
+        "stage_concurrent_ms_per_micro_batch": per_stage,
+        "stage_fwd_bwd_ms": stage, "stage_balance": balance, "concurrency_slowdown_c": conc,
+        "loss_rel_err_vs_single": max(abs(a - r) / abs(r) for a, r in zip(losses, ref)),
+        "meets_goal": pipe_eff >= GOAL, "meets_goal_schedule_bound": sched_eff >= GOAL}
+    row = [s, m, b, med[f"whole M={m}"], med[f"accum M={m}"], med[name],
+           result["throughput_samples_s"], f"{bound:.1f}",
+           f"**{100 * pipe_eff:.1f} %**",
+           f"{100 * min(per_round):.0f}-{100 * max(per_round):.0f} %",
+           f"{sched:.1f}", f"**{100 * sched_eff:.1f} %**",
+           f"{100 * min(sched_round):.0f}-{100 * max(sched_round):.0f} %",
+           f"{ideal:.3f}", f"{speedup:.3f}", f"{100 * speedup / ideal:.1f} %",
+           f"{100 * balance:.1f} %", f"{conc:.2f}"]
+    return result, row
+
+
+def _table(args: argparse.Namespace, rows: list[list], load: dict, load_end: tuple) -> str:
+    """The printed table, titled with the model, the rounds and the load around them."""
+    v = args.size
+    what = f"batch {args.batch} in M parts" if args.batch else \
+        f"micro-batch {args.micro}, batch {args.micro}*M"
+    return common.print_table(
+        ["schedule", "M", "batch", "whole ms", "accum ms", "pipe ms", "pipe samples/s", "bound ms",
+         "pipeline efficiency", "per round", "schedule bound ms", "schedule efficiency", "per round",
+         "ideal speedup", "speedup", "eff. vs 1 process", "stage balance",
+         "c"], rows,
+        title=f"Pipeline efficiency, S=2 (2 ranks x 1 thread, gloo) vs 1 rank x 1 thread: "
+              f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {v}^3, {what}, float32 "
+              f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
+              f"{load_end[0]:.2f}); goal pipeline efficiency >= {100 * GOAL:.0f} %")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, ms, schedules, cfg = _parse(argv)
     load = common.wait(args)
     print(f"load average at start: {load['load_at_start']}", flush=True)
     runs = [(s, m) for s in schedules for m in ms]
@@ -303,67 +404,10 @@ def main(argv: list[str] | None = None) -> None:
     rows, result = [], {}
     for s in schedules:
         for m in ms:
-            b, name = batch_of(cfg, m), f"{s} M={m}"
-            ideal = STAGES * m / (m + STAGES - 1)
-            speedup = med[f"whole M={m}"] / med[name]
-            vs_accum = med[f"accum M={m}"] / med[name]
-            # the same stages, both at once, no pipeline: the best a pipeline of them can do here is
-            # to run every stage once while filling and draining, and the slowest M - 1 more times
-            per_stage = [med[f"stages {name} rank {k}"] / m for k in range(STAGES)]
-            bound = sum(per_stage) + (m - 1) * max(per_stage)
-            pipe_eff = bound / med[name]
-            # the same, but the schedule's own step with each stage's forward and backward apart
-            fb = [phases(samples, name, m, k) for k in range(STAGES)]
-            sched = makespan(s, STAGES, m, [f for f, _ in fb], [b for _, b in fb])
-            sched_eff = sched / med[name]
-            stage = [med[f"alone stage {k} M={m}"] for k in range(STAGES)]
-            balance = sum(stage) / (STAGES * max(stage))
-            conc = med[f"stages {name}"] / (m * max(stage))
-            per_round, sched_round = [], []
-            for rd in rounds:
-                t = [statistics.median(rd[f"stages {name} rank {k}"]) / m for k in range(STAGES)]
-                per_round.append((sum(t) + (m - 1) * max(t)) / statistics.median(rd[name]))
-                fb_r = [phases(rd, name, m, k) for k in range(STAGES)]
-                sched_round.append(makespan(s, STAGES, m, [f for f, _ in fb_r], [b for _, b in fb_r])
-                                   / (1e3 * statistics.median(rd[name])))
-            losses = [rd["pipe_loss"][name] for rd in rounds]
-            ref = [rd["single_loss"][name] for rd in rounds]
-            result[name] = {
-                "schedule": s, "M": m, "batch": b, "micro_batch": b // m,
-                "ideal_bubble": (STAGES - 1) / (m + STAGES - 1),
-                "ideal_speedup": ideal, "speedup": speedup,
-                "pipeline_efficiency": pipe_eff, "pipeline_efficiency_per_round": per_round,
-                "schedule_bound_ms": sched, "schedule_efficiency": sched_eff,
-                "schedule_efficiency_per_round": sched_round,
-                "stage_forward_backward_ms_per_micro_batch": fb,
-                "efficiency_vs_one_process": speedup / ideal, "efficiency_vs_accum": vs_accum / ideal,
-                "throughput_samples_s": 1e3 * b / med[name],
-                "whole_throughput_samples_s": 1e3 * b / med[f"whole M={m}"],
-                "bound_ms": bound, "stages_concurrent_ms": med[f"stages {name}"],
-                "stage_concurrent_ms_per_micro_batch": per_stage,
-                "stage_fwd_bwd_ms": stage, "stage_balance": balance, "concurrency_slowdown_c": conc,
-                "loss_rel_err_vs_single": max(abs(a - r) / abs(r) for a, r in zip(losses, ref)),
-                "meets_goal": pipe_eff >= GOAL, "meets_goal_schedule_bound": sched_eff >= GOAL}
-            rows.append([s, m, b, med[f"whole M={m}"], med[f"accum M={m}"], med[name],
-                         result[name]["throughput_samples_s"], f"{bound:.1f}",
-                         f"**{100 * pipe_eff:.1f} %**",
-                         f"{100 * min(per_round):.0f}-{100 * max(per_round):.0f} %",
-                         f"{sched:.1f}", f"**{100 * sched_eff:.1f} %**",
-                         f"{100 * min(sched_round):.0f}-{100 * max(sched_round):.0f} %",
-                         f"{ideal:.3f}", f"{speedup:.3f}", f"{100 * speedup / ideal:.1f} %",
-                         f"{100 * balance:.1f} %", f"{conc:.2f}"])
+            result[f"{s} M={m}"], row = _result(s, m, cfg, samples, rounds, med)
+            rows.append(row)
+    table = _table(args, rows, load, load_end)
     v = args.size
-    what = f"batch {args.batch} in M parts" if args.batch else \
-        f"micro-batch {args.micro}, batch {args.micro}*M"
-    table = common.print_table(
-        ["schedule", "M", "batch", "whole ms", "accum ms", "pipe ms", "pipe samples/s", "bound ms",
-         "pipeline efficiency", "per round", "schedule bound ms", "schedule efficiency", "per round",
-         "ideal speedup", "speedup", "eff. vs 1 process", "stage balance",
-         "c"], rows,
-        title=f"Pipeline efficiency, S=2 (2 ranks x 1 thread, gloo) vs 1 rank x 1 thread: "
-              f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {v}^3, {what}, float32 "
-              f"({args.rounds} rounds x {args.steps} steps; 1-min load {load['load_at_start'][0]:.2f} -> "
-              f"{load_end[0]:.2f}); goal pipeline efficiency >= {100 * GOAL:.0f} %")
     common.write_json(args, {
         "config": {**cfg, "microbatches": ms, "schedules": schedules, "rounds": args.rounds,
                    "stages": STAGES, "stage_starts": ["0", str(split_layer(cfg))],
@@ -371,27 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                    "model": repr(make_stack(v, args.channels, args.depth)).splitlines(),
                    "dtype": "float32", "threads_per_process": 1, "pin": args.pin, "backend": "gloo",
                    "step": "grads set to None, forward, MSE loss, backward (no optimizer step)",
-                   "definitions": {
-                       "pipeline_efficiency": "bound / T_pipe, bound = sum_k t_k + (M-1) max_k t_k (for "
-                                              "balanced stages (M+S-1) t: throughput against the ideal "
-                                              "M/(M+S-1) of the bubble-free throughput of the same "
-                                              "stages on the same machine)",
-                       "schedule_efficiency": "schedule bound / T_pipe; schedule bound = "
-                                              "hybridpar.planner.schedule.makespan of the schedule with "
-                                              "f_k, b_k = stage k's forward / backward phase of "
-                                              "T_stage_k over M, no transfers: the same schedule's bubble "
-                                              "for these (possibly unbalanced) stages",
-                       "t_k": "T_stage_k / M; T_stage_k: process k of S running its stage's M forwards "
-                              "and M backwards in the schedule's order, all S at once, plain torch.nn, "
-                              "no communication",
-                       "speedup": "T_whole / T_pipe", "ideal": "S*M/(M+S-1)",
-                       "efficiency_vs_one_process": "speedup / ideal = pipe throughput / (whole "
-                                                    "throughput * ideal)",
-                       "efficiency_vs_accum": "(T_accum / T_pipe) / ideal",
-                       "stage_balance": "(t0 + t1) / (S * max(t0, t1)), per-stage fwd+bwd of one "
-                                        "micro-batch, one process alone",
-                       "c": "T_stages / (M * max(t0, t1)): how much slower the stages run side by side "
-                            "than alone"}},
+                   "definitions": DEFINITIONS},
         "load": {**load, "load_at_end": load_end,
                  "disturbed_rounds": [i for i, rd in enumerate(rounds)
                                       if common.disturbed([rd["load"][0]], STAGES)]},

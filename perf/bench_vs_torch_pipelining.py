@@ -52,6 +52,7 @@ receives every micro-batch into buffers shaped like the first one, so its loss f
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 from collections import OrderedDict
@@ -272,7 +273,20 @@ TINY = {"size": 8, "channels": 4, "microbatches": "2", "rounds": 1, "reps": 1, "
         "memory": False}  # --tiny: seconds
 
 
-def main(argv: list[str] | None = None) -> None:
+# how the memory figures are measured, written beside them in the JSON
+MEMORY_METHOD = ("fresh processes per (impl, M), MALLOC_MMAP_THRESHOLD_=65536; peak heap = highest bytes "
+                 "handed out by malloc over one step (perf/heap_peak.c, LD_PRELOAD) minus those before "
+                 "the model was built; peak RSS = VmHWM over one step (reset via /proc/self/clear_refs) "
+                 "minus VmRSS before the model was built, and its anonymous part (VmHWM - RssFile - "
+                 "RssShmem after the step - RssAnon at base); saved activations = peak distinct storage "
+                 "bytes held by autograd (saved_tensors_hooks), weights excluded; third step after 2 "
+                 "warm-ups; 'meta warmed': peak heap after both implementations traced the model once on "
+                 "the meta device before the base line (what torch caches on its first meta trace is a "
+                 "one-time cost of the process, ~0.1 MiB)")
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], dict]:
+    """The flags, the M values and the configuration every rank gets."""
     ap = common.parser("vs_torch_pipelining", __doc__, rounds=3, steps=8, warmup=2, max_load=0.6, pin=True)
     add_model_args(ap)
     ap.add_argument("--microbatches", default="2,4,8", help="M values (default 2,4,8)")
@@ -285,14 +299,12 @@ def main(argv: list[str] | None = None) -> None:
     args = common.parse(ap, argv, TINY)
     ms = [int(v) for v in args.microbatches.split(",")]
     cfg = {**model_config(args), "batch": 0, "warmup": args.warmup, "steps": args.steps, "reps": args.reps}
+    return args, ms, cfg
 
-    load = common.wait(args)
-    print(f"load average at start: {load['load_at_start']}", flush=True)
-    check = common.launch(check_job, RANKS, cfg, max(ms), threads=1) if args.check else None
-    # Both implementations every round, in swapped order every other round.
-    samples, rounds = common.alternate(args.rounds, [
-        lambda r: common.launch(time_job, RANKS, cfg, ms if r % 2 == 0 else ms[::-1], threads=1,
-                                pin=args.pin)])
+
+def _memory_runs(args: argparse.Namespace, cfg: dict, ms: list[int]) -> tuple[dict, dict]:
+    """Peak memory of each implementation at each M, in fresh ranks with the heap counter preloaded
+    (``--no-memory``: none), and again after a meta-device trace of the model (``--no-warm-meta``: not)."""
     memory: dict = {}
     memory_warm: dict = {}
     if args.memory:
@@ -308,9 +320,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for k in env:
                 os.environ.pop(k, None)
-    load_end = common.loadavg()
+    return memory, memory_warm
 
-    stats = {n: common.summarize(t) for n, t in samples.items()}
+
+def _results(ms: list[int], cfg: dict, stats: dict, rounds: list[dict], memory: dict,
+             memory_warm: dict) -> tuple[list[list], dict]:
+    """Per M: throughput of ours against torch's (over all rounds and per round), each implementation's
+    step and memory per stage, whether ours is no worse; and the table's rows."""
     med = {n: s["median_ms"] for n, s in stats.items()}
     rows, result = [], {}
     for m in ms:
@@ -344,6 +360,40 @@ def main(argv: list[str] | None = None) -> None:
                                                    1e-3, 0.0) if memory_warm else None,
                 "peak_rss": _no_worse(ours, theirs, "peak_rss_over_base_mib", 0.02, 1.0),
                 "saved_activations": _no_worse(ours, theirs, "saved_activations_peak_mib", 1e-9, 0.0)}
+    return rows, result
+
+
+def _check_table(check: list[dict] | None, cfg: dict, ms: list[int]) -> str:
+    """The float64 check's table: each stage's gradients and loss against the whole model in one process."""
+    check_rows = []
+    if check:
+        for rec in check:
+            for variant, v in rec.items():
+                if isinstance(v, dict):
+                    check_rows.append([rec["rank"], variant, f"{v['grad_rel_err']:.1e}",
+                                       f"{v['grad_norm_ratio']:.4f}",
+                                       f"{v['loss_rel_err']:.1e}" if "loss_rel_err" in v else ""])
+        return common.print_table(
+            ["stage", "variant", "grad rel. err vs 1 process", "grad norm ratio", "loss rel. err"],
+            check_rows, title=f"One float64 step, M={max(ms)}, batch {cfg['micro'] * max(ms)}, against the "
+                              f"whole model in one process")
+    return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, ms, cfg = _parse(argv)
+    load = common.wait(args)
+    print(f"load average at start: {load['load_at_start']}", flush=True)
+    check = common.launch(check_job, RANKS, cfg, max(ms), threads=1) if args.check else None
+    # Both implementations every round, in swapped order every other round.
+    samples, rounds = common.alternate(args.rounds, [
+        lambda r: common.launch(time_job, RANKS, cfg, ms if r % 2 == 0 else ms[::-1], threads=1,
+                                pin=args.pin)])
+    memory, memory_warm = _memory_runs(args, cfg, ms)
+    load_end = common.loadavg()
+
+    stats = {n: common.summarize(t) for n, t in samples.items()}
+    rows, result = _results(ms, cfg, stats, rounds, memory, memory_warm)
     table = common.print_table(
         ["M", "batch", "impl", "median ms", "IQR ms", "samples/s", "ratio (torch ms / ours)",
          "peak heap over base MiB (stage 0 / 1)", "same, meta trace warmed first (0 / 1)",
@@ -353,20 +403,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.depth} x Conv3d {args.channels}->{args.channels} k3 at {args.size}^3, micro-batch "
               f"{args.micro}, float32 ({args.rounds} rounds x {args.steps} steps; 1-min load "
               f"{load['load_at_start'][0]:.2f} -> {load_end[0]:.2f})")
-    check_rows = []
-    if check:
-        for rec in check:
-            for variant, v in rec.items():
-                if isinstance(v, dict):
-                    check_rows.append([rec["rank"], variant, f"{v['grad_rel_err']:.1e}",
-                                       f"{v['grad_norm_ratio']:.4f}",
-                                       f"{v['loss_rel_err']:.1e}" if "loss_rel_err" in v else ""])
-        check_table = common.print_table(
-            ["stage", "variant", "grad rel. err vs 1 process", "grad norm ratio", "loss rel. err"],
-            check_rows, title=f"One float64 step, M={max(ms)}, batch {cfg['micro'] * max(ms)}, against the "
-                              f"whole model in one process")
-    else:
-        check_table = ""
+    check_table = _check_table(check, cfg, ms)
     common.write_json(args, {
         "config": {**cfg, "microbatches": ms, "rounds": args.rounds, "ranks": RANKS,
                    "stage_starts": ["0", str(split_layer(cfg))], "batch": "micro * M",
@@ -374,19 +411,7 @@ def main(argv: list[str] | None = None) -> None:
                    "dtype": "float32", "threads_per_process": 1, "pin": args.pin, "backend": "gloo",
                    "torch_schedule": "ScheduleGPipe(PipelineStage(half, rank, 2, cpu), M, loss_fn=mse_loss), "
                                      "scale_grads default (True), step(..., return_outputs=False)",
-                   "memory_method": "fresh processes per (impl, M), MALLOC_MMAP_THRESHOLD_=65536; peak "
-                                    "heap = highest bytes handed out by malloc over one step (perf/"
-                                    "heap_peak.c, LD_PRELOAD) minus those before the model was built; "
-                                    "peak RSS "
-                                    "= VmHWM over one step (reset via /proc/self/clear_refs) minus VmRSS "
-                                    "before the model was built, and its anonymous part (VmHWM - "
-                                    "RssFile - RssShmem after the step - RssAnon at base); saved "
-                                    "activations = peak distinct "
-                                    "storage bytes held by autograd (saved_tensors_hooks), weights "
-                                    "excluded; third step after 2 warm-ups; 'meta warmed': peak heap "
-                                    "after both implementations traced the model once on the meta "
-                                    "device before the base line (what torch caches on its first meta "
-                                    "trace is a one-time cost of the process, ~0.1 MiB)"},
+                   "memory_method": MEMORY_METHOD},
         "load": {**load, "load_at_end": load_end},
         "stats": stats, "result": result, "memory": memory, "memory_meta_warmed": memory_warm,
         "check": check, "rounds": rounds,

@@ -31,14 +31,14 @@ What each of its layers does on a shard:
 
 On one process (a grid with one spatial rank) every layer is theirs, unchanged.
 
-Registration happens when ``neuralop`` is imported (an import hook; at once if it already is), so
-that ``import hybridpar`` does not pay neuralop's import (seconds: tensorly, wandb) where it is
-installed but not used. :func:`register` does it by hand.
+Registration happens the first time the layer registry looks up a type from ``neuralop``
+(:data:`hybridpar.nn.registry.LAZY_ADAPTERS`), or at once where ``neuralop`` was imported before
+hybridpar, so that ``import hybridpar`` does not pay neuralop's import (seconds: tensorly, wandb) where
+it is installed but not used. :func:`register` does it by hand.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import math
 import sys
 from functools import lru_cache
@@ -394,49 +394,5 @@ def register() -> None:
     _DONE.append(True)
 
 
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`register` once ``neuralop`` has been imported (its package, and so its layers)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "neuralop":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _Loader(spec.loader, self)
-        return spec
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader: Any, finder: _OnImport) -> None:
-        self.loader, self.finder = loader, finder
-
-    def __getattr__(self, name: str) -> Any:  # resources, get_source, ...: the real loader's
-        return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
-        register()
-
-
-def install() -> None:
-    """Register now if ``neuralop`` is imported, else when it is."""
-    if "neuralop" in sys.modules:
-        register()
-    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport())
-
-
-install()
+if "neuralop" in sys.modules:  # its layers exist already: no lookup has to miss first
+    register()

@@ -35,6 +35,7 @@ from its base's entry, so a layer and its Dist class written in a user's module 
 
 from __future__ import annotations
 
+import importlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,16 +220,32 @@ def unregistered(m: nn.Module) -> str:
             f"version would not run, so the type is not registered")
 
 
+LAZY_ADAPTERS: dict[str, str] = {"neuralop": "hybridpar.nn.neuralop"}
+"""The modules that register the layers of another package, by that package's top-level name: each is
+imported, and its ``register()`` called, the first time a lookup misses on a type from that package.
+Why not at import: registering imports the package (neuraloperator's takes seconds: tensorly, wandb),
+which ``import hybridpar`` should not pay where it is installed but not used."""
+
+
+def _register_adapters(cls: type) -> bool:
+    """Register the waiting adapters of the packages ``cls`` and its bases come from; whether any was."""
+    packages = {c.__module__.partition(".")[0] for c in cls.__mro__} & LAZY_ADAPTERS.keys()
+    for package in sorted(packages):
+        importlib.import_module(LAZY_ADAPTERS.pop(package)).register()
+    return bool(packages)
+
+
 def lookup(m: nn.Module | type) -> LayerEntry | None:
     """The entry of ``m``'s type or of its nearest registered base class, or None; None too for a
     subclass of a registered type with a forward of its own (:func:`overriding_forward`), unless that
-    subclass is registered itself."""
+    subclass is registered itself. A miss on a type from a package with an adapter waiting
+    (:data:`LAZY_ADAPTERS`) registers that package's layers and looks again."""
     cls = m if isinstance(m, type) else type(m)
     for base in cls.__mro__:
         entry = _REGISTRY.get(base)
         if entry is not None:
             return entry if base is cls or overriding_forward(cls) is None else None
-    return None
+    return lookup(cls) if LAZY_ADAPTERS and _register_adapters(cls) else None
 
 
 def registered_types() -> list[type]:

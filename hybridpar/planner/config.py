@@ -287,7 +287,7 @@ class ParallelSpec:
         return replace(self, grid=self.grid.resolve(world_size))
 
     def plan(self, model: Any, input_shape: Sequence[int], world_size: int | None = None) -> list[Any]:
-        """Per-layer plan records (:class:`hybridpar.planner.plan.LayerPlan`) in forward order, after every
+        """Per-layer plan records (:class:`hybridpar.planner.records.LayerPlan`) in forward order, after every
         check that needs the model, the global input shape and the world size."""
         from hybridpar.planner.plan import build_plan  # noqa: PLC0415 (plan imports torch; config must not)
 

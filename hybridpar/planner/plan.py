@@ -34,7 +34,8 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,16 +47,14 @@ from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit, an
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, Node, UntraceableError
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import SpaceMap
+from hybridpar.planner.spec_view import GridView, RuleView, SpecView
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
 from hybridpar.planner.swapped import nested_block, nested_output_split, swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
-if TYPE_CHECKING:  # the spec reader imports this module to plan
-    from hybridpar.planner.config import GridSpec, LayerRule, ParallelSpec
-
 __all__ = ["broadcasts", "build_plan", "resolve"]
 
-def _batch(grid: GridSpec, microbatches: int, batch: int) -> int:
+def _batch(grid: GridView, microbatches: int, batch: int) -> int:
     """Micro-batch size, after the checks that make data parallelism and the pipeline well defined."""
     if batch % grid.data:
         fits = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
@@ -142,176 +141,305 @@ def _too_small(in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Spl
     return f"split {list(split)} of its input of {'x'.join(map(str, in_shape[2:]))} voxels: {err.reason}"
 
 
-def _split_input(node: Node, out_split: dict[str, Split], input_split: Split | None) -> bool:
-    """Whether some input of ``node`` is already split (the model input counts once a layer split it)."""
-    return any((input_split or REPLICATED) != REPLICATED if n == INPUT else out_split[n] != REPLICATED
-               for n in node.inputs)
-
-
-
-def resolve(spec: ParallelSpec, a: Analysis, world_size: int | None = None) -> list[LayerPlan]:
-    """The plan of ``spec`` on an analysed model (see the module doc for the rules): the one planner,
-    which :func:`build_plan`, the engine, ``explain`` and the performance model all read."""
+def _on_world(spec: SpecView, world_size: int | None) -> SpecView:
+    """``spec`` on ``world_size`` ranks (its -1 filled, its product checked); without a world size, a
+    grid with no -1 as it is."""
     if world_size is not None:
-        spec = spec.resolve_grid(world_size)
-    elif not spec.grid.is_resolved:
+        return spec.resolve_grid(world_size)
+    if not spec.grid.is_resolved:
         raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
-    grid, pipe = spec.grid, spec.pipeline
-    micro = _batch(grid, pipe.microbatches, a.input_shape[0])
-    nodes, leaves, shapes = a.graph.nodes, a.leaves, a.shapes
-    for rule in spec.layers:
-        if not any(globs.matches(n, rule.pattern) for n, _ in leaves):
-            near = difflib.get_close_matches(rule.pattern, [n for n, _ in leaves], n=3, cutoff=0.5)
+    return spec
+
+
+def _rules_by_node(rules: Sequence[RuleView], leaves: Sequence[tuple[str, nn.Module]]) -> dict[str, RuleView]:
+    """The rule each leaf follows (its exact name, else the first matching glob), after refusing a rule
+    that matches no leaf (a typo would otherwise be a rule silently not applied)."""
+    names = [n for n, _ in leaves]
+    for rule in rules:
+        if not any(globs.matches(n, rule.pattern) for n in names):
+            near = difflib.get_close_matches(rule.pattern, names, n=3, cutoff=0.5)
             hint = f" (close: {', '.join(near)})" if near else ""
             raise SpecError(f"layers[{rule.pattern!r}]: the glob matches no layer{hint}; layer names look "
                             f"like {describe_layers(leaves)}")
-    patterns = [rule.pattern for rule in spec.layers]
-    rule_of: dict[str, LayerRule] = {n: spec.layers[k] for n, _ in leaves
-                                     if (k := globs.rule_for(n, patterns)) is not None}
+    patterns = [rule.pattern for rule in rules]
+    return {n: rules[k] for n in names if (k := globs.rule_for(n, patterns)) is not None}
 
-    index = a.graph.index()
-    chain_split: dict[str, Split | None] = {}  # a reshape chain's split, by its first node (space_maps)
-    out_split: dict[str, Split] = {}
+
+@dataclass
+class _Walk:
+    """The layouts decided so far, node by node in forward order (the rules: the module doc). Each node
+    is placed from the layouts of the nodes it reads, so one pass decides them all."""
+
+    spec: SpecView
+    a: Analysis
+    rule_of: dict[str, RuleView]
+    micro: int
+    index: dict[str, int] = field(init=False)
     input_split: Split | None = None  # the layout the model input is sharded in: its first reader's
-    splits: list[Split] = []
-    halo_list = []
-    gathers: list[bool] = []
-    auto: dict[str, str] = {}  # node -> why the planner replicated it (see _too_small)
-    whole_out: set[str] = set()  # user modules run split whose output is replicated (a reduction)
-    for i, node in enumerate(nodes):
-        in_shape, out_shape = shapes[i]
+    out_split: dict[str, Split] = field(default_factory=dict)
+    chain_split: dict[str, Split | None] = field(default_factory=dict)  # a reshape chain's, by its first node
+    splits: list[Split] = field(default_factory=list)
+    halos: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    gathers: list[bool] = field(default_factory=list)
+    auto: dict[str, str] = field(default_factory=dict)  # node -> why the planner replicated it (_too_small)
+    whole_out: set[str] = field(default_factory=set)  # user modules run split whose output is replicated
+
+    def __post_init__(self) -> None:
+        self.index = self.a.graph.index()
+
+    @property
+    def input_layout(self) -> Split:
+        """The layout the model input is sharded in (replicated where no node reads it split)."""
+        return self.input_split or REPLICATED
+
+    def place(self, i: int, node: Node) -> None:
+        """Decide node ``i``'s layout and record it."""
+        in_shape, out_shape = self.a.shapes[i]
+        role, entry = _role(node, in_shape, self.a.graph.values)
+        mapped = self._chain(node)
+        split = mapped if mapped is not None else self._asked(node, role, in_shape)
+        split = self._fitted(i, node, role, entry, split, mapped is not None)
+        self._note_replicated_input(node, split, out_shape)
+        self._record(i, node, role, entry, split, mapped is not None)
+
+    def _value_shape(self, name: str) -> tuple[int, ...]:
+        """The global shape of the value node ``name`` (or the model input) gives."""
+        return self.a.input_shape if name == INPUT else self.a.shapes[self.index[name]][1]
+
+    def _first_reader(self, node: Node) -> bool:
+        """Whether ``node`` is the first to read the model input (whose layout it then decides)."""
+        return INPUT in node.inputs and self.input_split is None
+
+    def _split_input(self, node: Node) -> bool:
+        """Whether some input of ``node`` is already split (the model input counts once a layer split it)."""
+        return any(self.input_layout != REPLICATED if n == INPUT else self.out_split[n] != REPLICATED
+                   for n in node.inputs)
+
+    def _producer(self, node: Node) -> Split:
+        """The layout an elementwise node keeps: its first split input's (shards must agree)."""
+        layouts = [(self.input_split or self.spec.grid.spatial) if n == INPUT else self.out_split[n]
+                   for n in node.inputs]
+        return next((s for s in layouts if s != REPLICATED), REPLICATED)
+
+    def _chain(self, node: Node) -> Split | None:
+        """The split of the reshape chain between channels and space that ``node`` is part of (decided at
+        its first node), or None: not in one, or one that runs as any dense node."""
+        space_map = self.a.space_maps.get(node.name)
+        if space_map is None:
+            return None
+        if node.name == space_map.nodes[0]:
+            self.chain_split[node.name] = _space_map_split(space_map, self._producer(node), self.rule_of)
+        return self.chain_split.get(space_map.nodes[0])
+
+    def _asked(self, node: Node, role: str, in_shape: tuple[int, ...]) -> Split:
+        """The split a layer rule or ``node``'s role asks for, before the check that it fits."""
         spatial_in = len(in_shape) == 5
-        role, entry = _role(node, in_shape, a.graph.values)
-        # the layout an elementwise node keeps: its first split input's (shards must agree)
-        layouts = [(input_split or grid.spatial) if n == INPUT else out_split[n] for n in node.inputs]
-        producer = next((s for s in layouts if s != REPLICATED), REPLICATED)
-        space_map = a.space_maps.get(node.name)
-        if space_map is not None and node.name == space_map.nodes[0]:
-            chain_split[node.name] = _space_map_split(space_map, producer, rule_of)
-        mapped = chain_split.get(space_map.nodes[0]) if space_map is not None else None
-        if mapped is not None:  # a reshape between channels and space, on each shard
-            split = mapped
-        elif node.name in rule_of:
-            split = rule_of[node.name].split
-            if split != REPLICATED and not (spatial_in and role not in ("dense", "unregistered")):
-                why = "its input is not N, C, D, H, W" if not spatial_in else \
-                    "it is not a conv, pool, norm, resampling or elementwise layer"
-                raise SpecError(f"layers[{rule_of[node.name].pattern!r}]: {node.name} ({node.kind}) cannot "
-                                f"be split spatially ({why}); use spatial: replicate for it")
-        elif not spatial_in:
-            split = REPLICATED
-        elif role in ("window", "transposed", "resample", "nested"):
-            # split by the grid; a layer on an already replicated input too small to split (after a
-            # global pooling) stays replicated. The model input is not such an input: a grid finer than
-            # it is refused by the layer that would split it first, as any split that empties a shard
-            small = any(in_shape[2 + k] < p for k, p in enumerate(grid.spatial))
-            first_reader = INPUT in node.inputs and input_split is None
-            replicate = small and not first_reader and not _split_input(node, out_split, input_split)
-            split = REPLICATED if replicate else grid.spatial
-        elif role in ("pointwise", "reduce", "shape", "volume_reduction"):  # a shape read: as it is
-            split = producer
-        elif role == "output":  # split outputs stay split where one share of the volume weighs them all
-            extents = {shapes[index[n]][1][2:] if n != INPUT else a.input_shape[2:] for n in node.inputs}
-            ranks = {len(shapes[index[n]][1]) if n != INPUT else 5 for n in node.inputs}
-            split = producer if len(extents) == 1 and ranks == {5} else REPLICATED
-        elif role == "unregistered" and _split_input(node, out_split, input_split):
+        if node.name in self.rule_of:
+            return self._ruled(node, role, spatial_in)
+        if not spatial_in:
+            return REPLICATED
+        if role in ("window", "transposed", "resample", "nested"):
+            return self._grid_split(node, in_shape)
+        if role in ("pointwise", "reduce", "shape", "volume_reduction"):  # a shape read: as it is
+            return self._producer(node)
+        if role == "output":
+            return self._output_split(node)
+        if role == "unregistered" and self._split_input(node):
             raise SpecError(f"{node.name} ({node.kind}): {registry.unregistered(node.module)} and its "
-                            f"input is split {list(producer)}: register it (hybridpar.nn.register, see the "
-                            f"README) so it can run split, or add a rule "
+                            f"input is split {list(self._producer(node))}: register it "
+                            f"(hybridpar.nn.register, see the README) so it can run split, or add a rule "
                             f"{{{node.name!r}: {{spatial: replicate}}}} to run it whole after a gather")
-        else:
-            split = REPLICATED
-        if split != REPLICATED and not mapped and not spec.strict and node.name not in rule_of \
-                and not (INPUT in node.inputs and input_split is None):
-            try:  # too small to split here: replicated, and what reads it after it, until it is large again
-                a.halos(i, entry, split)
-                if role == "nested" and not _check_nested(node, in_shape, split, micro):  # its own layers,
-                    whole_out.add(node.name)  # each on its own extents; its output replicated
+        return REPLICATED
+
+    def _ruled(self, node: Node, role: str, spatial_in: bool) -> Split:
+        """A layer rule's split, refused where ``node`` cannot run split at all."""
+        rule = self.rule_of[node.name]
+        if rule.split != REPLICATED and not (spatial_in and role not in ("dense", "unregistered")):
+            why = "its input is not N, C, D, H, W" if not spatial_in else \
+                "it is not a conv, pool, norm, resampling or elementwise layer"
+            raise SpecError(f"layers[{rule.pattern!r}]: {node.name} ({node.kind}) cannot "
+                            f"be split spatially ({why}); use spatial: replicate for it")
+        return rule.split
+
+    def _grid_split(self, node: Node, in_shape: tuple[int, ...]) -> Split:
+        """The grid's split; a layer on an already replicated input too small to split (after a global
+        pooling) stays replicated. The model input is not such an input: a grid finer than it is
+        refused by the layer that would split it first, as any split that empties a shard."""
+        grid = self.spec.grid.spatial
+        small = any(in_shape[2 + k] < p for k, p in enumerate(grid))
+        replicate = small and not self._first_reader(node) and not self._split_input(node)
+        return REPLICATED if replicate else grid
+
+    def _output_split(self, node: Node) -> Split:
+        """Split outputs stay split where one share of the volume weighs them all (5-D, same extents)."""
+        extents = {self._value_shape(n)[2:] for n in node.inputs}
+        ranks = {len(self._value_shape(n)) if n != INPUT else 5 for n in node.inputs}
+        return self._producer(node) if len(extents) == 1 and ranks == {5} else REPLICATED
+
+    def _fitted(self, i: int, node: Node, role: str, entry: registry.LayerEntry | None, split: Split,
+                mapped: bool) -> Split:
+        """``split``, or replicated where the node is too small to split there (its halos, or a layer
+        inside a user's module run split); a rule's split, ``strict`` and the model input's first
+        reader are never changed, only refused by the halo check that follows."""
+        in_shape, out_shape = self.a.shapes[i]
+        free = not mapped and not self.spec.strict and node.name not in self.rule_of \
+            and not self._first_reader(node)
+        if split != REPLICATED and free:
+            try:
+                self.a.halos(i, entry, split)
+                if role == "nested":
+                    self._nest(node, in_shape, split)
             except TooSmallToSplit as err:
-                auto[node.name] = _too_small(in_shape, out_shape, split, err)
-                split = REPLICATED
-        elif role == "nested" and split != REPLICATED:  # a rule's split, strict, or the first reader
-            if not _check_nested(node, in_shape, split, micro):
-                whole_out.add(node.name)
-        if split == REPLICATED and len(out_shape) == 5 and node.name not in rule_of and node.name not in auto:
-            from_auto = next((n for n in node.inputs if n in auto), None)
+                self.auto[node.name] = _too_small(in_shape, out_shape, split, err)
+                return REPLICATED
+        elif role == "nested" and split != REPLICATED:
+            self._nest(node, in_shape, split)
+        return split
+
+    def _nest(self, node: Node, in_shape: tuple[int, ...], split: Split) -> None:
+        """Check a user's module run split by its own forward, each layer in it on its own extents;
+        note it where its output is replicated."""
+        if not _check_nested(node, in_shape, split, self.micro):
+            self.whole_out.add(node.name)
+
+    def _note_replicated_input(self, node: Node, split: Split, out_shape: tuple[int, ...]) -> None:
+        """A node replicated because what it reads was: say which (a region too small to split runs
+        replicated until a window layer's input is large enough again)."""
+        if split == REPLICATED and len(out_shape) == 5 and node.name not in self.rule_of \
+                and node.name not in self.auto:
+            from_auto = next((n for n in node.inputs if n in self.auto), None)
             if from_auto is not None:
-                auto[node.name] = f"reads {from_auto}, replicated"
-        if INPUT in node.inputs and input_split is None:
-            input_split = split if spatial_in else REPLICATED
-        replicated_out = node.name in whole_out or role == "volume_reduction" or \
+                self.auto[node.name] = f"reads {from_auto}, replicated"
+
+    def _record(self, i: int, node: Node, role: str, entry: registry.LayerEntry | None, split: Split,
+                mapped: bool) -> None:
+        """Keep node ``i``'s split, its output's layout, its halos and whether it gathers."""
+        in_shape, out_shape = self.a.shapes[i]
+        spatial_in = len(in_shape) == 5
+        if self._first_reader(node):
+            self.input_split = split if spatial_in else REPLICATED
+        replicated_out = node.name in self.whole_out or role == "volume_reduction" or \
             (entry is not None and entry.replicated_output(node.module))
-        out_split[node.name] = split if mapped else \
+        self.out_split[node.name] = split if mapped else \
             REPLICATED if (replicated_out or len(out_shape) != 5) else split
-        splits.append(split)
-        halo_list.append(((0, 0),) * 3 if mapped else a.halos(i, entry, split))
-        gathers.append(split == REPLICATED and spatial_in and _split_input(node, out_split, input_split)
-                       and node.name not in auto)
-    # a gather is flagged where the activation is split again after it (inside a split region)
-    split_later = [False] * len(nodes)
+        self.splits.append(split)
+        self.halos.append(((0, 0),) * 3 if mapped else self.a.halos(i, entry, split))
+        self.gathers.append(split == REPLICATED and spatial_in and self._split_input(node)
+                            and node.name not in self.auto)
+
+    def redistributes(self, i: int) -> bool:
+        """Whether node ``i`` reads a 5-D value in another layout than its own (one that does not
+        broadcast): its input is then redistributed."""
+        if len(self.a.shapes[i][0]) != 5:
+            return False
+        srcs = [(self.input_layout if n == INPUT else self.out_split[n], self._value_shape(n))
+                for n in self.a.graph.nodes[i].inputs]
+        return any(s != self.splits[i] and not broadcasts(s, shape) for s, shape in srcs if len(shape) == 5)
+
+
+def _inside_split_regions(gathers: list[bool], splits: list[Split]) -> list[bool]:
+    """``gathers`` kept where the activation is split again after the node: a gather inside a split
+    region, what a layer nobody registered would silently cost."""
+    split_later = [False] * len(splits)
     later = False
-    for i in range(len(nodes) - 1, -1, -1):
+    for i in range(len(splits) - 1, -1, -1):
         split_later[i] = later
         later = later or splits[i] != REPLICATED
-    gathers = [g and s for g, s in zip(gathers, split_later, strict=True)]
+    return [g and s for g, s in zip(gathers, split_later, strict=True)]
 
-    input_split = input_split or REPLICATED
-    local_out = [local_shape(o, micro, out_split[n.name]) for n, (_, o) in zip(nodes, shapes, strict=True)]
-    local_in = [local_shape(shapes[i][0], micro, splits[i]) for i in range(len(nodes))]
+
+class _Sizes(NamedTuple):
+    """The most loaded rank's sizes per node, for one micro-batch."""
+
+    local_in: list[tuple[int, ...]]
+    local_out: list[tuple[int, ...]]
+    act: list[int]  # activation bytes
+    shares: list[float]  # share of the node's work (records.rank_share)
+
+
+def _sizes(a: Analysis, walk: _Walk) -> _Sizes:
+    """Local shapes, activation bytes and work shares of every node under the layouts ``walk`` decided."""
+    nodes, shapes, micro = a.graph.nodes, a.shapes, walk.micro
+    local_out = [local_shape(o, micro, walk.out_split[n.name])
+                 for n, (_, o) in zip(nodes, shapes, strict=True)]
+    local_in = [local_shape(shapes[i][0], micro, walk.splits[i]) for i in range(len(nodes))]
     for i, n in enumerate(nodes):  # a reshape chain's values hold the shard's voxels in other dims
         sm = a.space_maps.get(n.name)
-        if sm is not None and chain_split.get(sm.nodes[0]):
-            local_out[i] = sm.loaded_shape(n.name, micro, splits[i])
+        if sm is not None and walk.chain_split.get(sm.nodes[0]):
+            local_out[i] = sm.loaded_shape(n.name, micro, walk.splits[i])
             k = sm.nodes.index(n.name)
-            local_in[i] = sm.loaded_shape(sm.nodes[k - 1], micro, splits[i]) if k else local_in[i]
+            local_in[i] = sm.loaded_shape(sm.nodes[k - 1], micro, walk.splits[i]) if k else local_in[i]
     act = [0 if n.name in a.graph.values or n.name == OUTPUT else BYTES_PER_ELEMENT * math.prod(lo)
            for n, lo in zip(nodes, local_out, strict=True)]  # values and the outputs' structure hold none
-    shares = [rank_share(n.module, shapes[i][0], shapes[i][1], local_out[i], splits[i])
+    shares = [rank_share(n.module, shapes[i][0], shapes[i][1], local_out[i], walk.splits[i])
               for i, n in enumerate(nodes)]
-    if pipe.stages == "auto":
-        in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, micro, input_split))
-        sends = live_bytes(a.graph, act, in_bytes)
-        starts = auto_stages([f * sh for f, sh in zip(a.train_flops, shares, strict=True)], act, grid.pipe,
-                             sends)
+    return _Sizes(local_in, local_out, act, shares)
+
+
+def _stage_of(spec: SpecView, a: Analysis, walk: _Walk, sizes: _Sizes) -> list[int]:
+    """Each node's pipeline stage: balanced by the most loaded rank's work (``stages: auto``), or
+    begun at the named layers."""
+    if spec.pipeline.stages == "auto":
+        in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, walk.micro, walk.input_layout))
+        sends = live_bytes(a.graph, sizes.act, in_bytes)
+        work = [f * sh for f, sh in zip(a.train_flops, sizes.shares, strict=True)]
+        starts = auto_stages(work, sizes.act, spec.grid.pipe, sends)
     else:
-        starts = named_stages(pipe.stages, leaves, a.containers)  # count checked by ParallelSpec
-    stage_of = [sum(1 for s in starts if s <= i) - 1 for i in range(len(nodes))]
-    for first, split in chain_split.items():
+        starts = named_stages(spec.pipeline.stages, a.leaves, a.containers)  # count checked by ParallelSpec
+    return [sum(1 for s in starts if s <= i) - 1 for i in range(len(a.graph.nodes))]
+
+
+def _check_cuts(a: Analysis, walk: _Walk, stage_of: list[int], pipe: int) -> None:
+    """Refuse a stage cut inside a reshape chain run on each shard, or one that would carry a value
+    computed from shapes (what crosses a cut is a tensor)."""
+    for first, split in walk.chain_split.items():
         names = a.space_maps[first].nodes
-        if split is not None and len({stage_of[index[n]] for n in names}) > 1:
+        if split is not None and len({stage_of[walk.index[n]] for n in names}) > 1:
             raise SpecError(f"pipeline: a stage cut falls inside the reshapes {', '.join(names)}, which run "
                             f"on each shard between channels and space; name stages (pipeline.stages) that "
                             f"begin before {names[0]} or after {names[-1]}")
-    if grid.pipe > 1 and a.graph.values:  # a cut carries tensors: a size read before it is read again
+    if pipe > 1 and a.graph.values:  # a size read before a cut is read again after it
         for i, live in enumerate(live_across(a.graph)[:-1]):
             crossing = [v for v in live if v in a.graph.values] if stage_of[i] != stage_of[i + 1] else []
             if crossing:
-                raise SpecError(f"pipeline: the cut after {nodes[i].name} would carry {crossing[0]}, a value "
-                                f"computed from shapes, not a tensor; name stages (pipeline.stages) that "
-                                f"begin before the shape is read or after its last use")
+                raise SpecError(f"pipeline: the cut after {a.graph.nodes[i].name} would carry {crossing[0]}, "
+                                f"a value computed from shapes, not a tensor; name stages (pipeline.stages) "
+                                f"that begin before the shape is read or after its last use")
 
-    def redistributes(i: int) -> bool:
-        node = nodes[i]
-        if len(shapes[i][0]) != 5:
-            return False
-        srcs = [(input_split, a.input_shape) if n == INPUT else (out_split[n], shapes[index[n]][1])
-                for n in node.inputs]
-        return any(s != splits[i] and not broadcasts(s, shape) for s, shape in srcs if len(shape) == 5)
 
+def _rows(a: Analysis, walk: _Walk, stage_of: list[int], sizes: _Sizes) -> list[LayerPlan]:
+    """One :class:`LayerPlan` per node, from what the steps of :func:`resolve` decided."""
+    gathers = _inside_split_regions(walk.gathers, walk.splits)
+    shapes = a.shapes
     return [LayerPlan(
-        name=node.name, kind=node.kind, stage=stage_of[i], split=splits[i],
-        rule=rule_of[node.name].pattern if node.name in rule_of else None,
+        name=node.name, kind=node.kind, stage=stage_of[i], split=walk.splits[i],
+        rule=walk.rule_of[node.name].pattern if node.name in walk.rule_of else None,
         input_shape=shapes[i][0], output_shape=shapes[i][1],
-        local_input_shape=local_in[i], local_output_shape=local_out[i],
-        halo=halo_list[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
-        flops=a.flops[i], activation_bytes=act[i], redistribute=redistributes(i),
-        train_flops=a.train_flops[i], inputs=node.inputs, out_split=out_split[node.name], gather=gathers[i],
-        auto_replicated=auto.get(node.name, ""),
-        transpose_bytes=transpose_bytes(node.module, shapes[i][0], splits[i], micro), rank_share=shares[i])
-        for i, node in enumerate(nodes)]
+        local_input_shape=sizes.local_in[i], local_output_shape=sizes.local_out[i],
+        halo=walk.halos[i], params=sum(p.numel() for p in node.module.parameters()) if node.module else 0,
+        flops=a.flops[i], activation_bytes=sizes.act[i], redistribute=walk.redistributes(i),
+        train_flops=a.train_flops[i], inputs=node.inputs, out_split=walk.out_split[node.name],
+        gather=gathers[i], auto_replicated=walk.auto.get(node.name, ""),
+        transpose_bytes=transpose_bytes(node.module, shapes[i][0], walk.splits[i], walk.micro),
+        rank_share=sizes.shares[i])
+        for i, node in enumerate(a.graph.nodes)]
 
 
-def _space_map_split(space_map: SpaceMap, producer: Split, rule_of: dict[str, LayerRule]) -> Split | None:
+def resolve(spec: SpecView, a: Analysis, world_size: int | None = None) -> list[LayerPlan]:
+    """The plan of ``spec`` on an analysed model (see the module doc for the rules): the one planner,
+    which :func:`build_plan`, the engine, ``explain`` and the performance model all read."""
+    spec = _on_world(spec, world_size)
+    micro = _batch(spec.grid, spec.pipeline.microbatches, a.input_shape[0])
+    walk = _Walk(spec, a, _rules_by_node(spec.layers, a.leaves), micro)
+    for i, node in enumerate(a.graph.nodes):
+        walk.place(i, node)
+    sizes = _sizes(a, walk)
+    stage_of = _stage_of(spec, a, walk, sizes)
+    _check_cuts(a, walk, stage_of, spec.grid.pipe)
+    return _rows(a, walk, stage_of, sizes)
+
+
+def _space_map_split(space_map: SpaceMap, producer: Split, rule_of: dict[str, RuleView]) -> Split | None:
     """The split a chain of reshapes between channels and space runs in: its input's, where every
     rank's output box is then the one that split gives it (:meth:`SpaceMap.fits`) and no rule names
     a node of it; None where it runs as any other dense node (replicated, after a gather)."""
@@ -327,16 +455,13 @@ def broadcasts(split: Split, shape: Sequence[int]) -> bool:
 
 
 
-def build_plan(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
+def build_plan(spec: SpecView, model: nn.Module, input_shape: Sequence[int],
                world_size: int | None = None, graph: ModelGraph | None = None) -> list[LayerPlan]:
     """Resolve ``spec`` for ``model`` (traced once more unless its ``graph`` is given) on a global
     input of ``input_shape`` (N, C, D, H, W). A caller resolving many specs for one model analyses
     it once (:func:`hybridpar.planner.analysis.analyse`) and calls :func:`resolve` per spec."""
     shape = check_input_shape(input_shape)
-    if world_size is not None:
-        spec = spec.resolve_grid(world_size)
-    elif not spec.grid.is_resolved:
-        raise SpecError(f"grid: {spec.grid.arithmetic} has a -1; give the world size to resolve it")
+    spec = _on_world(spec, world_size)
     micro = _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
     try:
         return resolve(spec, analyse(model, shape, graph))

@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,9 +24,6 @@ try:
     import nvtx
 except ImportError:  # a GPU image without the wheel and no registry to fetch it: the ranges still time
     nvtx = None  # and trace; only Nsight's markers are missing
-
-if TYPE_CHECKING:
-    from hybridpar.profiling.timer import StepTimer
 
 CATEGORIES: tuple[str, ...] = ("compute", "halo", "pipeline", "bubble", "grad_reduce", "data_wait",
                                "checkpoint")
@@ -39,11 +36,39 @@ _NVTX_ON = _DOMAIN is not None and type(_DOMAIN).__name__ != "DummyDomain"
 _ATTRIBUTES: dict[tuple[str, str | None], Any] = {}
 
 
+class PendingStep:
+    """A step being timed, or finished with timestamps that may still be CUDA events that have not
+    completed. The ranges inside it append to ``marks`` (stamp, the category in force from then) and
+    ``ranges`` (name, category, start stamp, end stamp); the timer resolves them into seconds."""
+
+    __slots__ = ("step", "wall", "start", "end", "marks", "ranges")
+
+    def __init__(self, step: int, wall: float, start: Any) -> None:
+        self.step, self.wall, self.start, self.end = step, wall, start, None
+        self.marks: list[tuple[Any, str | None]] = [(start, None)]
+        self.ranges: list[tuple[str, str | None, Any, Any]] = []
+
+
+class StepClock(Protocol):
+    """What a range reads of the timer it charges (:class:`~hybridpar.profiling.timer.StepTimer`).
+
+    Why a protocol: the timer makes itself the current one through :func:`set_current_timer`, so it
+    depends on this module; the ranges depend only on these few members, not on the timer's module.
+    """
+
+    running: PendingStep | None
+    """The step being timed, which the ranges inside it charge."""
+    record_ranges: bool
+    """Whether each range is kept (for the JSON-lines log), not only the categories' time."""
+    now: Callable[[], Any]
+    """The timer's clock: seconds, or a recorded CUDA event."""
+
+
 class _ThreadState(threading.local):
     """Per-thread state with defaults, so that reads never take the (slow) missing-attribute path."""
 
     def __init__(self) -> None:
-        self.timer: StepTimer | None = None
+        self.timer: StepClock | None = None
         self.stack: list[tuple] = []  # (range, timer, pending step, start stamp, trace annotation)
 
 
@@ -83,12 +108,12 @@ def where(err: BaseException) -> str:
     return ", ".join(parts)
 
 
-def current_timer() -> StepTimer | None:
+def current_timer() -> StepClock | None:
     """The timer whose step is running in this thread, if any."""
     return _local.timer
 
 
-def set_current_timer(timer: StepTimer | None) -> StepTimer | None:
+def set_current_timer(timer: StepClock | None) -> StepClock | None:
     """Make ``timer`` the one the ranges of this thread charge; returns the one it replaces."""
     previous, _local.timer = _local.timer, timer
     return previous

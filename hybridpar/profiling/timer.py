@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from hybridpar.profiling.ranges import CATEGORIES, default_rank, set_current_timer, tag_error, tracing
+from hybridpar.profiling.ranges import (
+    CATEGORIES,
+    PendingStep,
+    StepClock,
+    default_rank,
+    set_current_timer,
+    tag_error,
+    tracing,
+)
 
 _irange = builtins.range
 
@@ -36,17 +44,6 @@ class StepRecord:
     breakdown: dict[str, float]
     ranges: list[tuple[str, str | None, float, float]] = field(default_factory=list, repr=False)
     """(name, category, start, end) of each range, in seconds since the step started."""
-
-
-class _Pending:
-    """A finished step whose timestamps may still be CUDA events that have not completed."""
-
-    __slots__ = ("step", "wall", "start", "end", "marks", "ranges")
-
-    def __init__(self, step: int, wall: float, start: Any) -> None:
-        self.step, self.wall, self.start, self.end = step, wall, start, None
-        self.marks: list[tuple[Any, str | None]] = [(start, None)]
-        self.ranges: list[tuple[str, str | None, Any, Any]] = []
 
 
 class StepTimer:
@@ -76,11 +73,11 @@ class StepTimer:
         self.rank = default_rank() if rank is None else rank
         self.record_ranges = record_ranges
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
-        self._pending: collections.deque[_Pending] = collections.deque()
-        self.running: _Pending | None = None
+        self._pending: collections.deque[PendingStep] = collections.deque()
+        self.running: PendingStep | None = None
         """The step being timed, which the ranges inside it charge."""
         self._active = False
-        self._previous: StepTimer | None = None
+        self._previous: StepClock | None = None
         self._next_step = 0
         self._annotation: Any = None
         self._log = None
@@ -101,7 +98,7 @@ class StepTimer:
         event.record()
         return event
 
-    def _seconds(self, pending: _Pending, stamp: Any) -> float:
+    def _seconds(self, pending: PendingStep, stamp: Any) -> float:
         if self.clock == "cpu":
             return stamp - pending.start
         return pending.start.elapsed_time(stamp) / 1e3
@@ -119,7 +116,7 @@ class StepTimer:
         if tracing():
             self._annotation = torch.autograd.profiler.record_function(f"hybridpar.step#{step}")
             self._annotation.__enter__()
-        self.running = _Pending(step, time.time(), self.now())
+        self.running = PendingStep(step, time.time(), self.now())
         self._previous = set_current_timer(self)
         self._active = True
 
@@ -165,7 +162,7 @@ class StepTimer:
             self._pending.popleft()
             self._resolve(pending)
 
-    def _resolve(self, pending: _Pending) -> None:
+    def _resolve(self, pending: PendingStep) -> None:
         if self.clock == "cuda":  # events recorded on other streams may finish after the last one
             for event in (pending.end, *(m[0] for m in pending.marks),
                           *(e for r in pending.ranges for e in r[2:])):

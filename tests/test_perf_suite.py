@@ -38,6 +38,7 @@ KEYS: dict[str, set[str]] = {
     "checkpoint": {"config", "modes", "goals", "restart_s"},
     "recovery": {"medians_s", "samples_s"},
     "harness": {"measured", "results", "validation", "table"},
+    "profile": {"config", "result", "tables"},
 }
 NEEDS_MPIEXEC = {"transports"}  # its ranks are started by mpiexec
 SKIP = {

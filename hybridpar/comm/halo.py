@@ -145,7 +145,8 @@ class HaloExchanger:
                 buf = memfmt.empty(shape, like)
                 got.append(buf)
                 recvs.append((peer, buf, tag))
-        out = [(peer, memfmt.dense(t), tag) for peer, t, tag in sends if peer != self.rank]
+        with prange("halo_pack", "halo"):  # faces into dense messages: copies, apart from the wait
+            out = [(peer, memfmt.dense(t), tag) for peer, t, tag in sends if peer != self.rank]
         if out or recvs:
             with prange(what, "halo"):
                 self.transport.exchange(sorted(out, key=lambda m: m[2]), sorted(recvs, key=lambda m: m[2]))
@@ -175,8 +176,9 @@ class HaloExchanger:
             pieces.append(hi_buf)
         if fill and p.pad_hi:
             pieces.append(memfmt.full(_sized(x, d, p.pad_hi), self.fill, x))
-        y = _cat(pieces, x, d)
-        return y if fill else _mapped(y, p, d)
+        with prange("halo_unpack", "halo"):  # the extended tensor assembled: a copy of the shard
+            y = _cat(pieces, x, d)
+            return y if fill else _mapped(y, p, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The extended local input: own shard, neighbours' halos, boundary padding, surplus trimmed."""
@@ -203,14 +205,15 @@ class HaloExchanger:
         hi_buf = got[-1] if hi_w > 0 else None
         if p.kept == n_own and lo_buf is None and hi_buf is None:
             return g.narrow(d, off + p.recv_lo, n_own)
-        out = memfmt.zeros(_sized(g, d, n_own), g)
-        if p.kept:
-            out.narrow(d, p.trim_lo, p.kept).add_(g.narrow(d, off + p.recv_lo, p.kept))
-        if lo_buf is not None:
-            out.narrow(d, p.send_lo[0], lo_w).add_(lo_buf)
-        if hi_buf is not None:
-            out.narrow(d, p.send_hi[0], hi_w).add_(hi_buf)
-        return out
+        with prange("halo_unpack", "halo"):  # halo gradients added into the own shard's
+            out = memfmt.zeros(_sized(g, d, n_own), g)
+            if p.kept:
+                out.narrow(d, p.trim_lo, p.kept).add_(g.narrow(d, off + p.recv_lo, p.kept))
+            if lo_buf is not None:
+                out.narrow(d, p.send_lo[0], lo_w).add_(lo_buf)
+            if hi_buf is not None:
+                out.narrow(d, p.send_hi[0], hi_w).add_(hi_buf)
+            return out
 
     def adjoint(self, g: torch.Tensor) -> torch.Tensor:
         """Gradient w.r.t. the own shard from the gradient w.r.t. the extended input."""

@@ -38,6 +38,7 @@ from hybridpar.device.switch import Switch
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.profiling import range as prange
 
 _RECOMPUTING = Switch(False)
 
@@ -49,7 +50,8 @@ def recomputing() -> AbstractContextManager[None]:
 
 def _allreduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
-        dist.all_reduce(t, group=group)
+        with prange("norm_reduce"):  # named for a profile; charged to the layer's category
+            dist.all_reduce(t, group=group)
     return t
 
 

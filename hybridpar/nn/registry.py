@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar import geometry
+from hybridpar.axes import SPATIAL_AXES
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
 from hybridpar.nn import window as windows
@@ -67,7 +68,6 @@ from hybridpar.nn.window import Window, Windows
 
 ROLES = ("window", "transposed", "pointwise", "resample", "reduce", "dense")
 OPS = ("conv", "linear", "pool", "norm", "pointwise", "free")
-AXES = ("d", "h", "w")
 
 Halos = tuple[tuple[int, int], ...]
 
@@ -327,7 +327,7 @@ def transposed_window(m: nn.Module) -> Windows:
 def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
     """A split without halos still needs every shard non-empty (raises ``HaloError``)."""
     if extent < parts:
-        reason = f"dim {AXES[axis]} has extent {extent}, too small to split over {parts} ranks"
+        reason = f"dim {SPATIAL_AXES[axis]} has extent {extent}, too small to split over {parts} ranks"
         raise geometry.HaloError(f"{name}: {reason}; use a split of at most {extent}", layer=name,
                                  reason=reason)
 
@@ -342,7 +342,7 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
             continue
         extent = in_shape[2 + i]
         if entry.role in ("window", "transposed"):
-            plans = ws[i].plans(extent, parts, layer=name, dim=AXES[i])
+            plans = ws[i].plans(extent, parts, layer=name, dim=SPATIAL_AXES[i])
         else:
             check_extent(name, extent, parts, i)
             halo.append((0, 0))

@@ -45,6 +45,8 @@ SKIP = {
     "recovery": "kills and restarts 4 torchrun workers twice (a minute on 2 cores); run `python -m perf "
                 "recovery --tiny` by hand",
     "gpu_check": "its CPU parts run in tests/test_gpu_check.py (--cpu-smoke, the same as --tiny)",
+    "shardtensor": "installs nvidia-physicsnemo into a throwaway venv first (~0.5 GB), then ~15 s; run "
+                   "`python -m perf shardtensor --tiny` by hand",
 }
 
 

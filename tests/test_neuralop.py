@@ -172,8 +172,10 @@ REFUSED = [({"factorization": "tucker"}, ["fno_blocks.convs.0 (SpectralConv)", "
            ({"resolution_scaling_factor": 1.5}, ["fno_blocks.convs.0 (SpectralConv)",
                                                  "resolution_scaling_factor=[1.5, 1.5, 1.5]",
                                                  "use resolution_scaling_factor=None"]),
-           # FNO pads in its own forward (DomainPadding.pad, a method): module swapping refuses the F.pad
-           ({"domain_padding": 0.25}, ["model (FNO)", "pad on split activations outside any layer"])]
+           # FNO pads in its own forward (DomainPadding.pad, a method): the F.pad runs split, the crop that
+           # undoes it (x[..., a:-b], indexing into the volume's dims) is refused
+           ({"domain_padding": 0.25}, ["model (FNO)", "indexing into the volume's dims at padding.py",
+                                       "outside any layer"])]
 
 
 def _refused_body(rank: int, world: int, cases: list[dict]) -> list[str]:

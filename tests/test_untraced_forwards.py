@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hybridpar as hp
+
 from layer_cases import Failures
 from test_user_models import _compare
 
@@ -189,6 +191,54 @@ class Idioms(nn.Module):
         return t.transpose(1, 2).reshape(n, c, d, hh, w)[:, :1]
 
 
+class Mixer(nn.Module):
+    """A registered layer of the user's own whose weight lives in a module of its own."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weights = nn.ParameterDict({"mix": nn.Parameter(torch.eye(c) + 0.1 * torch.randn(c, c))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ncdhw,ck->nkdhw", x, self.weights["mix"])
+
+
+class DistMixer(hp.nn.SpatialLayer):
+    """Its split version: a SpatialLayer alone (not a Mixer), holding the same module, reading the
+    shape of its input (its shard's, inside the layer) as it works."""
+
+    def __init__(self, m: Mixer, grid) -> None:
+        super().__init__()
+        self.weights = m.weights
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(x.shape[0], self.weights["mix"].shape[1], *x.shape[2:])
+        return out + torch.einsum("ncdhw,ck->nkdhw", x, self.weights["mix"])
+
+
+hp.nn.register(Mixer, role="window", op="pointwise", window=lambda m: (hp.nn.Window(1, 1, 0, 0),) * 3,
+                 to_dist=lambda m, grid, overlap: DistMixer(m, grid),
+                 flops=lambda m, x, y: ({"forward_other": 2 * x.numel() * y.shape[1]}, None))
+
+
+class HeldWeights(nn.Module):
+    """An untraceable forward calling a split layer that holds its weight in a module of its own and
+    is no subclass of the layer it splits: its shape reads are its shard's, its output is split (a
+    residual adds it to a split activation). Even extents: a shard taken for a whole value would not
+    show in its size: H, 8, splits 4 + 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.mix = Mixer(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[3] > 4:  # untraceable (a shard of 4 would say otherwise)
+            h = self.mix(h) + h
+        return h
+
+
 class VolumeMean(nn.Module):
     """An untraceable forward that returns a reduction over the volume: a replicated output."""
 
@@ -223,7 +273,9 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("flattened into Linear layers", "FlatRegressor", {"grid": {"spatial": [2, 1, 1]}}),
        ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}}),
-       ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}})]
+       ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}}),
+       ("a split layer holding a module, no subclass of its layer", "HeldWeights",
+        {"grid": {"spatial": [1, 2, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

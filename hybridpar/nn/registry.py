@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import operator
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,11 +236,26 @@ def _register_adapters(cls: type) -> bool:
     return bool(packages)
 
 
+_SPLIT_OF: weakref.WeakKeyDictionary[nn.Module, LayerEntry] = weakref.WeakKeyDictionary()
+"""Split layers by instance, each with the entry of the layer it was made from (:func:`note_split`)."""
+
+
+def note_split(split: nn.Module, entry: LayerEntry) -> None:
+    """Say that the module ``split`` runs the layer of ``entry`` on split inputs: a split layer that is
+    not a subclass of the type it splits (neuraloperator's ``SpectralConv``, whose split version is a
+    ``SpatialLayer`` alone) is then found by :func:`lookup` as that layer, as a forward run by module
+    swapping must find it to follow its output's layout."""
+    _SPLIT_OF[split] = entry
+
+
 def lookup(m: nn.Module | type) -> LayerEntry | None:
     """The entry of ``m``'s type or of its nearest registered base class, or None; None too for a
     subclass of a registered type with a forward of its own (:func:`overriding_forward`), unless that
-    subclass is registered itself. A miss on a type from a package with an adapter waiting
+    subclass is registered itself. A split layer made from a registered one has that layer's entry
+    (:func:`note_split`). A miss on a type from a package with an adapter waiting
     (:data:`LAZY_ADAPTERS`) registers that package's layers and looks again."""
+    if not isinstance(m, type) and (noted := _SPLIT_OF.get(m)) is not None:
+        return noted
     cls = m if isinstance(m, type) else type(m)
     for base in cls.__mro__:
         entry = _REGISTRY.get(base)

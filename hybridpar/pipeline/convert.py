@@ -37,6 +37,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
             mark_grad_split(d.parameters(), grid.spatial_size)
         return d
     d = entry.to_dist(m, grid, overlap)
+    registry.note_split(d, entry)
     check_window(entry, m, d, name)
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part

@@ -25,6 +25,7 @@ from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
@@ -40,15 +41,18 @@ def users(m: nn.Module) -> bool:
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that run as one layer: registered ones (not traced into) and childless ones not of the
-    user's own type (:func:`users`: whose calls are followed one by one)."""
+    """Modules that run as one layer: registered ones (not traced into), split layers (a registered
+    layer's counterpart after swapping, which may hold modules of its own: neuraloperator's spectral
+    weights), and childless ones not of the user's own type (:func:`users`: whose calls are followed
+    one by one). The plan walks the model and a run its swapped copy: both must see the same layers."""
     out: list[tuple[str, nn.Module]] = []
 
     def walk(prefix: str, m: nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}.{name}" if prefix else name
             parent = any(True for _ in child.children())
-            if registry.lookup(child) is not None or not (parent or users(child)):
+            if registry.lookup(child) is not None or isinstance(child, SpatialLayer) or not (
+                    parent or users(child)):
                 out.append((path, child))
             else:
                 walk(path, child)
@@ -362,8 +366,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         try:
             halo = node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape),
                               split if runs_split else REPLICATED)
-        except SpecError:  # on what a function unsafe on shards computed (x.mean(...)): that is the error
-            if watch.unsafe:
+        except SpecError:  # on what a function unsafe on shards computed (x.mean(...)): that is the error;
+            if watch.unsafe and x not in watch.split:  # on a split activation, the layer's own refusal
                 raise _unsafe(model, watch) from None
             raise
         add(names[m], m, x, out, runs_split, halo)

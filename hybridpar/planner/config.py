@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from hybridpar.axes import DATA, PIPE, LeftoverError, fill_leftover
 from hybridpar.plain_yaml import YamlProblem, read_plain
 from hybridpar.planner.schedule import SCHEDULES
 from hybridpar.planner.terms import SpecError, Split, check_keys, did_you_mean
@@ -105,19 +106,19 @@ class GridSpec:
         world = _int("world size", world_size, 1)
         sizes = list(self.sizes)
         if -1 in sizes:
-            i = sizes.index(-1)
-            known = math.prod(s for s in sizes if s != -1)
-            if world % known:
+            try:
+                data, pipe, *spatial = fill_leftover(sizes, world)
+            except LeftoverError as err:
+                known = err.known
                 raise SpecError(
                     f"grid: {self.arithmetic}: the fixed sizes multiply to {known}, which does not "
                     f"divide world size {world}; launch a multiple of {known} ranks, or make the fixed "
-                    f"sizes multiply to a divisor of {world}")
-            sizes[i] = world // known
-            return GridSpec(sizes[0], sizes[1], tuple(sizes[2:]))  # type: ignore[arg-type]
+                    f"sizes multiply to a divisor of {world}") from None
+            return GridSpec(data, pipe, tuple(spatial))  # type: ignore[arg-type]
         total = math.prod(sizes)
         if total != world:
             fits = []
-            for i, axis in enumerate(("data", "pipe")):
+            for i, axis in enumerate((DATA, PIPE)):
                 rest = total // sizes[i]
                 if world % rest == 0:
                     fits.append(f"{axis}: {world // rest}")

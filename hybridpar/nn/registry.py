@@ -39,7 +39,7 @@ import importlib
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,7 +104,11 @@ class LayerEntry:
     halos: HaloFn | None = None
     saved: Callable[[nn.Module, int, int, int], int] | None = None
     replicates: Callable[[nn.Module], bool] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    flattens: bool = False
+    """Where a split ends: the layer folds the volume into features (``nn.Flatten``)."""
+    transposes: Callable[[nn.Module, tuple[int, ...], tuple[int, int, int]], int] | None = None
+    """Elements one rank moves in the layer's own transposes (a spectral layer's FFT pencils) on an
+    input of the given global shape under the given split, for the plan's traffic figures."""
 
     @property
     def splittable(self) -> bool:
@@ -158,7 +162,9 @@ _AS_MODULE: dict[Any, Callable[..., nn.Module]] = {}
 def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to_dist: DistFn | None = None,
              window: Callable[[nn.Module], Windows] | None = None, halos: HaloFn | None = None,
              saved: Callable[[nn.Module, int, int, int], int] | None = None,
-             replicates: Callable[[nn.Module], bool] | None = None, **extra: Any) -> LayerEntry:
+             replicates: Callable[[nn.Module], bool] | None = None, flattens: bool = False,
+             transposes: Callable[[nn.Module, tuple[int, ...], tuple[int, int, int]], int] | None = None,
+             **unknown: Any) -> LayerEntry:
     """Register (or replace) the entry of ``torch_type``; returns it. See :class:`LayerEntry`.
 
     A Dist class ``to_dist`` builds for a window layer reads its window from this entry (it subclasses
@@ -169,14 +175,17 @@ def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to
                          f"got {role!r}")
     if op not in OPS:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): op must be one of {OPS}, got {op!r}")
-    if "window_args" in extra:  # would otherwise land in ``extra`` unread: a layer with no window
+    if "window_args" in unknown:
         raise TypeError(f"hybridpar.nn.register({torch_type.__name__}): window= (one "
                         "hybridpar.nn.Window per spatial dim) describes a window, not window_args=")
+    if unknown:
+        raise TypeError(f"hybridpar.nn.register({torch_type.__name__}): no argument "
+                        f"{', '.join(map(repr, unknown))}; hybridpar.nn.LayerEntry says what an entry holds")
     if role in ("window", "transposed") and window is None and halos is None:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs "
                          f"window= (or halos=)")
-    entry = LayerEntry(torch_type, role, op, flops, to_dist, window, halos, saved, replicates,
-                       dict(extra))
+    entry = LayerEntry(torch_type, role, op, flops, to_dist, window, halos, saved, replicates, flattens,
+                       transposes)
     _REGISTRY[torch_type] = entry
     return entry
 

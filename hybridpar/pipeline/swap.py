@@ -45,7 +45,7 @@ def swap(model: nn.Module, grid: ProcessGrid, convert: Convert
     whole: dict[nn.Module, nn.Module] = {}
     for name, m in leaves(swapped):
         entry = registry.lookup(m)
-        if entry is not None and entry.extra.get("flattens"):
+        if entry is not None and entry.flattens:
             new: nn.Module = nn.Sequential(Gather(grid), m) if grid.spatial_size > 1 else m
         elif entry is not None and (entry.to_dist is not None or _has_params(m)):
             new = convert(name, m, grid)  # a copy whose parameters' shard gradients are summed

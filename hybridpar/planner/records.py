@@ -97,7 +97,7 @@ def transpose_bytes(m: nn.Module | None, in_shape: tuple[int, ...], split: Split
     """Bytes the FFT transposes of a spectral layer bring its most loaded rank per micro-batch (its
     registry entry's ``transposes``; 0 for any other node)."""
     entry = registry.lookup(m) if m is not None else None
-    fn = entry.extra.get("transposes") if entry is not None else None
+    fn = entry.transposes if entry is not None else None
     if fn is None or split == REPLICATED or len(in_shape) != 5:
         return 0
     return BYTES_PER_ELEMENT * micro * fn(m, in_shape, split)

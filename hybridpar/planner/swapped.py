@@ -81,7 +81,7 @@ def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
     """Whether a registered layer that does not split (``nn.Linear``, ``nn.Softmax`` over a dim of the
     volume) would read a split volume: it needs the whole volume, so the forward is refused (a
     ``Flatten`` gathers its input first, a softmax over channels works voxel by voxel)."""
-    if entry is None or entry.splittable or entry.extra.get("flattens"):
+    if entry is None or entry.splittable or entry.flattens:
         return False
     dim = getattr(m, "dim", None)  # a softmax's or a GLU's
     return not (entry.op == "pointwise" and isinstance(dim, int) and dim % 5 < 2)
@@ -135,7 +135,7 @@ class LayoutWatch(TorchFunctionMode):
         entry = registry.lookup(m)
         if split and not entry.replicated_output(m):
             self.mark(out, self.layer_extents(m, x, out))
-        elif not split and entry is not None and not entry.extra.get("flattens") \
+        elif not split and entry is not None and not entry.flattens \
                 and not dense_on_split(m, entry):
             self.mark(out, self.split[x])
 

@@ -6,7 +6,7 @@ of one's own takes the same public names: :func:`register` with its window as :c
 records, and a Dist class built on :class:`SpatialLayer` (``launch/examples/own_layer.py``).
 """
 
-from hybridpar.nn import neuralop, registry  # noqa: F401 (neuralop: registers at once if imported)
+from hybridpar.nn import functions, neuralop, registry  # noqa: F401 (functions, neuralop: register)
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.lppool import DistLPPool3d

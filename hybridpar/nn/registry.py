@@ -36,14 +36,12 @@ from its base's entry, so a layer and its Dist class written in a user's module 
 from __future__ import annotations
 
 import importlib
-import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridpar import geometry
@@ -403,53 +401,4 @@ def _register_builtins() -> None:
     register(nn.Unflatten, role="dense", op="free", flops=no_flops)
 
 
-
-def _register_functions() -> None:
-    """Functions and tensor methods a traced forward may call on split activations. Elementwise ones
-    run on shards whose layouts agree; ``torch.cat`` along channels too (its role ``"concat"``: the
-    planner checks the dim); the rest needs the whole tensor."""
-    pointwise = [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.iadd,
-                 operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu,
-                 torch.sigmoid, torch.tanh, torch.exp, torch.log1p, torch.abs, torch.clamp, torch.square,
-                 F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.sigmoid, F.tanh, F.dropout, F.mish,
-                 F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
-                 "add", "sub", "mul", "div", "neg", "relu", "sigmoid", "tanh", "exp", "abs", "clamp",
-                 "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as",
-                 "radd", "rsub", "rmul", "truediv", "rtruediv", "iadd", "isub", "imul", "itruediv", "pow"]
-    for fn in pointwise:
-        register_function(fn, "pointwise")
-    for fn in (getattr, "size", "numel", "nelement", "dim", "ndimension"):
-        register_function(fn, "shape")
-    register_function(torch.cat, "concat")
-    register_function(torch.concat, "concat")
-
-    def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None,
-                    recompute_scale_factor=None, antialias=False) -> nn.Module:
-        if recompute_scale_factor or antialias:
-            raise NotImplementedError("F.interpolate: recompute_scale_factor and antialias are not "
-                                      "supported on a split volume")
-        return nn.Upsample(size, scale_factor, mode, align_corners)
-
-    def pad(x, pad, mode="constant", value=None) -> nn.Module | None:
-        if len(pad) > 6 or len(pad) % 2 or any(not isinstance(p, int) or p < 0 for p in pad):
-            return None  # cropping, or pads not known when traced: the whole tensor
-        six = (*pad, *(0,) * (6 - len(pad)))
-        if mode == "constant":
-            return nn.ConstantPad3d(six, 0.0 if value is None else value)
-        layer = {"replicate": nn.ReplicationPad3d, "reflect": nn.ReflectionPad3d,
-                 "circular": nn.CircularPad3d}.get(mode)
-        return layer(six) if layer is not None else None
-
-    register_function(F.pad, as_module=pad)
-    register_function(F.interpolate, as_module=interpolate)
-    register_function(F.upsample, as_module=interpolate)
-    register_function(F.adaptive_avg_pool3d,
-                      as_module=lambda x, output_size: nn.AdaptiveAvgPool3d(output_size))
-    register_function(F.adaptive_max_pool3d, as_module=lambda x, output_size, return_indices=False:
-                      nn.AdaptiveMaxPool3d(output_size, return_indices))
-    register_function(F.max_pool3d, as_module=lambda x, *a, **k: nn.MaxPool3d(*a, **k))
-    register_function(F.avg_pool3d, as_module=lambda x, *a, **k: nn.AvgPool3d(*a, **k))
-
-
 _register_builtins()
-_register_functions()

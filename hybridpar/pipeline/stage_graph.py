@@ -28,7 +28,7 @@ from hybridpar.nn.layout import Redistribute
 from hybridpar.pipeline.split_forward import reduce_over_volume
 from hybridpar.planner import calls
 from hybridpar.planner.graph import INPUT, ModelGraph, trace_values
-from hybridpar.planner.plan import broadcasts
+from hybridpar.planner.placement import broadcasts
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.space_maps import RESHAPES, Form, find_space_maps, form_shape
 from hybridpar.planner.stages import live_across

@@ -8,7 +8,8 @@ asked, written as YAML that any later run can load.
 
 The first rank chooses and the others read its choice (through the default group's store, as text:
 a spec is data), so every rank builds the same layout even where their calibrations or free memory
-differ. A model the advisor cannot size, or no layout that fits, is refused in one line on every rank.
+differ. A model the advisor cannot size (its forward must be traceable: the performance model reads
+the traced graph), or no layout that fits, is refused in one line on every rank.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def auto_spec(model: nn.Module, input_shape: Sequence[int] | None, out: str | Pa
                 _write(Path(out), text)
             if echo:
                 print(format_advice(advice, top=3), flush=True)
-        except (SpecError, ValueError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 (said on every rank: the others wait for this text)
             text = f"error: {err}"
         if world > 1:
             default_store().set(key, text)

@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "recovery": ("bench_recovery", "kill a rank under torchrun: time to the new attempt's first step"),
     "profile": ("bench_profile", "per layer, where a step and an inference pass go; bytes, collectives"),
     "shardtensor": ("bench_shardtensor", "PhysicsNeMo ShardTensor against ours: exactness, step time, heap"),
+    "advisor": ("bench_advisor", "the layout advisor's choice against every candidate it ranked, measured"),
     "harness": ("harness", "scaling sweep 1-8 ranks with the performance model's predictions"),
     "gpu_check": ("gpu_check", "the GPU suite: CUDA tests and accelerator benchmarks (--cpu-smoke on CPU)"),
 }

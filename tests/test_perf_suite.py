@@ -39,6 +39,7 @@ KEYS: dict[str, set[str]] = {
     "recovery": {"medians_s", "samples_s"},
     "harness": {"measured", "results", "validation", "table"},
     "profile": {"config", "result", "tables"},
+    "advisor": {"config", "results", "table", "details"},
 }
 NEEDS_MPIEXEC = {"transports"}  # its ranks are started by mpiexec
 SKIP = {

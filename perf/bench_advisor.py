@@ -13,7 +13,9 @@ cosmoflow's 3-level U-Net (width 8, GroupNorm) on 2 x 1 x 32^3 predicting a volu
 model reads a traced graph: MONAI's BasicUNet runs by module swapping, which it cannot size);
 mean-squared error, SGD, float32, 1 thread per rank; 2 and 4 ranks (4 oversubscribe a 2-core machine,
 as the calibration knows from its contention probe). The machine: the harness's calibration of this host
-(``python -m perf harness --calibrate-only``), ``--machine`` to name another.
+(``python -m perf harness --calibrate-only``), ``--machine`` to name another, extended with every layer
+shape the candidates run, measured here first as the harness measures its sweep's (the fitted costs
+alone do not know a U-Net's norms and concatenations).
 
     python -m perf advisor --record
     python -m perf advisor --tiny
@@ -82,12 +84,31 @@ def candidates_job(rank: int, world: int, name: str, shape: tuple[int, ...], spe
     return out
 
 
+def _calibrated(machine: Any, advice: Any, cfg: dict) -> tuple[Any, int]:
+    """``machine`` with every layer shape the candidates run measured on this host (one rank, one
+    thread, as the harness calibrates its sweep's), and how many were measured anew."""
+    from hybridpar import perfmodel as pm  # noqa: PLC0415
+    from perf.harness.calibrate import calibrate_job  # noqa: PLC0415
+
+    w, entries = advice.workload, {}
+    for c in advice.fits:
+        for e in pm.layer_entries(w, w.plan(c.spec)):
+            entries.setdefault(e[0], e)
+    missing = [e for key, e in entries.items() if key not in machine.measured]
+    if not missing:
+        return machine, 0
+    table = common.launch(calibrate_job, 1, missing, cfg["repeats"], False, threads=1)["table"]
+    return machine.with_measured(table), len(missing)
+
+
 def _measure(name: str, world: int, machine: Any, cfg: dict) -> dict[str, Any]:
-    """Advise, run every candidate, compare."""
+    """Advise (its layer shapes measured on this host first), run every candidate, compare."""
     from hybridpar.advisor import advise  # noqa: PLC0415
 
     shape = WORKLOADS[name]
     advice = advise(build(name, shape), shape, world, machine.memory / world, machine, recompute="off")
+    machine, measured = _calibrated(machine, advice, cfg)
+    advice = advise(advice.workload, None, world, machine.memory / world, machine, recompute="off")
     cands = advice.fits[:cfg["max_candidates"]]
     samples = common.launch(candidates_job, world, name, shape, [c.spec.to_dict() for c in cands], cfg,
                             threads=1)
@@ -99,6 +120,7 @@ def _measure(name: str, world: int, machine: Any, cfg: dict) -> dict[str, Any]:
     best = min(rows, key=lambda r: r["measured_s"])
     within = sum(abs(r["error"]) <= 0.15 for r in rows) / len(rows)
     return {"workload": name, "world": world, "input_shape": list(shape), "considered": advice.evaluated,
+            "layer_shapes_calibrated": measured,
             "candidates": rows, "chosen": rows[0]["layout"], "best_measured": best["layout"],
             "chosen_over_best": rows[0]["measured_s"] / best["measured_s"], "share_within_15pct": within}
 
@@ -118,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     machine = pm.load_machine(args.machine)
     cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "tiny": args.tiny,
-           "max_candidates": args.max_candidates}
+           "max_candidates": args.max_candidates, "repeats": 1 if args.tiny else 5}
     load = common.wait(args)
     t0 = time.monotonic()
     results = [_measure(name, int(w), machine, cfg) for w in args.worlds.split(",") for name in WORKLOADS]

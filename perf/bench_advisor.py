@@ -107,7 +107,7 @@ def _measure(name: str, world: int, machine: Any, cfg: dict) -> dict[str, Any]:
 
     shape = WORKLOADS[name]
     advice = advise(build(name, shape), shape, world, machine.memory / world, machine, recompute="off")
-    machine, measured = _calibrated(machine, advice, cfg)
+    machine, calibrated = _calibrated(machine, advice, cfg)
     advice = advise(advice.workload, None, world, machine.memory / world, machine, recompute="off")
     cands = advice.fits[:cfg["max_candidates"]]
     samples = common.launch(candidates_job, world, name, shape, [c.spec.to_dict() for c in cands], cfg,
@@ -120,7 +120,7 @@ def _measure(name: str, world: int, machine: Any, cfg: dict) -> dict[str, Any]:
     best = min(rows, key=lambda r: r["measured_s"])
     within = sum(abs(r["error"]) <= 0.15 for r in rows) / len(rows)
     return {"workload": name, "world": world, "input_shape": list(shape), "considered": advice.evaluated,
-            "layer_shapes_calibrated": measured,
+            "layer_shapes_calibrated": calibrated,
             "candidates": rows, "chosen": rows[0]["layout"], "best_measured": best["layout"],
             "chosen_over_best": rows[0]["measured_s"] / best["measured_s"], "share_within_15pct": within}
 

@@ -82,6 +82,8 @@ def auto_spec(model: nn.Module, input_shape: Sequence[int] | None, out: str | Pa
     key = f"hybridpar/auto_spec/{next(_CALLS)}"
     if rank == 0:
         try:
+            if out is not None and Path(out).exists():  # before the choice, which takes a while
+                raise _taken(Path(out))
             advice = _choose(model, input_shape, world)
             text = spec_yaml(advice)
             if out is not None:
@@ -105,5 +107,9 @@ def _write(path: Path, text: str) -> None:
         with path.open("x") as f:
             f.write(text)
     except FileExistsError:
-        raise SpecError(f"parallelize(model, 'auto', spec_out={str(path)!r}): {path} exists; the chosen "
-                        f"spec is not written over it (name a new file, or load that one)") from None
+        raise _taken(path) from None
+
+
+def _taken(path: Path) -> SpecError:
+    return SpecError(f"parallelize(model, 'auto', spec_out={str(path)!r}): {path} exists; the chosen spec is "
+                     f"not written over it (name a new file, or load that one)")

@@ -68,8 +68,11 @@ class Axes:
     spatial: tuple[int, int, int]
 
     @classmethod
-    def of(cls, sizes: Sequence[int]) -> Axes:
-        """From (data, pipe, d, h, w), in :data:`AXES` order."""
+    def of(cls, sizes: Sequence[int] | tuple[int, int, Sequence[int]]) -> Axes:
+        """From (data, pipe, d, h, w) in :data:`AXES` order, or (data, pipe, (d, h, w))."""
+        if len(sizes) == 3:
+            data, pipe, spatial = sizes
+            sizes = (data, pipe, *spatial)
         data, pipe, d, h, w = (int(s) for s in sizes)
         return cls(data, pipe, (d, h, w))
 

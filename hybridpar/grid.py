@@ -71,7 +71,7 @@ def _self_group() -> dist.ProcessGroup:
     return _GROUP_CACHE[key][0]
 
 
-def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> Axes:
+def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> tuple[int, int, tuple[int, ...]]:
     if len(spatial) != 3:
         raise ValueError(f"ProcessGrid: spatial must have 3 entries (d, h, w), got {tuple(spatial)}")
     try:
@@ -90,7 +90,7 @@ def _resolve(data: int, pipe: int, spatial: Sequence[int], world: int) -> Axes:
         raise ValueError(
             f"ProcessGrid: data({d}) * pipe({p}) * spatial({sd}*{sh}*{sw}) = {axes.world} "
             f"!= world size {world}")
-    return axes
+    return axes.data, axes.pipe, axes.spatial
 
 
 def require_group(who: str) -> None:
@@ -112,7 +112,7 @@ class ProcessGrid:
 
     def __init__(self, data: int = 1, pipe: int = 1, spatial: Sequence[int] = (1, 1, 1)) -> None:
         require_group("ProcessGrid")
-        axes = _resolve(data, pipe, spatial, dist.get_world_size())
+        axes = Axes.of(_resolve(data, pipe, spatial, dist.get_world_size()))
         self._place(axes, dist.get_rank(), axes.spatial, {})
 
     # ------------------------------------------------------------------ layouts

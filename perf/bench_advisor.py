@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worlds", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--max-candidates", type=int, default=40,
                     help="run at most this many, the best predicted first")
-    args = common.parse(ap, argv, {**TINY, "worlds": "2", "max_candidates": 3})
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
+    args = common.parse(ap, argv, {**TINY, "worlds": "2", "max_candidates": 2, "workloads": "cosmoflow"})
     from hybridpar import perfmodel as pm  # noqa: PLC0415
 
     machine = pm.load_machine(args.machine)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
            "max_candidates": args.max_candidates, "repeats": 1 if args.tiny else 5}
     load = common.wait(args)
     t0 = time.monotonic()
-    results = [_measure(name, int(w), machine, cfg) for w in args.worlds.split(",") for name in WORKLOADS]
+    results = [_measure(name, int(w), machine, cfg) for w in args.worlds.split(",")
+               for name in args.workloads.split(",")]
     rows = [[r["workload"], r["world"], len(r["candidates"]), r["chosen"], r["best_measured"],
              f"{r['chosen_over_best']:.3f}", f"{100 * r['share_within_15pct']:.0f} %"] for r in results]
     table = common.print_table(

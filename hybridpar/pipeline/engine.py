@@ -184,9 +184,14 @@ class Engine:
     # ------------------------------------------------------------------ user API
     def explain(self, echo: bool = True) -> str:
         """The plan table this engine runs (``python -m hybridpar.planner explain`` prints the same one
-        from a YAML file): printed by the job's first rank where ``echo``, returned on every rank."""
+        from a YAML file) and whether its split convolutions overlap their halos: printed by the job's
+        first rank where ``echo``, returned on every rank."""
         self._require_built("explain")
-        table = format_plan(self.spec, self.plan, self.input_shape)
+        overlap = ("on: each split convolution computes its interior while its halos travel" if self.overlap
+                   else "off (the default; overlap=True computes each split convolution's interior while its "
+                        "halos travel, for a second buffer of the shard: whether that pays depends on the "
+                        "device and transport, `python -m perf halo` measures both)")
+        table = f"{format_plan(self.spec, self.plan, self.input_shape)}\nhalo overlap: {overlap}"
         if echo and dist.get_rank() == 0:
             print(table, flush=True)
         return table

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fft": ("bench_fft", "distributed 3D FFT (rfftn + irfftn) on 2 and 4 ranks against one process"),
     "unet": ("bench_unet", "3D U-Net: activation memory and step time per rank against one process"),
     "infer": ("bench_infer", "whole-box U-Net inference: one process, 4 ranks split, MONAI sliding window"),
+    "infer_split": ("bench_infer_split", "U-Net inference at equal cores: 2 ranks split, one process, MONAI"),
     "loader": ("bench_loader", "sharded loader: bytes read per rank, data wait with worker processes"),
     "generator": ("bench_generator", "synthetic universe generation time"),
     "checkpoint": ("bench_checkpoint", "checkpoint stall against torch.save and dcp.async_save"),

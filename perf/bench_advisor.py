@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-candidates", type=int, default=40,
                     help="run at most this many, the best predicted first")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
-    args = common.parse(ap, argv, {**TINY, "worlds": "2", "max_candidates": 2, "workloads": "cosmoflow"})
+    args = common.parse(ap, argv, {**TINY, "worlds": "2", "max_candidates": 1, "workloads": "cosmoflow"})
     from hybridpar import perfmodel as pm  # noqa: PLC0415
 
     machine = pm.load_machine(args.machine)

@@ -206,7 +206,7 @@ def profile_job(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
     s = cfg["size"]
     results = {}
-    for workload in ("train", "infer"):
+    for workload in cfg["workloads"]:
         train = workload == "train"
         model = cosmo_bn(s) if train else basic_unet()
         shape = (1, 4, s, s, s) if train else (1, 1, s, s, s)
@@ -291,19 +291,22 @@ def _table(workload: str, ranks: list[dict]) -> tuple[str, dict]:
                    "copies_by_layer_rank0": r0["activation_copies"], "layers_rank0": r0["layers"]}
 
 
-TINY = {"size": 32, "steps": 1, "warmup": 1}  # the U-Net pools 4 times: 32 is its smallest split
+TINY = {"size": 16, "steps": 1, "warmup": 1, "workloads": "train"}  # seconds: the training half
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser("profile", __doc__, steps=5, warmup=2, max_load=0.5)
-    ap.add_argument("--size", type=int, default=64, help="edge S of the global cubic volume (default 64)")
+    ap.add_argument("--size", type=int, default=64, help="edge S of the global cubic volume (default 64; "
+                                                         "the U-Net pools 4 times: at least 32)")
+    ap.add_argument("--workloads", default="train,infer", help="train, infer or both (default)")
     args = common.parse(ap, argv, TINY)
-    cfg = {"size": args.size, "steps": args.steps, "warmup": args.warmup}
+    cfg = {"size": args.size, "steps": args.steps, "warmup": args.warmup,
+           "workloads": args.workloads.split(",")}
     load = common.wait(args)
     t0 = time.monotonic()
     out = common.launch(profile_job, RANKS, cfg, threads=1)
     tables, result = [], {}
-    for workload in ("train", "infer"):
+    for workload in cfg["workloads"]:
         table, result[workload] = _table(workload, out["ranks"])
         tables.append(table)
     load_end, run_s = common.loadavg(), round(time.monotonic() - t0, 1)

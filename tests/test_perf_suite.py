@@ -40,6 +40,7 @@ KEYS: dict[str, set[str]] = {
     "harness": {"measured", "results", "validation", "table"},
     "profile": {"config", "result", "tables"},
     "advisor": {"config", "results", "table", "details"},
+    "infer_split": {"config", "ratios", "stats", "table"},
 }
 NEEDS_MPIEXEC = {"transports"}  # its ranks are started by mpiexec
 SKIP = {

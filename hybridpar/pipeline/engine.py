@@ -143,8 +143,11 @@ class Engine:
         # GraphModule and its Graph refer to each other), fx's tracer (its closures refer to it, it to
         # the model), and, in a process's first build, the frames of the build, pinned by a frame that
         # refers to itself (torch.fx.wrap, run by torch._dynamo's import on the first meta forward).
+        # Without a pipeline this stage is the whole model: nothing to free, and a full collection costs
+        # a build most of its time.
         self._source = None
-        gc.collect()
+        if self.grid.pipe > 1:
+            gc.collect()
         self.reducer, self.replica_stats = reducers(built, self.parameters(), self.bucket_bytes)
         self._stepper.reducer, self._stepper.replica_stats = self.reducer, self.replica_stats
 

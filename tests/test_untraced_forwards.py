@@ -170,7 +170,8 @@ class OwnLayersNet(nn.Module):
 
 class Idioms(nn.Module):
     """More of what users write between layers: a tensor made from the volume's shape without a device,
-    a position parameter the size of the volume, a max, a repeat, an expand and a normalisation along
+    tensors made from its shape, dtype and device (``arange``, ``new_ones``), a position parameter the
+    size of the volume, a max, a repeat, an expand and a normalisation along
     channels, a downsampling interpolate, and attention over the flattened voxels (gathered)."""
 
     def __init__(self) -> None:
@@ -182,6 +183,8 @@ class Idioms(nn.Module):
         h = torch.tanh(self.conv(x)) + self.pos
         if h.shape[2] % 2:
             h = torch.cat([h, torch.zeros(h.shape[0], 1, *h.shape[2:])], dim=1)[:, :4]
+        depth = torch.arange(h.shape[2], dtype=h.dtype, device=h.device)  # a position along the volume
+        h = h * h.new_ones(h.shape) + 0.01 * depth.view(1, 1, -1, 1, 1)
         h = F.normalize(h * h.max(dim=1, keepdim=True).values, dim=1)
         h = h[:, :2].repeat(1, 2, 1, 1, 1) + h.expand(-1, -1, -1, -1, -1)
         h = F.interpolate(F.interpolate(h, scale_factor=0.5, mode="trilinear"), size=h.shape[2:])

@@ -53,7 +53,13 @@ SHAPE_READS = ("size", "numel", "nelement")
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
 SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
-        "__repr__", "__hash__")
+        "__repr__", "__hash__",
+        # attributes the same on every shard (``torch.zeros(..., dtype=x.dtype, device=x.device)``)
+        "dtype", "device", "ndim", "requires_grad", "is_cuda", "is_leaf", "layout", "is_sparse",
+        "is_quantized", "is_meta", "grad_fn", "names",
+        # a tensor made from sizes (global ones, read from the volume): replicated, narrowed to the shard
+        # where it meets one
+        "new_zeros", "new_ones", "new_full", "new_empty")
 LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float",
         "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
         "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
@@ -75,10 +81,14 @@ KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "a
 
 
 def name_of(func: Any) -> str:
-    """A function's name as it is called (``torch.mean``, ``Tensor.mean`` and ``F.softmax`` alike)."""
+    """A function's name as it is called (``torch.mean``, ``Tensor.mean`` and ``F.softmax`` alike); an
+    attribute's getter (``x.dtype``, whose function is named ``__get__``) by the attribute's name."""
     name = getattr(func, "__name__", None)
-    if name is None and getattr(func, "__self__", None) is not None:  # a property's getter
-        return getattr(func.__self__, "__name__", str(func))
+    owner = getattr(func, "__self__", None)
+    if (name is None or name == "__get__") and owner is not None and hasattr(owner, "__objclass__"):
+        return getattr(owner, "__name__", str(func))
+    if name is None and owner is not None:
+        return getattr(owner, "__name__", str(func))
     return str(func) if name is None else name
 
 

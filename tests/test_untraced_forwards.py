@@ -170,9 +170,10 @@ class OwnLayersNet(nn.Module):
 
 class Idioms(nn.Module):
     """More of what users write between layers: a tensor made from the volume's shape without a device,
-    tensors made from its shape, dtype and device (``arange``, ``new_ones``), a position parameter the
-    size of the volume, a max, a repeat, an expand and a normalisation along
-    channels, a downsampling interpolate, and attention over the flattened voxels (gathered)."""
+    tensors made from its shape, dtype and device (``arange``, ``new_ones``), functional group and
+    instance norms without weights, a position parameter the size of the volume, a max, a repeat, an
+    expand and a normalisation along channels, a downsampling interpolate, and attention over the
+    flattened voxels (gathered)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -185,6 +186,7 @@ class Idioms(nn.Module):
             h = torch.cat([h, torch.zeros(h.shape[0], 1, *h.shape[2:])], dim=1)[:, :4]
         depth = torch.arange(h.shape[2], dtype=h.dtype, device=h.device)  # a position along the volume
         h = h * h.new_ones(h.shape) + 0.01 * depth.view(1, 1, -1, 1, 1)
+        h = F.group_norm(h, 2) + 0.5 * F.instance_norm(h)  # statistics over the volume, no weights
         h = F.normalize(h * h.max(dim=1, keepdim=True).values, dim=1)
         h = h[:, :2].repeat(1, 2, 1, 1, 1) + h.expand(-1, -1, -1, -1, -1)
         h = F.interpolate(F.interpolate(h, scale_factor=0.5, mode="trilinear"), size=h.shape[2:])

@@ -53,13 +53,27 @@ def register_functions() -> None:
                  "circular": nn.CircularPad3d}.get(mode)
         return layer(six) if layer is not None else None
 
+    def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5) -> nn.Module | None:
+        if weight is not None or bias is not None:
+            return None  # weights of the caller's: the whole tensor
+        return nn.GroupNorm(num_groups, num_groups, eps, affine=False)  # any channels the groups divide
+
+    def instance_norm(x, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                      momentum=0.1, eps=1e-5) -> nn.Module | None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 5 or not use_input_stats or any(
+                t is not None for t in (running_mean, running_var, weight, bias)):
+            return None  # statistics or weights of the caller's, or channels unknown when traced
+        return nn.InstanceNorm3d(x.shape[1], eps=eps)
+
     registry.register_function(F.pad, as_module=pad)
     registry.register_function(F.interpolate, as_module=interpolate)
     registry.register_function(F.upsample, as_module=interpolate)
+    registry.register_function(F.group_norm, as_module=group_norm)
+    registry.register_function(F.instance_norm, as_module=instance_norm)
     registry.register_function(F.adaptive_avg_pool3d,
-                      as_module=lambda x, output_size: nn.AdaptiveAvgPool3d(output_size))
+                               as_module=lambda x, output_size: nn.AdaptiveAvgPool3d(output_size))
     registry.register_function(F.adaptive_max_pool3d, as_module=lambda x, output_size, return_indices=False:
-                      nn.AdaptiveMaxPool3d(output_size, return_indices))
+                               nn.AdaptiveMaxPool3d(output_size, return_indices))
     registry.register_function(F.max_pool3d, as_module=lambda x, *a, **k: nn.MaxPool3d(*a, **k))
     registry.register_function(F.avg_pool3d, as_module=lambda x, *a, **k: nn.AvgPool3d(*a, **k))
 

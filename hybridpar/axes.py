@@ -81,12 +81,6 @@ class Axes:
         """Every axis's size by name, in :data:`AXES` order."""
         return dict(zip(AXES, (self.data, self.pipe, *self.spatial), strict=True))
 
-    def size(self, axis: str) -> int:
-        """The size of the axis named ``axis`` (one of :data:`AXES`)."""
-        if axis not in AXES:
-            raise KeyError(f"no axis {axis!r}; the axes are {', '.join(AXES)}")
-        return self.sizes[axis]
-
     @property
     def stage_size(self) -> int:
         """Ranks of one pipeline stage of one replica: the product of the spatial split."""

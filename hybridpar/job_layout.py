@@ -49,7 +49,3 @@ class JobLayout:
         except KeyError:
             raise KeyError(f"JobLayout: no layer of the plan runs split {list(key)}; its layouts are "
                            f"{', '.join(str(list(s)) for s in self.layouts)}") from None
-
-    def describe(self) -> str:
-        """The axes and the spatial layouts of the plan's layers (:meth:`Axes.describe`)."""
-        return self.axes.describe(self.layouts)

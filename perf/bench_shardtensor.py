@@ -166,14 +166,7 @@ def hybridpar_step(size: int, dtype: torch.dtype, overlap: bool):
     engine = hp.parallelize(stack(dtype=dtype), {"grid": {"spatial": [RANKS, 1, 1]}}, loss_fn=F.mse_loss,
                             input_shape=tuple(x.shape), overlap=overlap)
     x_local, y_local = engine.shard_batch(x, y)
-    params = engine.parameters()
-
-    def step() -> None:
-        for p in params:
-            p.grad = None
-        engine.train_step(x_local, y_local)
-
-    return engine, step, x_local
+    return engine, common.engine_step(engine, x_local, y_local), x_local
 
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

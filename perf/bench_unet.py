@@ -65,11 +65,7 @@ def dist_job(rank: int, world: int, cfg: dict) -> dict:
     engine = hp.parallelize(_model(), {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss)
     x_local, y_local = engine.shard_batch(x, y)
     params = engine.parameters()
-
-    def step() -> None:
-        for p in params:
-            p.grad = None
-        engine.train_step(x_local, y_local)
+    step = common.engine_step(engine, x_local, y_local)
 
     times = common.slowest_rank(common.time_steps(step, cfg["warmup"], cfg["steps"], before=common.barrier))
     with SavedActivations(params) as saved:

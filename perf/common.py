@@ -302,6 +302,18 @@ def train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
+def engine_step(engine: Any, x_local: torch.Tensor, y_local: torch.Tensor) -> Callable[[], None]:
+    """One ``Engine.train_step`` on this rank's batch, its gradients cleared first (no optimizer)."""
+    params = engine.parameters()
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        engine.train_step(x_local, y_local)
+
+    return step
+
+
 # ---------------------------------------------------------------------------- rounds
 def alternate(rounds: int, jobs: Sequence[Callable[[int], dict[str, list[float]]]]
               ) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:

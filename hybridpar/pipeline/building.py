@@ -25,11 +25,10 @@ from hybridpar.pipeline.stage import Stage, StageBuilder
 from hybridpar.pipeline.stage_transport import StageTransport
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.faithful import check_faithful
-from hybridpar.planner.graph import ModelGraph, UntraceableError
+from hybridpar.planner.graph import ModelGraph, UntraceableError, refuse_in_pipeline
 from hybridpar.planner.graph import trace as trace_graph
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
-from hybridpar.planner.terms import SpecError
 
 
 @dataclass
@@ -61,9 +60,7 @@ class Source:
 
 def untraced_by(err: UntraceableError, spec: ParallelSpec) -> str:
     """The reason a model runs by module swapping (``err``), which a pipeline cannot."""
-    if spec.grid.pipe != 1:
-        raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a "
-                        f"model runs by module swapping") from None
+    refuse_in_pipeline(err, spec.grid.pipe)
     return str(err)
 
 

@@ -85,9 +85,7 @@ def name_of(func: Any) -> str:
     attribute's getter (``x.dtype``, whose function is named ``__get__``) by the attribute's name."""
     name = getattr(func, "__name__", None)
     owner = getattr(func, "__self__", None)
-    if (name is None or name == "__get__") and owner is not None and hasattr(owner, "__objclass__"):
-        return getattr(owner, "__name__", str(func))
-    if name is None and owner is not None:
+    if name in (None, "__get__") and owner is not None:
         return getattr(owner, "__name__", str(func))
     return str(func) if name is None else name
 

@@ -64,6 +64,14 @@ class UntraceableError(SpecError):
     """torch.fx cannot follow the model's forward (without a pipeline it runs by module swapping)."""
 
 
+def refuse_in_pipeline(err: UntraceableError, pipe: int) -> None:
+    """Refuse a model torch.fx cannot trace (``err`` says why) in a pipeline of ``pipe`` stages: a pipeline
+    cuts the traced graph; without one the model runs by module swapping."""
+    if pipe != 1:
+        raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a model "
+                        f"runs by module swapping") from None
+
+
 @dataclass(frozen=True)
 class Node:
     """One call in forward order: a module (``op == "module"``, ``target`` its qualified name, and

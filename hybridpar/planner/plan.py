@@ -40,7 +40,7 @@ from torch import nn
 
 from hybridpar import globs
 from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
-from hybridpar.planner.graph import OUTPUT, ModelGraph, UntraceableError
+from hybridpar.planner.graph import OUTPUT, ModelGraph, UntraceableError, refuse_in_pipeline
 from hybridpar.planner.placement import Walk
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.spec_view import GridView, RuleView, SpecView
@@ -210,9 +210,7 @@ def build_plan(spec: SpecView, model: nn.Module, input_shape: Sequence[int],
     try:
         return resolve(spec, analyse(model, shape, graph))
     except UntraceableError as err:
-        if spec.grid.pipe != 1:
-            raise SpecError(f"{err}. A pipeline cuts the traced graph; without one (pipe: 1) such a model "
-                            f"runs by module swapping") from None
+        refuse_in_pipeline(err, spec.grid.pipe)
         if spec.layers:
             raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
                             f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "

@@ -53,3 +53,25 @@ def launch_ranks(run: Run, section: str, fn: Callable, world: int, *args: Any) -
                       env={"LOCAL_WORLD_SIZE": str(world)})
     except TimeoutError as err:
         raise Overrun(f"{world}-rank job killed at the budget's end: {err}") from err
+
+
+def rank_rows(run: Run, section: str, rows: list[tuple[str, float]], size: int, job: Callable,
+              fill: Callable[[dict[str, Any], list[dict[str, Any]]], None], *args: Any) -> None:
+    """Each row (``"N ranks"``, estimated seconds) of a section of ranks sharing the GPU that the budget
+    lets run: ``job(rank, world, size, *args, device_type)`` on its ranks, ``fill(row, per_rank)`` the
+    row's figures from their results. A job killed at the budget's end is recorded and ends the
+    section; any other failure is recorded in its row and the next row runs."""
+    device_type = "cuda" if run.mode == "gpu" else "cpu"
+    for label, estimate in rows:
+        if not run.fits(section, label, estimate):
+            continue
+        world = rank_count(label)
+        row: dict[str, Any] = {"ranks": world, "size": size}
+        try:
+            fill(row, launch_ranks(run, section, job, world, size, *args, device_type))
+        except Overrun:
+            run.add(section, {**row, "note": "killed at the budget's end"})
+            raise
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        run.add(section, row)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from perf.gpu.budget import Overrun, Run, Sizes
-from perf.gpu.device import gib, launch_ranks, peak_bytes, rank_count
+from perf.gpu.budget import Run, Sizes
+from perf.gpu.device import gib, peak_bytes, rank_rows
 
 
 def _memory_rank(rank: int, world: int, size: int, device_type: str) -> dict[str, Any]:
@@ -44,19 +44,8 @@ def _memory_rank(rank: int, world: int, size: int, device_type: str) -> dict[str
 
 
 def section_memory(run: Run, sizes: Sizes, rows: list[tuple[str, float]], work: Path) -> None:
-    device_type = "cuda" if run.mode == "gpu" else "cpu"
-    for label, estimate in rows:
-        if not run.fits("memory", label, estimate):
-            continue
-        world = rank_count(label)
-        row: dict[str, Any] = {"ranks": world, "size": sizes.memory}
-        try:
-            per_rank = launch_ranks(run, "memory", _memory_rank, world, sizes.memory, device_type)
-            peaks = [r["peak_gib"] for r in per_rank]
-            row["peak_gib_per_rank"] = None if None in peaks else max(peaks)
-        except Overrun:
-            run.add("memory", {**row, "note": "killed at the budget's end"})
-            raise
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-        run.add("memory", row)
+    def fill(row: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
+        peaks = [r["peak_gib"] for r in per_rank]
+        row["peak_gib_per_rank"] = None if None in peaks else max(peaks)
+
+    rank_rows(run, "memory", rows, sizes.memory, _memory_rank, fill)

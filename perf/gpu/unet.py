@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from perf.gpu.budget import Overrun, Run, Sizes
-from perf.gpu.device import gib, launch_ranks, peak_bytes, rank_count, sync
+from perf.gpu.budget import Run, Sizes
+from perf.gpu.device import gib, peak_bytes, rank_rows, sync
 
 # the U-Net of launch/configs/reconstruct.yaml, fed the four snapshots
 UNET = {"in_channels": 4, "out_channels": 1, "width": 8, "levels": 4, "max_width": 64, "groups": 4,
@@ -55,21 +55,9 @@ def _unet_rank(rank: int, world: int, size: int, steps: int, device_type: str) -
 
 
 def section_unet(run: Run, sizes: Sizes, rows: list[tuple[str, float]], work: Path) -> None:
-    device_type = "cuda" if run.mode == "gpu" else "cpu"
-    for label, estimate in rows:
-        if not run.fits("unet", label, estimate):
-            continue
-        world = rank_count(label)
-        row: dict[str, Any] = {"ranks": world, "size": sizes.unet}
-        try:
-            per_rank = launch_ranks(run, "unet", _unet_rank, world, sizes.unet, sizes.unet_steps,
-                                     device_type)
-            peaks, times = [r["peak_gib"] for r in per_rank], per_rank[0]["times"]
-            row.update(step_ms=round(1e3 * statistics.median(times), 2), steps=len(times),
-                       peak_gib_per_rank=None if None in peaks else max(peaks))
-        except Overrun:
-            run.add("unet", {**row, "note": "killed at the budget's end"})
-            raise
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-        run.add("unet", row)
+    def fill(row: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
+        peaks, times = [r["peak_gib"] for r in per_rank], per_rank[0]["times"]
+        row.update(step_ms=round(1e3 * statistics.median(times), 2), steps=len(times),
+                   peak_gib_per_rank=None if None in peaks else max(peaks))
+
+    rank_rows(run, "unet", rows, sizes.unet, _unet_rank, fill, sizes.unet_steps)

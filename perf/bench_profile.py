@@ -20,12 +20,15 @@ shard: the box of the extended input less the own box, per exchange and adjoint)
 kind, and copies of a whole activation (``cat``, ``copy_``, ``clone``, pads and index selections
 whose output holds at least as many elements as the layer's input shard).
 
-Workloads (batch 1, float32, split (2, 1, 1), 2 ranks x 1 thread):
+Workloads (float32, split (2, 1, 1), 2 ranks x 1 thread; batch 1 unless said):
 
 * ``train``: a CosmoFlow-like stack with BatchNorm, ``Engine.train_step``;
-* ``infer``: MONAI's BasicUNet with BatchNorm in eval, ``Engine.predict(gather=False)``.
+* ``infer``: MONAI's BasicUNet with BatchNorm in eval, ``Engine.predict(gather=False)``;
+* ``unet``: cosmoflow's 3-level U-Net (width 8, GroupNorm) on 2 samples, ``Engine.train_step``: the
+  advisor's U-Net workload, whose split steps its model underpredicts.
 
     python -m perf profile                     # S = 64, 5 steps each
+    python -m perf profile --workloads unet --size 32
     python -m perf profile --tiny              # seconds
 """
 
@@ -60,6 +63,14 @@ def cosmo_bn(size: int) -> nn.Sequential:
     block = lambda c_in, c_out: [nn.Conv3d(c_in, c_out, 3, padding=1), nn.BatchNorm3d(c_out),  # noqa: E731
                                  nn.LeakyReLU(0.3), nn.MaxPool3d(2)]
     return nn.Sequential(*block(4, 16), *block(16, 32), nn.Flatten(), nn.Linear(32 * (size // 4) ** 3, 4))
+
+
+def group_norm_unet() -> nn.Module:
+    """The ``unet`` workload: cosmoflow's U-Net with GroupNorm (10 norm layers), as the advisor runs it."""
+    from cosmoflow.unet import UNet3d  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    return UNet3d(1, 1, width=8, levels=3, padding_mode="zeros")
 
 
 def basic_unet() -> nn.Module:
@@ -207,16 +218,18 @@ def profile_job(rank: int, world: int, cfg: dict) -> dict:
     s = cfg["size"]
     results = {}
     for workload in cfg["workloads"]:
-        train = workload == "train"
-        model = cosmo_bn(s) if train else basic_unet()
-        shape = (1, 4, s, s, s) if train else (1, 1, s, s, s)
+        train = workload != "infer"
+        model, shape, target = {"train": (cosmo_bn, (1, 4, s, s, s), (1, 4)),
+                                "infer": (basic_unet, (1, 1, s, s, s), None),
+                                "unet": (group_norm_unet, (2, 1, s, s, s), (2, 1, s, s, s))}[workload]
+        model = model(s) if workload == "train" else model()
         engine = hp.parallelize(model, {"grid": {"spatial": [world, 1, 1]}}, loss_fn=F.mse_loss,
                                 input_shape=shape)
         if not train:
             engine.eval()
         torch.manual_seed(1)
         x = torch.randn(shape)
-        x_local, y_local = (engine.shard_batch(x, torch.randn(1, 4)) if train
+        x_local, y_local = (engine.shard_batch(x, torch.randn(target)) if train
                             else (engine.shard_batch(x)[0], None))
         layers = Layers(engine.layers[0][1] if len(engine.layers) == 1 else nn.ModuleList(
             [m for _, m in engine.layers]), backward=train)
@@ -298,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = common.parser("profile", __doc__, steps=5, warmup=2, max_load=0.5)
     ap.add_argument("--size", type=int, default=64, help="edge S of the global cubic volume (default 64; "
                                                          "the U-Net pools 4 times: at least 32)")
-    ap.add_argument("--workloads", default="train,infer", help="train, infer or both (default)")
+    ap.add_argument("--workloads", default="train,infer,unet",
+                    help="comma-separated: train, infer, unet (default: all three)")
     args = common.parse(ap, argv, TINY)
     cfg = {"size": args.size, "steps": args.steps, "warmup": args.warmup,
            "workloads": args.workloads.split(",")}
@@ -310,11 +324,14 @@ def main(argv: list[str] | None = None) -> None:
         table, result[workload] = _table(workload, out["ranks"])
         tables.append(table)
     load_end, run_s = common.loadavg(), round(time.monotonic() - t0, 1)
-    common.write_json(args, {"config": {**cfg, "ranks": RANKS, "split": [RANKS, 1, 1], "batch": 1,
+    common.write_json(args, {"config": {**cfg, "ranks": RANKS, "split": [RANKS, 1, 1],
+                                        "batch": {"train": 1, "infer": 1, "unet": 2},
                                         "dtype": "float32", "threads_per_process": 1,
                                         "train": "conv-BN-LeakyReLU-MaxPool x 2, Linear; train_step, mse",
                                         "infer": "MONAI BasicUNet (8,8,16,32,64,8), BatchNorm, eval; "
-                                                 "predict"},
+                                                 "predict",
+                                        "unet": "cosmoflow UNet3d (width 8, 3 levels, GroupNorm), 2 samples; "
+                                                "train_step, mse"},
                               "load_at_start": load["load_at_start"], "load_at_end": load_end, "run_s": run_s,
                               "result": result, "tables": tables})
 

@@ -1,9 +1,10 @@
 """Batch, group and instance normalisation with statistics exact over the whole (split) volume.
 
 Why: per-shard statistics (what LBANN and MPI4DL do) change the model as the split changes. Here the
-mean and variance are reduced over the spatial group (optionally the data-parallel replicas too), in
-two passes, the running statistics are identical on every rank, and the backward pass reduces its two
-per-channel sums in one collective. GroupNorm and InstanceNorm3d keep statistics per sample (and group
+mean and variance are reduced over the spatial group (optionally the data-parallel replicas too) in
+one all-reduce of each shard's count, sum and centred squares (:func:`_moments`), the running
+statistics are identical on every rank, and the backward pass reduces its two per-channel sums in
+one collective. GroupNorm and InstanceNorm3d keep statistics per sample (and group
 or channel), so only the spatial group takes part, never the data replicas. (Over data-parallel
 replicas, the engine averages the running statistics after every step:
 :mod:`hybridpar.pipeline.running_stats`.)
@@ -77,11 +78,27 @@ def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     return precision.result_dtype(op, _PROBES[op], x)
 
 
-def _total(t: torch.Tensor, dims, group) -> torch.Tensor:
-    """``t`` summed over ``dims`` and the ``group``'s shards, accumulated in float64 (as torch's CPU
-    kernels accumulate float32): a float32 sum of values offset from zero (mean 100, std 1) would
-    lose the digits that the centring needs. Only the totals are float64; ``t`` is read as it is."""
-    return _allreduce(t.sum(dim=dims, dtype=torch.float64), group)
+def _moments(x: torch.Tensor, dims: tuple[int, ...], shape: tuple[int, ...],
+             group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 mean and centred sum of squares of ``x`` over ``dims`` and the ``group``'s shards, in one
+    all-reduce: each shard's count, sum and sum of squares about its own mean, every rank in its own
+    slot (the others zero: the sum is exact), merged in rank order alike on every rank (Chan et al.'s
+    pairwise update, as stable as two passes over the whole volume). Sums accumulate in float64 (a
+    float32 sum of values offset from zero, mean 100 and std 1, would lose the digits the centring
+    needs); ``x`` is read as it is. ``shape`` views a statistic against ``x`` (reduced dims as 1)."""
+    n = math.prod(x.shape[d] for d in dims)
+    total = x.sum(dim=dims, dtype=torch.float64)
+    mean = total / max(n, 1)
+    sq = _centre(x.to(_stat_dtype(x)), _mean_parts(mean, _stat_dtype(x)), shape).square() \
+        .sum(dim=dims, dtype=torch.float64)
+    if group is None:
+        return mean, sq
+    slots = total.new_zeros((dist.get_world_size(group), 3, *total.shape))
+    slots[dist.get_rank(group)] = torch.stack([torch.full_like(total, n), total, sq])
+    counts, totals, squares = _allreduce(slots, group).unbind(1)
+    whole = totals.sum(0) / counts.sum(0)
+    spread = counts * (totals / counts.clamp_min(1) - whole).square()
+    return whole, squares.sum(0) + spread.sum(0)
 
 
 def _mean_parts(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,10 +117,10 @@ class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, group, count, data_replicas, out_dtype):
         dims, shape, sd = (0, 2, 3, 4), (1, -1, 1, 1, 1), _stat_dtype(x)
-        mean = _total(x, dims, group) / count
+        mean, squares = _moments(x, dims, shape, group)
         parts = _mean_parts(mean, sd)
         centred = _centre(x.to(sd), parts, shape)
-        var = (_total(centred.square(), dims, group) / count).to(sd)
+        var = (squares / count).to(sd)
         invstd = torch.rsqrt(var + eps)
         y = _affine(centred * invstd.view(shape), weight, bias)
         ctx.save_for_backward(x, parts, invstd, weight)
@@ -213,8 +230,8 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
 class _SyncGroupNorm(torch.autograd.Function):
     """Group normalisation of a split (N, C, D, H, W) shard with statistics over the whole volume.
 
-    Statistics are per sample and group of ``C / groups`` channels, summed over the spatial group in
-    two passes (mean, then centred squares) in float32 or wider. The backward needs, per sample and
+    Statistics are per sample and group of ``C / groups`` channels, over the spatial group in one
+    all-reduce (:func:`_moments`), in float32 or wider. The backward needs, per sample and
     channel, the sums of ``gy`` and ``gy * xhat`` over the whole volume: one all-reduce of (2, N, C)
     gives them, and with them the per-group terms of the input gradient and the (already reduced)
     weight and bias gradients.
@@ -224,10 +241,10 @@ class _SyncGroupNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, groups, eps, group, count, out_dtype):
         n, sd = x.shape[0], _stat_dtype(x)
         xg = x.reshape(n, groups, -1)
-        mean = _total(xg, -1, group) / count
+        mean, squares = _moments(xg, (2,), (n, groups, 1), group)
         parts = _mean_parts(mean, sd)
         centred = _centre(xg.to(sd), parts, (n, groups, 1))
-        var = (_total(centred.square(), -1, group) / count).to(sd)
+        var = (squares / count).to(sd)
         invstd = torch.rsqrt(var + eps)
         # Scaled in x's own shape, so the output is a tensor of its own, not a view of the grouped one:
         # autograd forbids modifying a custom Function's view output in place, and without affine

@@ -16,8 +16,8 @@ from hybridpar.perfmodel.machine import Link, Machine
 from hybridpar.planner.terms import Split
 from hybridpar.relayout import redistribute_volume
 
-__all__ = ["allreduce_parts", "allreduce_time", "halo_bytes", "link_between", "redistribute_volume",
-           "redistribution"]
+__all__ = ["allreduce_parts", "allreduce_time", "halo_bytes", "link_between", "norm_stat_bytes",
+           "redistribute_volume", "redistribution"]
 
 
 def halo_bytes(local_input: Sequence[int], halo: Sequence[tuple[int, int]], split: Split,
@@ -71,6 +71,13 @@ def allreduce_parts(nbytes: float, ranks: Sequence[int], machine: Machine,
         lat += 2 * math.ceil(math.log2(k)) * machine.inter.latency
         xfer += 2 * (k - 1) / k * nbytes * share / machine.inter.bandwidth
     return lat, xfer
+
+
+def norm_stat_bytes(local_input: Sequence[int], ranks: int) -> int:
+    """Bytes of a split norm layer's all-reduce at most: a float64 count, sum and centred squares per
+    sample and channel in every rank's slot (:func:`hybridpar.nn.norm._moments`; fewer for BatchNorm
+    or groups, and latency-bound either way)."""
+    return 3 * 8 * ranks * local_input[0] * local_input[1]
 
 
 def link_between(machine: Machine, span: int, world: int) -> tuple[Link, float]:

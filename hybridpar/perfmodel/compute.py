@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hybridpar.fft import group_count
 from hybridpar.nn import registry
-from hybridpar.perfmodel.comm_cost import halo_bytes, redistribution
+from hybridpar.perfmodel.comm_cost import allreduce_parts, halo_bytes, norm_stat_bytes, redistribution
 from hybridpar.perfmodel.machine import Compute, Link, Machine
 from hybridpar.perfmodel.workload import Leaf, Workload, input_grads, kernel_shape, layer_key
 from hybridpar.planner.analysis import REPLICATED
@@ -34,7 +34,7 @@ class LayerCost:
     split: Split
     forward: float
     backward: float
-    halo_forward: float
+    halo_forward: float   # halo exchange, and a split norm layer's all-reduce of its statistics
     halo_backward: float
     redistribute_forward: float
     redistribute_backward: float
@@ -107,6 +107,13 @@ def layer_costs(workload: Workload, plan: list[LayerPlan], machine: Machine, slo
         h_f = halo_link.time(hb / halo_share, hmsg) if hb else 0.0
         h_b = h_f if hb and needs_igrad else 0.0
         latency = hmsg * halo_link.latency * (1 + (h_b > 0))
+        if leaf.op == "norm" and spatial and math.prod(rec.split) > 1:
+            # a split norm's statistics: one all-reduce forward, one backward (hybridpar.nn.norm)
+            lat, xfer = allreduce_parts(norm_stat_bytes(rec.local_input_shape, math.prod(rec.split)),
+                                        range(math.prod(rec.split)), machine, math.prod(rec.split))
+            backward = needs_igrad or leaf.params > 0
+            h_f, h_b = h_f + lat + xfer, h_b + (lat + xfer if backward else 0.0)
+            latency += lat * (1 + backward)
         r_f = r_b = 0.0
         if rec.redistribute and spatial:
             prev = plan[i - 1]

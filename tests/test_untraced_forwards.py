@@ -256,6 +256,43 @@ class VolumeMean(nn.Module):
         return h.mean((2, 3, 4), keepdim=True) if x.shape[2] > 1 else h
 
 
+class CallSettings(nn.Module):
+    """Calls that differ only in settings a layer's repr leaves out (``align_corners``,
+    ``count_include_pad``), a split layer's own weights read again outside it (a tied functional
+    conv, its bias on a reduction), a parameter made ``.to(h)`` and reduced, and NumPy's argument
+    names (``tensors=``, ``axis=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.p = nn.Parameter(1 + 0.1 * torch.randn(1, 2, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[2] > 1:  # untraceable
+            a = F.interpolate(h, scale_factor=2, mode="trilinear", align_corners=True)
+            b = F.interpolate(h, scale_factor=2, mode="trilinear", align_corners=False)
+            h = F.avg_pool3d(a + 2 * b, 2)
+        h = F.avg_pool3d(h, 3, 1, 1) + 3 * F.avg_pool3d(h, 3, 1, 1, count_include_pad=False)
+        h = F.conv3d(h, self.conv.weight[:, :2], self.conv.bias, padding=1)  # the layer's weight again
+        h = h + h.mean((2, 3, 4), keepdim=True) * self.conv.bias.view(1, -1, 1, 1, 1)
+        g = self.p.to(h)
+        t = torch.cat(tensors=[h, h * h], axis=1)
+        return h * g + g.mean() - t.mean(axis=(1, 2, 3, 4), keepdims=True)
+
+
+class TopLevelWeight(nn.Module):
+    """A traceable forward reading a parameter of the model itself between layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.gamma = nn.Parameter(1 + 0.1 * torch.randn(1, 2, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * self.gamma
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
@@ -280,14 +317,18 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}}),
        ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}}),
        ("a split layer holding a module, no subclass of its layer", "HeldWeights",
-        {"grid": {"spatial": [1, 2, 1]}})]
+        {"grid": {"spatial": [1, 2, 1]}}),
+       ("call settings, a layer's weights again, .to(h), NumPy names", "CallSettings",
+        {"grid": {"spatial": [2, 1, 1]}}),
+       ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
         ("flattened into Linear layers, 2x2", "FlatRegressor", {"grid": {"spatial": [2, 2, 1]}}),
         ("own unregistered layers, data x spatial", "OwnLayersNet",
-         {"grid": {"data": 2, "spatial": [2, 1, 1]}})]
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+        ("call settings, 2x2", "CallSettings", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -318,6 +359,13 @@ class _Refused(nn.Module):
                 h = h - h.mean(0, keepdim=True)
             elif self.what == "item":
                 h = h * len(h.tolist())
+            elif self.what == "unbind along depth":
+                h = h * sum(h.unbind(2)).mean()
+            elif self.what == "chunk along the batch":
+                a, b = h.chunk(2, 0)
+                h = torch.cat([b, a])
+            elif self.what == "a sample picked":
+                h = h - h[:1]
         return h
 
 
@@ -329,6 +377,9 @@ class _Refused(nn.Module):
     ("item", r"at test_untraced_forwards.py:\d+ reads the values of a split activation"),
     ("batch mean", r"mean \(over the batch, which data parallelism or micro-batches hold apart"),
     ("mean over the batch alone", r"mean \(over the batch, which data parallelism"),
+    ("unbind along depth", r"unbind: unbind along dim 2, a split dim of the volume"),
+    ("chunk along the batch", r"chunk \(across the samples of the batch, which data parallelism"),
+    ("a sample picked", r"__getitem__ \(across the samples of the batch"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

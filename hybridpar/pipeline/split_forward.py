@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.comm.redistribute import gather
-from hybridpar.comm.reduce import max_to_replicated, replicated_into_shards, sum_to_replicated
+from hybridpar.comm.reduce import grad_split, max_to_replicated, replicated_into_shards, sum_to_replicated
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
@@ -92,10 +92,14 @@ class SplitForward(LayoutWatch):
 
     def _fit(self, t: Any, extents: Extents) -> Any:
         """A replicated operand as a split computation on a volume of ``extents`` reads it: its dims that
-        span the volume narrowed to this shard's box, its gradient summed over the shards."""
+        span the volume narrowed to this shard's box, its gradient summed over the shards; a split
+        layer's own parameter (``F.conv3d(h, self.conv.weight)``) keeps its partial gradient, which the
+        engine's reduction sums over the shards as it sums the layer's."""
+        if isinstance(t, list | tuple):
+            return type(t)(self._fit(a, extents) for a in t)
         if not isinstance(t, torch.Tensor) or t in self.split:
             return t
-        if t.requires_grad:
+        if t.requires_grad and grad_split(t) == 1:
             t = replicated_into_shards(t, self.group)
         for k, (lo, hi) in enumerate(self.box(extents)):
             d = t.dim() - 3 + k
@@ -104,9 +108,21 @@ class SplitForward(LayoutWatch):
         return t
 
     def _fitted(self, args: tuple, kwargs: dict, extents: Extents) -> tuple[tuple, dict]:
-        fit = lambda a: self._fit(a, extents)  # noqa: E731
-        args = tuple(type(a)(map(fit, a)) if isinstance(a, list | tuple) else fit(a) for a in args)
-        return args, {k: fit(v) for k, v in kwargs.items()}
+        return tuple(self._fit(a, extents) for a in args), {k: self._fit(v, extents)
+                                                             for k, v in kwargs.items()}
+
+    def _run_replicated(self, func, args, kwargs) -> Any:
+        """A call on whole values, the same on every rank: a split layer's own parameter read there
+        (``h.mean((2, 3, 4)) * self.conv.bias``) gives every rank the whole of its gradient, of which
+        each keeps its share, since the engine's reduction sums that parameter over the shards."""
+        name = calls.name_of(func)
+        in_place = name.endswith("_") and not name.endswith("__") or name in _IN_PLACE
+        if not torch.is_grad_enabled() or in_place or name in calls.SAFE or calls.reads_shape(func):
+            return func(*args, **kwargs)  # nothing differentiable made (in place, or a read)
+        share = lambda t: _ShareGrad.apply(t, grad_split(t)) \
+            if isinstance(t, torch.Tensor) and t.requires_grad and grad_split(t) > 1 else t  # noqa: E731
+        each = lambda a: type(a)(map(share, a)) if isinstance(a, list | tuple) else share(a)  # noqa: E731
+        return func(*map(each, args), **{k: each(v) for k, v in kwargs.items()})
 
     # ------------------------------------------------------------------ layers
     def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
@@ -165,7 +181,7 @@ class SplitForward(LayoutWatch):
 
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         m = kind.module
-        key = repr(m)
+        key = calls.module_key(m)
         d = self._dist.get(key)
         if d is None:
             d = self._dist[key] = self.to_dist(m, self.grid)
@@ -214,6 +230,24 @@ class SplitForward(LayoutWatch):
 
     def _chain_shape(self, func, args, kwargs) -> Any:
         return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
+
+
+_IN_PLACE = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
+             "__imatmul__", "__iand__", "__ior__", "__ixor__")
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity forward; backward: this rank's share, ``1 / split``, of a gradient every rank of the
+    split holds whole."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, split: int) -> torch.Tensor:
+        ctx.split = split
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.split, None
 
 
 def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,

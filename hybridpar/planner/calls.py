@@ -70,6 +70,8 @@ LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone",
         "__and__", "__or__", "__xor__", "logical_and", "logical_or", "logical_not", "clamp_min",
         "clamp_max", "nan_to_num", "__iadd__", "__isub__", "__imul__", "__itruediv__", "sub_", "div_",
         "clamp_", "sigmoid_", "tanh_", "fill_", "zero_", "copy_", "leaky_relu", "leaky_relu_")
+LIKE_OF = ("to", "type_as")
+"""Calls whose other tensor lends only its dtype and device: the result is laid out as ``self``."""
 # Along which dims (``None``: all): how each reduction names them.
 REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
               "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2),
@@ -93,6 +95,26 @@ def name_of(func: Any) -> str:
 def reads_shape(func: Any) -> bool:
     """``x.shape`` (the property's getter), ``x.size()``, ``x.numel()``: answered with global extents."""
     return getattr(func, "__self__", None) is torch.Tensor.shape or name_of(func) in SHAPE_READS
+
+
+ALIASES = {"axis": "dim", "keepdims": "keepdim"}
+"""NumPy's names torch accepts for an argument (``torch.cat(ts, axis=1)``, ``x.sum(axis=2)``)."""
+
+
+def canonical(kwargs: dict) -> dict:
+    """``kwargs`` with NumPy's argument names (:data:`ALIASES`) as torch's own, so that one lookup finds
+    a dim however it was given; the call then runs with them (torch takes either)."""
+    if not any(k in ALIASES for k in kwargs):
+        return kwargs
+    return {ALIASES.get(k, k): v for k, v in kwargs.items()}
+
+
+def module_key(m: nn.Module) -> str:
+    """What tells apart the layers calls stand for: the type and every public setting, not only its
+    ``repr`` (an ``nn.Upsample``'s omits ``align_corners``, an ``nn.AvgPool3d``'s ``count_include_pad``),
+    so that two calls that differ only there never share a split counterpart."""
+    public = sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and k != "training")
+    return f"{m!r} {public}"
 
 
 def _arg(args: tuple, kwargs: dict, pos: int, key: str, default: Any = None) -> Any:
@@ -158,7 +180,8 @@ def _along(name: str, dim: Any, nd: int) -> CallKind:
         return CallKind("refuse", why=f"{name} along {dim!r}")
     d = dim % (nd + 1 if name == "stack" else nd)
     if d < nd - 3 or (name == "stack" and d <= nd - 3):
-        return CallKind("join" if name in JOINS else "pieces")
+        # the dim it works along (a stack makes a new one: it mixes no samples)
+        return CallKind("join" if name in JOINS else "pieces", dims=() if name == "stack" else (d,))
     return CallKind("refuse", why=f"{name} along dim {dim}, a split dim of the volume (the leading "
                                   f"{nd - 3} are whole on every rank)")
 
@@ -173,6 +196,13 @@ def index_keeps_space(index: Any, nd: int) -> bool:
         per_dim += [slice(None)] * (nd - len(items) + 1) if i is Ellipsis else [i]
     per_dim += [slice(None)] * (nd - len(per_dim))
     return len(per_dim) == nd and all(i == slice(None) for i in per_dim[nd - 3:])
+
+
+def indexes_batch(index: Any) -> bool:
+    """Whether ``x[index]`` picks among dim 0's entries (``x[0]``, ``x[:1]``, ``x[[1, 0]]``) rather than
+    keeping them all (``x[:, :3]``, ``x[..., ::2]`` is another matter: see :func:`index_keeps_space`)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    return not (first is Ellipsis or (isinstance(first, slice) and first == slice(None)))
 
 
 def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
@@ -199,11 +229,12 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
         return _reduction(name, args, kwargs, nd)
     if name in JOINS:
         return _along(name, _arg(args, kwargs, 1, "dim", 0), nd)
-    if name in PIECES:
-        return _along(name, _arg(args, kwargs, 2, "dim", 0), nd)
+    if name in PIECES:  # unbind(input, dim); chunk, split, tensor_split(input, what, dim)
+        return _along(name, _arg(args, kwargs, 1 if name == "unbind" else 2, "dim", 0), nd)
     if name == "getitem":
         ok = index_keeps_space(args[1], nd)
-        return CallKind("keep" if ok else "refuse", why="" if ok else "indexing into the volume's dims")
+        return CallKind("keep" if ok else "refuse", dims=(0,) if ok and indexes_batch(args[1]) else (),
+                        why="" if ok else "indexing into the volume's dims")
     if name in ("repeat", "expand", "tile"):
         return _leading(name, args, kwargs, nd)
     if name in KEEP:

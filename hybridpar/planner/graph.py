@@ -185,8 +185,10 @@ def trace(model: nn.Module) -> ModelGraph:
         if n.op == "placeholder":
             continue
         if n.op == "get_attr":
-            raise SpecError(f"model: node {n.name} reads {n.target} directly in a forward that is traced; "
-                            f"keep parameters inside the modules that use them; {SUPPORTED}")
+            # a parameter or buffer read between layers (``h * self.gamma``): the graph has no layer to
+            # split it with, so the model's own forward runs split by module swapping, which follows it
+            raise UntraceableError(f"model ({type(model).__name__}): its forward reads {n.target} "
+                                   f"directly, outside any layer; {SUPPORTED}")
         if n.op == "output":
             out = n.args[0]
             if isinstance(out, fx.Node):

@@ -63,7 +63,8 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among a call's arguments (lists of them too: ``torch.cat``)."""
-    flat = [*args, *(a for v in args if isinstance(v, list | tuple) for a in v), *kwargs.values()]
+    given = [*args, *kwargs.values()]
+    flat = [*given, *(a for v in given if isinstance(v, list | tuple) for a in v)]
     return [a for a in flat if isinstance(a, torch.Tensor)]
 
 
@@ -144,7 +145,7 @@ class LayoutWatch(TorchFunctionMode):
         return tuple(out.shape[-3:])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = calls.canonical(kwargs or {})
         if self.depth:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
@@ -159,8 +160,10 @@ class LayoutWatch(TorchFunctionMode):
             # read as a value of its own (x.view(N, -1) into a sum): the whole value, gathered
             args, kwargs = self.wholes(args, kwargs)
             split = [t for t in _tensors(args, kwargs) if t in self.split]
-        if not split:
-            return func(*args, **kwargs)
+        if not split or (calls.name_of(func) in calls.LIKE_OF and args and args[0] not in self.split):
+            # nothing split; or a replicated tensor made like a split one (p.to(x), p.type_as(x)): it
+            # takes the split one's dtype and device, not its layout
+            return self._run_replicated(func, args, kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim())
         if kind.kind == "refuse":
             self.unsafe.append(f"{calls.describe(func, kind)} at {calls.caller()}")
@@ -173,10 +176,12 @@ class LayoutWatch(TorchFunctionMode):
         if kind.kind == "step":
             return self._run_step(func, args, kwargs, split[0])
         batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)
-        if kind.kind in ("reduce", "keep") and 0 in kind.dims and batch and self.batch_apart:
-            self.unsafe.append(f"{calls.name_of(func)} (over the batch, which data parallelism or "
-                               f"micro-batches hold apart: reduce each sample, dim=(1, 2, 3, 4)) at "
-                               f"{calls.caller()}")
+        across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims
+        if across and batch and self.batch_apart:
+            what = "over" if calls.name_of(func).strip("_") in calls.REDUCTIONS else "across the samples of"
+            self.unsafe.append(f"{calls.name_of(func)} ({what} the batch, which data parallelism or "
+                               f"micro-batches hold apart: work on each sample, e.g. reduce over "
+                               f"dim=(1, 2, 3, 4)) at {calls.caller()}")
             return func(*args, **kwargs)
         if len({self.split[t] for t in split}) > 1:
             self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
@@ -185,6 +190,10 @@ class LayoutWatch(TorchFunctionMode):
         return getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
 
     # --------------------------------------------------------- on the volume: the plan
+    def _run_replicated(self, func, args, kwargs) -> Any:
+        """A call on values whole on every rank (none of them split)."""
+        return func(*args, **kwargs)
+
     def _run_shape(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         return func(*args, **kwargs)
 

@@ -61,6 +61,7 @@ def test_a_window_not_given_as_records_is_refused_naming_the_layer():
         pass
 
     entry = hp.nn.register(DictPool, role="window", op="pool", flops=lambda m, x, y: ({}, None),
+                           to_dist=lambda m, grid, overlap=False: DistSoftPool3d(3, 3, 1, 1, grid=grid),
                            window=lambda m: [dict(kernel=3, stride=1, pad_lo=1, pad_hi=1)] * 3)
     with pytest.raises(TypeError, match="DictPool: a registry entry's window= must give one hybridpar.nn.Wi"):
         entry.windows_of(DictPool())

@@ -14,7 +14,9 @@ Roles (how a layer meets a spatially split input):
 * ``"transposed"``: transposed convolution; halos from its transposed ``window``.
 * ``"pointwise"``: works voxel by voxel (activations, dropout, BatchNorm with its statistics reduced
   over the split): keeps the split of its input, no halo.
-* ``"resample"``: its output is split like its input but needs its own halo plan (upsampling).
+* ``"resample"``: its output is split like its input but needs its own halo plan (upsampling); without
+  a Dist class a copy runs on each shard, planned only where the shards' boundaries fall on its whole
+  factor (nearest resampling: :func:`~hybridpar.geometry.check_copied_resample`).
 * ``"reduce"``: reduces the whole volume (global and adaptive pooling): split input, replicated output.
 * ``"dense"``: needs the whole tensor (Linear, Flatten): runs replicated, after a planned gather.
 
@@ -81,7 +83,8 @@ class LayerEntry:
     """What the library knows about one torch layer type (see the module doc for ``role``).
 
     ``to_dist(module, grid, overlap)`` builds the distributed counterpart with the module's own
-    hyperparameters (None: a copy of the module runs on a shard as it is); ``window(module)`` gives
+    hyperparameters (None: a copy of the module runs on a shard as it is; refused for the roles a copy
+    never runs exactly: window, transposed, reduce); ``window(module)`` gives
     its window, one :class:`~hybridpar.nn.window.Window` per spatial dim (d, h, w), the one description
     its Dist layer, the planner, the FLOP counter and the performance model read (use
     :meth:`windows_of`, which checks it); ``halos(module, name, in_shape, out_shape, split)`` the
@@ -126,7 +129,7 @@ class LayerEntry:
         """Widest (low, high) halo per dim of ``m`` under ``split`` (raises ``HaloError``)."""
         if self.halos is not None:
             return self.halos(m, name, in_shape, out_shape, split)
-        return _role_halos(self, m, name, in_shape, split)
+        return _role_halos(self, m, name, in_shape, out_shape, split)
 
     def windows_of(self, m: nn.Module) -> Windows | None:
         """``m``'s window per spatial dim (None for a layer without one), checked to be
@@ -151,6 +154,14 @@ class LayerEntry:
             return self.saved(m, elem, out_n, ext_n)
         return elem * out_n if self.op != "free" else 0
 
+
+_NEEDS_DIST = {
+    "window": "a copy on each shard would run without its neighbours' halos",
+    "transposed": "a copy on each shard would run without its neighbours' halos",
+    "reduce": "a copy on each shard would reduce its own shard alone",
+}
+"""Roles whose layer a copy on each shard never runs exactly, and why: their entries need a Dist class.
+A ``resample`` copy can (nearest resampling by a whole factor): the plan checks its shards' boundaries."""
 
 _REGISTRY: dict[type, LayerEntry] = {}
 _FUNCTIONS: dict[Any, str] = {}
@@ -182,6 +193,9 @@ def register(torch_type: type, *, role: str, flops: FlopFn, op: str = "free", to
     if role in ("window", "transposed") and window is None and halos is None:
         raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs "
                          f"window= (or halos=)")
+    if role in _NEEDS_DIST and to_dist is None:
+        raise ValueError(f"hybridpar.nn.register({torch_type.__name__}): a {role} layer needs to_dist= (its "
+                         f"split version, a hybridpar.nn.SpatialLayer): {_NEEDS_DIST[role]}")
     entry = LayerEntry(torch_type, role, op, flops, to_dist, window, halos, saved, replicates, flattens,
                        transposes)
     _REGISTRY[torch_type] = entry
@@ -356,9 +370,12 @@ def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
 
 
 def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int, ...],
-                split: tuple[int, int, int]) -> Halos:
+                out_shape: tuple[int, ...], split: tuple[int, int, int]) -> Halos:
+    """The halos of a layer without a halo function of its own: its window's, none for the other roles
+    (a resample layer copied onto each shard only where its shards' boundaries fall on its factor)."""
     halo = []
     ws = entry.windows_of(m)
+    copied_resample = entry.role == "resample" and entry.to_dist is None and len(out_shape) == 5
     for i, parts in enumerate(split):
         if parts == 1:
             halo.append((0, 0))
@@ -368,6 +385,8 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
             plans = ws[i].plans(extent, parts, layer=name, dim=SPATIAL_AXES[i])
         else:
             check_extent(name, extent, parts, i)
+            if copied_resample:
+                geometry.check_copied_resample(extent, out_shape[2 + i], parts, name, SPATIAL_AXES[i])
             halo.append((0, 0))
             continue
         halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))

@@ -8,6 +8,9 @@ collective), or set ahead of time by the engine (``layer.global_input_shape``) t
 own subclasses it and that layer, calls :meth:`~SpatialLayer.init_spatial` in its ``__init__``, and in
 its ``forward`` runs the layer's kernel unpadded on :meth:`~SpatialLayer.with_halos` of its shard,
 with the kernel and stride of :meth:`~SpatialLayer.window` (its registry entry's, read, not repeated).
+A ``reduce`` layer's split version sums over the volume with :meth:`~SpatialLayer.volume_sum` and says
+of each parameter whether it acts on the shard or on the reduced, whole values
+(:meth:`~SpatialLayer.applied_split`, :meth:`~SpatialLayer.applied_whole`).
 """
 
 from __future__ import annotations
@@ -16,18 +19,30 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.axes import DIM_NAMES
 from hybridpar.comm.agree import check_agree
 from hybridpar.comm.halo import DimExchange, HaloExchanger, exchange
 from hybridpar.comm.redistribute import infer_global_shape
-from hybridpar.comm.reduce import is_marked, mark_grad_split
+from hybridpar.comm.reduce import is_marked, mark_grad_split, sum_to_replicated
 from hybridpar.comm.transport import get_transport
 from hybridpar.device.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.window import Windows
+
+_STATED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameters whose split layer has said how its shards' gradients add up (:meth:`SpatialLayer.applied_whole`,
+:meth:`~SpatialLayer.applied_split`, the library's own layers): the converter refuses a reduce layer's
+parameter that is not among them, as the default (a partial gradient per shard) is wrong for one applied
+after the reduction."""
+
+
+def stated(param: torch.Tensor) -> bool:
+    """Whether ``param``'s split layer has said how its gradient adds up over the shards."""
+    return param in _STATED
 
 
 def _check_weights_once(layer: SpatialLayer, _args: tuple) -> None:
@@ -160,14 +175,39 @@ class SpatialLayer(nn.Module):
         Why this default: a split layer computes its own shard of the output, so a parameter it applies,
         before the halo exchange or after, contributes to each rank's shard alone, and the whole
         gradient is the sum of the ranks' (averaging them would train it at a fraction of its gradient).
-        A layer whose gradients leave it already reduced says so itself (``_mark_params(1)``, as the
-        norm layers do). Called by ``init_spatial`` and again by the converter after ``to_dist``, for
-        parameters made after ``init_spatial``."""
+        A layer whose gradients leave it already reduced, or that applies a parameter to whole values,
+        says so itself (:meth:`applied_whole`; the norm layers' ``_mark_params(1)``). Called by
+        ``init_spatial`` and again by the converter after ``to_dist``, for parameters made after
+        ``init_spatial``."""
         mark_grad_split([p for p in self.parameters() if not is_marked(p)], self.grid.spatial_size)
 
     def _mark_params(self, split: int) -> None:
         """Tell the engine's bucketed reduction how many shards contribute to each parameter."""
-        mark_grad_split(self.parameters(recurse=False), split)
+        self._state_params(list(self.parameters(recurse=False)), split)
+
+    def _state_params(self, params: list[torch.Tensor], split: int) -> None:
+        mark_grad_split(params, split)
+        for p in params:
+            _STATED[p] = True
+
+    def applied_split(self, *params: torch.Tensor) -> None:
+        """Say that ``params`` are applied to this rank's shard (before any reduction over the volume):
+        each shard gives part of their gradient, summed over the shards. Every split layer's default;
+        a ``reduce`` layer says it of each parameter, or :meth:`applied_whole`."""
+        self._state_params(list(params), self.grid.spatial_size)
+
+    def applied_whole(self, *params: torch.Tensor) -> None:
+        """Say that ``params`` are applied to whole values, the same on every rank (after
+        :meth:`volume_sum`: a weight on a pooled feature): every rank computes their whole gradient,
+        which summed over the shards would count it once per shard."""
+        self._state_params(list(params), 1)
+
+    def volume_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the whole split volume of ``partial``, what this rank's shard gives
+        (``x.sum((2, 3, 4))``): the same on every rank, differentiable (its gradient reaches every
+        shard). A ``reduce`` layer's split version reduces with it (a mean: divide by the voxels of
+        :meth:`global_shape`)."""
+        return sum_to_replicated(partial, self.grid.spatial_group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, split={self.grid.spatial_shape}"

@@ -11,14 +11,19 @@ sharing those tensors.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import nn
 
-from hybridpar.comm.reduce import mark_grad_split
+from hybridpar.comm.reduce import grad_split, mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.sharing import share_state, sharing_copy
-from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.nn.spatial import SpatialLayer, stated
 from hybridpar.nn.window import describe
+from hybridpar.planner.terms import SpecError
 
 
 def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name: str | None = None
@@ -26,19 +31,23 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     """The Dist counterpart of ``m`` (the model's layer ``name``) under ``grid``'s split, or a copy of
     ``m`` if it is pointwise.
 
-    A copied layer with parameters on a split input computes partial gradients on each shard: its
-    parameters are marked so that the engine's reduction sums them over the shards. A window layer's
-    Dist counterpart must run the window its entry gives for ``m`` (:func:`check_window`).
+    A copied layer with parameters on a split input computes partial gradients on each shard, whatever
+    its role (a pointwise or resample layer): its parameters are marked so that the engine's reduction
+    sums them over the shards; a dense layer's copy, on whole values, computes whole ones. A window
+    layer's Dist counterpart must run the window its entry gives for ``m`` (:func:`check_window`), a
+    reduce layer's must say how its parameters' gradients add up (:func:`check_reduce_params`). Within
+    :func:`one_build`, a parameter two layers apply with gradients counted apart is refused.
     """
     entry = registry.lookup(m)
     if entry is None or entry.to_dist is None:
         d = sharing_copy(m)
-        if grid.spatial_size > 1 and entry is not None and entry.role == "pointwise":
-            mark_grad_split(d.parameters(), grid.spatial_size)
+        mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
+        _note(m, grid, name)
         return d
     d = entry.to_dist(m, grid, overlap)
     registry.note_split(d, entry)
     check_window(entry, m, d, name)
+    check_reduce_params(entry, m, d, name)
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
         d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)
@@ -47,6 +56,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
         if isinstance(s, SpatialLayer):
             s.mark_split_params()
     d.train(m.training)
+    _note(m, grid, name)
     return d
 
 
@@ -69,3 +79,57 @@ def check_window(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, name: s
                          f"{type(d).__name__} runs {describe(got)}; build the Dist layer from the module's "
                          "own hyperparameters in to_dist, or make window= describe what the layer computes")
 
+
+def check_reduce_params(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, name: str | None = None
+                        ) -> None:
+    """Refuse a reduce layer's Dist counterpart ``d`` with a parameter whose gradient accounting it has
+    not stated: one applied after the reduction, to whole values, has its whole gradient on every rank,
+    one applied to the shard before it a part per shard, and nothing in the layer tells them apart
+    (the default, a part per shard, would count the first once per shard)."""
+    if not (entry.role == "reduce" or entry.replicated_output(m)):
+        return
+    what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    for pname, p in d.named_parameters():
+        if not stated(p):
+            raise SpecError(f"{what}: its split version {type(d).__name__} reduces over the volume but "
+                            f"does not say how its parameter {pname} is applied; in its __init__ call "
+                            f"self.applied_whole(self.{pname}) if it acts on the reduced (whole) values, or "
+                            f"self.applied_split(self.{pname}) if on the shard before the reduction")
+
+
+_BUILDS: list[dict[int, tuple[torch.Tensor, str, str, int, int]]] = []
+"""Per build under way (:func:`one_build`): each parameter converted, with the first layer that applies
+it, its name there, that layer's split and how many shards add up its gradient (``grad_split``)."""
+
+
+@contextmanager
+def one_build() -> Iterator[None]:
+    """Refuse, while converting one build's layers, a parameter that two layers apply with gradients
+    counted apart (tied between a split layer and one run replicated): the engine's reduction scales a
+    parameter's gradient by one count, so one of the two would be over- or under-counted, silently."""
+    _BUILDS.append({})
+    try:
+        yield
+    finally:
+        _BUILDS.pop()
+
+
+def _how(split: int, counted: int) -> str:
+    run = f"split over {split} ranks" if split > 1 else "run replicated"
+    grad = "a part of its gradient per shard" if counted > 1 else "its whole gradient on every rank"
+    return f"{run}, {grad}"
+
+
+def _note(m: nn.Module, grid: ProcessGrid, name: str | None) -> None:
+    """Record ``m``'s parameters in the build under way; refuse one applied before with another count."""
+    if not _BUILDS:
+        return
+    seen, layer = _BUILDS[-1], name or type(m).__name__
+    for pname, p in m.named_parameters():
+        now = grad_split(p)
+        _, was, as_was, split, counted = seen.setdefault(id(p), (p, layer, pname, grid.spatial_size, now))
+        if counted != now:
+            raise SpecError(f"parameter {was}.{as_was} is also {layer}.{pname}: {was} applies it "
+                            f"({_how(split, counted)}) and {layer} ({_how(grid.spatial_size, now)}), "
+                            f"so its gradient cannot be added up one way for both; untie them, or run both "
+                            f"layers in one split (spec rules)")

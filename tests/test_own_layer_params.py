@@ -1,0 +1,262 @@
+"""Users' own layers with parameters, and parameters shared between layers, trained exactly or refused.
+
+* A ``resample`` layer registered without a split version (a copy runs on each shard: nearest x2
+  upsampling, a stride-2 pick, each times a learnable gain): where every shard boundary falls on its
+  factor it runs split, its gain's gradient summed over the shards; where one does not (depth 9 split
+  5 | 4) the plan runs it whole, or with ``strict`` refuses it naming the layer, the dim and what fits.
+* A ``reduce`` layer's split version written with the public API (``volume_sum``, ``applied_whole`` for a
+  weight on the pooled values, ``applied_split`` for one on the shard): both weights' gradients exact.
+* A parameter tied between two split layers trains exactly.
+
+Three SGD steps in float64 against one process (``_compare``), on 2 ranks and 2x2x1 and data x spatial.
+What cannot be exact is refused before any step, in one line: a parameter tied between a split layer and
+one run replicated, a reduce layer's parameter of unstated accounting, a window or reduce layer
+registered without a split version.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridpar as hp
+
+from layer_cases import Failures
+from test_user_models import _compare
+
+ALIGNED = (2, 2, 8, 8, 6)  # every boundary of a 2x2x1 split even (4 | 4): a copy of a x2 resampling is exact
+UNEVEN = (2, 2, 9, 7, 6)  # depth 9 split 5 | 4: a boundary at 5, odd
+
+
+def _gain(ch: int) -> nn.Parameter:
+    return nn.Parameter(torch.linspace(0.5, 1.5, ch))
+
+
+class LearnUp(nn.Module):
+    """Nearest x2 upsampling times a learnable gain per channel: no split version of its own."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.gain = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for d in (2, 3, 4):
+            x = x.repeat_interleave(2, dim=d)
+        return x * self.gain.view(1, -1, 1, 1, 1)
+
+
+class LearnDown(nn.Module):
+    """Every other voxel times a learnable gain: right on a shard only where it starts at an even index."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.gain = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :, ::2, ::2, ::2] * self.gain.view(1, -1, 1, 1, 1)
+
+
+def _pointwise_flops(m: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    return {"forward_other": y.numel()}, None
+
+
+hp.nn.register(LearnUp, role="resample", op="pointwise", flops=_pointwise_flops)
+hp.nn.register(LearnDown, role="resample", op="pointwise", flops=_pointwise_flops)
+
+
+class WeightedPool(nn.Module):
+    """The volume's mean of ``x * a`` (``a`` on the voxels), times ``w`` (on the pooled values)."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.a, self.w = _gain(ch), nn.Parameter(torch.linspace(2.0, 1.0, ch))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.a.view(1, -1, 1, 1, 1)).mean(dim=(2, 3, 4)) * self.w
+
+
+class DistWeightedPool(hp.nn.SpatialLayer, WeightedPool):
+    """Its split version, the README's recipe: each parameter's accounting said, the sum over the volume
+    by ``volume_sum``."""
+
+    def __init__(self, ch: int, *, grid, state: bool = True) -> None:
+        WeightedPool.__init__(self, ch)
+        self.init_spatial(grid)
+        if state:
+            self.applied_split(self.a)  # on the shard, before the reduction: a part per shard
+            self.applied_whole(self.w)  # on the pooled, whole values: the whole gradient on every rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d, h, w = self.global_shape(x)
+        total = self.volume_sum((x * self.a.view(1, -1, 1, 1, 1)).sum(dim=(2, 3, 4)))
+        return total / (d * h * w) * self.w
+
+
+class SilentPool(WeightedPool):
+    """The same layer, whose split version says nothing of its parameters (refused)."""
+
+
+hp.nn.register(WeightedPool, role="reduce", op="pool", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap=False: DistWeightedPool(m.w.numel(), grid=grid))
+hp.nn.register(SilentPool, role="reduce", op="pool", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap=False: DistWeightedPool(m.w.numel(), grid=grid, state=False))
+
+
+def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), LearnUp(2), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
+
+
+def DownNet() -> nn.Module:  # noqa: N802
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), nn.Tanh(), LearnDown(2),
+                         nn.Conv3d(2, 1, 3, padding=1))
+
+
+def PoolNet() -> nn.Module:  # noqa: N802
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), nn.Tanh(), WeightedPool(2), nn.Linear(2, 1))
+
+
+def SilentPoolNet() -> nn.Module:  # noqa: N802
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), nn.Tanh(), SilentPool(2), nn.Linear(2, 1))
+
+
+class TiedSplit(nn.Module):
+    """Two convolutions sharing one weight, both run split: their shards' parts add up alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv3d(2, 2, 3, padding=1)
+        self.b = nn.Conv3d(2, 2, 3, padding=1)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class TiedReplicated(nn.Module):
+    """A weight shared by a split conv and one on a pooled level of depth 1, which runs replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv3d(2, 2, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d((1, 3, 3))
+        self.b = nn.Conv3d(2, 2, 3, padding=1)
+        self.b.weight = self.a.weight
+        self.fc = nn.Linear(18, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.b(self.pool(torch.tanh(self.a(x)))), 1))
+
+
+class TiedBiasHead(nn.Module):
+    """A split conv's bias tied to the replicated Linear head's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(2, 2)
+        self.fc.bias = self.conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(torch.tanh(self.conv(x))), 1))
+
+
+def _body(rank: int, world: int, cases: list[tuple[str, str, tuple[int, ...], dict]]) -> None:
+    fails = Failures()
+    g = torch.Generator().manual_seed(5)
+    for desc, model, shape, spec in cases:
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        with torch.no_grad():
+            y = torch.randn(globals()[model]().double()(x).shape, dtype=torch.float64, generator=g)
+        try:
+            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y)
+        except Exception as err:  # name the case, then go on with the others
+            fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+def _cases(spec: dict) -> list[tuple[str, str, tuple[int, ...], dict]]:
+    return [("resample copy, aligned: run split", "UpNet", ALIGNED, spec),
+            ("resample copy, unaligned: run whole", "UpNet", UNEVEN, spec),
+            ("stride-2 pick, aligned: run split", "DownNet", ALIGNED, spec),
+            ("stride-2 pick, unaligned: run whole", "DownNet", UNEVEN, spec),
+            ("reduce layer, weights before and after the reduction", "PoolNet", UNEVEN, spec),
+            ("a weight tied between two split layers", "TiedSplit", UNEVEN, spec)]
+
+
+@pytest.mark.parametrize("world,spec", [
+    (2, {"grid": {"spatial": [2, 1, 1]}}),
+    (4, {"grid": {"spatial": [2, 2, 1]}}),
+    (4, {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+], ids=["2_ranks", "2x2", "data_x_spatial"])
+def test_own_layers_with_parameters_match_one_process(pools, world, spec):
+    pools(world).run(_body, _cases(spec), timeout=300)
+
+
+def _refused_body(rank: int, world: int) -> list[str]:
+    """Each model's build on 2 ranks: what it says (every rank alike), before any step."""
+    said = []
+    for make in (TiedReplicated, TiedBiasHead, SilentPoolNet):
+        try:
+            engine = hp.parallelize(make().double(), {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+            engine.bind(UNEVEN)
+            said.append(f"{make.__name__}: built")
+        except ValueError as err:
+            said.append(str(err))
+    return said
+
+
+def test_what_cannot_be_exact_is_refused_at_build(pools):
+    said = pools(2).run(_refused_body)
+    assert said[0] == said[1], said
+    tied, head, silent = said[0]
+    assert tied.startswith("parameter a.weight is also b.weight: a applies it (split over 2 ranks, a part "
+                           "of its gradient per shard) and b (run replicated, its whole gradient on every "
+                           "rank)"), tied
+    assert head.startswith("parameter conv.bias is also fc.bias: conv applies it (split over 2 ranks"), head
+    assert silent.startswith("2 (SilentPool): its split version DistWeightedPool reduces over the volume but "
+                             "does not say how its parameter a is applied; in its __init__ call "
+                             "self.applied_whole(self.a) if"), silent
+
+
+def test_a_copied_resample_off_its_factor_is_refused_under_strict():
+    """Planned on the volume, no spawn: the layer, the dim, where the boundaries fall and what fits."""
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}, "strict": True})
+    with pytest.raises(SpecError, match=r"1 \(LearnUp\).*exact only where the shards' boundaries fall on its "
+                                        r"factor 2, and extent 9 split 2 ways along d puts them at \[5\] "
+                                        r"\(output \[9\]\); use an extent along d that is a multiple of 2"):
+        spec.plan(UpNet(), UNEVEN, 2)
+    with pytest.raises(SpecError, match=r"2 \(LearnDown\).*factor 2, .* at \[5\] \(output \[3\]\); use an "
+                                        r"extent along d that is a multiple of 4"):
+        spec.plan(DownNet(), UNEVEN, 2)
+    spec.plan(UpNet(), ALIGNED, 2)  # boundaries on the factor: planned split
+
+
+def test_copied_resample_boundaries_are_pure_geometry():
+    from hybridpar.geometry import HaloError, check_copied_resample
+
+    for extent, out, parts in ((8, 16, 2), (8, 4, 2), (9, 9, 2), (12, 6, 3), (9, 27, 3), (9, 5, 1)):
+        check_copied_resample(extent, out, parts, "up", "d")
+    for extent, out, parts in ((9, 18, 2), (9, 5, 2), (10, 5, 2), (8, 12, 2), (9, 4, 3)):
+        with pytest.raises(HaloError):
+            check_copied_resample(extent, out, parts, "r", "d")
+
+
+@pytest.mark.parametrize("role,match", [
+    ("window", r"register\(Blur\): a window layer needs to_dist= .* a copy on each shard would run without "
+               r"its neighbours' halos"),
+    ("transposed", r"register\(Blur\): a transposed layer needs to_dist="),
+    ("reduce", r"register\(Blur\): a reduce layer needs to_dist= .* would reduce its own shard alone"),
+])
+def test_roles_a_copy_never_runs_exactly_need_a_split_version(role, match):
+    class Blur(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match=match):
+        hp.nn.register(Blur, role=role, op="conv", window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
+                       flops=_pointwise_flops)
+    assert hp.nn.lookup(Blur) is None

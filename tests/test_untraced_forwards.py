@@ -366,6 +366,10 @@ class _Refused(nn.Module):
                 h = torch.cat([b, a])
             elif self.what == "a sample picked":
                 h = h - h[:1]
+            elif self.what == "filled in place":
+                acc = torch.zeros(h.shape)
+                acc.add_(h)
+                h = h * acc.mean()
         return h
 
 
@@ -380,6 +384,7 @@ class _Refused(nn.Module):
     ("unbind along depth", r"unbind: unbind along dim 2, a split dim of the volume"),
     ("chunk along the batch", r"chunk \(across the samples of the batch, which data parallelism"),
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
+    ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

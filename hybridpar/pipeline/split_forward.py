@@ -116,8 +116,8 @@ class SplitForward(LayoutWatch):
         (``h.mean((2, 3, 4)) * self.conv.bias``) gives every rank the whole of its gradient, of which
         each keeps its share, since the engine's reduction sums that parameter over the shards."""
         name = calls.name_of(func)
-        in_place = name.endswith("_") and not name.endswith("__") or name in _IN_PLACE
-        if not torch.is_grad_enabled() or in_place or name in calls.SAFE or calls.reads_shape(func):
+        if not torch.is_grad_enabled() or calls.in_place(name) or name in calls.SAFE \
+                or calls.reads_shape(func):
             return func(*args, **kwargs)  # nothing differentiable made (in place, or a read)
         share = lambda t: _ShareGrad.apply(t, grad_split(t)) \
             if isinstance(t, torch.Tensor) and t.requires_grad and grad_split(t) > 1 else t  # noqa: E731
@@ -230,10 +230,6 @@ class SplitForward(LayoutWatch):
 
     def _chain_shape(self, func, args, kwargs) -> Any:
         return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
-
-
-_IN_PLACE = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
-             "__imatmul__", "__iand__", "__ior__", "__ixor__")
 
 
 class _ShareGrad(torch.autograd.Function):

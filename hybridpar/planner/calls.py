@@ -109,6 +109,15 @@ def canonical(kwargs: dict) -> dict:
     return {ALIASES.get(k, k): v for k, v in kwargs.items()}
 
 
+IN_PLACE_DUNDERS = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__")
+
+
+def in_place(name: str) -> bool:
+    """Whether the call named ``name`` writes its first argument (``add_``, ``x[...] = v``, ``x += v``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDERS
+
+
 def module_key(m: nn.Module) -> str:
     """What tells apart the layers calls stand for: the type and every public setting, not only its
     ``repr`` (an ``nn.Upsample``'s omits ``align_corners``, an ``nn.AvgPool3d``'s ``count_include_pad``),

@@ -164,6 +164,11 @@ class LayoutWatch(TorchFunctionMode):
             # nothing split; or a replicated tensor made like a split one (p.to(x), p.type_as(x)): it
             # takes the split one's dtype and device, not its layout
             return self._run_replicated(func, args, kwargs)
+        if calls.in_place(calls.name_of(func)) and args and isinstance(args[0], torch.Tensor) \
+                and args[0] not in self.split:
+            self.unsafe.append(f"{calls.name_of(func)} (writes a split activation into a whole tensor in "
+                               f"place: each rank would fill its own part only) at {calls.caller()}")
+            return func(*args, **kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim())
         if kind.kind == "refuse":
             self.unsafe.append(f"{calls.describe(func, kind)} at {calls.caller()}")

@@ -281,6 +281,23 @@ class CallSettings(nn.Module):
         return h * g + g.mean() - t.mean(axis=(1, 2, 3, 4), keepdims=True)
 
 
+class Ties(nn.Module):
+    """A maximum over the volume held by many voxels, unevenly over the shards (``torch.amax`` shares its
+    gradient evenly between them: here between two parameters, by where the input is positive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.a, self.b = nn.Parameter(torch.ones(())), nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[2] > 1:  # untraceable
+            tied = torch.where(x[:, :1] > 0.3, self.a, self.b)  # a == b at first: every voxel the maximum
+            h = h * tied.amax() + h.amin(dim=(2, 3, 4), keepdim=True)
+        return h
+
+
 class TopLevelWeight(nn.Module):
     """A traceable forward reading a parameter of the model itself between layers."""
 
@@ -320,7 +337,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
         {"grid": {"spatial": [1, 2, 1]}}),
        ("call settings, a layer's weights again, .to(h), NumPy names", "CallSettings",
         {"grid": {"spatial": [2, 1, 1]}}),
-       ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}})]
+       ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}}),
+       ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

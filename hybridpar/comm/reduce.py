@@ -218,19 +218,35 @@ def replicated_into_shards(x: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return ReplicatedIntoShards.apply(x, group)
 
 
-def max_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Each shard's maxima -> the maxima over the shards on every rank (replicated), differentiable.
+class _MaxOverShards(torch.autograd.Function):
+    """The maxima over the shards' maxima, replicated; backward: each shard's share of the gradient is
+    its number of elements equal to the maximum over all of them (see :func:`max_to_replicated`)."""
 
-    The gradient goes to the shards that hold the maximum, shared evenly between them where several
-    do (as ``torch.amax`` shares it between equal elements): the result is the sum over the shards of
-    ``x`` where it is the maximum, divided by how many shards hold it, so that one sum all-reduce
-    carries the value and its adjoint (:class:`SumToReplicated`).
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ties: torch.Tensor, group) -> torch.Tensor:
+        top = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        mine = torch.where(x == top, ties.to(x.dtype), torch.zeros_like(x))
+        total = mine.clone(memory_format=torch.contiguous_format)
+        _all_reduce([total], group)
+        ctx.save_for_backward(mine / total)
+        return top
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (share,) = ctx.saved_tensors
+        return g * share, None, None
+
+
+def max_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None,
+                      ties: torch.Tensor | None = None) -> torch.Tensor:
+    """Each shard's maxima ``x`` -> the maxima over the shards on every rank (replicated), differentiable.
+
+    ``ties``: how many elements of each shard equal its maximum (1 where not given). ``torch.amax``
+    shares the gradient evenly between the elements equal to the maximum; a shard's own ``amax``
+    shares what it receives between its own, so each shard receives its number of them over the
+    number in the whole volume. The value is the maximum itself, exact.
     """
     if group is None or dist.get_world_size(group) == 1:
         return x
-    top = x.detach().clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    holds = x.detach() == top
-    holders = holds.to(x.dtype)
-    _all_reduce([holders], group)
-    return sum_to_replicated(torch.where(holds, x, torch.zeros_like(x)) / holders, group)
+    return _MaxOverShards.apply(x, torch.ones_like(x) if ties is None else ties, group)

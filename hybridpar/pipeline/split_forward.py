@@ -253,7 +253,11 @@ def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
     nd, dims, keep = x.dim(), kind.dims, kind.keepdim
     if kind.reduce in ("amax", "amin"):
         sign = 1 if kind.reduce == "amax" else -1
-        return sign * max_to_replicated((sign * x).amax(dim=dims, keepdim=keep), group)
+        local = (sign * x).amax(dim=dims, keepdim=True)
+        ties = ((sign * x).detach() == local.detach()).sum(dim=dims, keepdim=True)
+        if not keep:
+            local, ties = local.squeeze(dims), ties.squeeze(dims)
+        return sign * max_to_replicated(local, group, ties)
     if kind.reduce == "norm":
         part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
         return sum_to_replicated(part, group).pow(1 / kind.ord)

@@ -298,6 +298,22 @@ class Ties(nn.Module):
         return h
 
 
+class PooledConv(nn.Module):
+    """A functional conv whose kernel is as wide as the pooled volume (W: 6 pooled to 3, split 2 + 1):
+    its weight is no operand spanning the volume, not to be cut to the shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.w, self.b = nn.Parameter(0.2 * torch.randn(2, 3, 3, 3, 3)), nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[4] > 1:  # untraceable
+            h = F.conv3d(F.max_pool3d(h, 2), self.w, self.b, padding=1)
+        return F.interpolate(h, size=x.shape[2:])
+
+
 class TopLevelWeight(nn.Module):
     """A traceable forward reading a parameter of the model itself between layers."""
 
@@ -338,7 +354,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("call settings, a layer's weights again, .to(h), NumPy names", "CallSettings",
         {"grid": {"spatial": [2, 1, 1]}}),
        ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}}),
-       ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}})]
+       ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}}),
+       ("a functional conv as wide as its split input", "PooledConv", {"grid": {"spatial": [1, 1, 2]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

@@ -90,17 +90,20 @@ class SplitForward(LayoutWatch):
             self._extents[key] = tuple(out.shape[-3:])
         return self._extents[key]
 
-    def _fit(self, t: Any, extents: Extents) -> Any:
+    def _fit(self, t: Any, extents: Extents | None) -> Any:
         """A replicated operand as a split computation on a volume of ``extents`` reads it: its dims that
-        span the volume narrowed to this shard's box, its gradient summed over the shards; a split
-        layer's own parameter (``F.conv3d(h, self.conv.weight)``) keeps its partial gradient, which the
-        engine's reduction sums over the shards as it sums the layer's."""
+        span the volume narrowed to this shard's box (``extents`` None: an operand that does not span
+        it, a functional conv's weight), its gradient summed over the shards; a split layer's own
+        parameter (``F.conv3d(h, self.conv.weight)``) keeps its partial gradient, which the engine's
+        reduction sums over the shards as it sums the layer's."""
         if isinstance(t, list | tuple):
             return type(t)(self._fit(a, extents) for a in t)
         if not isinstance(t, torch.Tensor) or t in self.split:
             return t
         if t.requires_grad and grad_split(t) == 1:
             t = replicated_into_shards(t, self.group)
+        if extents is None:
+            return t
         for k, (lo, hi) in enumerate(self.box(extents)):
             d = t.dim() - 3 + k
             if d >= 0 and t.shape[d] == extents[k] and hi - lo != extents[k]:
@@ -193,7 +196,7 @@ class SplitForward(LayoutWatch):
         if func in (F.conv3d, F.conv_transpose3d):
             names = ("input", "weight", "bias")
             given = {**dict(zip(names, args)), **kwargs}
-            state = {k: self._fit(given[k], extents) for k in ("weight", "bias") if given.get(k) is not None}
+            state = {k: self._fit(given[k], None) for k in ("weight", "bias") if given.get(k) is not None}
             out = torch.func.functional_call(d, state, (x,))
         else:
             out = d(x)

@@ -175,9 +175,8 @@ class LayoutWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind.kind == "value":
             raise SpecError(f"{calls.name_of(func)} at {calls.caller()} reads the values of a split "
-                            f"activation into Python; on each rank these are its shard's. Branch on a "
-                            f"whole-volume reduction (x.mean() > 0: every rank sees the volume's), or on "
-                            f"configuration")
+                            f"activation into Python; on each rank these are its shard's. Branch on "
+                            f"configuration or on shapes (they answer the volume's extents)")
         if kind.kind == "step":
             return self._run_step(func, args, kwargs, split[0])
         batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)

@@ -1,7 +1,8 @@
 """Forwards torch.fx cannot trace, as users write them, run split exactly (hybridpar.pipeline.split_forward).
 
 A shape check anywhere in a forward (``if x.shape[2] % 2``) makes it untraceable; the engine then runs
-the model's own forward on shards, at the top level or as a block inside a traced model. There, shape
+the model's own forward on shards, at the top level or as a block inside a traced model (a block of
+several inputs, ``up(h, skip)``: the whole model's forward). There, shape
 reads answer the volume's extents, and ``F.pad``, ``F.interpolate`` to a skip's size, functional pools
 and convs, reductions over the volume (a hand-written instance norm's ``std`` too), ``cat``, ``stack``
 and ``chunk`` along channels, the model's own parameters, layers of the user's own type and a volume
@@ -314,6 +315,33 @@ class PooledConv(nn.Module):
         return F.interpolate(h, size=x.shape[2:])
 
 
+class _Up(nn.Module):
+    """A decoder block of two inputs with a shape check (torch.fx keeps it whole)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2 * c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=2, mode="nearest")
+        if x.shape[2:] != skip.shape[2:]:  # odd extents: to the skip's size
+            x = F.interpolate(x, size=skip.shape[2:], mode="trilinear")
+        return torch.relu(self.conv(torch.cat([x, skip], 1)))
+
+
+class TwoInputBlock(nn.Module):
+    """A traceable U-Net whose decoder block reads the skip as a second input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 4, 3, padding=1)
+        self.up, self.head = _Up(4), nn.Conv3d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.enc(x))
+        return self.head(self.up(torch.relu(self.mid(F.max_pool3d(s, 2))), s))
+
+
 class TopLevelWeight(nn.Module):
     """A traceable forward reading a parameter of the model itself between layers."""
 
@@ -355,7 +383,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
         {"grid": {"spatial": [2, 1, 1]}}),
        ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}}),
        ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}}),
-       ("a functional conv as wide as its split input", "PooledConv", {"grid": {"spatial": [1, 1, 2]}})]
+       ("a functional conv as wide as its split input", "PooledConv", {"grid": {"spatial": [1, 1, 2]}}),
+       ("a block of two inputs with a shape check", "TwoInputBlock", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

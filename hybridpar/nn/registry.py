@@ -232,6 +232,13 @@ def overriding_forward(m: nn.Module | type) -> type | None:
     return definer if any(b in _REGISTRY for b in definer.__mro__[1:]) else None
 
 
+def users_own(m: nn.Module) -> bool:
+    """Whether ``m`` is a module of the user's own type, not registered: its forward is the user's
+    Python, which a forward run by module swapping runs as it is, call by call, rather than as one
+    layer."""
+    return lookup(m) is None and not type(m).__module__.startswith(("torch.", "hybridpar."))
+
+
 def unregistered(m: nn.Module) -> str:
     """Why ``m`` has no entry, as an error message says it."""
     definer = overriding_forward(m)

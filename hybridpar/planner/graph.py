@@ -205,6 +205,13 @@ def trace(model: nn.Module) -> ModelGraph:
         inputs = tuple(produced[a] for a in n.all_input_nodes if a in produced)
         if n.op == "call_module":
             target, module = str(n.target), gm.get_submodule(str(n.target))
+            if registry.users_own(module) and len(n.all_input_nodes) > 1:
+                # a block of the user's kept whole (``up(h, skip)`` with a shape check inside) reads
+                # several activations: the model's own forward runs split, the block's calls followed
+                raise UntraceableError(f"model ({type(model).__name__}): {target} "
+                                       f"({type(module).__name__}) is a block of its own that torch.fx "
+                                       f"keeps whole and that reads {len(n.all_input_nodes)} values; "
+                                       f"{SUPPORTED}")
             calls[target] = calls.get(target, 0) + 1
             if calls[target] > 1 and any(True for _ in module.parameters()):
                 raise SpecError(f"model: module {target} ({type(module).__name__}) is called more than "

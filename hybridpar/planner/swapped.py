@@ -32,12 +32,7 @@ from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape,
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
-
-def users(m: nn.Module) -> bool:
-    """Whether ``m`` is a module of the user's own type, not registered: its forward is the user's
-    Python, which a forward run by module swapping runs as it is, call by call
-    (:mod:`hybridpar.planner.calls`), rather than as one layer."""
-    return registry.lookup(m) is None and not type(m).__module__.startswith(("torch.", "hybridpar."))
+users = registry.users_own  # the user's own module: its calls followed one by one (planner.calls)
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

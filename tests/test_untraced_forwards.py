@@ -342,6 +342,23 @@ class TwoInputBlock(nn.Module):
         return self.head(self.up(torch.relu(self.mid(F.max_pool3d(s, 2))), s))
 
 
+class ChannelCalls(nn.Module):
+    """Calls along channels on a split activation: narrow, a list of channels, GLU, a gate broadcast by
+    ``expand_as``; and logsumexp over the volume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[2] > 1:  # untraceable
+            g = torch.sigmoid(F.adaptive_avg_pool3d(h, 1)).expand_as(h)
+            h = torch.cat([h.narrow(1, 0, 2) * g[:, [3, 1]], F.glu(h, dim=1)], 1)
+            h = h - torch.logsumexp(h, dim=(2, 3, 4), keepdim=True) / 10
+        return h
+
+
 class TopLevelWeight(nn.Module):
     """A traceable forward reading a parameter of the model itself between layers."""
 
@@ -359,7 +376,8 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, model, spec in cases:
-        out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1, "Idioms": 1}.get(model, 2)
+        out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1, "Idioms": 1,
+               "ChannelCalls": 4}.get(model, 2)
         shape = {"FlatRegressor": (SHAPE[0], 4), "VolumeMean": (SHAPE[0], 2, 1, 1, 1)}.get(
             model, (SHAPE[0], out, *SHAPE[2:]))
         y = torch.randn(shape, dtype=torch.float64, generator=g)
@@ -384,7 +402,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a parameter of the model read between layers", "TopLevelWeight", {"grid": {"spatial": [2, 1, 1]}}),
        ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}}),
        ("a functional conv as wide as its split input", "PooledConv", {"grid": {"spatial": [1, 1, 2]}}),
-       ("a block of two inputs with a shape check", "TwoInputBlock", {"grid": {"spatial": [2, 1, 1]}})]
+       ("a block of two inputs with a shape check", "TwoInputBlock", {"grid": {"spatial": [2, 1, 1]}}),
+       ("calls along channels, logsumexp over the volume", "ChannelCalls", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -430,6 +449,8 @@ class _Refused(nn.Module):
                 h = torch.cat([b, a])
             elif self.what == "a sample picked":
                 h = h - h[:1]
+            elif self.what == "softmax over the batch":
+                h = torch.softmax(h, dim=0)
             elif self.what == "filled in place":
                 acc = torch.zeros(h.shape)
                 acc.add_(h)
@@ -449,6 +470,7 @@ class _Refused(nn.Module):
     ("chunk along the batch", r"chunk \(across the samples of the batch, which data parallelism"),
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
     ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
+    ("softmax over the batch", r"softmax \(across the samples of the batch"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

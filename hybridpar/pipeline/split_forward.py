@@ -264,6 +264,12 @@ def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
     if kind.reduce == "norm":
         part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
         return sum_to_replicated(part, group).pow(1 / kind.ord)
+    if kind.reduce == "logsumexp":  # shifted by the volume's maximum, as torch shifts by its own
+        top = max_to_replicated(x.detach().amax(dim=dims, keepdim=True), group)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        total = sum_to_replicated((x - top).exp().sum(dim=dims, keepdim=True), group)
+        out = total.log() + top
+        return out if keep else out.squeeze(dims)
     count = math.prod(extents[d - nd + 3] if d >= nd - 3 else x.shape[d] for d in dims)
     if kind.reduce in ("var", "std"):  # two passes, as torch computes it: the mean, then the squares
         mean = sum_to_replicated(x.sum(dim=dims, keepdim=True), group) / count

@@ -41,7 +41,7 @@ class CallKind:
 
     kind: str
     module: nn.Module | None = None  # ``module``: the layer the call stands for
-    reduce: str = ""  # ``reduce``: sum, mean, amax, amin or norm
+    reduce: str = ""  # ``reduce``: sum, mean, amax, amin, norm, var, std or logsumexp
     dims: tuple[int, ...] = ()  # ``reduce``: the dims reduced; ``keep``: the dims worked along
     keepdim: bool = False
     ord: float = 2.0  # ``reduce`` ``norm``: its order
@@ -60,7 +60,7 @@ SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "i
         # a tensor made from sizes (global ones, read from the volume): replicated, narrowed to the shard
         # where it meets one
         "new_zeros", "new_ones", "new_full", "new_empty")
-LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float",
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float", "expand_as",
         "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
         "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
         "maximum", "minimum", "sqrt", "rsqrt", "log", "sin", "cos", "sign",
@@ -78,7 +78,8 @@ REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin":
               "var": ("dim", 1), "std": ("dim", 1)}
 JOINS = ("cat", "concat", "concatenate", "stack")
 PIECES = ("chunk", "split", "tensor_split", "unbind")
-KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp")
+KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp", "glu",
+        "narrow")
 """Along one dim, given: kept split where it is a leading dim."""
 
 
@@ -195,16 +196,28 @@ def _along(name: str, dim: Any, nd: int) -> CallKind:
                                   f"{nd - 3} are whole on every rank)")
 
 
+def _volume_dims(dim: Any, nd: int) -> bool:
+    """Whether ``dim`` (as a reduction takes it) names every one of D, H, W of an ``nd``-dim tensor."""
+    try:
+        dims = _dims(dim, nd)
+    except TypeError:
+        return False
+    return dims is not None and set(range(nd - 3, nd)) <= set(dims)
+
+
 def index_keeps_space(index: Any, nd: int) -> bool:
-    """Whether ``x[index]`` leaves the last three dims of an ``nd``-dim ``x`` whole (``x[:, :3]``)."""
+    """Whether ``x[index]`` leaves the last three dims of an ``nd``-dim ``x`` whole (``x[:, :3]``, or one
+    list of channels, ``x[:, [0, 2]]``: a single advanced index keeps its dim's place)."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if items.count(Ellipsis) > 1 or any(i is None or isinstance(i, torch.Tensor | list) for i in items):
+    advanced = [i for i in items if isinstance(i, torch.Tensor | list)]
+    if items.count(Ellipsis) > 1 or any(i is None for i in items) or len(advanced) > 1 or any(
+            isinstance(i, torch.Tensor) and (i.dtype == torch.bool or i.dim() != 1) for i in advanced):
         return False
     per_dim: list[Any] = []
     for i in items:
         per_dim += [slice(None)] * (nd - len(items) + 1) if i is Ellipsis else [i]
     per_dim += [slice(None)] * (nd - len(per_dim))
-    return len(per_dim) == nd and all(i == slice(None) for i in per_dim[nd - 3:])
+    return len(per_dim) == nd and all(isinstance(i, slice) and i == slice(None) for i in per_dim[nd - 3:])
 
 
 def indexes_batch(index: Any) -> bool:
@@ -246,10 +259,15 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
                         why="" if ok else "indexing into the volume's dims")
     if name in ("repeat", "expand", "tile"):
         return _leading(name, args, kwargs, nd)
+    if name == "logsumexp" and _volume_dims(_arg(args, kwargs, 1, "dim"), nd):
+        return CallKind("reduce", reduce="logsumexp", dims=_dims(_arg(args, kwargs, 1, "dim"), nd),
+                        keepdim=bool(_arg(args, kwargs, 2, "keepdim", False)))
     if name in KEEP:
-        dim = _arg(args, kwargs, 2 if name == "normalize" else 1, "dim", 1 if name == "normalize" else None)
+        default = {"normalize": 1, "glu": -1}.get(name)
+        dim = _arg(args, kwargs, 2 if name == "normalize" else 1, "dim", default)
         ok = isinstance(dim, int) and dim % nd < nd - 3
-        return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} along a dim of the volume")
+        return CallKind("keep", dims=(dim % nd,)) if ok else \
+            CallKind("refuse", why=f"{name} along a dim of the volume")
     if name in ("unsqueeze", "squeeze", "flatten", "movedim"):
         return _leading(name, args, kwargs, nd)
     role = registry.function_role(func) or registry.function_role(name)

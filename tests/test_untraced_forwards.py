@@ -451,6 +451,8 @@ class _Refused(nn.Module):
                 h = h - h[:1]
             elif self.what == "softmax over the batch":
                 h = torch.softmax(h, dim=0)
+            elif self.what == "a channel reduced and returned":
+                return h.mean(1)
             elif self.what == "filled in place":
                 acc = torch.zeros(h.shape)
                 acc.add_(h)
@@ -471,6 +473,7 @@ class _Refused(nn.Module):
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
     ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
     ("softmax over the batch", r"softmax \(across the samples of the batch"),
+    ("a channel reduced and returned", r"returns a split activation of shape \(2, 8, 8, 8\)"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

@@ -392,6 +392,11 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         with watch:
             outs, spec = tree_flatten(meta_call(model, state, x))
         out_split = (outs, [isinstance(t, torch.Tensor) and t in watch.split for t in outs], spec)
+        bent = [tuple(t.shape) for t, s in zip(outs, out_split[1], strict=True) if s and t.dim() != 5]
+        if bent:
+            raise SpecError(f"model ({type(model).__name__}): its forward returns a split activation of "
+                            f"shape {bent[0]}, not N, C, D, H, W (a channel reduced or picked): return "
+                            f"it with its channel dim kept (h.mean(1, keepdim=True), h[:, :1])")
     except SpecError:
         raise
     except Exception as err:

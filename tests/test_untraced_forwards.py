@@ -419,6 +419,37 @@ def test_untraceable_forwards_match_one_process(pools, world, cases):
     pools(world).run(_body, cases, timeout=400)
 
 
+class ModeBranch(nn.Module):
+    """A traceable forward that differs between training and eval (deep supervision's extra output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return h * 2 if self.training else h
+
+
+def _mode_body(rank: int, world: int) -> None:
+    """A graph traced in one mode is not run in the other where the forward differs between them."""
+    from hybridpar.planner.terms import SpecError
+
+    engine = hp.parallelize(ModeBranch().double(), {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    x = torch.randn(SHAPE, dtype=torch.float64)
+    x_local, y_local = engine.shard_batch(x, x)
+    engine.train_step(x_local, y_local)
+    engine.eval()
+    with pytest.raises(SpecError, match=r"differs between training and eval .* traced it in training"):
+        engine.predict(x_local)
+    engine.train()
+    engine.predict(x_local)
+
+
+def test_a_graph_runs_only_in_the_mode_it_was_traced_in(pools):
+    pools(2).run(_mode_body, timeout=120)
+
+
 class _Refused(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()

@@ -66,6 +66,7 @@ from hybridpar.pipeline.stepping import Stepper
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.terms import SpecError
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 
@@ -104,6 +105,18 @@ class Engine:
     @property
     def built(self) -> bool:
         return self.plan is not None
+
+    def _check_mode(self, what: str) -> None:
+        """Refuse to run a graph traced in one mode in the other where the forward differs between
+        them (``if self.training:``): the graph holds the traced mode's branch only."""
+        bound, model = self._traced_mode
+        if bound is not None and bound != self._training:
+            traced, now = ("training", "eval") if bound else ("eval", "training")
+            raise SpecError(f"Engine.{what}: model ({model})'s forward differs between training and eval "
+                            f"(it reads self.training), and the engine traced it in {traced} mode; for "
+                            f"{now}, parallelize a copy in that mode (hp.parallelize(copy.deepcopy(model)"
+                            f".{now.replace('ing', '')}(), ...)), or put this engine back with "
+                            f"engine.train({bound})")
 
     def _require_built(self, what: str) -> None:
         if not self.built:
@@ -145,6 +158,9 @@ class Engine:
         # refers to itself (torch.fx.wrap, run by torch._dynamo's import on the first meta forward).
         # Without a pipeline this stage is the whole model: nothing to free, and a full collection costs
         # a build most of its time.
+        graph = self._source.graph  # the mode a graph holds the branch of, where the forward has two
+        self._traced_mode = (graph.training if graph is not None and graph.mode_dependent else None,
+                             type(self._source.model).__name__)
         self._source = None
         if self.grid.pipe > 1:
             gc.collect()
@@ -275,6 +291,7 @@ class Engine:
         size), and a first stage's input shard of another size is refused before any collective.
         """
         self._require_built("train_step")
+        self._check_mode("train_step")
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
         if len(self.input_shape) == 5:
@@ -303,6 +320,7 @@ class Engine:
         In training mode the forward updates running statistics, which are then averaged over the
         data-parallel replicas: call it on every replica alike."""
         self._require_built("predict")
+        self._check_mode("predict")
         if len(self.input_shape) == 5:
             size, first_batch = agree_size(x_local, self.grid, self.input_grid, "Engine.predict")
             self._at_size(size, "Engine.predict")

@@ -108,6 +108,8 @@ class ModelGraph:
     faithful_for: set[tuple[int, ...]] = field(default_factory=set)  # input shapes checked (spec/faithful)
     values: set[str] = field(default_factory=set)  # nodes whose value is not a tensor (analysis.node_shapes)
     traced: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # trace_values per shape
+    training: bool = True  # the mode the model was traced in
+    mode_dependent: bool = False  # its forward traces otherwise in the other mode (``if self.training``)
 
     @property
     def chain(self) -> bool:
@@ -232,7 +234,25 @@ def trace(model: nn.Module) -> ModelGraph:
         parts = node.target.split(".")
         for k in range(1, len(parts)):
             containers.setdefault(".".join(parts[:k]), i)
-    return ModelGraph(gm, nodes, output or nodes[-1].name, containers)
+    return ModelGraph(gm, nodes, output or nodes[-1].name, containers, training=model.training,
+                      mode_dependent=_mode_dependent(model, graph))
+
+
+def _mode_dependent(model: nn.Module, graph: fx.Graph) -> bool:
+    """Whether ``model``'s forward traces to another graph with every module's ``training`` flipped (a
+    forward that branches on ``self.training``: noise added in training, deep supervision's extra
+    outputs); the flags are put back as they were, module by module."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        for m, t in flags:
+            m.training = not t
+        other = _Tracer().trace(model)
+    except Exception:  # the other mode does not trace: it cannot be the traced graph's
+        return True
+    finally:
+        for m, t in flags:
+            m.training = t
+    return str(other) != str(graph)
 
 
 def _stand_in(n: fx.Node) -> nn.Module | None:

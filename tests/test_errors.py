@@ -88,3 +88,15 @@ def test_engine_errors():
     with pytest.raises(hp.SpecError, match="per-replica batch of 1"):
         hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 2}}, loss_fn=F.mse_loss,
                        input_shape=(1, 1, 4, 4, 4))
+    # BatchNorm on micro-batches: their statistics are not the batch's, refused unless accepted
+    bn = lambda: nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2), nn.Flatten(),  # noqa: E731
+                               nn.Linear(128, 1))
+    for accept in (False, True):
+        pipeline = {"microbatches": 2, **({"micro_batch_stats": True} if accept else {})}
+        engine = hp.parallelize(bn(), {"grid": {"data": 1}, "pipeline": pipeline}, loss_fn=F.mse_loss)
+        x_local, y_local = engine.shard_batch(x, y)
+        if accept:
+            assert torch.isfinite(engine.train_step(x_local, y_local))
+        else:
+            with pytest.raises(hp.SpecError, match=r"1 is a BatchNorm, which would normalise each of the 2 "):
+                engine.train_step(x_local, y_local)

@@ -98,6 +98,7 @@ class Engine:
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[LayerPlan] | None = None
         self._training = model.training
+        self._batch_norms: list[tuple[str, nn.Module]] | None = None
         if input_shape is not None:
             self._build(tuple(input_shape))
 
@@ -117,6 +118,25 @@ class Engine:
                             f"{now}, parallelize a copy in that mode (hp.parallelize(copy.deepcopy(model)"
                             f".{now.replace('ing', '')}(), ...)), or put this engine back with "
                             f"engine.train({bound})")
+
+    def _check_batch_stats(self) -> None:
+        """Refuse to train BatchNorm on micro-batches unless the spec accepts their statistics: a
+        micro-batch's mean and variance are not its replica batch's, which one process (and the
+        engine without micro-batches) normalises with; no schedule that pipelines can wait for them."""
+        pl = self.spec.pipeline
+        if pl.microbatches == 1 or pl.micro_batch_stats:
+            return
+        if self._batch_norms is None:  # this stage's, found once
+            bn = nn.modules.batchnorm._BatchNorm
+            self._batch_norms = [(".".join(p for p in (n, k) if p), s) for n, m in self.layers
+                                 for k, s in m.named_modules() if isinstance(s, bn)]
+        name = next((n for n, s in self._batch_norms if s.training), None)
+        if name is not None:
+            raise SpecError(f"Engine.train_step: {name or 'the model'} is a BatchNorm, which would "
+                            f"normalise each of the {pl.microbatches} micro-batches by its own "
+                            f"statistics, not its replica batch's; use pipeline.microbatches 1, "
+                            f"GroupNorm or InstanceNorm, or accept micro-batch statistics (GPipe's) "
+                            f"with pipeline: {{micro_batch_stats: true}}")
 
     def _require_built(self, what: str) -> None:
         if not self.built:
@@ -145,6 +165,7 @@ class Engine:
         self.plan, self.layout, self.transport = built.plan, built.layout, built.transport
         self.stage = built.stage
         self.layers, self.stage_graph = built.stage.layers, built.stage.stage_graph
+        self._batch_norms = None
         self._size = tuple(input_shape[1:])  # (C, D, H, W) the stage's shapes are bound to
         self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
         self.input_grid = self.layout.of(self.input_split)
@@ -292,6 +313,7 @@ class Engine:
         """
         self._require_built("train_step")
         self._check_mode("train_step")
+        self._check_batch_stats()
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
         if len(self.input_shape) == 5:

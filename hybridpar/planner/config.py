@@ -29,7 +29,7 @@ REPLICATE = "replicate"
 
 _SPEC_KEYS = ("grid", "pipeline", "layers", "timeout_s", "strict")
 _GRID_KEYS = ("data", "pipe", "spatial")
-_PIPELINE_KEYS = ("schedule", "microbatches", "stages", "recompute")
+_PIPELINE_KEYS = ("schedule", "microbatches", "stages", "recompute", "micro_batch_stats")
 _RULE_KEYS = ("spatial",)
 
 
@@ -147,6 +147,7 @@ class PipelineSpec:
     microbatches: int = 1
     stages: str | tuple[str, ...] = "auto"
     recompute: bool = False
+    micro_batch_stats: bool = False  # BatchNorm may train on each micro-batch's statistics (GPipe's)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -156,6 +157,9 @@ class PipelineSpec:
         _int("pipeline.microbatches", self.microbatches, 1)
         if not isinstance(self.recompute, bool):
             raise SpecError(f"pipeline.recompute: expected true or false, got {self.recompute!r}")
+        if not isinstance(self.micro_batch_stats, bool):
+            raise SpecError(f"pipeline.micro_batch_stats: expected true or false, got "
+                            f"{self.micro_batch_stats!r}")
         stages = self.stages
         if stages != "auto":
             if isinstance(stages, str) or not isinstance(stages, Sequence) or not stages or not all(
@@ -170,8 +174,9 @@ class PipelineSpec:
 
     def to_dict(self) -> dict[str, Any]:
         stages = self.stages if self.stages == "auto" else list(self.stages)
-        return {"schedule": self.schedule, "microbatches": self.microbatches, "stages": stages,
-                "recompute": self.recompute}
+        out = {"schedule": self.schedule, "microbatches": self.microbatches, "stages": stages,
+               "recompute": self.recompute}
+        return {**out, "micro_batch_stats": True} if self.micro_batch_stats else out
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,8 @@ def _body(rank: int, world: int, layout: dict, with_optimizer: bool) -> None:
 
 
 def _layout(data: int, pipe: int = 1, spatial=(1, 1, 1), micro: int = 1, schedule: str = "gpipe") -> dict:
-    return {"grid": {"data": data, "pipe": pipe, "spatial": list(spatial)},
-            "pipeline": {"microbatches": micro, "schedule": schedule}}
+    return {"grid": {"data": data, "pipe": pipe, "spatial": list(spatial)},  # micro-batches' statistics:
+            "pipeline": {"microbatches": micro, "schedule": schedule, "micro_batch_stats": micro > 1}}
 
 
 LAYOUTS = {"data2-spatial2-gpipe": _layout(2, spatial=(2, 1, 1), micro=2),

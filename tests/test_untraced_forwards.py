@@ -13,6 +13,8 @@ extents. What cannot run split is refused before any step, in one line naming th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -514,3 +516,15 @@ def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": [2, 1, 1]}})
     with pytest.raises(SpecError, match=match):
         spec.plan(_Refused(what), (2, 1, 8, 8, 8), 4)
+
+
+def test_explain_lists_every_call_between_the_layers():
+    """``explain`` of a model run by module swapping shows each call on split activations, as it runs."""
+    from hybridpar.planner.explain import explain
+
+    text = explain(hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}), UserUNet(), SHAPE, 2)
+    calls = text.split("calls between the layers (the model runs by module swapping):\n")[1]
+    for want in (r"pad: runs as its split layer \(ReplicationPad3d\) at test_untraced_forwards.py:\d+",
+                 r"mean: mean over D, H, W, the volume's value on every rank \(all-reduce\)",
+                 r"cat: joins along channels or batch, on shards", r"shape: reads the volume's extents"):
+        assert re.search(want, calls), want

@@ -332,6 +332,25 @@ def conv_module(func: Any, args: tuple, kwargs: dict) -> nn.Module:
                               **common)
 
 
+ROLES = {"shape": "reads the volume's extents", "step": "reshapes shard by shard",
+         "module": "runs as its split layer", "keep": "works along channels or batch, on shards",
+         "pointwise": "elementwise, on shards", "join": "joins along channels or batch, on shards",
+         "pieces": "cuts along channels or batch, on shards", "value": "reads values (refused)",
+         "refuse": "refused"}
+"""What each kind of call does to a split activation, as ``explain`` says it."""
+
+
+def role_of(func: Any, kind: CallKind) -> str:
+    """One line of what a call does on split activations: its name, and its kind's role (a reduction's
+    all-reduce, the layer a call stands for)."""
+    name = name_of(func)
+    if kind.kind == "reduce":
+        return f"{name}: {kind.reduce} over D, H, W, the volume's value on every rank (all-reduce)"
+    if kind.kind == "module" and kind.module is not None:
+        return f"{name}: {ROLES['module']} ({type(kind.module).__name__})"
+    return f"{name}: {ROLES[kind.kind]}"
+
+
 def describe(func: Any, kind: CallKind) -> str:
     """The call's name and why it cannot run split, for a refusal."""
     why = f": {kind.why}" if kind.why else ""

@@ -14,10 +14,12 @@ from torch import nn
 
 from hybridpar.axes import Axes
 from hybridpar.planner.config import ParallelSpec
+from hybridpar.planner.graph import UntraceableError, trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.schedule import microbatches_in_flight
 from hybridpar.planner.stages import live_values
+from hybridpar.planner.swapped import calls_met
 from hybridpar.planner.terms import Split
 
 COLUMNS = ("layer", "type", "stage", "split", "local input", "halo d h w", "params", "FLOPs", "act/rank")
@@ -187,4 +189,12 @@ def explain(spec: ParallelSpec, model: nn.Module, input_shape: Sequence[int],
     records = build_plan(spec, model, input_shape, world_size)
     if world_size is not None:
         spec = spec.resolve_grid(world_size)
-    return format_plan(spec, records, tuple(input_shape))
+    table = format_plan(spec, records, tuple(input_shape))
+    try:
+        trace(model)
+    except UntraceableError:  # run by module swapping: its calls between the layers, each as it runs
+        micro = input_shape[0] // (spec.grid.data * spec.pipeline.microbatches)
+        met = calls_met(model, tuple(input_shape), spec.grid.spatial, micro)
+        table += "\n\ncalls between the layers (the model runs by module swapping):\n" + \
+            "\n".join(f"  {line}" for line in met)
+    return table

@@ -106,10 +106,11 @@ class LayoutWatch(TorchFunctionMode):
         self.split = WeakIdKeyDictionary()  # split activation -> its global extents (D, H, W)
         self.chains = WeakIdKeyDictionary()  # a split volume part way through reshapes: their atoms
         self.unsafe: list[str] = []
+        self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
 
     def reset(self) -> None:
-        self.depth, self.unsafe = 0, []
+        self.depth, self.unsafe, self.met = 0, [], {}
         self.split, self.chains = WeakIdKeyDictionary(), WeakIdKeyDictionary()
 
     def mark(self, t: object, extents: Extents) -> None:
@@ -165,6 +166,8 @@ class LayoutWatch(TorchFunctionMode):
                                f"place: each rank would fill its own part only) at {calls.caller()}")
             return func(*args, **kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim())
+        key = (calls.role_of(func, kind), calls.caller())
+        self.met[key] = self.met.get(key, 0) + 1
         if kind.kind == "refuse":
             self.unsafe.append(f"{calls.describe(func, kind)} at {calls.caller()}")
             return func(*args, **kwargs)
@@ -310,6 +313,14 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
                                                       r.split),
                                 transpose_bytes=transpose_bytes(m, r.input_shape, r.split, micro))
             for r, f, m in zip(records, sums, modules, strict=True)]
+
+
+def calls_met(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int) -> list[str]:
+    """What each call outside the layers of a forward run by module swapping does to split activations
+    (:func:`hybridpar.planner.calls.role_of`), with its line and count, in first-call order: the rows
+    ``explain`` prints beside the layers."""
+    watch = _follow(model, input_shape, split, micro)[2]
+    return [f"{what} at {line}" + (f" (x{n})" if n > 1 else "") for (what, line), n in watch.met.items()]
 
 
 def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Split, micro: int) -> bool:

@@ -86,6 +86,36 @@ def _refuse_body(rank: int, world: int) -> str:
     return line
 
 
+class _ToInputSize(torch.nn.Module):
+    """Back to the input's size, read from its shape: the call's size differs at each input size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.Conv3d(1, 1, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(self.down(x), size=x.shape[2:], mode="nearest")
+
+
+def _shape_args_body(rank: int, world: int) -> None:
+    """A traced call whose arguments come from shapes holds the build size's: another size is refused
+    (it ran with the build size's target before, silently wrong), the build size still exact."""
+    import hybridpar as hp
+
+    model = _ToInputSize().double()
+    engine = hp.parallelize(model, _layout(), input_shape=(2, 1, 17, 12, 10)).eval()
+    with pytest.raises(ValueError, match=r"computes a call's arguments from shapes .* build an engine"):
+        engine.shard_batch(_volume((13, 10, 9), 0))
+    x = _volume((17, 12, 10), 1)
+    with torch.no_grad():
+        want = model(x)
+    assert _rel(engine.predict(engine.shard_batch(x)[0]), want) <= TOL
+
+
+def test_a_call_sized_from_shapes_runs_at_its_build_size_only(pools):
+    pools(2).run(_shape_args_body, timeout=300)
+
+
 def test_a_size_the_split_cannot_take_is_one_line(pools):
     lines = pools(2).run(_refuse_body, timeout=600)
     assert lines[0] == lines[1], f"the ranks refused differently:\n{lines[0]}\n{lines[1]}"

@@ -30,7 +30,8 @@ from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
-from hybridpar.planner.graph import trace
+from hybridpar.planner.calls import module_key
+from hybridpar.planner.graph import shape_made_stand_ins, trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
 
@@ -65,6 +66,7 @@ class SizePlans:
                  input_shape: tuple[int, ...]) -> None:
         self.spec, self.world, self.traced = spec, world, traced
         self.built, self.batch, self.build_volume = plan, input_shape[0], tuple(input_shape[2:])
+        self.built_size, self.built_calls = tuple(input_shape[1:]), []
         self.plans: dict[tuple[int, ...], list[LayerPlan]] = {tuple(input_shape[1:]): plan}
         self.refused: dict[tuple[int, ...], str] = {}  # size -> its line (a refusal is derived once too)
         self.why_not = ""
@@ -102,10 +104,17 @@ class SizePlans:
         try:
             if self.traced and self.graph is None:
                 self.graph = trace(self.model)
+                build_plan(self.spec, self.model, self.shape(self.built_size), self.world, self.graph)
+                self.built_calls = _keys(shape_made_stand_ins(self.graph))
             plan = build_plan(self.spec, self.model, self.shape(size), self.world, self.graph)
         except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(first) from None
+        if self.traced and _keys(shape_made_stand_ins(self.graph)) != self.built_calls:
+            # the built layers hold the build size's arguments (an interpolate's size, a guard's pad)
+            raise ValueError("the model's forward computes a call's arguments from shapes (F.interpolate "
+                             "to a size read from a shape, F.pad by one), which differ at this size from "
+                             "the built engine's; build an engine for this size")
         if len(plan) != len(self.built):
             raise ValueError(f"the model makes {len(plan)} nodes at this size where the engine was built "
                              f"on {len(self.built)}; build an engine for this size")
@@ -117,6 +126,10 @@ class SizePlans:
                                  f"{list(built.output_split)}); {_what_fits(row, built.split)}")
         return [dataclasses.replace(row, stage=built.stage)  # the built cuts, wherever auto balance would cut
                 for built, row in zip(self.built, plan, strict=True)]
+
+
+def _keys(stand_ins: list[nn.Module | None]) -> list[str | None]:
+    return [None if m is None else module_key(m) for m in stand_ins]
 
 
 def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[int, ...]) -> tuple[int, ...]:

@@ -281,7 +281,7 @@ def stand_ins_from_values(graph: ModelGraph, values: dict[str, Any]) -> None:
         return values[name] if name in graph.values else a
 
     for i, n in enumerate(graph.nodes):
-        if n.op != "function" or n.module is not None or not n.fx_node.args:
+        if n.op != "function" or not n.fx_node.args:  # a stand-in of another size's values is redone
             continue
         rest, kwargs = tuple(n.fx_node.args[1:]), dict(n.fx_node.kwargs)
         if not _computed((rest, kwargs)):
@@ -290,6 +290,14 @@ def stand_ins_from_values(graph: ModelGraph, values: dict[str, Any]) -> None:
         if not _computed((rest, kwargs)):  # what is still computed comes from tensors' values
             module = _stand_in_of(n, (n.fx_node.args[0], *rest), kwargs)
             graph.nodes[i] = dataclasses.replace(n, module=module)
+
+
+def shape_made_stand_ins(graph: ModelGraph) -> list[nn.Module | None]:
+    """The stand-ins of the calls whose arguments the forward computes from shapes (``F.interpolate(x,
+    size=skip.shape[2:])``, an odd-size guard's ``F.pad``), in graph order, as the last analysis of
+    ``graph`` set them (:func:`stand_ins_from_values`): they differ from one input size to another."""
+    return [n.module for n in graph.nodes if n.op == "function" and n.fx_node.args
+            and _computed((tuple(n.fx_node.args[1:]), dict(n.fx_node.kwargs)))]
 
 
 def _computed(args: Any) -> bool:

@@ -35,6 +35,19 @@ class _Block(nn.Module):
         return self.conv(x)
 
 
+class WholeNorm(nn.Module):
+    """A traceable forward normalising split features by reductions over every dim (no ``dim=``): whole
+    values (gathered) that a split computation reads, their gradients the shards' parts summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        return self.c2(h / h.abs().mean() + h.norm() / 100 - h.amax() / 10)
+
+
 class IsInstanceNet(nn.Module):
     """The 12-line model whose traced graph silently drops ``x + e``."""
 
@@ -242,6 +255,7 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
 
 
 CASES = [
+    (2, "reductions over every dim", "WholeNorm", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "isinstance check, spatial", "IsInstanceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "isinstance check, data x spatial", "IsInstanceNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "shape reads, 2x2", "ShapeNet", {"grid": {"spatial": [2, 2, 1]}}),

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from hybridpar.axes import REPLICATED
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.grid import ProcessGrid
@@ -198,8 +199,13 @@ class StageGraph(nn.Module):
 
     def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...]) -> Any:
         """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
-        if not isinstance(value, torch.Tensor) or value.dim() != 5 or src == dst:
+        if not isinstance(value, torch.Tensor) or src == dst:
             return value
+        if value.dim() != 5:  # a whole value (a mean over every dim) read by a split computation: as
+            if src != REPLICATED or dst == REPLICATED:  # below, its gradient is the shards' parts summed
+                return value
+            layout = self.layout(dst)
+            return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
         if broadcasts(src, shape):  # read as it is; its gradient is the sum of the shards' parts
             layout = self.layout(dst)
             return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)

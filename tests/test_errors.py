@@ -88,6 +88,19 @@ def test_engine_errors():
     with pytest.raises(hp.SpecError, match="per-replica batch of 1"):
         hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 2}}, loss_fn=F.mse_loss,
                        input_shape=(1, 1, 4, 4, 4))
+    # a traced call across the samples of a batch that micro-batches split: each part would answer alone
+    class WholeMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv3d(1, 1, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            return h / h.abs().mean()
+
+    with pytest.raises(hp.SpecError, match=r"mean \(mean\): works across the samples of the batch"):
+        hp.parallelize(WholeMean(), {"grid": {"data": 1}, "pipeline": {"microbatches": 2}},
+                       loss_fn=F.mse_loss, input_shape=(4, 1, 4, 4, 4))
     # BatchNorm on micro-batches: their statistics are not the batch's, refused unless accepted
     bn = lambda: nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2), nn.Flatten(),  # noqa: E731
                                nn.Linear(128, 1))

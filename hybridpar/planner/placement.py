@@ -117,12 +117,26 @@ class Walk:
     def place(self, i: int, node: Node) -> None:
         """Decide node ``i``'s layout and record it."""
         in_shape, out_shape = self.a.shapes[i]
+        self._refuse_across_samples(node, in_shape)
         role, entry = _role(node, in_shape, self.a.graph.values)
         mapped = self._chain(node)
         split = mapped if mapped is not None else self._asked(node, role, in_shape)
         split = self._fitted(i, node, role, entry, split, mapped is not None)
         self._note_replicated_input(node, split, out_shape)
         self._record(i, node, role, entry, split, mapped is not None)
+
+    def _refuse_across_samples(self, node: Node, in_shape: tuple[int, ...]) -> None:
+        """Refuse a call across the samples of a batch that data parallelism or micro-batches split
+        (each part would give its own answer, unlike one process), as a forward run by module swapping
+        refuses it (:func:`hybridpar.planner.calls.mixes_samples`)."""
+        batch = self.a.input_shape[0]
+        if node.op == "module" or self.micro >= batch or len(in_shape) < 2 or in_shape[0] != batch:
+            return
+        args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
+        if calls.mixes_samples(node.target, args, kwargs, len(in_shape)):
+            raise SpecError(f"{node.name} ({calls.name_of(node.target)}): works across the samples of the "
+                            f"batch, which data parallelism or micro-batches hold apart (each part would "
+                            f"give its own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
 
     def _value_shape(self, name: str) -> tuple[int, ...]:
         """The global shape of the value node ``name`` (or the model input) gives."""

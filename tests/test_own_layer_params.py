@@ -104,6 +104,35 @@ hp.nn.register(SilentPool, role="reduce", op="pool", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap=False: DistWeightedPool(m.w.numel(), grid=grid, state=False))
 
 
+class GeM(nn.Module):
+    """A generalised mean: its ``p`` on the shard (``x ** p``) and on the pooled value (``** (1 / p)``)."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.full((ch,), 2.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().add(1e-2).pow(self.p.view(1, -1, 1, 1, 1)).mean(dim=(2, 3, 4)).pow(1.0 / self.p)
+
+
+class DistGeM(hp.nn.SpatialLayer, GeM):
+    """Its split version, ``p`` said to be applied to the shard: true of one of its two uses only."""
+
+    def __init__(self, ch: int, *, grid) -> None:
+        GeM.__init__(self, ch)
+        self.init_spatial(grid)
+        self.applied_split(self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d, h, w = self.global_shape(x)
+        total = self.volume_sum(x.abs().add(1e-2).pow(self.p.view(1, -1, 1, 1, 1)).sum(dim=(2, 3, 4)))
+        return (total / (d * h * w)).pow(1.0 / self.p)
+
+
+hp.nn.register(GeM, role="reduce", op="pool", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap=False: DistGeM(m.p.numel(), grid=grid))
+
+
 def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), LearnUp(2), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
 
@@ -206,6 +235,22 @@ def _refused_body(rank: int, world: int) -> list[str]:
         except ValueError as err:
             said.append(str(err))
     return said
+
+
+def _both_sides_body(rank: int, world: int) -> str:
+    """A reduce layer's parameter applied both to the shard and to whole values: its first forward says
+    so, before any gradient is reduced."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), GeM(2), nn.Linear(2, 1)).double()
+    engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    x = torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"1 \(GeM\): its parameter p is applied both to the shard") as err:
+        engine.train_step(*engine.shard_batch(x, torch.randn(2, 1, dtype=torch.float64)))
+    return str(err.value)
+
+
+def test_a_parameter_applied_on_both_sides_of_the_reduction_is_refused(pools):
+    said = pools(2).run(_both_sides_body)
+    assert said[0] == said[1], said
 
 
 def test_what_cannot_be_exact_is_refused_at_build(pools):

@@ -207,7 +207,11 @@ class SpatialLayer(nn.Module):
         (``x.sum((2, 3, 4))``): the same on every rank, differentiable (its gradient reaches every
         shard). A ``reduce`` layer's split version reduces with it (a mean: divide by the voxels of
         :meth:`global_shape`)."""
-        return sum_to_replicated(partial, self.grid.spatial_group)
+        total = sum_to_replicated(partial, self.grid.spatial_group)
+        uses = getattr(self, "_param_uses", None)  # the first forward's check (hybridpar.nn.param_uses)
+        if uses is not None:
+            uses.whole(total)
+        return total
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, split={self.grid.spatial_shape}"

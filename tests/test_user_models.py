@@ -48,6 +48,18 @@ class WholeNorm(nn.Module):
         return self.c2(h / h.abs().mean() + h.norm() / 100 - h.amax() / 10)
 
 
+class OneSlice(nn.Module):
+    """Traced slices of a split dim, gathered, broadcast back against the shards (extent 1 along it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        return self.c2(h + h[:, :, -1:] - h[:, :, 2:3] * h[:, :, :, -2:-1] + h[:, :, [0, 2, 1]].mean(2, True))
+
+
 class IsInstanceNet(nn.Module):
     """The 12-line model whose traced graph silently drops ``x + e``."""
 
@@ -256,6 +268,8 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
 
 CASES = [
     (2, "reductions over every dim", "WholeNorm", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "slices of a split dim", "OneSlice", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "slices of split dims, 2x2", "OneSlice", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "isinstance check, spatial", "IsInstanceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "isinstance check, data x spatial", "IsInstanceNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "shape reads, 2x2", "ShapeNet", {"grid": {"spatial": [2, 2, 1]}}),

@@ -206,9 +206,14 @@ class StageGraph(nn.Module):
                 return value
             layout = self.layout(dst)
             return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
-        if broadcasts(src, shape):  # read as it is; its gradient is the sum of the shards' parts
+        if broadcasts(src, shape, dst):  # its gradient the sum of the shards' parts; cut where it spans
             layout = self.layout(dst)
-            return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
+            value = replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
+            box = local_box(tuple(shape[2:]), layout)
+            for k, ((lo, hi), extent, parts) in enumerate(zip(box, shape[2:], dst, strict=True)):
+                if parts > 1 and extent != 1 and hi - lo != extent:
+                    value = value.narrow(2 + k, lo, hi - lo)
+            return value
         key = (src, dst, shape)
         if key not in self._redistributes:
             self._redistributes[key] = Redistribute(self.layout(src), self.layout(dst), shape[2:])

@@ -270,7 +270,8 @@ class Walk:
             return False
         srcs = [(self.input_layout if n == INPUT else self.out_split[n], self._value_shape(n))
                 for n in self.a.graph.nodes[i].inputs]
-        return any(s != self.splits[i] and not broadcasts(s, shape) for s, shape in srcs if len(shape) == 5)
+        return any(s != self.splits[i] and not broadcasts(s, shape, self.splits[i])
+                   for s, shape in srcs if len(shape) == 5)
 
 
 def _space_map_split(space_map: SpaceMap, producer: Split, rule_of: dict[str, RuleView]) -> Split | None:
@@ -282,7 +283,10 @@ def _space_map_split(space_map: SpaceMap, producer: Split, rule_of: dict[str, Ru
     return producer if space_map.fits(producer) else None
 
 
-def broadcasts(split: Split, shape: Sequence[int]) -> bool:
-    """Whether a value of global ``shape`` in layout ``split`` is read by split computations as it is:
-    a replicated one-voxel operand (a pooled gate) broadcasts against any shard, no redistribute."""
-    return split == REPLICATED and len(shape) == 5 and all(e == 1 for e in shape[2:])
+def broadcasts(split: Split, shape: Sequence[int], reader: Split) -> bool:
+    """Whether a value of global ``shape`` in layout ``split`` is read by a computation split ``reader``
+    without a redistribute: a replicated operand of extent 1 along a dim the reader splits (a pooled
+    gate, one slice ``h[:, :, -1:]``) broadcasts along it against any shard, and is cut to the shard's
+    box along the dims it spans (a redistribute would cut its one voxel into empty shards)."""
+    return split == REPLICATED and len(shape) == 5 and any(
+        e == 1 for e, parts in zip(shape[2:], reader, strict=True) if parts > 1)

@@ -282,7 +282,8 @@ def test_a_copied_resample_off_its_factor_is_refused_under_strict():
 
 
 def test_copied_resample_boundaries_are_pure_geometry():
-    from hybridpar.geometry import HaloError, check_copied_resample
+    from hybridpar.copied_resample import check_copied_resample
+    from hybridpar.geometry import HaloError
 
     for extent, out, parts in ((8, 16, 2), (8, 4, 2), (9, 9, 2), (12, 6, 3), (9, 27, 3), (9, 5, 1)):
         check_copied_resample(extent, out, parts, "up", "d")

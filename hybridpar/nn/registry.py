@@ -16,7 +16,7 @@ Roles (how a layer meets a spatially split input):
   over the split): keeps the split of its input, no halo.
 * ``"resample"``: its output is split like its input but needs its own halo plan (upsampling); without
   a Dist class a copy runs on each shard, planned only where the shards' boundaries fall on its whole
-  factor (nearest resampling: :func:`~hybridpar.geometry.check_copied_resample`).
+  factor (nearest resampling: :func:`~hybridpar.copied_resample.check_copied_resample`).
 * ``"reduce"``: reduces the whole volume (global and adaptive pooling): split input, replicated output.
 * ``"dense"``: needs the whole tensor (Linear, Flatten): runs replicated, after a planned gather.
 
@@ -48,6 +48,7 @@ from torch import nn
 
 from hybridpar import geometry
 from hybridpar.axes import SPATIAL_AXES
+from hybridpar.copied_resample import check_copied_resample
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
 from hybridpar.nn import window as windows
@@ -393,7 +394,7 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
         else:
             check_extent(name, extent, parts, i)
             if copied_resample:
-                geometry.check_copied_resample(extent, out_shape[2 + i], parts, name, SPATIAL_AXES[i])
+                check_copied_resample(extent, out_shape[2 + i], parts, name, SPATIAL_AXES[i])
             halo.append((0, 0))
             continue
         halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))

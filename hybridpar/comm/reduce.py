@@ -249,4 +249,8 @@ def max_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None,
     """
     if group is None or dist.get_world_size(group) == 1:
         return x
+    if not x.requires_grad:  # the value alone (a shift): no gradient to share, no ties to count
+        top = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        return top
     return _MaxOverShards.apply(x, torch.ones_like(x) if ties is None else ties, group)

@@ -201,18 +201,19 @@ class StageGraph(nn.Module):
         """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
         if not isinstance(value, torch.Tensor) or src == dst:
             return value
-        if value.dim() != 5:  # a whole value (a mean over every dim) read by a split computation: as
-            if src != REPLICATED or dst == REPLICATED:  # below, its gradient is the shards' parts summed
-                return value
-            layout = self.layout(dst)
-            return replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
-        if broadcasts(src, shape, dst):  # its gradient the sum of the shards' parts; cut where it spans
+        if src == REPLICATED and (value.dim() != 5 or broadcasts(src, shape, dst)):
+            # a whole value read by a split computation (a mean over every dim, a pooled gate, one slice):
+            # its gradient the shards' parts summed; a volume cut to the shard's box where it spans it
             layout = self.layout(dst)
             value = replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
+            if value.dim() != 5:
+                return value
             box = local_box(tuple(shape[2:]), layout)
             for k, ((lo, hi), extent, parts) in enumerate(zip(box, shape[2:], dst, strict=True)):
                 if parts > 1 and extent != 1 and hi - lo != extent:
                     value = value.narrow(2 + k, lo, hi - lo)
+            return value
+        if value.dim() != 5:
             return value
         key = (src, dst, shape)
         if key not in self._redistributes:

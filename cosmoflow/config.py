@@ -80,6 +80,8 @@ class ModelConfig:
                                          # linear probe set to its ridge solution on the training set; the
                                          # head's output starts at zero (the network starts at the reference)
     ridge_probe: str = "trained"         # trained | fixed: the probe fine-tuned, or kept at the ridge fit
+    ridge_cross: bool = False            # the reference read with the correlation between snapshots per
+                                         # shell (the stronger reference); needs ridge_start
     init_from: str | None = None         # start from these weights: a safetensors file or a weights-only
                                          # torch state dict (hybridpar.checkpoint export writes both);
                                          # a resumed checkpoint still wins
@@ -323,6 +325,9 @@ def _validate_regress(cfg: Config) -> None:
     if cfg.model.ridge_probe not in ("trained", "fixed"):
         raise ConfigError(f"model.ridge_probe: {cfg.model.ridge_probe!r} is not one of trained, fixed "
                           "(fixed: the ridge-started probe kept at the ridge solution)")
+    if cfg.model.ridge_cross and not cfg.model.ridge_start:
+        raise ConfigError("model.ridge_cross reads the reference with cross spectra into a ridge-started "
+                          "head: set model.ridge_start: true as well")
     if cfg.model.ridge_start and cfg.model.power_spectrum:
         raise ConfigError("model.ridge_start and model.power_spectrum both feed spectrum features to the "
                           "head (the reference's, or the growth branch's); set one of them to false")

@@ -147,7 +147,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
                 init: Init = "glorot", bn_momentum: float = 0.01, global_pool: bool = False,
                 head_norm: bool = False, padding_mode: str = "zeros",
                 power_spectrum: bool = False, spectrum_stats: SpectrumStats = "batch",
-                ridge_start: bool = False, ridge_probe: RidgeProbe = "trained") -> nn.Module:
+                ridge_start: bool = False, ridge_probe: RidgeProbe = "trained",
+                ridge_cross: bool = False) -> nn.Module:
     """The MLPerf HPC CosmoFlow reference (defaults: 128³, 8,907,556 parameters) or a resized variant.
 
     ``global_pool`` replaces the flatten by a global average (the head then sees one summary per
@@ -164,7 +165,8 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     training set's (``"running"``, :class:`RunningStandardize`). ``ridge_start`` gives the head the
     reference's features instead, with a linear probe beside it and the residual at zero
     (:class:`RidgeStarted`; :func:`start_at_ridge` loads the probe), which ``ridge_probe="fixed"``
-    keeps at the ridge solution (:class:`FixedLinear`) rather than fine-tuning it.
+    keeps at the ridge solution (:class:`FixedLinear`) rather than fine-tuning it, and ``ridge_cross``
+    makes the reference the one that also reads the correlation between channels per shell.
     """
     if n_conv < 1:
         raise ValueError(f"n_conv must be at least 1, got {n_conv}")
@@ -184,7 +186,7 @@ def build_model(input_size: int = 128, in_channels: int = 4, n_conv: int = 5, ba
     if power_spectrum:
         model = with_power_spectrum(model, input_size, in_channels, spectrum_stats)
     if ridge_start:
-        model = with_ridge_start(model, input_size, in_channels, ridge_probe)
+        model = with_ridge_start(model, input_size, in_channels, ridge_probe, ridge_cross)
     _init(model, init, leaky_slope)
     if ridge_start:
         model.zero_residual()
@@ -229,7 +231,7 @@ def build_network(cfg: Config) -> nn.Module:
                        dropout=m.dropout, batchnorm=m.batchnorm, global_pool=m.global_pool,
                        head_norm=m.head_norm, padding_mode=m.padding_mode, power_spectrum=m.power_spectrum,
                        spectrum_stats=m.spectrum_stats, ridge_start=m.ridge_start,
-                       ridge_probe=m.ridge_probe)
+                       ridge_probe=m.ridge_probe, ridge_cross=m.ridge_cross)
 
 
 def build_model_from_export(path: str | os.PathLike) -> nn.Module:

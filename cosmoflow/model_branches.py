@@ -180,7 +180,7 @@ class RidgeStarted(nn.Module):
     """
 
     def __init__(self, trunk: nn.Sequential, head: nn.Sequential, in_channels: int, input_size: int,
-                 n_outputs: int, probe: RidgeProbe = "trained") -> None:
+                 n_outputs: int, probe: RidgeProbe = "trained", cross: bool = False) -> None:
         from cosmoflow.summaries import ReferenceFeatures  # noqa: PLC0415 (imports the engine's layers)
 
         super().__init__()
@@ -188,7 +188,7 @@ class RidgeStarted(nn.Module):
             raise ValueError(f"ridge_probe must be 'trained' (fine-tuned) or 'fixed' (kept at the ridge "
                              f"solution), got {probe!r}")
         self.trunk, self.head = trunk, head
-        self.features = ReferenceFeatures(input_size, in_channels)
+        self.features = ReferenceFeatures(input_size, in_channels, cross)
         self.standardize = Standardize(self.features.n_features)
         n = self.features.n_features
         self.probe = nn.Linear(n, n_outputs) if probe == "trained" else FixedLinear(n, n_outputs)
@@ -210,17 +210,18 @@ class RidgeStarted(nn.Module):
 
 
 def with_ridge_start(model: nn.Sequential, input_size: int, in_channels: int,
-                      probe: RidgeProbe = "trained") -> RidgeStarted:
-    """``model`` cut at its first dense layer, which also takes the reference's features."""
-    from cosmoflow.summaries import features_per_channel  # noqa: PLC0415
+                      probe: RidgeProbe = "trained", cross: bool = False) -> RidgeStarted:
+    """``model`` cut at its first dense layer, which also takes the reference's features (``cross``:
+    with the correlation between channels per shell)."""
+    from cosmoflow.summaries import n_features  # noqa: PLC0415
 
     layers = list(model)
     cut = next(i for i, m in enumerate(layers) if isinstance(m, nn.Linear))
     first = layers[cut]
-    layers[cut] = nn.Linear(first.in_features + in_channels * features_per_channel(), first.out_features)
+    layers[cut] = nn.Linear(first.in_features + n_features(in_channels, cross), first.out_features)
     n_outputs = [m for m in layers if isinstance(m, nn.Linear)][-1].out_features
     return RidgeStarted(nn.Sequential(*layers[:cut]), nn.Sequential(*layers[cut:]), in_channels, input_size,
-                        n_outputs, probe)
+                        n_outputs, probe, cross)
 
 
 def start_at_ridge(model: RidgeStarted, fit: object) -> None:

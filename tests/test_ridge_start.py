@@ -42,33 +42,36 @@ def _inputs(size: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.log1p(rng.poisson(rate * (1 + 0.2 * y[:, 1:2, None, None, None]))), y
 
 
-def _fit(size: int) -> tuple[reference.RidgeFit, np.ndarray, np.ndarray]:
+def _fit(size: int, cross: bool = False) -> tuple[reference.RidgeFit, np.ndarray, np.ndarray]:
     x_train, y_train = _inputs(size, TRAIN, 0)
     x_val, _ = _inputs(size, VAL, 1)
-    f_train = np.stack([reference.features(x) for x in x_train])
-    f_val = np.stack([reference.features(x) for x in x_val])
+    f_train = np.stack([reference.features(x, cross) for x in x_train])
+    f_val = np.stack([reference.features(x, cross) for x in x_val])
     ridge = reference.fit(f_train, y_train, np.array([f"u{i}" for i in range(TRAIN)]))
     return ridge, x_val, ridge.predict(f_val)
 
 
-def _model(size: int, n_conv: int, ridge: reference.RidgeFit, seed: int = 0, probe: str = "trained"
-           ) -> RidgeStarted:
+def _model(size: int, n_conv: int, ridge: reference.RidgeFit, seed: int = 0, probe: str = "trained",
+           cross: bool = False) -> RidgeStarted:
     torch.manual_seed(seed)
     model = build_model(size, 4, n_conv, 4, 8, dense=[8], dropout=0.0, global_pool=True, head_norm=True,
-                        ridge_start=True, ridge_probe=probe).double()
+                        ridge_start=True, ridge_probe=probe, ridge_cross=cross).double()
     start_at_ridge(model, ridge)
     return model
 
 
-CASTS = [(torch.float64, 1e-10, "trained"), (torch.float32, 1e-4, "trained"), (torch.float64, 1e-10, "fixed")]
+CASTS = [(torch.float64, 1e-10, "trained", False), (torch.float32, 1e-4, "trained", False),
+         (torch.float64, 1e-10, "fixed", False), (torch.float64, 1e-10, "fixed", True)]
 
 
-@pytest.mark.parametrize("dtype,tol,probe", CASTS)
-def test_network_starts_at_the_reference(dtype: torch.dtype, tol: float, probe: str) -> None:
-    ridge, x_val, want = _fit(16)
+@pytest.mark.parametrize("dtype,tol,probe,cross", CASTS)
+def test_network_starts_at_the_reference(dtype: torch.dtype, tol: float, probe: str, cross: bool) -> None:
+    """Plain and with the correlation between channels (``model.ridge_cross``): the probe reads the
+    reference's own features, so the untrained network predicts what that reference predicts."""
+    ridge, x_val, want = _fit(16, cross)
     assert np.abs(want).max() > 0.1                                   # a prediction, not zeros
     for seed in (0, 1):                                               # whatever the trunk's weights
-        model = _model(16, 2, ridge, seed, probe).to(dtype).eval()
+        model = _model(16, 2, ridge, seed, probe, cross).to(dtype).eval()
         got = model(torch.from_numpy(x_val).to(dtype)).detach().double().numpy()
         assert np.abs(got - want).max() < tol, (seed, np.abs(got - want).max())
 
@@ -110,13 +113,21 @@ def test_a_fit_of_another_size_is_refused() -> None:
         start_at_ridge(model, bad)
 
 
-def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int], probe: str) -> None:
+def test_cross_without_ridge_start_is_refused() -> None:
+    from cosmoflow.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.ridge_cross .* set model.ridge_start: true"):
+        load_config(None, ["model.ridge_cross=true"])
+
+
+def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int], probe: str,
+                cross: bool) -> None:
     import hybridpar as hp
 
-    ridge, x_val, want = _fit(size)
+    ridge, x_val, want = _fit(size, cross)
     x, y = _inputs(size, 4, 3)
     batches = [(torch.from_numpy(x), torch.from_numpy(y))] * 2
-    single = _model(size, n_conv, ridge, probe=probe)
+    single = _model(size, n_conv, ridge, probe=probe, cross=cross)
     opt = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for xb, yb in batches:
@@ -125,9 +136,9 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    case = f"size {size}, spatial {spatial}, rank {rank}"
+    case = f"size {size}, spatial {spatial}, cross {cross}, rank {rank}"
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": spatial}})
-    engine = hp.parallelize(_model(size, n_conv, ridge, probe=probe), spec, loss_fn=F.mse_loss)
+    engine = hp.parallelize(_model(size, n_conv, ridge, probe=probe, cross=cross), spec, loss_fn=F.mse_loss)
     engine.eval()
     start = engine.predict(engine.shard_batch(torch.from_numpy(x_val), torch.zeros(VAL, 4))[0])
     assert np.abs(start.detach().numpy() - want).max() < 1e-10, f"{case}: split start is not the reference"
@@ -144,13 +155,13 @@ def _split_body(rank: int, world: int, size: int, n_conv: int, spatial: list[int
         assert err <= 1e-9, f"{case}: {k} relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("world,size,n_conv,spatial,probe", [(2, 12, 2, [2, 1, 1], "trained"),
-                                                             (2, 12, 2, [1, 1, 2], "fixed"),
-                                                             (3, 8, 1, [3, 1, 1], "trained")],
-                         ids=["2-depth", "2-width-fixed", "3-uneven"])
+@pytest.mark.parametrize("world,size,n_conv,spatial,probe,cross", [(2, 12, 2, [2, 1, 1], "trained", False),
+                                                                   (2, 12, 2, [1, 1, 2], "fixed", True),
+                                                                   (3, 8, 1, [3, 1, 1], "trained", False)],
+                         ids=["2-depth", "2-width-fixed-cross", "3-uneven"])
 def test_split_network_matches_single_process(pools, world: int, size: int, n_conv: int,
-                                              spatial: list[int], probe: str) -> None:
-    pools(world).run(_split_body, size, n_conv, spatial, probe, timeout=300)
+                                              spatial: list[int], probe: str, cross: bool) -> None:
+    pools(world).run(_split_body, size, n_conv, spatial, probe, cross, timeout=300)
 
 
 def _cross_body(rank: int, world: int, spatial: list[int]) -> None:

@@ -134,6 +134,11 @@ def test_variants_extend_the_study_and_replace_its_sizes(tmp_path: Path) -> None
     assert rc.model.ridge_start and not rc.model.power_spectrum and rc.train.val_every == 2
     assert rc.train.epochs == 16 and rc.optimizer.warmup_epochs == 0 and rc.optimizer.decay_epochs == [12]
     assert rc.model.ridge_probe == "fixed" and rc.optimizer.base_lr == 0.024
+    assert not rc.model.ridge_cross
+    cross = load_study(configs / "volume_study_cross.yaml", out=str(tmp_path / "cross"))
+    assert [r.size for r in cross.runs] == [64] and cross.seeds == [0, 1, 2]      # whole universes only
+    xc = cross.trainer_config(cross.runs[0], 0)
+    assert xc.model.ridge_cross and xc.model.ridge_probe == "fixed" and xc.train.epochs == 16
     short = load_study(configs / "volume_study_ridge_short.yaml", out=str(tmp_path / "short"))
     sc = short.trainer_config(short.runs[0], 0)                        # as the short checks ran
     assert sc.model.ridge_probe == "trained" and sc.optimizer.base_lr == 0.08 and sc.train.epochs == 4
@@ -258,7 +263,8 @@ def test_goals_and_convergence_lines_say_met_or_not_with_their_figures() -> None
     assert beyond_power(doc, ref, cross) == (
         "\n- no network, with the correlation between channels at 64³: Omega_m 0.1200 (0.75 x the reference; "
         "network 0.1400), sigma_8 0.1800 (1.00 x the reference; network 0.2000), H_0 0.1700 (0.94 x the "
-        "reference; network 0.2500)")
+        "reference; network 0.2500)\n- network <= 0.95 x the reference with the correlation between "
+        "channels at 64³: Omega_m 1.17: not met")
     assert beyond_power(doc, ref, None) == ""
     one = goals({"sizes": {"64": doc["sizes"]["64"]}}, ref)
     assert "one input size (64³), no comparison between sizes" in one and "64³ / 64³" not in one

@@ -178,10 +178,12 @@ def fit_predict(x_train: np.ndarray, y_train: np.ndarray, u_train: np.ndarray,
     return ridge.predict(x_val), ridge.strength
 
 
-def ridge_start(train_dir: Path | str, size: int, channels: int, workers: int = 1) -> RidgeFit:
-    """The reference fitted on every ``size``³ input of ``train_dir``: where a ridge-started network's
-    linear probe begins (:func:`cosmoflow.model.start_at_ridge`)."""
-    x_train, y_train, u_train = _table(Path(train_dir), size, channels, workers)
+def ridge_start(train_dir: Path | str, size: int, channels: int, workers: int = 1,
+                cross: bool = False) -> RidgeFit:
+    """The reference (``cross``: the one with the correlation between channels) fitted on every
+    ``size``³ input of ``train_dir``: where a ridge-started network's linear probe begins
+    (:func:`cosmoflow.model.start_at_ridge`)."""
+    x_train, y_train, u_train = _table(Path(train_dir), size, channels, workers, cross)
     return fit(x_train, y_train, u_train)
 
 

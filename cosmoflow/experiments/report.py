@@ -226,7 +226,17 @@ def beyond_power(doc: dict[str, Any], ref: dict[str, Any] | None, cross: dict[st
         return ""
     r, c, n = ref["sizes"][top]["mae"], cross["sizes"][top]["mae"], doc["sizes"][top]["mae"]
     cells = ", ".join(f"{p} {c[p]:.4f} ({c[p] / r[p]:.2f} x the reference; network {n[p]:.4f})" for p in BEAT)
-    return f"\n- no network, with the correlation between channels at {top}³: {cells}"
+    ratios = {p: n[p] / c[p] for p in CROSS_PARAMS}
+    met = all(v <= CROSS_BEAT for v in ratios.values())
+    return (f"\n- no network, with the correlation between channels at {top}³: {cells}"
+            f"\n- network <= {CROSS_BEAT} x the reference with the correlation between channels at {top}³: "
+            + ", ".join(f"{p} {v:.2f}" for p, v in ratios.items()) + f": {'met' if met else 'not met'}")
+
+
+CROSS_BEAT = 0.95
+"""At the whole volume, the network's MAE at most this times the reference that also reads the
+correlation between channels, on :data:`CROSS_PARAMS`: beyond every summary the study computes."""
+CROSS_PARAMS = ("Omega_m",)
 
 
 FLAT = 0.02

@@ -85,13 +85,14 @@ def test_quick_start_targets_exist():
 
 
 def test_train_example_runs(tmp_path):
-    """The training example as a user runs it (torchrun, 4 ranks), at a small size: its run must end
-    with the validation table."""
+    """The training example as a user runs it (torchrun, 4 ranks), at a small size and four steps: its
+    run must end with the validation table."""
     path = EXAMPLES / "train_cosmoflow.sh"
     launch_line(path)
     small = ["run_dir=" + str(tmp_path / "run"), "data.sample_size=32", "data.augment=none", "data.workers=0",
              "model.n_conv=2", "model.base_filters=4", "model.dense=[8]", "train.batch_size=32",
-             "train.epochs=1", "logging.plots=false", "logging.tensorboard=false", "logging.progress=false"]
+             "train.epochs=1", "train.max_steps=4", "logging.plots=false", "logging.tensorboard=false",
+             "logging.progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     res = subprocess.run(["bash", str(path), *[a for s in small for a in ("--set", s)]], cwd=ROOT, env=env,

@@ -1,5 +1,6 @@
 """Third-party 3D networks parallelized by a spec, exactly: MONAI's (a test-only dependency) on 2 and 4
-ranks, three SGD steps in float64 against one process, the state dict key for key (``_compare`` of
+ranks, two SGD steps in float64 against one process (the second runs on weights the first one's
+gradients moved), the state dict key for key (``_compare`` of
 ``test_user_models``). Each model is the library's own class at a small width; what it needs from the
 user is what the README's "any model" section says: nothing. Layers too small to split (resnet10's and
 VNet's last levels at 2^3 and 1^3) are replicated by the planner, and blocks torch.fx cannot trace into
@@ -16,7 +17,7 @@ monai = pytest.importorskip("monai")
 
 SHAPE = (2, 1, 16, 16, 16)
 # resnet10's last BatchNorms see one voxel per sample: 4 samples keep them well conditioned in float64
-# (with 2, three SGD steps drift by ~1e-8 whatever the layout). VNet's too, but its fixed widths cost
+# (with 2, a few SGD steps drift by ~1e-8 whatever the layout). VNet's too, but its fixed widths cost
 # 17 GFLOPs a forward at 2 x 16^3: one step (the weights after it hold the gradient) at 2 samples
 SHAPES = {"BasicUNet": (2, 1, 32, 32, 16), "BasicUNetPlusPlus": (2, 1, 32, 32, 16),
           "resnet10": (4, 1, 16, 16, 16),
@@ -75,6 +76,7 @@ def _loss(out, y):
 
 
 STEPS = {"VNet": 1}
+"""SGD steps per model (default 2)."""
 
 
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
@@ -86,7 +88,7 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
         y_shape = (shape[0], 3) if model == "resnet10" else (shape[0], 1, *shape[2:])
         y = torch.randn(y_shape, dtype=torch.float64, generator=g)
         try:
-            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y, _loss, STEPS.get(model, 3))
+            _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y, _loss, STEPS.get(model, 2))
         except Exception as err:  # name the case, then go on with the others
             fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
     fails.raise_if_any(rank)

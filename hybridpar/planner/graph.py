@@ -34,6 +34,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.planner import trace_state
 from hybridpar.planner.terms import SpecError
 
 INPUT = "(input)"
@@ -110,6 +111,7 @@ class ModelGraph:
     traced: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # trace_values per shape
     training: bool = True  # the mode the model was traced in
     mode_dependent: bool = False  # its forward traces otherwise in the other mode (``if self.training``)
+    attributes: tuple[trace_state.TracedAttribute, ...] = ()  # plain attributes the graph holds (trace_state)
 
     @property
     def chain(self) -> bool:
@@ -150,6 +152,14 @@ class _Tracer(fx.Tracer):
                 self._traceable[id(m)] = False
         return not self._traceable[id(m)]
 
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """fx's trace, refused where the forward sets or reads grad mode, which no graph records
+        (:mod:`hybridpar.planner.trace_state`); a child's forward that does is kept whole."""
+        with trace_state.watched_trace() as seen:
+            graph = super().trace(root, concrete_args)
+        trace_state.refuse_grad_mode(seen)
+        return graph
+
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         self.stack.append(self.path_of_module(m))
         try:
@@ -168,7 +178,8 @@ def trace(model: nn.Module) -> ModelGraph:
                             f"model(torch.zeros(1, C, 8, 8, 8)), which makes it a {becomes}")
     tracer = _Tracer()
     try:
-        graph = tracer.trace(model)
+        with trace_state.attribute_reads(model) as reads:
+            graph = tracer.trace(model)
     except Exception as err:
         where = tracer.stack[-1] if tracer.stack else "the model's own forward"
         raise UntraceableError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
@@ -235,7 +246,8 @@ def trace(model: nn.Module) -> ModelGraph:
         for k in range(1, len(parts)):
             containers.setdefault(".".join(parts[:k]), i)
     return ModelGraph(gm, nodes, output or nodes[-1].name, containers, training=model.training,
-                      mode_dependent=_mode_dependent(model, graph))
+                      mode_dependent=_mode_dependent(model, graph),
+                      attributes=trace_state.traced_attributes(model, reads))
 
 
 def _mode_dependent(model: nn.Module, graph: fx.Graph) -> bool:

@@ -84,10 +84,21 @@ class StepRuntime:
         self.outputs: list[Any] = []  # what KEEP kept (inference), in micro-batch order
 
     def run(self) -> torch.Tensor:
-        """Every action, then the step's ends: sends, gradient reduction, running statistics, loss."""
-        with no_grad_sync():
-            for kind, m in self.actions:
-                _HANDLERS[kind](self, m)
+        """Every action, then the step's ends: sends, gradient reduction, running statistics, loss.
+
+        The reducer's step begins before the first backward: it reduces only what this step's
+        backward adds (gradients from before the step are taken aside, and put back if it fails)."""
+        reducer = self.ctx.reducer
+        if reducer is not None:
+            reducer.begin()
+        try:
+            with no_grad_sync():
+                for kind, m in self.actions:
+                    _HANDLERS[kind](self, m)
+        except BaseException:
+            if reducer is not None:
+                reducer.abandon()
+            raise
         for w in self.sends:
             w.wait()
         if self.ctx.reducer is not None:
@@ -184,8 +195,10 @@ class StepRuntime:
             self.sends.remove(work)
             inp.grad = None
             del work, inp  # gloo's work object holds the gradient it sent until it goes
+        # a deferrable layer frozen after the build has no weight gradient to wait for (kept with none)
+        kept = [(y, params) for y, params in self.kept if params]
         with no_autocast(self.device.type), prange("stage_backward_weight", "compute"):
-            deferred.weight_pass(self.kept)
+            deferred.weight_pass(kept)
         self.kept, self.prefix = [], None
 
     # ------------------------------------------------------------------ step events

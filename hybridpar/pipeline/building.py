@@ -30,6 +30,7 @@ from hybridpar.planner.graph import ModelGraph, UntraceableError, refuse_in_pipe
 from hybridpar.planner.graph import trace as trace_graph
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.untouched import left_as_found
 
 
 @dataclass
@@ -45,7 +46,8 @@ class Source:
     def trace(cls, model: nn.Module, spec: ParallelSpec) -> Source:
         """The model traced, or marked to run by module swapping where torch.fx cannot trace it."""
         try:
-            return cls(model, trace_graph(model))
+            with left_as_found(model):  # the trace runs the forward's Python: what it moves is put back
+                return cls(model, trace_graph(model))
         except UntraceableError as err:
             return cls(model, None, untraced_by(err, spec))
 

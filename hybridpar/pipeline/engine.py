@@ -39,6 +39,11 @@ losses under it and every backward outside it (as torch recommends); activations
 cut travel in the autocast dtype (what the convolutions after the cut compute in). A
 ``memory_format=torch.channels_last_3d`` engine hands out input shards, and receives activations
 from the previous stage, in that format.
+
+Mode and state: ``model.train()``/``model.eval()`` on the model given to ``parallelize`` govern the
+engine as ``engine.train()``/``engine.eval()`` do (:mod:`~hybridpar.pipeline.model_mode`), and
+planning leaves the model's buffers as it found them (:mod:`hybridpar.planner.untouched`): only real
+steps move a counter or an EMA the forward keeps.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline import predicting
 from hybridpar.pipeline.batch import shard
 from hybridpar.pipeline.building import Source, build, reducers
+from hybridpar.pipeline.model_mode import ModelMode
 from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
 from hybridpar.pipeline.stepping import Stepper
@@ -97,7 +103,7 @@ class Engine:
         self.defer_weight_grads = defer_weight_grads
         self.layers: list[tuple[str | None, nn.Module]] = []
         self.plan: list[LayerPlan] | None = None
-        self._training = model.training
+        self._mode = ModelMode(model)  # model.train()/model.eval() govern it, as engine.train()/eval() do
         self._batch_norms: list[tuple[str, nn.Module]] | None = None
         if input_shape is not None:
             self._build(tuple(input_shape))
@@ -111,13 +117,13 @@ class Engine:
         """Refuse to run a graph traced in one mode in the other where the forward differs between
         them (``if self.training:``): the graph holds the traced mode's branch only."""
         bound, model = self._traced_mode
-        if bound is not None and bound != self._training:
+        if bound is not None and bound != self._mode.training:
             traced, now = ("training", "eval") if bound else ("eval", "training")
             raise SpecError(f"Engine.{what}: model ({model})'s forward differs between training and eval "
                             f"(it reads self.training), and the engine traced it in {traced} mode; for "
                             f"{now}, parallelize a copy in that mode (hp.parallelize(copy.deepcopy(model)"
                             f".{now.replace('ing', '')}(), ...)), or put this engine back with "
-                            f"engine.train({bound})")
+                            f"model.train({bound}) or engine.train({bound})")
 
     def _check_batch_stats(self) -> None:
         """Refuse to train BatchNorm on micro-batches unless the spec accepts their statistics: a
@@ -169,7 +175,8 @@ class Engine:
         self._size = tuple(input_shape[1:])  # (C, D, H, W) the stage's shapes are bound to
         self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
         self.input_grid = self.layout.of(self.input_split)
-        self.train(self._training)
+        self._mode.follow()  # the model's mode now (model.eval() before the first batch)
+        self._set_layers(self._mode.training)
         self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format)
         # The stages share the model's tensors: a user who drops the model lets the other stages' go.
         # What still reaches the model's layers is reference cycles, freed only when Python's cycle
@@ -259,13 +266,25 @@ class Engine:
                     yield (f"{name}.{k}" if name else k), p
 
     def train(self, mode: bool = True) -> Engine:
-        self._training = mode
-        for _, m in self.layers:
-            m.train(mode)
+        """Training mode (``False``: eval) for the engine and the model given to ``parallelize`` alike,
+        as ``model.train(mode)`` is, which the engine follows too (:class:`ModelMode`)."""
+        self._mode.set(mode)
+        self._set_layers(mode)
         return self
 
     def eval(self) -> Engine:
         return self.train(False)
+
+    def _set_layers(self, mode: bool) -> None:
+        for _, m in self.layers:
+            m.train(mode)
+
+    def _follow_model(self) -> bool:
+        """The mode this call runs in: the model's (``model.train()``/``model.eval()`` since the last
+        call reach this stage's layers, which hold the model's tensors in modules of their own)."""
+        if self._mode.follow():
+            self._set_layers(self._mode.training)
+        return self._mode.training
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
         """Global batch (the same on every rank) -> this rank's piece: its replica's samples, and of the
@@ -312,6 +331,7 @@ class Engine:
         size), and a first stage's input shard of another size is refused before any collective.
         """
         self._require_built("train_step")
+        training = self._follow_model()  # False: trains in eval mode (frozen BatchNorm statistics), as torch
         self._check_mode("train_step")
         self._check_batch_stats()
         if self.loss_fn is None:
@@ -320,7 +340,7 @@ class Engine:
             self._at_size(self.input_shape[1:], "Engine.train_step")
             if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
                 _check_build_size(x_local, self.input_shape, local_box(self.input_shape[2:], self.input_grid))
-        return self._stepper.train(x_local, y_local, loss_scale, self._send, self._training)
+        return self._stepper.train(x_local, y_local, loss_scale, self._send, training)
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor | None, batch: int | None = None, gather: bool = True) -> Any:
@@ -339,16 +359,19 @@ class Engine:
         those shards, the other stages return None in their place (outputs that are not split volumes
         are whole on every stage, as with ``gather=True``).
 
-        In training mode the forward updates running statistics, which are then averaged over the
-        data-parallel replicas: call it on every replica alike."""
+        The mode is the model's: after ``model.eval()`` (or ``engine.eval()``) a BatchNorm normalises
+        with its running statistics and leaves them as they are. In training mode the forward updates
+        running statistics, which are then averaged over the data-parallel replicas: call it on every
+        replica alike."""
         self._require_built("predict")
+        training = self._follow_model()
         self._check_mode("predict")
         if len(self.input_shape) == 5:
             size, first_batch = agree_size(x_local, self.grid, self.input_grid, "Engine.predict")
             self._at_size(size, "Engine.predict")
             batch = first_batch if batch is None else batch
         batch = x_local.shape[0] if batch is None else batch
-        outs, dtype, device = self._stepper.forward_pass(x_local, batch, self._send, self._training)
+        outs, dtype, device = self._stepper.forward_pass(x_local, batch, self._send, training)
         return predicting.outputs(self._built, outs, batch, gather, dtype, device)
 
     # ------------------------------------------------------------------ state

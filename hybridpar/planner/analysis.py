@@ -27,6 +27,7 @@ from hybridpar.planner.faithful import check_faithful
 from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
 from hybridpar.planner.space_maps import SpaceMap, find_space_maps
 from hybridpar.planner.terms import SpecError, Split
+from hybridpar.planner.untouched import left_as_found
 
 Shapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Halos = tuple[tuple[int, int], ...]
@@ -275,7 +276,8 @@ def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | No
     """Trace ``model`` (unless its ``graph`` is given), its shapes on a global input of
     ``input_shape`` (N, C, D, H, W) and its FLOPs."""
     shape = check_input_shape(input_shape)
-    graph = trace(model) if graph is None else graph
+    with left_as_found(model):  # a trace runs the forward's Python: a buffer it moves is put back
+        graph = trace(model) if graph is None else graph
     check_faithful(graph, model, shape)  # first: an unfaithful graph may not even run
     values = trace_values(graph, shape)
     shapes = node_shapes(graph, values)

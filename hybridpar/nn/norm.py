@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hybridpar.comm.reduce import sync_grads
+from hybridpar.comm.reduce import replicated_into_shards
 from hybridpar.device import precision
 from hybridpar.device.switch import Switch
 from hybridpar.grid import ProcessGrid
@@ -66,6 +66,17 @@ _PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "group_norm": lambda z: F.group_norm(z, 1),
     "instance_norm": lambda z: F.instance_norm(z),
 }
+
+
+def _summed_over_shards(group, weight: torch.Tensor | None, bias: torch.Tensor | None):
+    """The affine parameters of a norm in eval mode (running statistics: a per-voxel affine map), their
+    gradients summed over the shards within this backward.
+
+    Why not :func:`~hybridpar.comm.reduce.sync_grads`: that sum is switched off inside the engine's
+    steps, where its reduction sums parameters marked as split; these layers mark theirs as leaving
+    already reduced (their training branch sums them), so a step taken in eval mode (frozen
+    statistics, as in fine-tuning) would otherwise average the shards' partial gradients."""
+    return tuple(None if p is None else replicated_into_shards(p, group) for p in (weight, bias))
 
 
 def _result_dtype(x: torch.Tensor, op: str) -> torch.dtype:
@@ -197,7 +208,7 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             group = self.grid.spatial_group if self.grid.spatial_size > 1 else None
-            weight, bias = sync_grads(group, self.weight, self.bias)
+            weight, bias = _summed_over_shards(group, self.weight, self.bias)
             return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
         if x.shape[0] == 0:  # torch: an empty output, running statistics kept, one more batch counted
             self._count_batch()
@@ -354,7 +365,7 @@ class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
         if shape is None:
             return nn.InstanceNorm3d.forward(self, x)
         if not (self.training or not self.track_running_stats):
-            weight, bias = sync_grads(self._spatial_group(), self.weight, self.bias)
+            weight, bias = _summed_over_shards(self._spatial_group(), self.weight, self.bias)
             return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
         volume = math.prod(shape)
         if volume == 1:

@@ -201,8 +201,6 @@ def _tau_body(rank: int, world: int) -> list[str]:
     return said
 
 
-@pytest.mark.xfail(strict=True, reason="trace_state.refuse_changed is not yet called by the engine "
-                                       "(Engine._check_mode); remove this mark once it is")
 def test_a_plain_attribute_changed_since_parallelize_is_refused(pools):
     said = pools(2).run(_tau_body, timeout=120)
     assert said[0] == said[1] and len(said[0]) == 2, said

@@ -73,6 +73,7 @@ from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.terms import SpecError
+from hybridpar.planner.trace_state import refuse_changed
 
 _FWD, _BWD, _LOSS = FWD_TAG, BWD_TAG, LOSS_TAG  # the tags of pipeline traffic (tests read them here)
 
@@ -115,7 +116,9 @@ class Engine:
 
     def _check_mode(self, what: str) -> None:
         """Refuse to run a graph traced in one mode in the other where the forward differs between
-        them (``if self.training:``): the graph holds the traced mode's branch only."""
+        them (``if self.training:``): the graph holds the traced mode's branch only; nor one whose
+        forward read a plain attribute (``self.tau``) that has changed since: it holds the old value."""
+        refuse_changed(self._traced_attrs, f"Engine.{what}")
         bound, model = self._traced_mode
         if bound is not None and bound != self._mode.training:
             traced, now = ("training", "eval") if bound else ("eval", "training")
@@ -189,6 +192,7 @@ class Engine:
         graph = self._source.graph  # the mode a graph holds the branch of, where the forward has two
         self._traced_mode = (graph.training if graph is not None and graph.mode_dependent else None,
                              type(self._source.model).__name__)
+        self._traced_attrs = graph.attributes if graph is not None else ()  # plain values the graph holds
         self._source = None
         if self.grid.pipe > 1:
             gc.collect()

@@ -5,25 +5,33 @@ Why a part of its own: a step is the schedule's action list over micro-batches
 engine adds is the stage function (recomputed or not, compiled or not), the loss's weighting on a split
 output, the action list worked out once per micro-batch count, and where inputs and activations live.
 A new schedule (interleaved 1F1B, zero-bubble) changes this part and the schedule module only.
+
+The loss's weighting is right only for a loss that splits as the engine combines it: that is checked
+on the first step of each loss function (:mod:`hybridpar.pipeline.loss_check`), which also finds a sum
+(summed over shards, micro-batches and replicas then). A recomputed forward runs on the buffers the
+forward found and leaves them as they were (:func:`_recompute_contexts`): a model's own buffer
+updates (an EMA, a step counter) count once, as in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_structure
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.comm.transport import Work
 from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
 from hybridpar.nn.norm import recomputing
-from hybridpar.pipeline import deferred
+from hybridpar.pipeline import deferred, loss_check
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
 from hybridpar.pipeline.reducer import GradReducer
@@ -52,6 +60,11 @@ class Stepper:
         self.plans: dict[tuple[int, bool, bool], tuple[int | None, list[Action]]] = {}
         self.reducer: GradReducer | None = None
         self.replica_stats: ReplicaStats | None = None
+        self.verdict = loss_check.Verdict()  # how the loss's parts combine (checked: see loss)
+        self._checked: Any = None  # what the verdict is of: the loss function (and output structure)
+        self._pending = False  # the step's first loss is still to come (the one a check reads)
+        self._refused: tuple[int, loss_check.Finding] | None = None  # a pipeline's, told after the step
+        self._batch, self._cut_batch = 1, False  # the replica batch; whether micro-batches or replicas cut it
 
     @property
     def first_stage(self) -> bool:
@@ -72,21 +85,70 @@ class Stepper:
         with prange("stage_forward", "compute"):
             if self.spec.pipeline.recompute and torch.is_grad_enabled():
                 return checkpoint(self.run, x, use_reentrant=False,
-                                  context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+                                  context_fn=lambda: _recompute_contexts(self.modules))
             return self.run(x)
 
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
-        """``loss_fn`` on this rank's output (a tensor, or the tuple, list or dict the model returns);
-        on a split output, its share of the whole volume's mean (``loss_fn`` must average over
-        elements, as torch's losses do by default): summed over the output's ranks, the shares are the
-        loss of the whole volume. Split outputs of one structure share one split and one extent (the
-        plan gathers them otherwise), so one share weighs them all."""
+        """``loss_fn`` on this rank's output (a tensor, or the tuple, list or dict the model returns),
+        weighted so that the values of the output's shards, the micro-batches and the replicas combine
+        into the whole batch's loss: for a mean (torch's losses by default), a split output's share of
+        the whole volume, a micro-batch's of the batch (the runtime's), replicas averaged (the loss
+        exchange's); for a sum, shards summed, micro-batches and replicas too (the share of the batch
+        and the replicas' average undone). Split outputs of one structure share one split and one
+        extent (the plan gathers them otherwise), so one share weighs them all. Which of the two the
+        loss is, or neither (refused), is checked on the first step of each loss (:meth:`_check`)."""
         loss = self.loss_fn(out, y)
-        stage = self.built.stage
-        if stage.output_split == REPLICATED:
+        if self._refused is not None:  # a pipeline's refusal: no gradient, the step ends, then the error
+            return torch.zeros((), dtype=loss.dtype, device=loss.device)
+        if self._pending:
+            self._pending = False
+            key = id(self.loss_fn) if self.grid.pipe > 1 else (id(self.loss_fn), tree_structure(out))
+            if key != self._checked:
+                loss = self._check(out, y, loss, key)
+        stage, weight = self.built.stage, 1.0
+        if stage.output_split != REPLICATED and self.verdict.space == loss_check.MEAN:
+            lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
+            weight = math.prod(lead.shape[2:]) / math.prod(stage.lead_output.output_shape[2:])
+        if self.verdict.batch == loss_check.SUM:
+            weight *= self._batch / y.shape[0] * self.grid.data
+        return loss if weight == 1.0 else loss * weight
+
+    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor, key: Any) -> torch.Tensor:
+        """Whether ``loss_fn`` is a mean or a sum along the dims the engine cuts (see
+        :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks; neither raises the same
+        line on every rank before any backward, or on a pipeline (whose other stages wait for a
+        gradient) gives no gradient and raises after the step (:meth:`_tell_stages`)."""
+        split = self.built.stage.output_split
+        dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED else []
+        space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
+        group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
+        self.verdict, refused = loss_check.agree(space, batch, loss_check.rtol_of(loss.dtype), group,
+                                                 loss.device)
+        self._checked = key
+        if refused is None:
             return loss
-        lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
-        return loss * (math.prod(lead.shape[2:]) / math.prod(stage.lead_output.output_shape[2:]))
+        if self.grid.pipe == 1:
+            self._checked = None
+            raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
+        self._refused = refused
+        return torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    def _tell_stages(self, device: torch.device) -> None:
+        """After a pipeline's checking step: the loss stage's refusal, if any, on every rank (one
+        all-reduce over the job, once per loss function), raised alike everywhere."""
+        told = loss_check.encode(self._refused).to(device)
+        dist.all_reduce(told, op=dist.ReduceOp.MAX)
+        self._refused, refused = None, loss_check.decode(told.cpu())
+        if refused is not None:
+            self._checked, self.verdict = None, loss_check.Verdict()
+            raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
+
+    def _output_layers(self) -> list[str]:
+        """The plan's names of the layers that make a traced model's outputs (a refusal names them)."""
+        stage = self.built.stage
+        if stage.output_rows is None:  # run by module swapping: no layer stands for an output
+            return []
+        return sorted({r.name for r in stage.outputs if r.name and not r.name.startswith("(")})
 
     def step_plan(self, microbatches: int) -> tuple[int | None, list[Action]]:
         """The split end (:meth:`split_upto`) and the action list of a step of ``microbatches``,
@@ -161,7 +223,14 @@ class Stepper:
         sizes, xs, dtype, device = self._inputs(x_local, y_local.shape[0])
         upto, steps = self.step_plan(len(sizes))
         ctx = self._context(send, training, grads=True)
-        return StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
+        self._batch, self._cut_batch = sum(sizes), len(sizes) > 1 or self.grid.data > 1
+        self._pending, self._refused = True, None
+        tell = self.grid.pipe > 1 and self._checked != id(self.loss_fn)  # every stage knows the loss
+        loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
+        if tell:
+            self._checked = id(self.loss_fn)
+            self._tell_stages(device)
+        return loss
 
     def forward_pass(self, x_local: Any, batch: int, send: Send, training: bool
                      ) -> tuple[list[Any], torch.dtype, torch.device]:
@@ -173,3 +242,58 @@ class Stepper:
                               None, None)
         runtime.run()
         return [tree_leaves(out) for out in runtime.outputs], dtype, device
+
+
+def _recompute_contexts(modules: list[nn.Module]) -> tuple[AbstractContextManager[None],
+                                                              AbstractContextManager[None]]:
+    """The contexts of a checkpointed forward and of its recomputation (``checkpoint``'s
+    ``context_fn``): the first keeps a copy of every buffer of ``modules`` as the forward finds them,
+    the second runs the recomputation on fresh copies of those and puts the forward's own buffers
+    back when it ends.
+
+    Why: a recomputation is the forward again. A buffer the forward updates (a user's EMA of
+    statistics, a step counter) was updated a second time, from the already updated value, and the
+    recomputed activations read that value, not the one the forward read: wrong state and wrong
+    gradients, silently. Only hybridpar's own norms knew (:func:`recomputing`, still set). Fresh copies
+    rather than writing the values back: tensors the recomputation saves for the backward may be those
+    buffers, and must keep the values it computed with. Costs one copy of the buffers per micro-batch in
+    flight, and one more per recomputation (buffers are statistics: small)."""
+    slots = [(m, name) for m in _unique(modules) for name in m._buffers]
+    before: dict[int, torch.Tensor] = {}
+    held: list[tuple[nn.Module, str, int]] = []
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        with torch.no_grad():
+            for m, name in slots:
+                b = m._buffers.get(name)
+                if b is not None:
+                    held.append((m, name, id(b)))
+                    if id(b) not in before:  # one copy of a buffer two modules share
+                        before[id(b)] = b.detach().clone()
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        now = [(m, name, m._buffers.get(name)) for m, name, _ in held]
+        with torch.no_grad():
+            fresh = {k: v.clone() for k, v in before.items()}  # a second recomputation starts alike
+        for m, name, k in held:
+            m._buffers[name] = fresh[k]
+        try:
+            with recomputing():
+                yield
+        finally:
+            for m, name, b in now:
+                m._buffers[name] = b
+
+    return forward(), recompute()
+
+
+def _unique(modules: list[nn.Module]) -> list[nn.Module]:
+    """Every module under ``modules``, each once."""
+    seen: dict[int, nn.Module] = {}
+    for root in modules:
+        for m in root.modules():
+            seen.setdefault(id(m), m)
+    return list(seen.values())

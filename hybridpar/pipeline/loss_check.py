@@ -1,0 +1,224 @@
+"""Whether ``loss_fn`` splits the way the engine combines it: checked on a real step, once per loss.
+
+Why: the engine never holds the whole output. It evaluates ``loss_fn`` on each rank's output shard,
+on each micro-batch and on each data-parallel replica, and combines the values: shards weighted by
+their share of the volume, micro-batches by their share of the batch, replicas averaged. That is the
+whole output's loss only for a loss that averages over voxels and samples (torch's losses by
+default). A sum (``reduction="sum"``) is the sum of its parts; any other loss (a masked mean, Dice, a
+loss normalised by the target's variance, Pearson, differences between neighbouring voxels, a Fourier
+term) has no combination of parts at all, and trained silently wrong (a sum x0.5 on two ranks, the
+others off by 1e-3 to 40 %).
+
+How: on the first micro-batch's output and target of a step (under no_grad, detached), each rank
+cuts what it holds in two along every dim the engine cuts: each split spatial dim the shard has two
+voxels along, and the batch where replicas or micro-batches cut it. It compares the loss of the
+whole (the step's own value) with the parts' size-weighted mean and with their sum. The parts are
+views (``narrow``; a batch of one sample is doubled by ``expand``) of tensors the step holds: no copy
+of the volume, two loss evaluations per cut dim, once per loss function. The ranks agree in one
+all-gather of a few numbers over the stage (:func:`agree`), so a shard where the test tells nothing
+(too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
+a sum, or one line, the same on every rank, raised before any backward runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
+
+MEAN, SUM = "mean", "sum"
+SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
+DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
+# per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
+_NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the parts' losses combine along the shards (``space``) and the samples (``batch``)."""
+
+    space: str = MEAN
+    batch: str = MEAN
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one rank found along one cut ``dim`` (0 the batch, 2-4 a spatial dim, -1 none;
+    :data:`DOUBLED`: a batch of one sample doubled, ``whole`` the loss of the two)."""
+
+    dim: int
+    whole: float
+    mean: float
+    sum: float
+
+    def fits(self, rtol: float) -> tuple[bool, bool]:
+        """(mean fits, sum fits): both where the values tell nothing (nothing cut, a whole that is not
+        finite, all zero), neither where the whole is finite and the parts are not (a difference
+        between neighbours on a part one voxel thick, an empty mask)."""
+        if self.dim < 0 or not math.isfinite(self.whole):
+            return True, True
+        if not (math.isfinite(self.mean) and math.isfinite(self.sum)):
+            return False, False
+        scale = max(abs(self.whole), abs(self.mean), abs(self.sum))
+        return abs(self.whole - self.mean) <= rtol * scale, abs(self.whole - self.sum) <= rtol * scale
+
+
+def rtol_of(dtype: torch.dtype) -> float:
+    """How far a mean taken in two parts may stray from the one taken whole, in ``dtype``."""
+    return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
+
+
+def _cut(tree: Any, dim: int, pick: Callable[[torch.Tensor], bool], lo: int, n: int) -> Any:
+    return tree_map(lambda t: t.narrow(dim, lo, n) if isinstance(t, torch.Tensor) and pick(t) else t, tree)
+
+
+def _evaluate(loss_fn: Callable, out: Any, y: Any) -> float:
+    """The loss's value on views; on copies where the loss cannot take a view (``.view(-1)``)."""
+    try:
+        value = loss_fn(out, y)
+    except RuntimeError:
+        dense = functools.partial(tree_map, lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t)
+        value = loss_fn(dense(out), dense(y))
+    return float(value.detach().double().reshape(()))
+
+
+def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
+          pick: Callable[[torch.Tensor], bool], extent: int) -> Finding:
+    """Cut every tensor of ``out`` and ``y`` that ``pick`` accepts in two along ``dim`` (of
+    ``extent``; an extent of one doubled instead, the whole then being the doubled tensors) and
+    compare the loss of the whole, ``whole``, with its parts'. A loss that raises on the parts, or
+    is no scalar, tells nothing."""
+    try:
+        if extent >= 2:
+            k = extent // 2
+            a = _evaluate(loss_fn, _cut(out, dim, pick, 0, k), _cut(y, dim, pick, 0, k))
+            b = _evaluate(loss_fn, _cut(out, dim, pick, k, extent - k), _cut(y, dim, pick, k, extent - k))
+            return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
+        double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
+                                   if isinstance(t, torch.Tensor) and pick(t) else t)
+        return Finding(DOUBLED, _evaluate(loss_fn, double(out), double(y)), whole, 2 * whole)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return Finding(-1, math.nan, math.nan, math.nan)
+
+
+def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims: list[int],
+             batch_cut: bool) -> tuple[list[Finding], list[Finding]]:
+    """This rank's findings along the shards' split dims (``split_dims``, spatial: 0-2) and, where
+    ``batch_cut`` (replicas or micro-batches cut the batch), along the samples.
+
+    Volumes (5-d) of the shard's extent are cut along space, the target with them where it is such
+    a volume; every tensor with the micro-batch's samples is cut along the batch. Whole values (a
+    head's (N, 4), a gathered volume) go to each part whole, as each shard's loss reads them."""
+    if loss.numel() != 1:
+        return [], []
+    whole = float(loss.detach().double().reshape(()))
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    volume = next((t for t in leaves if t.dim() == 5), None)
+    rng = [loss.device] if loss.device.type == "cuda" else []
+    space: list[Finding] = []
+    batch: list[Finding] = []
+    with torch.no_grad(), torch.random.fork_rng(devices=rng):  # a random loss draws what it would anyway
+        out, y = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (out, y))
+        if volume is not None:
+            box = tuple(volume.shape[2:])
+            split = lambda t: t.dim() == 5 and tuple(t.shape[2:]) == box  # noqa: E731
+            space = [probe(loss_fn, out, y, whole, 2 + d, split, box[d]) for d in split_dims if box[d] >= 2]
+        samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() > 0 else None
+        if batch_cut and samples:
+            per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
+            batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
+    return space, batch
+
+
+def agree(space: list[Finding], batch: list[Finding], rtol: float, group: dist.ProcessGroup | None,
+          device: torch.device) -> tuple[Verdict, tuple[int, Finding] | None]:
+    """The verdict every rank of ``group`` reaches from all ranks' findings (one all-gather of a few
+    numbers, on ``device``, the group's), and where it is a refusal, the axis and the finding it names
+    (the first rank's that fits neither, else the first that does not fit the mean): alike on every rank."""
+    rows = torch.tensor([_row(space, rtol), _row(batch, rtol)], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        gathered = [torch.empty_like(rows, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, rows.to(device), group=group)
+        rows = torch.stack(gathered).cpu()
+    else:
+        rows = rows.unsqueeze(0)
+    kinds: list[str] = []
+    for axis in (SPACE, BATCH):
+        mean_ok, sum_ok = bool(rows[:, axis, 0].all()), bool(rows[:, axis, 1].all())
+        if mean_ok or sum_ok:
+            kinds.append(MEAN if mean_ok else SUM)
+            continue
+        neither = [r for r in rows[:, axis] if not (r[0] or r[1])]
+        r = (neither or [r for r in rows[:, axis] if not r[0]])[0].tolist()
+        return Verdict(), (axis, Finding(int(r[2]), *r[3:]))
+    return Verdict(*kinds), None
+
+
+def _row(found: list[Finding], rtol: float) -> list[float]:
+    """One axis of this rank: whether every cut fits a mean, a sum, and the first cut that fits
+    neither, else the first that does not fit the mean (nothing cut: both fit)."""
+    fits = [f.fits(rtol) for f in found]
+    mean_ok, sum_ok = all(m for m, _ in fits), all(s for _, s in fits)
+    worst = next((f for f, (m, s) in zip(found, fits, strict=True) if not (m or s)), None)
+    worst = worst or next((f for f, (m, _) in zip(found, fits, strict=True) if not m), None)
+    if worst is None:
+        return [float(mean_ok), float(sum_ok), *_NONE[2:]]
+    return [float(mean_ok), float(sum_ok), float(worst.dim), worst.whole, worst.mean, worst.sum]
+
+
+def name_of(fn: Callable) -> str:
+    """A loss function as its user wrote it: ``F.mse_loss``'s name, a lambda's place, a module's class."""
+    if isinstance(fn, functools.partial):
+        return f"partial({name_of(fn.func)})"
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    if name.endswith("<lambda>") and code is not None:
+        return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+    return name
+
+
+def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[str]) -> str:
+    """The one line every rank raises (see module doc): the values found, what fits, what to do."""
+    whole, parts = {0: ("a micro-batch", "its two halves (samples)"),
+                    DOUBLED: ("a sample taken twice", "each copy")}.get(
+        found.dim, ("an output shard", f"its two halves along {'DHW'[found.dim - 2]}"))
+    cut = (f"on {whole} it is {found.whole:.6g}, on {parts} {found.mean:.6g} as their size-weighted mean "
+           f"and {found.sum:.6g} as their sum")
+    fits = ("the engine evaluates loss_fn on each rank's output shard, micro-batch and data-parallel replica "
+            "and combines the values, which is exact for a loss that averages (or sums) over voxels and "
+            "samples, e.g. F.mse_loss, F.l1_loss or F.cross_entropy with reduction 'mean' or 'sum'")
+    if axis == SPACE:
+        keep = (f"layers: {{{', '.join(repr(n) + ': {spatial: replicate}' for n in output_layers)}}}"
+                if output_layers else "layers: {<the output layer>: {spatial: replicate}}")
+        todo = (f"a loss over the whole volume (Dice, a normalised or spectral loss, differences between "
+                f"voxels) does not split: train on one that does, or keep the output whole so loss_fn sees "
+                f"the whole volume on every rank ({keep} in the spec); engine.predict(x_local) gives whole "
+                f"outputs for a metric computed outside train_step")
+    else:
+        todo = ("a loss over the whole batch (normalised or correlated across samples) does not split over "
+                "data-parallel replicas or micro-batches: use grid.data 1 and pipeline.microbatches 1, or a "
+                "per-sample loss")
+    return (f"Engine.train_step: loss_fn {name_of(loss_fn)} does not split as the engine combines it: "
+            f"{cut}; {fits}; {todo}")
+
+
+def encode(refused: tuple[int, Finding] | None) -> torch.Tensor:
+    """A refusal as numbers, for the stages that did not compute the loss: -inf where there is none,
+    so that a MAX over all ranks gives the loss stage's (its ranks agreed on one)."""
+    if refused is None:
+        return torch.full((6,), -math.inf, dtype=torch.float64)
+    axis, f = refused
+    return torch.tensor([1.0, axis, f.dim, f.whole, f.mean, f.sum], dtype=torch.float64)
+
+
+def decode(t: torch.Tensor) -> tuple[int, Finding] | None:
+    """The refusal :func:`encode` wrote, or None."""
+    if not t[0] > 0:
+        return None
+    return int(t[1]), Finding(int(t[2]), float(t[3]), float(t[4]), float(t[5]))

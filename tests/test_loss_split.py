@@ -1,0 +1,218 @@
+"""A loss the engine cannot combine from its parts is refused; a sum is summed; a recomputation leaves
+buffers alone.
+
+The engine evaluates ``loss_fn`` on each rank's output shard, micro-batch and replica and combines the
+values: exact for a mean over voxels and samples (checked against one process here, as before) and,
+now, for a sum (``reduction="sum"``, a per-sample sum averaged over the batch). A loss that is neither
+(masked mean, Dice, Pearson, differences between voxels across a split dim, a loss normalised over the
+batch under data parallelism) was silently wrong; it is refused with one line, the same on every rank,
+before any gradient is applied. With ``pipeline: {recompute: true}`` a model's own buffer updates (an
+EMA, a step counter, BatchNorm's statistics) count once per step, as in one process.
+
+Float64, two SGD steps against the same model in one process, on 2 ranks [2,1,1], 4 ranks [2,2,1],
+data 2 x spatial [2,1,1] (with micro-batches of one sample) and a 2-stage pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from layer_cases import Failures, steps_match
+
+SHAPE = (4, 1, 8, 6, 6)
+
+
+def Plain() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
+
+
+class Deep(nn.Module):
+    """Deep supervision at one extent (a list): both volumes stay split, one share weighs both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 2, 3, padding=1)
+        self.main, self.aux = nn.Conv3d(2, 1, 3, padding=1), nn.Conv3d(2, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        h = torch.tanh(self.stem(x))
+        return [self.main(h), self.aux(h)]
+
+
+class Head(nn.Module):
+    """A regression head: (N, 4) out, replicated on every rank of a replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(torch.tanh(self.conv(x))).flatten(1))
+
+
+class Stateful(nn.Module):
+    """Buffers the forward updates itself (an EMA it then reads, a step counter) beside BatchNorm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn = nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4)
+        self.c2 = nn.Conv3d(4, 1, 3, padding=1)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(1, 4, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.c1(x)))
+        if self.training:
+            self.steps += 1
+            self.ema.mul_(0.9).add_(0.1 * h.mean(dim=(0, 2, 3, 4), keepdim=True).detach())
+        return self.c2(h - self.ema * (1 + self.steps / 10))
+
+
+def _pearson(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 1 - torch.corrcoef(torch.stack([o.flatten(), y.flatten()]))[0, 1]
+
+
+LOSSES = {
+    "mse": F.mse_loss,
+    "sum": lambda o, y: F.mse_loss(o, y, reduction="sum"),
+    "sample sum": lambda o, y: ((o - y) ** 2).sum(dim=tuple(range(1, o.dim()))).mean(),  # a VAE's
+    "deep mean": lambda o, y: F.mse_loss(o[0], y) + 0.5 * F.l1_loss(o[1], y),
+    "TV along H": lambda o, y: F.mse_loss(o, y) + 0.1 * (o[:, :, :, 1:] - o[:, :, :, :-1]).abs().mean(),
+    "TV along D": lambda o, y: F.mse_loss(o, y) + 0.1 * (o[:, :, 1:] - o[:, :, :-1]).abs().mean(),
+    "masked mean": lambda o, y: ((o - y) ** 2 * (y > 0)).sum() / (y > 0).sum(),
+    "dice": lambda o, y: 1 - (2 * (torch.sigmoid(o) * (y > 0)).sum() + 1)
+    / (torch.sigmoid(o).sum() + (y > 0).sum() + 1),
+    "pearson": _pearson,
+    "batch-normalised": lambda o, y: F.mse_loss(o, y) / y.var(),
+}
+
+S2, S4 = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 1]}}
+DS = {"grid": {"data": 2, "spatial": [2, 1, 1]}}
+DSM = {"grid": {"data": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}  # one sample each
+PIPE = {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}
+
+# (world, model, loss, spec): trained exactly as one process
+EXACT = [
+    (2, "Plain", "mse", S2), (2, "Plain", "sum", S2), (2, "Plain", "TV along H", S2),
+    (2, "Deep", "deep mean", S2), (2, "Head", "mse", S2), (2, "Head", "batch-normalised", S2),
+    (2, "Plain", "sum", PIPE),
+    (4, "Plain", "mse", S4), (4, "Plain", "sum", S4), (4, "Deep", "deep mean", S4),
+    (4, "Plain", "mse", DS), (4, "Plain", "sum", DS), (4, "Plain", "sample sum", DS),
+    (4, "Plain", "sum", DSM), (4, "Head", "mse", DS), (4, "Head", "sum", DSM),
+]
+# (world, model, loss, spec, what the line says was cut): refused alike on every rank
+REFUSED = [
+    (2, "Plain", "masked mean", S2, "halves along D"), (2, "Plain", "dice", S2, "halves along D"),
+    (2, "Plain", "pearson", S2, "halves along D"), (2, "Plain", "TV along D", S2, "halves along D"),
+    (2, "Plain", "dice", PIPE, "(samples)"),
+    (4, "Plain", "TV along H", S4, "halves along H"), (4, "Head", "batch-normalised", DS, "(samples)"),
+    (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
+]
+
+
+def _id(world: int, model: str, loss: str, spec: dict) -> str:
+    grid = "x".join(f"{k}{v}" for k, v in spec["grid"].items())
+    pipeline = f"-{spec['pipeline']}" if "pipeline" in spec else ""
+    return f"{world}-{model}-{loss}-{grid}{pipeline}".replace(" ", "")
+
+
+def _data(model: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    y = torch.randn((SHAPE[0], 4) if model == "Head" else (SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64,
+                    generator=g)
+    return x, y
+
+
+def _engine(model: str, loss: str, spec: dict):
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    ref = globals()[model]().double()
+    mine = globals()[model]().double()
+    mine.load_state_dict(ref.state_dict())
+    return ref, mine, hp.parallelize(mine, spec, loss_fn=LOSSES[loss])
+
+
+def _exact_body(rank: int, world: int, model: str, loss: str, spec: dict) -> None:
+    fails, desc = Failures(), f"{model} {loss} {spec}"
+    x, y = _data(model)
+    ref, mine, engine = _engine(model, loss, spec)
+    local = engine.shard_batch(x, y)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.02)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.02)
+    steps_match(fails, desc, engine, opt, ref, ref_opt, local, (x, y), LOSSES[loss], steps=2)
+    state = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        fails.check(f"{desc}: {k} after 2 steps", state[k].to(v.dtype), v, 1e-9)
+    fails.raise_if_any(rank)
+
+
+@pytest.mark.parametrize("world,model,loss,spec", EXACT,
+                         ids=[_id(*case) for case in EXACT])
+def test_a_loss_that_splits_trains_as_one_process(pools, world, model, loss, spec):
+    pools(world).run(_exact_body, model, loss, spec, timeout=300)
+
+
+def _refused_body(rank: int, world: int, model: str, loss: str, spec: dict) -> tuple[str, bool]:
+    x, y = _data(model)
+    _, mine, engine = _engine(model, loss, spec)
+    local = engine.shard_batch(x, y)
+    weights = [p.detach().clone() for p in mine.parameters()]
+    try:
+        engine.train_step(*local)
+    except ValueError as err:
+        said = str(err)
+    else:
+        said = "no error"
+    untouched = all(p.grad is None or not p.grad.any() for p in mine.parameters()) and all(
+        torch.equal(p, w) for p, w in zip(mine.parameters(), weights, strict=True))
+    return said, untouched
+
+
+@pytest.mark.parametrize("world,model,loss,spec,cut", REFUSED,
+                         ids=[_id(*case[:4]) for case in REFUSED])
+def test_a_loss_that_does_not_split_is_refused_alike_on_every_rank(pools, world, model, loss, spec, cut):
+    said = pools(world).run(_refused_body, model, loss, spec, timeout=300)
+    desc = f"{model} {loss} {spec}"
+    lines = {s for s, _ in said}
+    assert len(lines) == 1, f"{desc}: ranks said different things: {lines}"
+    line = lines.pop()
+    name = "_pearson" if loss == "pearson" else f"<lambda> ({__file__}:"
+    assert line.startswith(f"Engine.train_step: loss_fn {name}") and "\n" not in line, f"{desc}: {line}"
+    assert cut in line and "reduction 'mean' or 'sum'" in line, f"{desc}: {line}"
+    assert all(ok for _, ok in said), f"{desc}: a gradient was applied or left before the refusal"
+
+
+def _recompute_body(rank: int, world: int, spec: dict) -> None:
+    fails, desc = Failures(), f"recompute {spec}"
+    x, y = _data("Stateful")
+    ref, mine, engine = _engine("Stateful", "mse", spec)
+    local = engine.shard_batch(x, y)
+    engine.load_full_state_dict(ref.state_dict())  # the engine starts from the reference's buffers
+    opt = torch.optim.SGD(mine.parameters(), lr=0.02)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.02)
+    steps_match(fails, desc, engine, opt, ref, ref_opt, local, (x, y), F.mse_loss, steps=2)
+    state = engine.full_state_dict()
+    for k, v in ref.state_dict().items():  # steps, ema, BatchNorm's statistics and count, the weights
+        fails.check(f"{desc}: {k} after 2 steps", state[k].to(v.dtype), v, 1e-9)
+    engine.eval()
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x)
+    fails.check(f"{desc}: prediction", tree_leaves(engine.predict(local[0]))[0], want)
+    fails.raise_if_any(rank)
+
+
+@pytest.mark.parametrize("world,spec", [
+    (2, {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"recompute": True}}),
+    (4, {"grid": {"spatial": [2, 2, 1]}, "pipeline": {"recompute": True}}),
+], ids=["2-spatial", "4-spatial_2x2"])
+def test_recomputation_leaves_buffers_as_one_process(pools, world, spec):
+    pools(world).run(_recompute_body, spec, timeout=300)

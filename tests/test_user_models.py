@@ -169,6 +169,38 @@ class DictNet(nn.Module):
         return {"main": self.main(h), "aux": [self.aux(h)]}
 
 
+class CBAMNet(nn.Module):
+    """CBAM's attention (Woo et al.): one MLP called on the average- and the max-pooled features, and a
+    spatial map from the mean and ``torch.max`` over channels. A module called twice and a function
+    returning values and indices run by module swapping, weights shared as in torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 4, 3, padding=1), nn.Conv3d(4, 1, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Conv3d(4, 2, 1), nn.ReLU(), nn.Conv3d(2, 4, 1))
+        self.spatial = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        h = h * torch.sigmoid(self.mlp(F.adaptive_avg_pool3d(h, 1)) + self.mlp(F.adaptive_max_pool3d(h, 1)))
+        s = torch.cat([torch.mean(h, dim=1, keepdim=True), torch.max(h, dim=1, keepdim=True)[0]], dim=1)
+        return self.c2(h * torch.sigmoid(self.spatial(s)))
+
+
+class MaxChunkNet(nn.Module):
+    """Traceable, but with values that are not one tensor between layers (``max``'s values and
+    indices, ``chunk``'s tensors): the model's own forward runs split by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 4, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        a, b = (h - torch.max(h, dim=1, keepdim=True).values).chunk(2, 1)
+        return self.c2(a * b)
+
+
 class DeepNet(nn.Module):
     """Deep supervision at two resolutions (a tuple): the plan gathers both for the loss."""
 
@@ -268,6 +300,9 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
 
 CASES = [
     (2, "reductions over every dim", "WholeNorm", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "CBAM, a shared MLP and max over channels", "CBAMNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "CBAM, 2x2", "CBAMNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "max's values and chunk's tensors between layers", "MaxChunkNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "slices of a split dim", "OneSlice", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "slices of split dims, 2x2", "OneSlice", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "isinstance check, spatial", "IsInstanceNet", {"grid": {"spatial": [2, 1, 1]}}),

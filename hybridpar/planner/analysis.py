@@ -23,7 +23,7 @@ from hybridpar.axes import REPLICATED
 from hybridpar.call_keys import module_path
 from hybridpar.nn import registry
 from hybridpar.nn.formulas import LayerGeometry
-from hybridpar.planner.faithful import check_faithful
+from hybridpar.planner.faithful import check_faithful, shape_value, untraced_value
 from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, trace, trace_values
 from hybridpar.planner.space_maps import SpaceMap, find_space_maps
 from hybridpar.planner.terms import SpecError, Split
@@ -97,9 +97,8 @@ def node_shapes(graph: ModelGraph, values: dict) -> Shapes:
         if n.name == OUTPUT:  # the outputs' structure: each has its own node's shape
             shapes.append((tuple(first.shape), ()))
             continue
-        if not _shape_value(out):
-            raise SpecError(f"{n.name} ({n.kind}): returns {type(out).__name__}, not a tensor or a value "
-                            f"computed from shapes; a parallelized forward passes tensors between layers")
+        if not shape_value(out):
+            raise untraced_value(graph.kind, n.name, n.kind, out)
         graph.values.add(n.name)
         shapes.append((tuple(first.shape) if first is not None else (), ()))
     return shapes
@@ -114,13 +113,6 @@ def _lead_input(inputs: list[torch.Tensor], out: object) -> torch.Tensor | None:
     same = [t for t in inputs if t.shape == out.shape]
     space = [t for t in inputs if t.dim() == out.dim() and t.shape[2:] == out.shape[2:]]
     return next(iter(same or space or inputs), None)
-
-
-def _shape_value(v: object) -> bool:
-    """Sizes, extents, ranks, and what arithmetic makes of them (what a forward computes from shapes)."""
-    if isinstance(v, list | tuple):
-        return all(_shape_value(e) for e in v)
-    return isinstance(v, int | float | bool | torch.dtype | torch.device) or v is None
 
 
 # ---------------------------------------------------------------------- per-layer arithmetic

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.planner.graph import GraphRunError, ModelGraph, UntraceableError, trace_values
+from hybridpar.planner.graph import OUTPUT, GraphRunError, ModelGraph, UntraceableError, trace_values
 
 _WHY = ("a Python check on a traced value, such as isinstance, torch.jit.isinstance or hasattr, was fixed "
         "at trace time")
@@ -108,4 +108,24 @@ def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, 
         raise UntraceableError(
             f"model ({kind}): torch.fx traced a graph that computes something other than its forward: the "
             f"{longer} makes {abs(len(eager) - len(traced))} more operation(s), from {node} on ({_WHY})")
+    values = graph.traced[tuple(input_shape)]
+    for n in graph.nodes:
+        v = values[n.name]
+        if n.name != OUTPUT and not isinstance(v, torch.Tensor) and not shape_value(v):
+            raise untraced_value(kind, n.name, n.kind, v)
     graph.faithful_for.add(input_shape)
+
+
+def shape_value(v: object) -> bool:
+    """Sizes, extents, ranks, and what arithmetic makes of them (what a forward computes from shapes)."""
+    if isinstance(v, list | tuple):
+        return all(shape_value(e) for e in v)
+    return isinstance(v, int | float | bool | torch.dtype | torch.device) or v is None
+
+
+def untraced_value(model: str, name: str, kind: str, value: object) -> UntraceableError:
+    """A node whose value is neither a tensor nor computed from shapes (``torch.max(x, 1)``'s values and
+    indices, ``x.chunk(2, 1)``'s tensors): the traced plan places tensors, one per node, so the model's
+    own forward runs split by module swapping, which follows such calls (or refuses them by name)."""
+    return UntraceableError(f"model ({model}): {name} ({kind}) returns {type(value).__name__}, "
+                            f"not a tensor or a value computed from shapes, between layers")

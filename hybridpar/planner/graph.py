@@ -112,6 +112,7 @@ class ModelGraph:
     training: bool = True  # the mode the model was traced in
     mode_dependent: bool = False  # its forward traces otherwise in the other mode (``if self.training``)
     attributes: tuple[trace_state.TracedAttribute, ...] = ()  # plain attributes the graph holds (trace_state)
+    kind: str = ""  # the model's class name, for messages
 
     @property
     def chain(self) -> bool:
@@ -227,9 +228,12 @@ def trace(model: nn.Module) -> ModelGraph:
                                        f"{SUPPORTED}")
             calls[target] = calls.get(target, 0) + 1
             if calls[target] > 1 and any(True for _ in module.parameters()):
-                raise SpecError(f"model: module {target} ({type(module).__name__}) is called more than "
-                                f"once in forward; its weights would be shared between calls, which a "
-                                f"split or a pipeline cut does not follow: use one module per call")
+                # a shared MLP (CBAM's, on the average- and the max-pooled features): the graph plans a
+                # split per call, not weights shared between two; the model's own forward runs split
+                # by module swapping, where the module is one layer called twice, as in torch
+                raise UntraceableError(f"model ({type(model).__name__}): module {target} "
+                                       f"({type(module).__name__}) is called more than once in forward, "
+                                       f"its weights shared between the calls; {SUPPORTED}")
             name = call_key(target, calls[target] - 1)
             nodes.append(Node(name, "module", target, module, inputs, n))
         else:
@@ -246,6 +250,7 @@ def trace(model: nn.Module) -> ModelGraph:
         for k in range(1, len(parts)):
             containers.setdefault(".".join(parts[:k]), i)
     return ModelGraph(gm, nodes, output or nodes[-1].name, containers, training=model.training,
+                      kind=type(model).__name__,
                       mode_dependent=_mode_dependent(model, graph),
                       attributes=trace_state.traced_attributes(model, reads))
 

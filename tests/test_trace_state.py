@@ -299,3 +299,21 @@ def test_attributes_the_graph_holds_are_those_the_forward_read():
     assert change is not None and "model.inner.scale (_Inner) as 2.0 at hp.parallelize, and it is gone" in \
         change.message("Engine.train_step")
     assert all(cls.__dict__.get("__getattribute__") is None for cls in (_Outer, _Inner, _Plain))
+
+
+class _TensorAttr(_Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.tensor(2.0)  # neither a parameter nor a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(F.relu(self.c1(x)) * self.scale)
+
+
+def test_a_plain_tensor_attribute_is_not_traced():
+    """fx would hold the tensor a forward reads from a plain attribute as a constant of the graph (a
+    get_attr of it), so a change by the training loop would be lost: such a forward is untraceable."""
+    from hybridpar.planner.graph import UntraceableError, trace
+
+    with pytest.raises(UntraceableError, match=r"its forward reads scale directly"):
+        trace(_TensorAttr())

@@ -15,6 +15,8 @@ data 2 x spatial [2,1,1] (with micro-batches of one sample) and a 2-stage pipeli
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,84 @@ def test_a_loss_that_does_not_split_is_refused_alike_on_every_rank(pools, world,
     assert line.startswith(f"Engine.train_step: loss_fn {name}") and "\n" not in line, f"{desc}: {line}"
     assert cut in line and "reduction 'mean' or 'sum'" in line, f"{desc}: {line}"
     assert all(ok for _, ok in said), f"{desc}: a gradient was applied or left before the refusal"
+
+
+def Classes() -> nn.Module:  # noqa: N802 (named as the model it builds)
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Tanh(), nn.Conv3d(2, 3, 3, padding=1))
+
+
+def _ignored(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, y[:, 0], ignore_index=255)
+
+
+def _weighted(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, y[:, 0], weight=torch.tensor([0.2, 1.0, 3.0], dtype=o.dtype))
+
+
+def _parts(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return F.mse_loss(o, y), {"mse": F.mse_loss(o, y).detach()}
+
+
+# name: (model, loss, batch, the step refused (its batch the first with ignored voxels), what the line says)
+LATER = {
+    "ignore_index from the 2nd batch": ("Classes", _ignored, 4, 1, "halves along D"),
+    "weighted CE, one sample per replica": ("Classes", _weighted, 2, 0, "its first half along D taken twice"),
+    "tuple returned": ("Plain", _parts, 4, 0, "returned a tuple of 2 items; "),
+}
+
+
+def _later_body(rank: int, world: int, case: str, spec: dict) -> tuple[str, int, float]:
+    """Two steps beside one process until the engine refuses: what it said, at which step, and how far
+    the weights then are from one process's after the steps before (0: nothing applied)."""
+    model, loss_fn, batch, refused_at, _ = LATER[case]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn((2, batch, *SHAPE[1:]), dtype=torch.float64, generator=g)
+    if model == "Classes":
+        y = torch.randint(0, 3, (2, batch, 1, *SHAPE[2:]), generator=g)
+        if loss_fn is _ignored:
+            y[refused_at, :, :, :2] = 255  # the first batch has none: a mean there
+    else:
+        y = torch.randn(x.shape, dtype=torch.float64, generator=g)
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    ref = globals()[model]().double()
+    mine = globals()[model]().double()
+    mine.load_state_dict(ref.state_dict())
+    engine = hp.parallelize(mine, spec, loss_fn=loss_fn)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (mine, ref))
+    for step in range(2):
+        opt.zero_grad()
+        try:
+            engine.train_step(*engine.shard_batch(x[step], y[step]))
+        except ValueError as err:
+            pairs = zip(mine.parameters(), ref.parameters(), strict=True)
+            off = max((p - q).abs().max().item() for p, q in pairs)
+            return str(err), step, off
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref(x[step]), y[step]).backward()
+        ref_opt.step()
+    return "no error", 2, math.inf
+
+
+@pytest.mark.parametrize("world,case,spec", [
+    (2, "ignore_index from the 2nd batch", S2),
+    (2, "weighted CE, one sample per replica", {"grid": {"data": 2}}),
+    (2, "tuple returned", S2), (2, "tuple returned", PIPE),
+], ids=["ignore_index-later-spatial2", "weighted_ce-data2", "tuple-spatial2", "tuple-pipe2"])
+def test_a_loss_is_checked_on_every_step_and_must_be_a_scalar(pools, world, case, spec):
+    said = pools(world).run(_later_body, case, spec, timeout=60)  # a rank left waiting would time out
+    desc, (_, _, _, step, part) = f"{case} {spec}", LATER[case]
+    lines = {s for s, _, _ in said}
+    assert len(lines) == 1, f"{desc}: ranks said different things: {lines}"
+    line = lines.pop()
+    name = LATER[case][1].__name__
+    assert line.startswith(f"Engine.train_step: loss_fn {name} ") and "\n" not in line, f"{desc}: {line}"
+    assert part in line, f"{desc}: the line does not say {part!r}: {line}"
+    steps, offs = [s for _, s, _ in said], [o for _, _, o in said]
+    assert set(steps) == {step}, f"{desc}: refused at steps {steps}, not {step}"
+    assert max(offs) < 1e-9, f"{desc}: weights off one process's after the steps before by {offs}"
 
 
 def _recompute_body(rank: int, world: int, spec: dict) -> None:

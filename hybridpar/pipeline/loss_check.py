@@ -9,12 +9,16 @@ loss normalised by the target's variance, Pearson, differences between neighbour
 term) has no combination of parts at all, and trained silently wrong (a sum x0.5 on two ranks, the
 others off by 1e-3 to 40 %).
 
-How: on the first micro-batch's output and target of a step (under no_grad, detached), each rank
-cuts what it holds in two along every dim the engine cuts: each split spatial dim the shard has two
-voxels along, and the batch where replicas or micro-batches cut it. It compares the loss of the
-whole (the step's own value) with the parts' size-weighted mean and with their sum. The parts are
-views (``narrow``; a batch of one sample is doubled by ``expand``) of tensors the step holds: no copy
-of the volume, two loss evaluations per cut dim, once per loss function. The ranks agree in one
+How: on the first micro-batch's output and target of every step (under no_grad, detached; every
+step, as a masked or ``ignore_index`` loss may mask nothing in its first batches), each rank cuts what
+it holds in two along every dim the engine cuts: each split spatial dim the shard has two voxels
+along, and the batch where replicas or micro-batches cut it. It compares the loss of the whole (the
+step's own value) with the parts' size-weighted mean and with their sum. The parts are views
+(``narrow``) of tensors the step holds: no copy of the volume, two loss evaluations per cut dim. A
+part of one sample has no second sample to cut from: it is paired with a second one made of its first
+half (along the first spatial dim it has two voxels along) taken twice, which counts its labels,
+masked voxels and weights differently (a copy of one sample; :func:`pair`); without such a dim it is
+doubled (``expand``), which tells a mean from a sum only. The ranks agree in one
 all-gather of a few numbers over the stage (:func:`agree`), so a shard where the test tells nothing
 (too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
 a sum, or one line, the same on every rank, raised before any backward runs.
@@ -35,6 +39,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 MEAN, SUM = "mean", "sum"
 SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
 DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
+PAIRED = 5  # + the spatial dim (0-2): a sample paired with its first half taken twice along it
 # per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
 _NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
 
@@ -50,7 +55,8 @@ class Verdict:
 @dataclass(frozen=True)
 class Finding:
     """What one rank found along one cut ``dim`` (0 the batch, 2-4 a spatial dim, -1 none;
-    :data:`DOUBLED`: a batch of one sample doubled, ``whole`` the loss of the two)."""
+    :data:`DOUBLED`: a batch of one sample doubled, ``whole`` the loss of the two; :data:`PAIRED` + d:
+    a sample paired with a second, ``whole`` the loss of the pair)."""
 
     dim: int
     whole: float
@@ -107,6 +113,33 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
         return Finding(-1, math.nan, math.nan, math.nan)
 
 
+def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int) -> Finding:
+    """A batch of one sample, ``out`` and ``y``, paired with a second sample made of its first half
+    along spatial dim ``d`` taken twice (its labels, masked voxels and class weights counted otherwise),
+    compared with the two samples' losses: a loss that averages (or sums) over samples fits, one
+    normalised over the batch (class-weighted cross entropy, ``ignore_index``, a batch's variance) does
+    not, while a sample taken twice (:data:`DOUBLED`) passes any such normalisation. Volumes of the
+    sample's spatial extent are tiled, other per-sample tensors taken twice, the rest left whole."""
+    box = next(tuple(t.shape[-3:]) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
+    extent, k = box[d], box[d] // 2
+    volume = lambda t: isinstance(t, torch.Tensor) and t.dim() >= 4 and tuple(t.shape[-3:]) == box  # noqa: E731
+    sample = lambda t: isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1  # noqa: E731
+
+    def second(t: Any) -> Any:
+        if not (sample(t) and volume(t)):
+            return t
+        return torch.cat([t.narrow(d - 3, 0, k), t.narrow(d - 3, 0, extent - k)], d - 3)
+
+    other_out, other_y = tree_map(second, out), tree_map(second, y)
+    both = functools.partial(tree_map, lambda a, b: torch.cat([a, b]) if sample(a) else a)
+    try:
+        other = _evaluate(loss_fn, other_out, other_y)
+        together = _evaluate(loss_fn, both(out, other_out), both(y, other_y))
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return Finding(-1, math.nan, math.nan, math.nan)
+    return Finding(PAIRED + d, together, (whole + other) / 2, whole + other)
+
+
 def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims: list[int],
              batch_cut: bool) -> tuple[list[Finding], list[Finding]]:
     """This rank's findings along the shards' split dims (``split_dims``, spatial: 0-2) and, where
@@ -132,7 +165,11 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
         samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() > 0 else None
         if batch_cut and samples:
             per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
-            batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
+            long = [d for d in range(3) if volume is not None and volume.shape[2 + d] >= 2]
+            if samples == 1 and long:  # a one-sample part: paired (a sample doubled passes any count)
+                batch = [pair(loss_fn, out, y, whole, long[0])]
+            else:
+                batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
     return space, batch
 
 
@@ -185,9 +222,13 @@ def name_of(fn: Callable) -> str:
 
 def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[str]) -> str:
     """The one line every rank raises (see module doc): the values found, what fits, what to do."""
-    whole, parts = {0: ("a micro-batch", "its two halves (samples)"),
-                    DOUBLED: ("a sample taken twice", "each copy")}.get(
-        found.dim, ("an output shard", f"its two halves along {'DHW'[found.dim - 2]}"))
+    if found.dim >= PAIRED:
+        whole, parts = (f"a sample paired with its first half along {'DHW'[found.dim - PAIRED]} taken twice",
+                        "the two samples")
+    else:
+        whole, parts = {0: ("a micro-batch", "its two halves (samples)"),
+                        DOUBLED: ("a sample taken twice", "each copy")}.get(
+            found.dim, ("an output shard", f"its two halves along {'DHW'[found.dim - 2]}"))
     cut = (f"on {whole} it is {found.whole:.6g}, on {parts} {found.mean:.6g} as their size-weighted mean "
            f"and {found.sum:.6g} as their sum")
     fits = ("the engine evaluates loss_fn on each rank's output shard, micro-batch and data-parallel replica "
@@ -222,3 +263,56 @@ def decode(t: torch.Tensor) -> tuple[int, Finding] | None:
     if not t[0] > 0:
         return None
     return int(t[1]), Finding(int(t[2]), float(t[3]), float(t[4]), float(t[5]))
+
+
+_KINDS = ("a tensor", "a tuple", "a list", "a dict", "a Python number", "None", "an object that is no tensor")
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+RETURNED = 11  # the numbers of a description (:func:`returned`): kind, dtype, length or ndim, 8 dims
+
+
+def returned(value: Any) -> list[float] | None:
+    """What ``loss_fn`` returned, as numbers every rank can be told (:func:`told`), where it is no
+    scalar floating tensor (0-d or one element); None where it is one.
+
+    Why: the engine weighs, sums and differentiates the value: a tuple or dict (a total and its terms)
+    failed deep inside the check, and on a pipeline the other stages waited for a gradient until the
+    transport's timeout."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.is_floating_point():
+            return None
+        dtype = float(_DTYPES.index(value.dtype)) if value.dtype in _DTYPES else -1.0
+        dims = [float(n) for n in value.shape[:8]]
+        return [0.0, dtype, float(value.dim()), *dims, *[-1.0] * (8 - len(dims))]
+    kinds = (tuple, list, dict, (int, float), type(None))
+    kind = next((i + 1 for i, k in enumerate(kinds) if isinstance(value, k)), len(_KINDS) - 1)
+    length = float(len(value)) if isinstance(value, (tuple, list, dict)) else -1.0
+    return [float(kind), -1.0, length, *[-1.0] * 8]
+
+
+def told(description: list[float] | None) -> torch.Tensor:
+    """A description (:func:`returned`) for an all-reduce MAX: -inf where there is none, so the loss
+    stage's is what every rank gets (its ranks' differing shapes, if any, taken dim by dim the largest)."""
+    if description is None:
+        return torch.full((RETURNED + 1,), -math.inf, dtype=torch.float64)
+    return torch.tensor([1.0, *description], dtype=torch.float64)
+
+
+def untold(t: torch.Tensor) -> list[float] | None:
+    """The description :func:`told` wrote, or None."""
+    return t[1:].tolist() if t[0] > 0 else None
+
+
+def returned_line(loss_fn: Callable, description: list[float]) -> str:
+    """The one line every rank raises for a loss that returned no scalar: what it returned, what fits."""
+    kind, dtype, n, *dims = (int(v) for v in description)
+    what = _KINDS[kind]
+    if kind == 0:
+        shape = tuple(dims[:min(n, 8)])
+        what = (f"a tensor of shape {shape}{' (more dims not shown)' if n > 8 else ''} and dtype "
+                f"{_DTYPES[dtype] if dtype >= 0 else 'another'}")
+    elif n >= 0:
+        what = f"{what} of {n} item{'s' if n != 1 else ''}"
+    return (f"Engine.train_step: loss_fn {name_of(loss_fn)} returned {what}; the engine weighs, combines and "
+            f"differentiates the loss, so loss_fn must return a scalar tensor (0-d or one element, floating "
+            f"point): return the sum of your terms, and log the terms outside train_step")

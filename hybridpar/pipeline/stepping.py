@@ -7,8 +7,9 @@ output, the action list worked out once per micro-batch count, and where inputs 
 A new schedule (interleaved 1F1B, zero-bubble) changes this part and the schedule module only.
 
 The loss's weighting is right only for a loss that splits as the engine combines it: that is checked
-on the first step of each loss function (:mod:`hybridpar.pipeline.loss_check`), which also finds a sum
-(summed over shards, micro-batches and replicas then). A recomputed forward runs on the buffers the
+on every step (:mod:`hybridpar.pipeline.loss_check`; a masked loss may mask nothing in its first
+batches), which also finds a sum (summed over shards, micro-batches and replicas then), after checking
+that the loss is a scalar tensor at all. A recomputed forward runs on the buffers the
 forward found and leaves them as they were (:func:`_recompute_contexts`): a model's own buffer
 updates (an EMA, a step counter) count once, as in one process.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_structure
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.comm.transport import Work
@@ -61,9 +62,9 @@ class Stepper:
         self.reducer: GradReducer | None = None
         self.replica_stats: ReplicaStats | None = None
         self.verdict = loss_check.Verdict()  # how the loss's parts combine (checked: see loss)
-        self._checked: Any = None  # what the verdict is of: the loss function (and output structure)
         self._pending = False  # the step's first loss is still to come (the one a check reads)
         self._refused: tuple[int, loss_check.Finding] | None = None  # a pipeline's, told after the step
+        self._returned: list[float] | None = None  # a pipeline's loss that is no scalar, told alike
         self._batch, self._cut_batch = 1, False  # the replica batch; whether micro-batches or replicas cut it
 
     @property
@@ -96,15 +97,19 @@ class Stepper:
         exchange's); for a sum, shards summed, micro-batches and replicas too (the share of the batch
         and the replicas' average undone). Split outputs of one structure share one split and one
         extent (the plan gathers them otherwise), so one share weighs them all. Which of the two the
-        loss is, or neither (refused), is checked on the first step of each loss (:meth:`_check`)."""
+        loss is, or neither (refused), is checked on every step (:meth:`_check`), and first whether it
+        is a scalar tensor (:func:`loss_check.returned`): one line on every rank where it is not."""
         loss = self.loss_fn(out, y)
-        if self._refused is not None:  # a pipeline's refusal: no gradient, the step ends, then the error
-            return torch.zeros((), dtype=loss.dtype, device=loss.device)
+        bad = loss_check.returned(loss) if self._returned is None else None
+        if bad is not None:
+            if self.grid.pipe == 1:
+                raise ValueError(loss_check.returned_line(self.loss_fn, bad))
+            self._returned = bad  # the other stages wait for a gradient: told after the step
+        if self._refused is not None or self._returned is not None:  # no gradient, the step ends, the error
+            return self._nothing(out, y)
         if self._pending:
             self._pending = False
-            key = id(self.loss_fn) if self.grid.pipe > 1 else (id(self.loss_fn), tree_structure(out))
-            if key != self._checked:
-                loss = self._check(out, y, loss, key)
+            loss = self._check(out, y, loss)
         stage, weight = self.built.stage, 1.0
         if stage.output_split != REPLICATED and self.verdict.space == loss_check.MEAN:
             lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
@@ -113,7 +118,14 @@ class Stepper:
             weight *= self._batch / y.shape[0] * self.grid.data
         return loss if weight == 1.0 else loss * weight
 
-    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor, key: Any) -> torch.Tensor:
+    @staticmethod
+    def _nothing(out: Any, y: torch.Tensor) -> torch.Tensor:
+        """A zero loss without a gradient, in the output's dtype (a loss that gave no tensor has none)."""
+        ref = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()), y)
+        dtype = ref.dtype if ref.is_floating_point() else torch.get_default_dtype()
+        return torch.zeros((), dtype=dtype, device=ref.device)
+
+    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """Whether ``loss_fn`` is a mean or a sum along the dims the engine cuts (see
         :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks; neither raises the same
         line on every rank before any backward, or on a pipeline (whose other stages wait for a
@@ -124,23 +136,27 @@ class Stepper:
         group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
         self.verdict, refused = loss_check.agree(space, batch, loss_check.rtol_of(loss.dtype), group,
                                                  loss.device)
-        self._checked = key
         if refused is None:
             return loss
         if self.grid.pipe == 1:
-            self._checked = None
+            self.verdict = loss_check.Verdict()
             raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
         self._refused = refused
         return torch.zeros((), dtype=loss.dtype, device=loss.device)
 
     def _tell_stages(self, device: torch.device) -> None:
-        """After a pipeline's checking step: the loss stage's refusal, if any, on every rank (one
-        all-reduce over the job, once per loss function), raised alike everywhere."""
-        told = loss_check.encode(self._refused).to(device)
+        """After a pipeline's step: the loss stage's refusal, if any, on every rank (one all-reduce of 18
+        numbers over the job, every step: the check is), raised alike everywhere; a loss that was no
+        scalar tensor first."""
+        told = torch.cat([loss_check.encode(self._refused), loss_check.told(self._returned)]).to(device)
         dist.all_reduce(told, op=dist.ReduceOp.MAX)
-        self._refused, refused = None, loss_check.decode(told.cpu())
+        told = told.cpu()
+        self._refused, self._returned = None, None
+        refused, returned = loss_check.decode(told[:6]), loss_check.untold(told[6:])
+        if returned is not None:
+            raise ValueError(loss_check.returned_line(self.loss_fn, returned))
         if refused is not None:
-            self._checked, self.verdict = None, loss_check.Verdict()
+            self.verdict = loss_check.Verdict()
             raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
 
     def _output_layers(self) -> list[str]:
@@ -224,11 +240,9 @@ class Stepper:
         upto, steps = self.step_plan(len(sizes))
         ctx = self._context(send, training, grads=True)
         self._batch, self._cut_batch = sum(sizes), len(sizes) > 1 or self.grid.data > 1
-        self._pending, self._refused = True, None
-        tell = self.grid.pipe > 1 and self._checked != id(self.loss_fn)  # every stage knows the loss
+        self._pending, self._refused, self._returned = True, None, None
         loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
-        if tell:
-            self._checked = id(self.loss_fn)
+        if self.grid.pipe > 1:  # every stage learns the loss stage's check
             self._tell_stages(device)
         return loss
 

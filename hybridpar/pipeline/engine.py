@@ -65,9 +65,11 @@ from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline import predicting
 from hybridpar.pipeline.batch import shard
 from hybridpar.pipeline.building import Source, build, reducers
+from hybridpar.pipeline.clipping import clip_grad_norm_
 from hybridpar.pipeline.model_mode import ModelMode
 from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
+from hybridpar.pipeline.step_state import BufferWatch, micro_batch_norms, refuse_micro_batch_norms
 from hybridpar.pipeline.stepping import Stepper
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
@@ -106,6 +108,7 @@ class Engine:
         self.plan: list[LayerPlan] | None = None
         self._mode = ModelMode(model)  # model.train()/model.eval() govern it, as engine.train()/eval() do
         self._batch_norms: list[tuple[str, nn.Module]] | None = None
+        self._buffer_watch = BufferWatch()
         if input_shape is not None:
             self._build(tuple(input_shape))
 
@@ -128,24 +131,22 @@ class Engine:
                             f".{now.replace('ing', '')}(), ...)), or put this engine back with "
                             f"model.train({bound}) or engine.train({bound})")
 
-    def _check_batch_stats(self) -> None:
-        """Refuse to train BatchNorm on micro-batches unless the spec accepts their statistics: a
-        micro-batch's mean and variance are not its replica batch's, which one process (and the
-        engine without micro-batches) normalises with; no schedule that pipelines can wait for them."""
+    def _check_batch_stats(self, training: bool) -> bool:
+        """Refuse state that micro-batches would move more often than one process does
+        (:mod:`~hybridpar.pipeline.step_state`): norms' statistics unless the spec accepts them, and,
+        on the first micro-batched training step, any other buffer the forward changes. True: that
+        step's buffers are being watched (``_buffer_watch.finish`` after it)."""
         pl = self.spec.pipeline
-        if pl.microbatches == 1 or pl.micro_batch_stats:
-            return
+        if pl.microbatches == 1:
+            return False
         if self._batch_norms is None:  # this stage's, found once
-            bn = nn.modules.batchnorm._BatchNorm
-            self._batch_norms = [(".".join(p for p in (n, k) if p), s) for n, m in self.layers
-                                 for k, s in m.named_modules() if isinstance(s, bn)]
-        name = next((n for n, s in self._batch_norms if s.training), None)
-        if name is not None:
-            raise SpecError(f"Engine.train_step: {name or 'the model'} is a BatchNorm, which would "
-                            f"normalise each of the {pl.microbatches} micro-batches by its own "
-                            f"statistics, not its replica batch's; use pipeline.microbatches 1, "
-                            f"GroupNorm or InstanceNorm, or accept micro-batch statistics (GPipe's) "
-                            f"with pipeline: {{micro_batch_stats: true}}")
+            self._batch_norms = micro_batch_norms(self.layers)
+        if not pl.micro_batch_stats:
+            refuse_micro_batch_norms(self._batch_norms, pl.microbatches, "Engine.train_step")
+        if self._buffer_watch.done or not training:
+            return False
+        self._buffer_watch.start(self.layers, [s for _, s in self._batch_norms])
+        return True
 
     def _require_built(self, what: str) -> None:
         if not self.built:
@@ -261,6 +262,13 @@ class Engine:
         self._require_built("parameters")
         return [p for _, m in self.layers for p in m.parameters()]
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, after ``train_step``; call on every
+        rank. torch's over ``model.parameters()`` would see one pipeline stage's gradients alone and
+        clip each stage by its own factor (:mod:`~hybridpar.pipeline.clipping`). Returns the norm."""
+        self._require_built("clip_grad_norm_")
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.grid.pipe_group, self.grid.pipe)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names."""
         self._require_built("named_parameters")
@@ -337,14 +345,17 @@ class Engine:
         self._require_built("train_step")
         training = self._follow_model()  # False: trains in eval mode (frozen BatchNorm statistics), as torch
         self._check_mode("train_step")
-        self._check_batch_stats()
+        watching = self._check_batch_stats(training)
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
             if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
                 _check_build_size(x_local, self.input_shape, local_box(self.input_shape[2:], self.input_grid))
-        return self._stepper.train(x_local, y_local, loss_scale, self._send, training)
+        loss = self._stepper.train(x_local, y_local, loss_scale, self._send, training)
+        if watching:
+            self._buffer_watch.finish("Engine.train_step", self.spec.pipeline.microbatches)
+        return loss
 
     @torch.no_grad()
     def predict(self, x_local: torch.Tensor | None, batch: int | None = None, gather: bool = True) -> Any:

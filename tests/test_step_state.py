@@ -1,0 +1,129 @@
+"""State a micro-batched step would get wrong, and gradient clipping over a pipeline.
+
+Why: these were silent: with ``pipeline.microbatches`` 2 an InstanceNorm's running statistics and a
+forward's own counter moved twice per step, and torch's ``clip_grad_norm_`` on a pipeline clipped each
+stage by its own norm. Now the first two are refused in one line on every rank (the buffers left as
+before the step) and ``Engine.clip_grad_norm_`` clips by the whole model's norm, as one process does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SHAPE = (2, 1, 12, 10, 8)
+
+
+class Plain(nn.Module):
+    def __init__(self, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        self.c1 = nn.Conv3d(1, 4, 3, padding=1)
+        self.n = norm or nn.Identity()
+        self.c2 = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(F.relu(self.n(self.c1(x))))
+
+
+class Counter(Plain):
+    """A forward keeping a step counter and a weight EMA in buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("ema_w", torch.zeros(4, 1, 3, 3, 3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps += 1
+            self.ema_w.mul_(0.9).add_(0.1 * self.c1.weight.detach())
+        return super().forward(x)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(SHAPE, dtype=torch.float64, generator=g),
+             torch.randn(SHAPE, dtype=torch.float64, generator=g)) for _ in range(2)]
+
+
+def _clip_body(rank: int, world: int, spec: dict, norm_type: float) -> list[str]:
+    """Two SGD steps with clipping against one process with torch's ``clip_grad_norm_``."""
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    ref = Plain().double()
+    model = copy.deepcopy(ref)
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=SHAPE)
+    opt = torch.optim.SGD(engine.parameters() or [{"params": []}], lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    fails = []
+    for s, (x, y) in enumerate(_batches()):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        engine.train_step(*engine.shard_batch(x, y))
+        F.mse_loss(ref(x), y).backward()
+        got = engine.clip_grad_norm_(0.05, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+        if not torch.allclose(got.double(), want, rtol=1e-12, atol=0):
+            fails.append(f"{spec} step {s}: norm {got.item()} vs one process {want.item()}")
+        ref_grads = dict(ref.named_parameters())
+        for k, p in engine.named_parameters():
+            if not torch.allclose(p.grad, ref_grads[k].grad, rtol=1e-12, atol=1e-15):
+                fails.append(f"{spec} step {s}: clipped grad of {k} differs")
+        opt.step()
+        ref_opt.step()
+    full = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        if not torch.allclose(full[k].double(), v, rtol=1e-12, atol=1e-15):
+            fails.append(f"{spec}: {k} after 2 clipped steps differs from one process")
+    return fails
+
+
+@pytest.mark.parametrize("spec", [
+    {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2, "stages": ["c1", "c2"]}},
+    {"grid": {"spatial": [2, 1, 1]}},
+], ids=["pipe2", "spatial2"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+def test_clip_grad_norm_matches_one_process(pools, spec, norm_type):
+    fails = pools(2).run(_clip_body, spec, norm_type, timeout=300)
+    assert fails == [[], []], fails
+
+
+def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float]:
+    """The refusal each case gets (or "" where none), and the counter afterwards (-1 if none)."""
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm3d(4, affine=True, track_running_stats=True)
+    model = (Counter() if case == "counter" else Plain(norm)).double()
+    spec = {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}
+    if case == "instancenorm accepted":
+        spec["pipeline"]["micro_batch_stats"] = True
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=SHAPE)
+    x, y = _batches()[0]
+    try:
+        engine.train_step(*engine.shard_batch(x, y))
+        said = ""
+    except hp.SpecError as err:
+        said = str(err)
+    steps = engine.full_state_dict()["steps"].item() if case == "counter" else -1.0
+    return said, steps
+
+
+@pytest.mark.parametrize("case,start", [
+    ("instancenorm", "Engine.train_step: n (DistInstanceNorm3d) tracks running statistics"),
+    ("counter", "Engine.train_step: the forward changes buffers ema_w, steps, which would move once per"),
+    ("instancenorm accepted", ""),
+])
+def test_micro_batches_refuse_buffers_the_forward_moves(pools, case, start):
+    said = pools(2).run(_refusal_body, case, timeout=300)
+    messages = {m for m, _ in said}
+    assert len(messages) == 1, f"{case}: ranks said different things: {said}"
+    (message,) = messages
+    assert "\n" not in message and message.startswith(start), f"{case}: {message!r}"
+    if case == "counter":
+        assert [s for _, s in said] == [0.0, 0.0], f"{case}: buffers not restored: {said}"

@@ -112,9 +112,60 @@ class TauBuffer(_Plain):
         return self.c2(torch.tanh(F.relu(self.c1(x)) / self.tau))
 
 
+class _Scale(nn.Module):
+    """A block of the user's with a plain tensor and a plain float, no children: torch.fx keeps it whole
+    (one node), and it runs on shards as a copy of itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s, self.tau = torch.tensor(1.0, dtype=torch.float64), 1.0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.s / self.tau
+
+
+class LeafAttrs(_Plain):
+    """Traced, its block's plain attributes set by the training loop (rebound, filled in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sc = _Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.sc(F.relu(self.c1(x))))
+
+    def anneal(self, step: int) -> None:
+        self.sc.tau = 2.0 + step
+        self.sc.s.fill_(0.5 + step)
+
+
+class SwappedAttrs(_Plain):
+    """Untraceable (a branch on a shape), run by module swapping: a plain float and a plain tensor the
+    training loop changes (rebound, then filled in place), read live by the forward's own Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s, self.tau = torch.tensor(1.0, dtype=torch.float64), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        if h.shape[2] > 4:
+            h = torch.tanh(h * self.s / self.tau)
+        return self.c2(h)
+
+    def anneal(self, step: int) -> None:
+        self.tau = 2.0 + step
+        if step == 0:
+            self.s.fill_(0.5)
+        else:
+            self.s = torch.tensor(2.0, dtype=torch.float64)
+
+
 def _anneal(model: nn.Module, step: int) -> None:
-    """The training loop's temperature schedule, a buffer updated in place."""
-    if isinstance(getattr(model, "tau", None), torch.Tensor):
+    """The training loop's schedule: a temperature buffer updated in place, or the model's own."""
+    if hasattr(model, "anneal"):
+        model.anneal(step)
+    elif isinstance(getattr(model, "tau", None), torch.Tensor):
         model.tau.fill_(0.25 * (step + 1))
 
 
@@ -174,6 +225,9 @@ CASES = [
     (2, "is_grad_enabled branch", "GradModeBranch", SPLIT2),
     (2, "a child block with no_grad", "NoGradChild", SPLIT2),
     (2, "tau as a buffer, annealed", "TauBuffer", SPLIT2),
+    (2, "a kept-whole block's plain attributes, changed", "LeafAttrs", SPLIT2),
+    (2, "plain attributes of a swapped forward, changed", "SwappedAttrs", SPLIT2),
+    (4, "plain attributes of a swapped forward, changed, 2x2", "SwappedAttrs", SPLIT4),
 ]
 
 

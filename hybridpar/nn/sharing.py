@@ -10,15 +10,58 @@ that works voxel by voxel) must hold the user's own parameters and buffers. Both
 from __future__ import annotations
 
 import copy
+import weakref
+from typing import Any
 
+import torch
 from torch import nn
 
 from hybridpar.comm.reduce import grad_split, is_marked, mark_grad_split
 
+_TORCH_OWN = frozenset(vars(nn.Module()))
+"""What torch keeps in every module's ``__dict__`` (parameters, buffers, children, hooks, ``training``):
+not the user's own attributes."""
+
+# Each copy's original and the original's plain attributes as last followed (by identity), per copy.
+_ORIGINALS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, dict[str, Any]]] = \
+    weakref.WeakKeyDictionary()
+
 
 def sharing_copy(m: nn.Module) -> nn.Module:
-    """A copy of ``m`` whose parameters and buffers are ``m``'s own tensors."""
-    return copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers())})
+    """A copy of ``m`` whose parameters, buffers and plain tensor attributes are ``m``'s own tensors, and
+    whose modules follow their originals' plain attributes (:func:`follow_originals`).
+
+    Why: a copy runs the user's forward on shards (module swapping, a block run whole), and that
+    forward reads what the training loop sets on the user's model: a temperature annealed
+    (``model.tau = 0.5``), a tensor filled in place, a dropout rate. A copy frozen at ``parallelize``
+    would train silently on the old values."""
+    own = [t for sub in m.modules() for k, t in vars(sub).items()
+           if k not in _TORCH_OWN and isinstance(t, torch.Tensor)]
+    twin = copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers(), *own)})
+    for orig, mine in zip(m.modules(), twin.modules(), strict=True):
+        _ORIGINALS[mine] = (weakref.ref(orig), _plain(orig))
+    return twin
+
+
+def _plain(m: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(m).items() if k not in _TORCH_OWN}
+
+
+def follow_originals() -> None:
+    """Give every live copy its original's plain attributes that were set since they were last
+    followed (rebound: compared by identity, so a tensor filled in place, shared already, costs
+    nothing). Attributes hybridpar set on a copy itself stay, unless the user sets the same one. Run
+    before each step and prediction: a walk over the copies' attribute dicts."""
+    for mine, (ref, seen) in list(_ORIGINALS.items()):
+        orig = ref()
+        if orig is None:
+            continue
+        for k, v in vars(orig).items():
+            if k not in _TORCH_OWN and seen.get(k, _MISSING) is not v:
+                mine.__dict__[k] = seen[k] = v
+
+
+_MISSING = object()
 
 
 def share_state(src: nn.Module, dst: nn.Module) -> None:

@@ -33,3 +33,10 @@ def tracks_replica_statistics(m: nn.Module) -> bool:
     whose statistics are already the whole batch's."""
     return (isinstance(m, NORM_BASE) and m.track_running_stats and m.running_mean is not None
             and not isinstance(m, nn.SyncBatchNorm) and getattr(m, "stats", "spatial") != "stage")
+
+
+def moves_per_forward(m: nn.Module) -> bool:
+    """Whether ``m`` is a norm whose training forward depends on or updates per-forward statistics:
+    a batch norm (normalises by its batch), or any norm tracking running statistics."""
+    return uses_batch_statistics(m) or (isinstance(m, NORM_BASE) and bool(m.track_running_stats)
+                                        and getattr(m, "running_mean", None) is not None)

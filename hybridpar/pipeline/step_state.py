@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.nn.families import BATCH_NORM, NORM_BASE
+from hybridpar.nn.families import moves_per_forward, uses_batch_statistics
 from hybridpar.planner.terms import SpecError
 
 Layers = Sequence[tuple[str | None, nn.Module]]
@@ -36,16 +36,10 @@ def _join(*parts: str | None) -> str:
     return ".".join(p for p in parts if p)
 
 
-def moves_per_micro_batch(m: nn.Module) -> bool:
-    """Whether ``m`` is a norm whose training forward depends on or updates per-forward statistics:
-    a batch norm (normalises by its micro-batch), or any norm tracking running statistics."""
-    return isinstance(m, BATCH_NORM) or (isinstance(m, NORM_BASE) and bool(m.track_running_stats)
-                                         and getattr(m, "running_mean", None) is not None)
-
-
 def micro_batch_norms(layers: Layers) -> list[tuple[str, nn.Module]]:
-    """This stage's norm layers that micro-batches change (:func:`moves_per_micro_batch`), by name."""
-    return [(_join(n, k), s) for n, m in layers for k, s in m.named_modules() if moves_per_micro_batch(s)]
+    """This stage's norm layers that micro-batches change, by name
+    (:func:`~hybridpar.nn.families.moves_per_forward`)."""
+    return [(_join(n, k), s) for n, m in layers for k, s in m.named_modules() if moves_per_forward(s)]
 
 
 def refuse_micro_batch_norms(norms: list[tuple[str, nn.Module]], microbatches: int, what: str) -> None:
@@ -59,7 +53,7 @@ def refuse_micro_batch_norms(norms: list[tuple[str, nn.Module]], microbatches: i
     name, s = found
     name = name or "the model"
     accept = ("or accept micro-batch statistics (GPipe's) with pipeline: {micro_batch_stats: true}")
-    if isinstance(s, BATCH_NORM):
+    if uses_batch_statistics(s):
         raise SpecError(f"{what}: {name} is a BatchNorm, which would normalise each of the {microbatches} "
                         f"micro-batches by its own statistics, not its replica batch's; use "
                         f"pipeline.microbatches 1, GroupNorm or InstanceNorm, {accept}")

@@ -35,6 +35,12 @@ from hybridpar.comm.transport import TorchP2P
 WARMUP = 3
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: no host sync may run then
+    (a step's checks that read values back skip it; the warm-up steps before the capture ran them)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def capture_problem(engine: Any) -> str | None:
     """Why ``engine``'s step cannot be captured here, or None."""
     if not torch.cuda.is_available():

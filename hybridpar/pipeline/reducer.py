@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from hybridpar.comm.reduce import grad_split, real_view
+from hybridpar.device.cuda_graphs import capturing
 from hybridpar.profiling import range as prange
 
 
@@ -149,7 +150,7 @@ class GradReducer:
                     g = real_view(p.grad)  # a complex gradient travels as its real pairs
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
-                if missing and not _capturing(flat):  # a host sync: only where this rank had none
+                if missing and not capturing(flat.device):  # a host sync: only where this rank had none
                     seen = flat[off:].tolist()
                     for j in missing:
                         if seen[j] == 0:
@@ -162,8 +163,3 @@ class GradReducer:
         self.armed = False
         self._reset()
 
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured (:mod:`hybridpar.device.cuda_graphs`), where no host
-    sync may run: a parameter no rank had a gradient of keeps its zeros there, as before."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.comm.transport import Work
+from hybridpar.device.cuda_graphs import capturing
 from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
 from hybridpar.nn.norm import recomputing
@@ -240,9 +241,10 @@ class Stepper:
         upto, steps = self.step_plan(len(sizes))
         ctx = self._context(send, training, grads=True)
         self._batch, self._cut_batch = sum(sizes), len(sizes) > 1 or self.grid.data > 1
-        self._pending, self._refused, self._returned = True, None, None
+        checking = not capturing(device)  # a captured CUDA graph replays the step without its Python
+        self._pending, self._refused, self._returned = checking, None, None
         loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
-        if self.grid.pipe > 1:  # every stage learns the loss stage's check
+        if self.grid.pipe > 1 and checking:  # every stage learns the loss stage's check
             self._tell_stages(device)
         return loss
 

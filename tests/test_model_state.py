@@ -5,8 +5,8 @@
 statistics where they were; ``train_step`` in eval mode keeps them frozen, as torch does, with every
 gradient one process's (the split BatchNorm's weights' too, summed over the shards);
 ``model.train()`` back, every step is one process's again. A forward that reads
-``self.training`` takes the model's branch where it runs by module swapping, and a traced graph of the
-other mode is refused. A counter and an EMA the forward updates (in place, or rebound) read after one
+``self.training`` runs by module swapping and takes the model's branch (with per-layer rules, which
+keep the traced graph, the graph of the other mode is refused). A counter and an EMA the forward updates (in place, or rebound) read after one
 and two steps what one process reads: the planner's runs of the forward (the trace) leave them as they
 were. Float64, on 2 ranks [2,1,1] and 4 ranks [2,2,1], several cases per call.
 """
@@ -124,14 +124,15 @@ def _mode_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: torch
 
 
 def _refused_case(fails: Failures, desc: str, x: torch.Tensor, split: list[int]) -> None:
-    """A traced graph of one mode is refused in the other, model.eval() as engine.eval(); model.train()
-    puts it back."""
+    """With per-layer rules (which keep the traced graph) a graph of one mode is refused in the other,
+    model.eval() as engine.eval(); model.train() puts it back."""
     from hybridpar.planner.terms import SpecError
 
     torch.manual_seed(0)
     ref, model = ModeTraced().double(), ModeTraced().double()
     model.load_state_dict(ref.state_dict())
-    engine = hp.parallelize(model, {"grid": {"spatial": split}}, loss_fn=F.mse_loss)
+    ruled = {"grid": {"spatial": split}, "layers": {"conv": {"spatial": split}}}  # rules keep the graph
+    engine = hp.parallelize(model, ruled, loss_fn=F.mse_loss)
     xl, _ = engine.shard_batch(x, x)
     model.eval()
     try:
@@ -151,7 +152,8 @@ def _mode_body(rank: int, world: int, split: list[int]) -> None:
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     y = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     for desc, make in (("BatchNorm, traced", BNNet),
-                       ("self.training and BatchNorm, untraceable", ModeUntraced)):
+                       ("self.training and BatchNorm, untraceable", ModeUntraced),
+                       ("self.training, traceable: run by module swapping", ModeTraced)):
         try:
             _mode_case(fails, f"{desc} {split}", make, x, y, split)
         except Exception as err:  # name the case, then go on with the others

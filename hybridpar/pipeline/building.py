@@ -47,9 +47,16 @@ class Source:
         """The model traced, or marked to run by module swapping where torch.fx cannot trace it."""
         try:
             with left_as_found(model):  # the trace runs the forward's Python: what it moves is put back
-                return cls(model, trace_graph(model))
+                graph = trace_graph(model)
         except UntraceableError as err:
             return cls(model, None, untraced_by(err, spec))
+        if graph.mode_dependent and spec.grid.pipe == 1 and not spec.layers:
+            # ``if self.training:`` (deep supervision's extra outputs): a graph holds one branch, the
+            # forward's own Python both, so it runs by module swapping and validates as it trains;
+            # a pipeline or per-layer rules need the graph, which then runs in its traced mode only
+            return cls(model, None, f"model ({type(model).__name__}): its forward differs between training "
+                                    f"and eval (it reads self.training), and a traced graph holds one branch")
+        return cls(model, graph)
 
     def checked(self, spec: ParallelSpec, input_shape: tuple[int, ...]) -> None:
         """Never train on a graph that computes something other than the model's forward: a graph that

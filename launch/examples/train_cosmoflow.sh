@@ -6,8 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ ! -d data/example ]; then
-    python -m cosmoflow.generate --out data/example/train --universes 64 --size 64 --seed 1 --smoothing 0.5
-    python -m cosmoflow.generate --out data/example/val --universes 16 --size 64 --seed 2 --smoothing 0.5
+    python -m cosmoflow.generate --out data/example/train --universes 64 --size 64 --seed 1 --smoothing 0.5 \
+        --workers 2
+    python -m cosmoflow.generate --out data/example/val --universes 16 --size 64 --seed 2 --smoothing 0.5 \
+        --workers 2
 fi
 torchrun --standalone --nproc-per-node 4 --max-restarts 3 launch/train.py --config launch/configs/demo.yaml \
     --set data.train=data/example/train --set data.val=data/example/val "$@"

@@ -6,9 +6,10 @@ statistics where they were; ``train_step`` in eval mode keeps them frozen, as to
 gradient one process's (the split BatchNorm's weights' too, summed over the shards);
 ``model.train()`` back, every step is one process's again. A forward that reads
 ``self.training`` runs by module swapping and takes the model's branch (with per-layer rules, which
-keep the traced graph, the graph of the other mode is refused). A counter and an EMA the forward updates (in place, or rebound) read after one
-and two steps what one process reads: the planner's runs of the forward (the trace) leave them as they
-were. Float64, on 2 ranks [2,1,1] and 4 ranks [2,2,1], several cases per call.
+keep the traced graph, the graph of the other mode is refused). A counter and an EMA the forward
+updates (in place, or rebound) read after one and two steps what one process reads: the planner's runs
+of the forward (the trace) leave them as they were. Float64, on 2 ranks [2,1,1] and 4 ranks [2,2,1],
+several cases per call.
 """
 
 from __future__ import annotations

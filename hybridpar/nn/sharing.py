@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridpar.comm.reduce import grad_split, is_marked, mark_grad_split
 
-_TORCH_OWN = frozenset(vars(nn.Module()))
+TORCH_OWN = frozenset(vars(nn.Module()))
 """What torch keeps in every module's ``__dict__`` (parameters, buffers, children, hooks, ``training``):
 not the user's own attributes."""
 
@@ -36,7 +36,7 @@ def sharing_copy(m: nn.Module) -> nn.Module:
     (``model.tau = 0.5``), a tensor filled in place, a dropout rate. A copy frozen at ``parallelize``
     would train silently on the old values."""
     own = [t for sub in m.modules() for k, t in vars(sub).items()
-           if k not in _TORCH_OWN and isinstance(t, torch.Tensor)]
+           if k not in TORCH_OWN and isinstance(t, torch.Tensor)]
     twin = copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers(), *own)})
     for orig, mine in zip(m.modules(), twin.modules(), strict=True):
         _ORIGINALS[mine] = (weakref.ref(orig), _plain(orig))
@@ -44,7 +44,7 @@ def sharing_copy(m: nn.Module) -> nn.Module:
 
 
 def _plain(m: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(m).items() if k not in _TORCH_OWN}
+    return {k: v for k, v in vars(m).items() if k not in TORCH_OWN}
 
 
 def follow_originals() -> None:
@@ -57,7 +57,7 @@ def follow_originals() -> None:
         if orig is None:
             continue
         for k, v in vars(orig).items():
-            if k not in _TORCH_OWN and seen.get(k, _MISSING) is not v:
+            if k not in TORCH_OWN and seen.get(k, _MISSING) is not v:
                 mine.__dict__[k] = seen[k] = v
 
 

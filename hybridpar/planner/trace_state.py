@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from hybridpar.nn.sharing import TORCH_OWN  # torch's bookkeeping; ``training`` is graph.mode_dependent's
 from hybridpar.planner.terms import SpecError
 
 _GRAD_MODE = {  # (namespace, name): what a grad-mode context or check calls, and the name a user knows
@@ -44,7 +45,6 @@ _GRAD_MODE = {  # (namespace, name): what a grad-mode context or check calls, an
     (torch._C, "is_inference_mode_enabled"): "torch.is_inference_mode_enabled",
     (torch._C, "_InferenceMode"): "torch.inference_mode"}
 _MACHINERY = ("torch.", "hybridpar.planner.", "hybridpar.nn.")  # code whose reads are the tracer's own
-_MODULE_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping; ``training`` is graph.mode_dependent's
 _PLAIN = (bool, int, float, complex, str, type(None))
 
 _local = threading.local()  # .traces: what each open trace on this thread saw, the innermost last
@@ -151,7 +151,7 @@ def attribute_reads(model: nn.Module) -> Iterator[set[tuple[int, str]]]:
     def recording(original: Any) -> Any:
         def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807 (the slot it stands in)
             value = original(self, name)
-            if (id(self) in ids and name not in _MODULE_OWN and threading.get_ident() == thread
+            if (id(self) in ids and name not in TORCH_OWN and threading.get_ident() == thread
                     and len(getattr(_local, "traces", ())) == 1
                     and name in object.__getattribute__(self, "__dict__")
                     and not sys._getframe(1).f_globals.get("__name__", "").startswith(_MACHINERY)):

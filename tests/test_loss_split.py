@@ -296,3 +296,81 @@ def _recompute_body(rank: int, world: int, spec: dict) -> None:
 ], ids=["2-spatial", "4-spatial_2x2"])
 def test_recomputation_leaves_buffers_as_one_process(pools, world, spec):
     pools(world).run(_recompute_body, spec, timeout=300)
+
+
+def _roi(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A masked mean over a region of interest (where the target is positive)."""
+    m = (y > 0).to(o.dtype)
+    return ((o - y) ** 2 * m).sum() / m.sum().clamp(min=1)
+
+
+def _head_weighted(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, y, weight=torch.tensor([0.2, 1.0, 3.0, 0.5], dtype=o.dtype))
+
+
+MB2 = {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}
+# name: (world, model, loss, spec, what the line says): a loss normalised by what differs between ranks,
+# replicas or micro-batches, and alike within each rank's halves
+ACROSS = {
+    "ROI on one rank's shard": (2, "Plain", _roi, S2, "every output shard taken together"),
+    "ROI on one rank's shard, 3 ranks": (3, "Plain", _roi, {"grid": {"spatial": [3, 1, 1]}},
+                                         "every output shard taken together"),
+    "ROI in one replica's samples": (4, "Plain", _roi, DS, "every replica's and micro-batch's samples"),
+    "ignore_index in the 2nd micro-batch": (2, "Classes", _ignored, MB2, "every replica's and micro-batch's"),
+    "weighted CE head, one sample per replica": (2, "Head", _head_weighted, {"grid": {"data": 2}},
+                                                 "every replica's and micro-batch's samples"),
+}
+
+
+def _across_target(model: str, batch: int) -> torch.Tensor:
+    """The targets of :data:`ACROSS`: alike within each rank's halves, unlike between ranks."""
+    g = torch.Generator().manual_seed(7)
+    if model == "Head":
+        return torch.tensor([0, 2, 1, 3][:batch])
+    if model == "Classes":
+        y = torch.randint(0, 3, (batch, 1, *SHAPE[2:]), generator=g)
+        y[batch // 2:] = 255  # the second micro-batch ignored whole
+        return y
+    y = torch.rand((batch, 1, *SHAPE[2:]), dtype=torch.float64, generator=g) + 0.5
+    y[:, :, SHAPE[2] // 2:] *= -1  # outside the region: the second half along D
+    return y
+
+
+def _across_body(rank: int, world: int, case: str) -> tuple[str, bool]:
+    import hybridpar as hp
+
+    _, model, loss_fn, spec, _ = ACROSS[case]
+    batch = 2 if model == "Head" else 4
+    x = torch.randn((batch, *SHAPE[1:]), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    y = _across_target(model, batch)
+    if case == "ROI in one replica's samples":
+        y = y.abs()
+        y[batch // 2:] *= -1
+    torch.manual_seed(0)
+    mine = globals()[model]().double()
+    weights = [p.detach().clone() for p in mine.parameters()]
+    engine = hp.parallelize(mine, spec, loss_fn=loss_fn)
+    try:
+        engine.train_step(*engine.shard_batch(x, y))
+    except ValueError as err:
+        said = str(err)
+    else:
+        said = "no error"
+    untouched = all(p.grad is None or not p.grad.any() for p in mine.parameters()) and all(
+        torch.equal(p, w) for p, w in zip(mine.parameters(), weights, strict=True))
+    return said, untouched
+
+
+@pytest.mark.parametrize("case", list(ACROSS), ids=[c.replace(" ", "_") for c in ACROSS])
+def test_a_loss_normalised_by_what_differs_between_ranks_is_refused(pools, case):
+    """Each rank's halves agree (the ROI or the ignored samples lie whole on one side of a rank's cut),
+    the ranks, replicas or micro-batches do not: on one process the loss is not the engine's combination
+    (0.5x the gradient for the ROI on two ranks). Refused alike on every rank, nothing applied."""
+    world, *_, part = ACROSS[case]
+    said = pools(world).run(_across_body, case, timeout=60)
+    lines = {s for s, _ in said}
+    assert len(lines) == 1, f"{case}: ranks said different things: {lines}"
+    line = lines.pop()
+    assert line.startswith("Engine.train_step: loss_fn ") and "\n" not in line, f"{case}: {line}"
+    assert part in line, f"{case}: the line does not say {part!r}: {line}"
+    assert all(ok for _, ok in said), f"{case}: a gradient was applied or left before the refusal"

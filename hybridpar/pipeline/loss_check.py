@@ -21,7 +21,9 @@ masked voxels and weights differently (a copy of one sample; :func:`pair`); with
 doubled (``expand``), which tells a mean from a sum only. The ranks agree in one
 all-gather of a few numbers over the stage (:func:`agree`), so a shard where the test tells nothing
 (too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
-a sum, or one line, the same on every rank, raised before any backward runs.
+a sum, or one line, the same on every rank, raised before any backward runs. What differs between
+ranks, replicas or micro-batches but not between a rank's halves (a region of interest on one rank)
+is :mod:`hybridpar.pipeline.loss_across`'s to find; its findings join these in the agreement.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MEAN, SUM = "mean", "sum"
 SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
 DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
 PAIRED = 5  # + the spatial dim (0-2): a sample paired with its first half taken twice along it
+ACROSS = 8  # pieces of several ranks or micro-batches taken together (:mod:`.loss_across`)
 # per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
 _NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
 
@@ -84,7 +87,7 @@ def _cut(tree: Any, dim: int, pick: Callable[[torch.Tensor], bool], lo: int, n: 
     return tree_map(lambda t: t.narrow(dim, lo, n) if isinstance(t, torch.Tensor) and pick(t) else t, tree)
 
 
-def _evaluate(loss_fn: Callable, out: Any, y: Any) -> float:
+def evaluate(loss_fn: Callable, out: Any, y: Any) -> float:
     """The loss's value on views; on copies where the loss cannot take a view (``.view(-1)``)."""
     try:
         value = loss_fn(out, y)
@@ -103,12 +106,12 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
     try:
         if extent >= 2:
             k = extent // 2
-            a = _evaluate(loss_fn, _cut(out, dim, pick, 0, k), _cut(y, dim, pick, 0, k))
-            b = _evaluate(loss_fn, _cut(out, dim, pick, k, extent - k), _cut(y, dim, pick, k, extent - k))
+            a = evaluate(loss_fn, _cut(out, dim, pick, 0, k), _cut(y, dim, pick, 0, k))
+            b = evaluate(loss_fn, _cut(out, dim, pick, k, extent - k), _cut(y, dim, pick, k, extent - k))
             return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
         double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
                                    if isinstance(t, torch.Tensor) and pick(t) else t)
-        return Finding(DOUBLED, _evaluate(loss_fn, double(out), double(y)), whole, 2 * whole)
+        return Finding(DOUBLED, evaluate(loss_fn, double(out), double(y)), whole, 2 * whole)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return Finding(-1, math.nan, math.nan, math.nan)
 
@@ -133,8 +136,8 @@ def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int) -> Finding:
     other_out, other_y = tree_map(second, out), tree_map(second, y)
     both = functools.partial(tree_map, lambda a, b: torch.cat([a, b]) if sample(a) else a)
     try:
-        other = _evaluate(loss_fn, other_out, other_y)
-        together = _evaluate(loss_fn, both(out, other_out), both(y, other_y))
+        other = evaluate(loss_fn, other_out, other_y)
+        together = evaluate(loss_fn, both(out, other_out), both(y, other_y))
     except (RuntimeError, ValueError, TypeError, IndexError):
         return Finding(-1, math.nan, math.nan, math.nan)
     return Finding(PAIRED + d, together, (whole + other) / 2, whole + other)
@@ -222,7 +225,12 @@ def name_of(fn: Callable) -> str:
 
 def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[str]) -> str:
     """The one line every rank raises (see module doc): the values found, what fits, what to do."""
-    if found.dim >= PAIRED:
+    if found.dim == ACROSS:
+        whole, parts = (("a few voxels of every output shard taken together", "each shard's")
+                        if axis == SPACE else
+                        ("a few voxels of every replica's and micro-batch's samples taken together",
+                         "each one's"))
+    elif found.dim >= PAIRED:
         whole, parts = (f"a sample paired with its first half along {'DHW'[found.dim - PAIRED]} taken twice",
                         "the two samples")
     else:

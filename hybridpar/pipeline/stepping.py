@@ -33,7 +33,7 @@ from hybridpar.device.cuda_graphs import capturing
 from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
 from hybridpar.nn.norm import recomputing
-from hybridpar.pipeline import deferred, loss_check
+from hybridpar.pipeline import deferred, loss_across, loss_check
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
 from hybridpar.pipeline.reducer import GradReducer
@@ -67,6 +67,7 @@ class Stepper:
         self._refused: tuple[int, loss_check.Finding] | None = None  # a pipeline's, told after the step
         self._returned: list[float] | None = None  # a pipeline's loss that is no scalar, told alike
         self._batch, self._cut_batch = 1, False  # the replica batch; whether micro-batches or replicas cut it
+        self._targets: list[torch.Tensor] = []  # the step's micro-batches' targets (the check reads them)
 
     @property
     def first_stage(self) -> bool:
@@ -135,6 +136,10 @@ class Stepper:
         dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED else []
         space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
         group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
+        if loss.numel() == 1:
+            across = loss_across.findings(self.loss_fn, out, y, self._other_targets(y), self._piece(),
+                                          dims, group, *self._peers())
+            space, batch = space + across[0], batch + across[1]
         self.verdict, refused = loss_check.agree(space, batch, loss_check.rtol_of(loss.dtype), group,
                                                  loss.device)
         if refused is None:
@@ -144,6 +149,25 @@ class Stepper:
             raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
         self._refused = refused
         return torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    def _other_targets(self, y: Any) -> list[torch.Tensor]:
+        """The step's other micro-batches' targets of as many samples as the first's (``y``)."""
+        return [t for t in self._targets[1:] if t.shape[0] == getattr(y, "shape", (0,))[0]]
+
+    def _piece(self) -> tuple[int, int, int]:
+        """A loss-check piece's voxels along D, H, W (see :mod:`~hybridpar.pipeline.loss_across`)."""
+        stage = self.built.stage
+        if len(stage.lead_output.output_shape) != 5:
+            return (1, 1, 1)
+        return loss_across.counts(stage.lead_output.output_shape, stage.output_split)
+
+    def _peers(self) -> tuple[list[int], list[int]]:
+        """Ranks of the stage group (ordered by replica, then place in the stage) that hold shards of this
+        rank's samples, and those at its place in the other replicas."""
+        size, per = self.grid.stage_size, self.built.layout.of(self.built.stage.output_split).spatial_size
+        me_d, me_s = self.grid.data_index, self.grid.spatial_index
+        space = [me_d * size + s for s in range(size) if s // per == me_s // per]
+        return space, [d * size + me_s for d in range(self.grid.data)]
 
     def _tell_stages(self, device: torch.device) -> None:
         """After a pipeline's step: the loss stage's refusal, if any, on every rank (one all-reduce of 18
@@ -241,9 +265,11 @@ class Stepper:
         upto, steps = self.step_plan(len(sizes))
         ctx = self._context(send, training, grads=True)
         self._batch, self._cut_batch = sum(sizes), len(sizes) > 1 or self.grid.data > 1
+        self._targets = list(y_local.split(sizes))
         checking = not capturing(device)  # a captured CUDA graph replays the step without its Python
         self._pending, self._refused, self._returned = checking, None, None
         loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
+        self._targets = []
         if self.grid.pipe > 1 and checking:  # every stage learns the loss stage's check
             self._tell_stages(device)
         return loss

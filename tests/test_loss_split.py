@@ -162,20 +162,24 @@ def test_a_loss_that_splits_trains_as_one_process(pools, world, model, loss, spe
     pools(world).run(_exact_body, model, loss, spec, timeout=300)
 
 
-def _refused_body(rank: int, world: int, model: str, loss: str, spec: dict) -> tuple[str, bool]:
-    x, y = _data(model)
-    _, mine, engine = _engine(model, loss, spec)
-    local = engine.shard_batch(x, y)
-    weights = [p.detach().clone() for p in mine.parameters()]
+def _one_step(engine, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[str, bool]:
+    """What one step said (its error, or "no error") and whether it left ``model``'s weights and
+    gradients untouched."""
+    weights = [p.detach().clone() for p in model.parameters()]
     try:
-        engine.train_step(*local)
+        engine.train_step(*engine.shard_batch(x, y))
     except ValueError as err:
         said = str(err)
     else:
         said = "no error"
-    untouched = all(p.grad is None or not p.grad.any() for p in mine.parameters()) and all(
-        torch.equal(p, w) for p, w in zip(mine.parameters(), weights, strict=True))
+    untouched = all(p.grad is None or not p.grad.any() for p in model.parameters()) and all(
+        torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
     return said, untouched
+
+
+def _refused_body(rank: int, world: int, model: str, loss: str, spec: dict) -> tuple[str, bool]:
+    _, mine, engine = _engine(model, loss, spec)
+    return _one_step(engine, mine, *_data(model))
 
 
 @pytest.mark.parametrize("world,model,loss,spec,cut", REFUSED,
@@ -348,17 +352,7 @@ def _across_body(rank: int, world: int, case: str) -> tuple[str, bool]:
         y[batch // 2:] *= -1
     torch.manual_seed(0)
     mine = globals()[model]().double()
-    weights = [p.detach().clone() for p in mine.parameters()]
-    engine = hp.parallelize(mine, spec, loss_fn=loss_fn)
-    try:
-        engine.train_step(*engine.shard_batch(x, y))
-    except ValueError as err:
-        said = str(err)
-    else:
-        said = "no error"
-    untouched = all(p.grad is None or not p.grad.any() for p in mine.parameters()) and all(
-        torch.equal(p, w) for p, w in zip(mine.parameters(), weights, strict=True))
-    return said, untouched
+    return _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
 
 
 @pytest.mark.parametrize("case", list(ACROSS), ids=[c.replace(" ", "_") for c in ACROSS])

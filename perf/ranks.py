@@ -45,10 +45,27 @@ _PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes
             "hybridpar"]
 
 
-def context() -> Any:
-    """The multiprocessing context ranks start from (its fork server preloads torch and hybridpar)."""
+_SERVER_LIBRARY: list[str | None] = []  # the LD_PRELOAD the fork server starts with: fixed by the first call
+
+
+def context(library: str | None = None) -> Any:
+    """The multiprocessing context ranks start from (its fork server preloads torch and hybridpar).
+
+    ``library``: the shared library (``LD_PRELOAD``) the ranks need, heapcount's allocator counter.
+    It takes effect only in a process that execs, so the fork server has it only when the first call
+    (which starts the server) asked for it; the ranks of a later call that asks for another start as
+    fresh interpreters (:func:`start_method`)."""
+    if not _SERVER_LIBRARY:
+        _SERVER_LIBRARY.append(library if library is not None else os.environ.get("LD_PRELOAD"))
     mp.set_forkserver_preload(_PRELOAD)
     return mp.get_context(START_METHOD)
+
+
+def start_method(library: str | None) -> str:
+    """How ranks needing ``library`` (``LD_PRELOAD``) start: forked from the server where it runs with
+    that library, else as fresh interpreters."""
+    context(library)
+    return START_METHOD if _SERVER_LIBRARY[0] == library else "spawn"
 
 
 def free_port() -> int:
@@ -129,12 +146,9 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, group: bool = True
     if mpi:
         return _launch_mpiexec(fn, world, args, threads, group, pin, timeout, every_rank, rank_env,
                                group_timeout_s, keep_results_of_exit_aborts, results)
-    # A preloaded library (heapcount's allocator counter) takes effect only when a process execs: the
-    # fork server's children would not have it, so such ranks start as fresh interpreters.
-    method = "spawn" if rank_env.get("LD_PRELOAD") else START_METHOD
+    method = start_method(rank_env.get("LD_PRELOAD"))
     with tempfile.TemporaryDirectory() as tmp, _environ(LD_PRELOAD=rank_env.get("LD_PRELOAD")):
         out = os.path.join(tmp, "result.pkl")
-        context()
         ctx = mp.start_processes(_entry, args=(world, free_port(), threads, group, pin, rank_env,
                                                group_timeout_s, out, fn, args),
                                  nprocs=world, join=False, start_method=method)

@@ -181,7 +181,8 @@ class Engine:
         self.input_grid = self.layout.of(self.input_split)
         self._mode.follow()  # the model's mode now (model.eval() before the first batch)
         self._set_layers(self._mode.training)
-        self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format)
+        self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format,
+                                list(self._source.model.named_parameters()))
         # The stages share the model's tensors: a user who drops the model lets the other stages' go.
         # What still reaches the model's layers is reference cycles, freed only when Python's cycle
         # collector next runs (until then this rank holds every stage's weights): the traced graph (fx's

@@ -36,6 +36,7 @@ from hybridpar.nn.norm import recomputing
 from hybridpar.pipeline import deferred, loss_across, loss_check
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
+from hybridpar.pipeline.loss_params import LossReads
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
 from hybridpar.pipeline.runtime import StepContext, StepRuntime
@@ -51,8 +52,9 @@ class Stepper:
     """Runs steps of the stage ``built`` holds, per the ``spec``'s pipeline (see module doc)."""
 
     def __init__(self, built: Built, spec: ParallelSpec, loss_fn: Callable | None, defer_weight_grads: bool,
-                 memory_format: torch.memory_format) -> None:
+                 memory_format: torch.memory_format, model_params: list[tuple[str, nn.Parameter]]) -> None:
         self.built, self.spec, self.loss_fn = built, spec, loss_fn
+        self.loss_reads = LossReads(model_params)  # the model's parameters loss_fn reads itself
         self.grid = built.layout.grid
         self.defer_weight_grads, self.memory_format = defer_weight_grads, memory_format
         self.modules = [m for _, m in built.stage.layers]
@@ -101,7 +103,8 @@ class Stepper:
         extent (the plan gathers them otherwise), so one share weighs them all. Which of the two the
         loss is, or neither (refused), is checked on every step (:meth:`_check`), and first whether it
         is a scalar tensor (:func:`loss_check.returned`): one line on every rank where it is not."""
-        loss = self.loss_fn(out, y)
+        with self.loss_reads.watch():
+            loss = self.loss_fn(out, y)
         bad = loss_check.returned(loss) if self._returned is None else None
         if bad is not None:
             if self.grid.pipe == 1:
@@ -268,10 +271,17 @@ class Stepper:
         self._targets = list(y_local.split(sizes))
         checking = not capturing(device)  # a captured CUDA graph replays the step without its Python
         self._pending, self._refused, self._returned = checking, None, None
+        self.loss_reads.start()
         loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
         self._targets = []
         if self.grid.pipe > 1 and checking:  # every stage learns the loss stage's check
             self._tell_stages(device)
+        group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
+        shards = self.built.layout.of(self.built.stage.output_split).spatial_size
+        if checking:
+            self.loss_reads.finish(group, shards, device, self.grid.pipe > 1, "Engine.train_step")
+        else:
+            self.loss_reads.refuse_captured("Engine.train_step")
         return loss
 
     def forward_pass(self, x_local: Any, batch: int, send: Send, training: bool

@@ -201,6 +201,23 @@ class MaxChunkNet(nn.Module):
         return self.c2(a * b)
 
 
+class RepeatNet(nn.Module):
+    """One conv listed three times (``nn.ModuleList([conv] * 3)``) and applied in a loop: a module
+    called more than once runs by module swapping, which must swap it in every slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.inp, self.out = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 1)
+        self.blocks = nn.ModuleList([conv] * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
 class DeepNet(nn.Module):
     """Deep supervision at two resolutions (a tuple): the plan gathers both for the loss."""
 
@@ -303,6 +320,8 @@ CASES = [
     (2, "CBAM, a shared MLP and max over channels", "CBAMNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "CBAM, 2x2", "CBAMNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "max's values and chunk's tensors between layers", "MaxChunkNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "one conv listed three times in a ModuleList", "RepeatNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "one conv listed three times, 2x2", "RepeatNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "slices of a split dim", "OneSlice", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "slices of split dims, 2x2", "OneSlice", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "isinstance check, spatial", "IsInstanceNet", {"grid": {"spatial": [2, 1, 1]}}),
@@ -496,3 +515,22 @@ def test_shape_reads_plan_without_gathers():
     assert rows["interpolate"].kind == "interpolate" and rows["interpolate"].split == (2, 2, 1)
     assert rows["pad"].split == (2, 2, 1) and rows["repeat"].split == (2, 2, 1)
     assert rows["size"].output_shape == () and rows["size"].activation_bytes == 0
+
+
+def test_a_parameter_tied_across_pipeline_stages_is_refused():
+    """Two layers on two stages applying one weight: each stage would reduce its own part of the
+    gradient and the two copies drift apart (0.7 relative error in the first step's gradient)."""
+    from hybridpar.planner import ParallelSpec, SpecError
+    from hybridpar.planner.plan import build_plan
+
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1),
+                          nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 1, 1))
+    model[2].weight = model[1].weight
+    spec = ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2,
+                                                                     "stages": ["0", "2"]}})
+    with pytest.raises(SpecError, match=r"^pipeline: 1.weight \(stage 0\) and 2.weight \(stage 1\) "
+                                        r"are one parameter"):
+        build_plan(spec, model, (2, 1, 8, 6, 6), 2)
+    together = ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2,
+                                                                         "stages": ["0", "3"]}})
+    assert {row.stage for row in build_plan(together, model, (2, 1, 8, 6, 6), 2)} == {0, 1}

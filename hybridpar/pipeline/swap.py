@@ -51,7 +51,15 @@ def swap(model: nn.Module, grid: ProcessGrid, convert: Convert
             new = convert(name, m, grid)  # a copy whose parameters' shard gradients are summed
         else:
             continue
-        parent, _, leaf = name.rpartition(".")
-        (swapped.get_submodule(parent) if parent else swapped).register_module(leaf, new)
+        for parent, slot in _slots(swapped, m):
+            parent.register_module(slot, new)
         whole[new] = m
     return swapped, whole
+
+
+def _slots(model: nn.Module, m: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (parent, attribute) that holds ``m``: a module listed under several names
+    (``nn.ModuleList([block] * 3)``, ``self.b = self.a``) is walked once, under its first, and must
+    be swapped in each (the others ran unsplit on the shards, without halos)."""
+    return [(parent, key) for _, parent in model.named_modules(remove_duplicate=False)
+            for key, child in parent._modules.items() if child is m]

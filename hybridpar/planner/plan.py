@@ -158,6 +158,8 @@ def _check_cuts(a: Analysis, walk: Walk, stage_of: list[int], pipe: int) -> None
             raise SpecError(f"pipeline: a stage cut falls inside the reshapes {', '.join(names)}, which run "
                             f"on each shard between channels and space; name stages (pipeline.stages) that "
                             f"begin before {names[0]} or after {names[-1]}")
+    if pipe > 1:
+        _check_shared(a, stage_of)
     if pipe > 1 and a.graph.values:  # a size read before a cut is read again after it
         for i, live in enumerate(live_across(a.graph)[:-1]):
             crossing = [v for v in live if v in a.graph.values] if stage_of[i] != stage_of[i + 1] else []
@@ -165,6 +167,20 @@ def _check_cuts(a: Analysis, walk: Walk, stage_of: list[int], pipe: int) -> None
                 raise SpecError(f"pipeline: the cut after {a.graph.nodes[i].name} would carry {crossing[0]}, "
                                 f"a value computed from shapes, not a tensor; name stages (pipeline.stages) "
                                 f"that begin before the shape is read or after its last use")
+
+
+def _check_shared(a: Analysis, stage_of: list[int]) -> None:
+    """Refuse a parameter that layers of two stages apply (tied weights): each stage's ranks reduce
+    their own gradients, so each copy would move by its own stage's part alone."""
+    first: dict[int, tuple[str, int]] = {}
+    for i, node in enumerate(a.graph.nodes):
+        for name, p in node.module.named_parameters() if node.module is not None else ():
+            where, stage = first.setdefault(id(p), (f"{node.name}.{name}", stage_of[i]))
+            if stage != stage_of[i]:
+                raise SpecError(f"pipeline: {where} (stage {stage}) and {node.name}.{name} (stage "
+                                f"{stage_of[i]}) are one parameter, whose gradient each stage would reduce "
+                                f"apart; name stages (pipeline.stages) that keep the layers sharing it "
+                                f"together, or untie it")
 
 
 def _rows(a: Analysis, walk: Walk, stage_of: list[int], sizes: _Sizes) -> list[LayerPlan]:

@@ -10,7 +10,8 @@ loss whose first micro-batch masked nothing while the second did.
 How: every rank of the stage takes a piece of its output and target, the same few voxels along each
 spatial dim (:data:`CAP` at most, spread over its shard, as many on every rank: the smallest shard's
 extent decides) of every volume that has the output's extent, and its per-sample vectors (a head's
-(N, k)) whole, and all-gathers them over the stage (one small all-gather per tensor). Each rank then
+(N, k)) whole, in float64 (where a normalisation one count apart shows above rounding, whatever the
+model's dtype), and all-gathers them over the stage (one small all-gather per tensor). Each rank then
 evaluates ``loss_fn`` on the pieces of the ranks that hold its samples (the output's shards) taken
 together along the first split dim, and on those of the replicas at its spatial position, with this
 rank's first output piece beside the targets of its other micro-batches, taken together along the
@@ -67,6 +68,7 @@ class Pieces:
             if self._volume(t):
                 for d, (extent, count) in enumerate(zip(self.box, self.shape, strict=True)):
                     t = t.index_select(2 + d, _positions(extent, count, t.device))
+            t = t.double() if t.is_floating_point() else t  # exact enough to tell a normalisation apart
             taken.append((t if device is None else t.to(device)).contiguous())
         return taken
 

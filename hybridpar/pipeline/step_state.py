@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.nn.buffer_state import Snapshot
 from hybridpar.nn.families import moves_per_forward, uses_batch_statistics
 from hybridpar.planner.terms import SpecError
 
@@ -62,49 +62,25 @@ def refuse_micro_batch_norms(norms: list[tuple[str, nn.Module]], microbatches: i
                     f"in one process; use pipeline.microbatches 1 or track_running_stats=False, {accept}")
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN equal to NaN (a buffer holding NaN has not moved because NaN != NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
-    return torch.equal(a, b)
-
-
 class BufferWatch:
     """Refuses, once, a forward that changes a buffer other than the norms' (see module doc)."""
 
     def __init__(self) -> None:
         self.done = False
-        self._before: list[tuple[nn.Module, str, str, torch.Tensor, torch.Tensor]] = []
+        self._before: Snapshot | None = None
 
     def start(self, layers: Layers, skip: Sequence[nn.Module]) -> None:
-        """Clone this stage's user buffers (the layers the model named; not those of ``skip``)."""
+        """Record this stage's user buffers (the layers the model named; not those of ``skip``)."""
         skipped = {id(m) for m in skip}
-        seen: set[int] = set()
-        self._before = []
-        for n, m in layers:
-            if n is None:
-                continue
-            for mn, mod in m.named_modules(remove_duplicate=True):
-                if id(mod) in skipped:
-                    continue
-                for k, b in mod.named_buffers(recurse=False):
-                    if b is not None and id(b) not in seen:
-                        seen.add(id(b))
-                        self._before.append((mod, k, _join(n, mn, k), b, b.detach().clone()))
+        self._before = Snapshot((_join(n, mn), mod) for n, m in layers if n is not None
+                                for mn, mod in m.named_modules() if id(mod) not in skipped)
 
     def finish(self, what: str, microbatches: int) -> None:
         """Compare, agree over the job (one exchange of names, once), restore and raise if any moved."""
-        changed = []
-        for mod, k, name, b, old in self._before:
-            now = mod._buffers.get(k)
-            if now is not b or not _same(now.detach(), old):
-                changed.append(name)
-                if now is not b:
-                    mod._buffers[k] = b
-                b.data.copy_(old)
-        self._before, self.done = [], True
+        before, self._before, self.done = self._before, None, True
+        changed = before.moved() if before is not None else []
+        if before is not None:
+            before.restore()
         every: list[list[str]] = [changed]
         if dist.is_initialized() and dist.get_world_size() > 1:
             every = [[] for _ in range(dist.get_world_size())]

@@ -32,6 +32,7 @@ from hybridpar.comm.transport import Work
 from hybridpar.device.cuda_graphs import capturing
 from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
+from hybridpar.nn.buffer_state import Snapshot, put
 from hybridpar.nn.norm import recomputing
 from hybridpar.pipeline import deferred, loss_across, loss_check
 from hybridpar.pipeline.batch import split_sizes
@@ -310,42 +311,21 @@ def _recompute_contexts(modules: list[nn.Module]) -> tuple[AbstractContextManage
     rather than writing the values back: tensors the recomputation saves for the backward may be those
     buffers, and must keep the values it computed with. Costs one copy of the buffers per micro-batch in
     flight, and one more per recomputation (buffers are statistics: small)."""
-    slots = [(m, name) for m in _unique(modules) for name in m._buffers]
-    before: dict[int, torch.Tensor] = {}
-    held: list[tuple[nn.Module, str, int]] = []
+    taken: list[Snapshot] = []
 
     @contextlib.contextmanager
     def forward() -> Iterator[None]:
-        with torch.no_grad():
-            for m, name in slots:
-                b = m._buffers.get(name)
-                if b is not None:
-                    held.append((m, name, id(b)))
-                    if id(b) not in before:  # one copy of a buffer two modules share
-                        before[id(b)] = b.detach().clone()
+        taken.append(Snapshot(("", m) for root in modules for m in root.modules()))
         yield
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
-        now = [(m, name, m._buffers.get(name)) for m, name, _ in held]
-        with torch.no_grad():
-            fresh = {k: v.clone() for k, v in before.items()}  # a second recomputation starts alike
-        for m, name, k in held:
-            m._buffers[name] = fresh[k]
+        held = taken[0].rebind(taken[0].fresh())  # fresh: a second recomputation starts alike
         try:
             with recomputing():
                 yield
         finally:
-            for m, name, b in now:
-                m._buffers[name] = b
+            put(held)
 
     return forward(), recompute()
 
-
-def _unique(modules: list[nn.Module]) -> list[nn.Module]:
-    """Every module under ``modules``, each once."""
-    seen: dict[int, nn.Module] = {}
-    for root in modules:
-        for m in root.modules():
-            seen.setdefault(id(m), m)
-    return list(seen.values())

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from hybridpar.nn.buffer_state import Snapshot
 from hybridpar.planner.terms import SpecError
 
 
@@ -33,9 +34,7 @@ def left_as_found(model: nn.Module) -> Iterator[None]:
     forward that changes them in place outside the tracer's view (``for p in self.parameters():
     p.clamp_(0)``); their slots are put back and an in-place change is refused in one line, since no
     copy exists to undo it."""
-    with torch.no_grad():
-        buffers = [(m, name, t, t.detach().clone()) for m in model.modules()
-                   for name, t in m._buffers.items() if t is not None]
+    buffers = Snapshot(model.named_modules())
     names = {id(m): set(m._buffers) for m in model.modules()}
     params = [(m, name, p, _version(p), f"{k}.{name}" if k else name) for k, m in model.named_modules()
               for name, p in m._parameters.items() if p is not None]
@@ -55,16 +54,11 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _put_back(model: nn.Module, buffers: list, names: dict[int, set[str]], params: list,
+def _put_back(model: nn.Module, buffers: Snapshot, names: dict[int, set[str]], params: list,
               refuse: bool) -> None:
     """Undo what planning did to the buffers and parameter slots recorded by :func:`left_as_found`;
     ``refuse``: raise if a parameter was changed in place."""
-    with torch.no_grad():
-        for m, name, t, saved in buffers:
-            if m._buffers.get(name) is not t:
-                m._buffers[name] = t
-            if not torch.equal(t, saved):  # by value: a kernel's own update (batch_norm's) keeps the version
-                t.copy_(saved)
+    buffers.restore()  # by value: a kernel's own update (batch_norm's) keeps the version counter
     for m in model.modules():
         for name in set(m._buffers) - names.get(id(m), set(m._buffers)):
             del m._buffers[name]  # registered by a planning run of the forward

@@ -1,0 +1,86 @@
+"""Modules' buffers as they are now, and putting them back: one record for every place that runs a user's
+forward where one process would not (planning's trace, a recomputation, micro-batches).
+
+Why one: a buffer a forward moves (a step counter, an EMA, BatchNorm's statistics) may be updated in
+place, or its slot rebound to a new tensor (``self.ema = 0.9 * self.ema + ...``); one tensor may sit in
+several slots (a module under two names). Each place that undoes a forward's effect must handle all
+three alike, and did so in three copies of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a buffer holding NaN has not moved because NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
+    return torch.equal(a, b)
+
+
+class Snapshot:
+    """Every buffer slot of ``named`` ((name, module) pairs; a module met twice recorded once), with a
+    copy of each tensor's values, taken once however many slots hold it."""
+
+    def __init__(self, named: Iterable[tuple[str, nn.Module]]) -> None:
+        self.slots: list[tuple[nn.Module, str, torch.Tensor, str]] = []  # module, slot, tensor, name
+        self.copies: dict[int, torch.Tensor] = {}  # id(tensor) -> its values when taken
+        seen: set[int] = set()
+        with torch.no_grad():
+            for prefix, m in named:
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                for slot, t in m._buffers.items():
+                    if t is None:
+                        continue
+                    self.slots.append((m, slot, t, f"{prefix}.{slot}" if prefix else slot))
+                    if id(t) not in self.copies:
+                        self.copies[id(t)] = t.detach().clone()
+
+    def moved(self) -> list[str]:
+        """Names of the slots rebound since, or whose tensor's values changed (each tensor named once)."""
+        named: set[int] = set()
+        out = []
+        for m, slot, t, name in self.slots:
+            now = m._buffers.get(slot)
+            if (now is not t or not same_values(t.detach(), self.copies[id(t)])) and id(t) not in named:
+                named.add(id(t))
+                out.append(name)
+        return out
+
+    def restore(self) -> None:
+        """Each slot holds its own tensor again, with the values it had."""
+        with torch.no_grad():
+            for m, slot, t, _ in self.slots:
+                if m._buffers.get(slot) is not t:
+                    m._buffers[slot] = t
+            for t in {id(t): t for _, _, t, _ in self.slots}.values():
+                saved = self.copies[id(t)]
+                if not same_values(t, saved):
+                    t.copy_(saved)
+
+    def rebind(self, tensors: dict[int, torch.Tensor]) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+        """Put ``tensors[id(original)]`` in each slot (a recomputation's own copies); what the slots held
+        comes back, for :func:`put`."""
+        held = [(m, slot, m._buffers.get(slot)) for m, slot, _, _ in self.slots]
+        for m, slot, t, _ in self.slots:
+            m._buffers[slot] = tensors[id(t)]
+        return held
+
+    def fresh(self) -> dict[int, torch.Tensor]:
+        """New copies of the values taken, by the original tensor's id (a second use starts alike)."""
+        with torch.no_grad():
+            return {k: v.clone() for k, v in self.copies.items()}
+
+
+def put(held: list[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
+    """The slots as :meth:`Snapshot.rebind` found them."""
+    for m, slot, t in held:
+        m._buffers[slot] = t

@@ -93,12 +93,14 @@ LOSSES = {
     "pearson": _pearson,
     "batch-normalised": lambda o, y: F.mse_loss(o, y) / y.var(),
     "nearly a mean": lambda o, y: F.mse_loss(o, y) + 1e-7 * F.mse_loss(o, y) ** 2,  # 1e-6 off the mean's
+    "plus the extreme": lambda o, y: F.mse_loss(o, y) + 0.1 * o.abs().amax(),
 }
 
 S2, S4 = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 1]}}
 DS = {"grid": {"data": 2, "spatial": [2, 1, 1]}}
 DSM = {"grid": {"data": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}  # one sample each
 PIPE = {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}
+PIPE4 = {"grid": {"pipe": 2}, "pipeline": {"microbatches": 4}}  # one sample each
 
 # (world, model, loss, spec): trained exactly as one process
 EXACT = [
@@ -115,6 +117,7 @@ REFUSED = [
     (2, "Plain", "pearson", S2, "halves along D"), (2, "Plain", "TV along D", S2, "halves along D"),
     (2, "Plain", "nearly a mean", S2, "halves along D"),
     (2, "Plain", "dice", PIPE, "(samples)"),
+    (2, "Plain", "plus the extreme", PIPE4, "a sample paired with its second half along D tiled"),
     (4, "Plain", "TV along H", S4, "halves along H"), (4, "Head", "batch-normalised", DS, "(samples)"),
     (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
 ]
@@ -217,7 +220,7 @@ def _parts(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
 # name: (model, loss, batch, the step refused (its batch the first with ignored voxels), what the line says)
 LATER = {
     "ignore_index from the 2nd batch": ("Classes", _ignored, 4, 1, "halves along D"),
-    "weighted CE, one sample per replica": ("Classes", _weighted, 2, 0, "its first half along D taken twice"),
+    "weighted CE, one sample per replica": ("Classes", _weighted, 2, 0, "its first half along D tiled"),
     "tuple returned": ("Plain", _parts, 4, 0, "returned a tuple of 2 items; "),
 }
 

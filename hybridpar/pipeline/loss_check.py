@@ -16,8 +16,9 @@ along, and the batch where replicas or micro-batches cut it. It compares the los
 step's own value) with the parts' size-weighted mean and with their sum. The parts are views
 (``narrow``) of tensors the step holds: no copy of the volume, two loss evaluations per cut dim. A
 part of one sample has no second sample to cut from: it is paired with a second one made of its first
-half (along the first spatial dim it has two voxels along) taken twice, which counts its labels,
-masked voxels and weights differently (a copy of one sample; :func:`pair`); without such a dim it is
+half (along the first spatial dim it has two voxels along) tiled, then of its second, which counts its
+labels, masked voxels, weights and extremes differently (a copy of one sample; :func:`pair`); without
+such a dim it is
 doubled (``expand``), which tells a mean from a sum only. The ranks agree in one
 all-gather of a few numbers over the stage (:func:`agree`), so a shard where the test tells nothing
 (too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
@@ -41,8 +42,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 MEAN, SUM = "mean", "sum"
 SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
 DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
-PAIRED = 5  # + the spatial dim (0-2): a sample paired with its first half taken twice along it
-ACROSS = 8  # pieces of several ranks or micro-batches taken together (:mod:`.loss_across`)
+PAIRED = 5  # + the spatial dim (0-2), + 3 for the second half: a sample paired with a half of it tiled
+ACROSS = 11  # pieces of several ranks or micro-batches taken together (:mod:`.loss_across`)
 # per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
 _NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
 
@@ -120,13 +121,15 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
         return Finding(-1, math.nan, math.nan, math.nan)
 
 
-def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int) -> Finding:
-    """A batch of one sample, ``out`` and ``y``, paired with a second sample made of its first half
-    along spatial dim ``d`` taken twice (its labels, masked voxels and class weights counted otherwise),
-    compared with the two samples' losses: a loss that averages (or sums) over samples fits, one
-    normalised over the batch (class-weighted cross entropy, ``ignore_index``, a batch's variance) does
-    not, while a sample taken twice (:data:`DOUBLED`) passes any such normalisation. Volumes of the
-    sample's spatial extent are tiled, other per-sample tensors taken twice, the rest left whole."""
+def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -> Finding:
+    """A batch of one sample, ``out`` and ``y``, paired with a second sample made of its first
+    (``half`` 0) or second half along spatial dim ``d`` tiled to its extent (its labels, masked voxels
+    and class weights counted otherwise), compared with the two samples' losses: a loss that averages (or
+    sums) over samples fits, one normalised over the batch (class-weighted cross entropy,
+    ``ignore_index``, a batch's variance) does not, while a sample taken twice (:data:`DOUBLED`) passes
+    any such normalisation. Both halves are tried: a term of the batch's extreme (``out.amax()``) is
+    the same for a pair made of the half that holds it. Volumes of the sample's spatial extent are
+    tiled, other per-sample tensors taken twice, the rest left whole."""
     box = next(tuple(t.shape[-3:]) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
     extent, k = box[d], box[d] // 2
     volume = lambda t: isinstance(t, torch.Tensor) and t.dim() >= 4 and tuple(t.shape[-3:]) == box  # noqa: E731
@@ -135,7 +138,8 @@ def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int) -> Finding:
     def second(t: Any) -> Any:
         if not (sample(t) and volume(t)):
             return t
-        return torch.cat([t.narrow(d - 3, 0, k), t.narrow(d - 3, 0, extent - k)], d - 3)
+        part = t.narrow(d - 3, 0, k) if half == 0 else t.narrow(d - 3, k, extent - k)
+        return torch.cat([part, part.narrow(d - 3, 0, extent - part.shape[d - 3])], d - 3)
 
     other_out, other_y = tree_map(second, out), tree_map(second, y)
     both = functools.partial(tree_map, lambda a, b: torch.cat([a, b]) if sample(a) else a)
@@ -144,7 +148,7 @@ def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int) -> Finding:
         together = evaluate(loss_fn, both(out, other_out), both(y, other_y))
     except (RuntimeError, ValueError, TypeError, IndexError):
         return Finding(-1, math.nan, math.nan, math.nan)
-    return Finding(PAIRED + d, together, (whole + other) / 2, whole + other)
+    return Finding(PAIRED + d + 3 * half, together, (whole + other) / 2, whole + other)
 
 
 def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims: list[int],
@@ -174,7 +178,7 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
             per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
             long = [d for d in range(3) if volume is not None and volume.shape[2 + d] >= 2]
             if samples == 1 and long:  # a one-sample part: paired (a sample doubled passes any count)
-                batch = [pair(loss_fn, out, y, whole, long[0])]
+                batch = [pair(loss_fn, out, y, whole, long[0], half) for half in (0, 1)]
             else:
                 batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
     return space, batch
@@ -235,7 +239,8 @@ def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[st
                         ("a few voxels of every replica's and micro-batch's samples taken together",
                          "each one's"))
     elif found.dim >= PAIRED:
-        whole, parts = (f"a sample paired with its first half along {'DHW'[found.dim - PAIRED]} taken twice",
+        half, d = divmod(found.dim - PAIRED, 3)
+        whole, parts = (f"a sample paired with its {('first', 'second')[half]} half along {'DHW'[d]} tiled",
                         "the two samples")
     else:
         whole, parts = {0: ("a micro-batch", "its two halves (samples)"),

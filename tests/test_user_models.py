@@ -218,6 +218,19 @@ class RepeatNet(nn.Module):
         return self.out(h)
 
 
+class HalfNet(nn.Module):
+    """A slice whose bound the forward reads from a shape (``h[:, :, :h.shape[2] // 2]``): the
+    pipeline's stage code filled slices' node references in nowhere and crashed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h[:, :, :h.shape[2] // 2])
+
+
 class DeepNet(nn.Module):
     """Deep supervision at two resolutions (a tuple): the plan gathers both for the loss."""
 
@@ -534,3 +547,43 @@ def test_a_parameter_tied_across_pipeline_stages_is_refused():
     together = ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2,
                                                                          "stages": ["0", "3"]}})
     assert {row.stage for row in build_plan(together, model, (2, 1, 8, 6, 6), 2)} == {0, 1}
+
+
+def _one_stage_refuses_body(rank: int, world: int) -> str:
+    import hybridpar as hp
+
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Tanh(),
+                          torch.nn.utils.parametrizations.weight_norm(nn.Conv3d(2, 1, 3, padding=1)))
+    spec = {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2, "stages": ["0", "2"]}}
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
+    x = torch.randn(2, 1, 8, 6, 6)
+    try:
+        engine.train_step(*engine.shard_batch(x, x))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_refusal_on_one_stage_is_raised_on_every_rank(pools):
+    """Only the second stage holds the layer it refuses: the first stage raised nothing and waited in
+    the first step for the transport's timeout (two minutes) and a message about a receive."""
+    said = set(pools(2).run(_one_stage_refuses_body, timeout=60))
+    assert len(said) == 1 and "ParametrizedConv3d" in said.pop(), said
+
+
+def _half_body(rank: int, world: int) -> None:
+    fails = Failures()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    y = torch.randn((SHAPE[0], 1, SHAPE[2] // 2, *SHAPE[3:]), dtype=torch.float64, generator=g)
+    for spec in ({"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [1, 2, 1]}},
+                 {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}):
+        try:
+            _compare(fails, f"a slice bounded by a shape read {spec}", HalfNet, spec, x, y)
+        except Exception as err:  # name the case, then go on with the others
+            fails.append(f"{spec}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+def test_a_slice_bounded_by_a_shape_read_matches_torch(pools):
+    pools(2).run(_half_body, timeout=120)

@@ -18,6 +18,7 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.job_layout import JobLayout
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline import model_state as state
+from hybridpar.pipeline.alike import raised_alike
 from hybridpar.pipeline.convert import one_build
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
@@ -96,7 +97,8 @@ def build(source: Source, spec: ParallelSpec, grid: ProcessGrid, world: int, inp
     plan = build_plan(spec, model, input_shape, world, graph)
     layout = JobLayout.resolve(grid, [lp.split for lp in plan])
     transport = StageTransport(grid, memory_format)
-    with one_build():  # a parameter two layers apply with gradients counted apart is refused
+    with raised_alike(), one_build():  # a stage's refusal is every stage's; so is a parameter two
+        # layers apply with gradients counted apart
         stage = StageBuilder(model, graph, spec, layout, overlap, source.untraced).build(plan, input_shape)
     # the plans at other sizes (predict, shard_batch), from the model's structure kept on the meta device
     sizes = SizePlans(model, graph is not None, spec, world, plan, input_shape)

@@ -67,13 +67,16 @@ class _Ref:
 
 
 def _fill(template: Any, value: Callable[[_Ref], Any]) -> Any:
-    """``template`` with every :class:`_Ref` replaced by ``value(ref)`` (tuples, lists, dicts nested)."""
+    """``template`` with every :class:`_Ref` replaced by ``value(ref)`` (in tuples, lists, dicts and
+    slices, nested)."""
     if isinstance(template, _Ref):
         return value(template)
     if isinstance(template, tuple | list):
         return type(template)(_fill(t, value) for t in template)
     if isinstance(template, dict):
         return {k: _fill(v, value) for k, v in template.items()}
+    if isinstance(template, slice):  # a bound read from a shape: ``h[:, :, :h.shape[2] // 2]``
+        return slice(_fill(template.start, value), _fill(template.stop, value), _fill(template.step, value))
     return template
 
 

@@ -82,6 +82,10 @@ def test_engine_errors():
     x, y = torch.randn(4, 1, 4, 4, 4), torch.randn(4, 1)
     x_local, y_local = engine.shard_batch(x, y)
     assert torch.isfinite(engine.train_step(x_local, y_local))
+    for call in (lambda: engine.shard_batch(x, (y, y)), lambda: engine.train_step(x_local, {"y": y_local})):
+        with pytest.raises(ValueError, match=r"^Engine.(shard_batch|train_step): the target must be one "
+                                             r"tensor \(N, ...\), got (tuple|dict); targets of several"):
+            call()
     with pytest.raises(hp.SpecError, match="micro"):
         hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 3}}, loss_fn=F.mse_loss,
                        input_shape=(4, 1, 4, 4, 4))

@@ -32,12 +32,22 @@ def _box(t: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     return t[(Ellipsis, *(slice(a, b) for a, b in box))]
 
 
+def one_target(y: object, what: str) -> None:
+    """Refuse a target that is no tensor in one line (the engine cuts, splits and counts one tensor)."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"{what}: the target must be one tensor (N, ...), got {type(y).__name__}; targets "
+                         f"of several parts go in one tensor (a volume's channels concatenated, a head's "
+                         f"columns) that loss_fn cuts apart again")
+
+
 def shard(x: torch.Tensor, y: torch.Tensor | None, grid: ProcessGrid, input_grid: ProcessGrid,
           output_grid: ProcessGrid, output_volume: tuple[int, ...] | None,
           memory_format: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(this rank's input, its target) of a global batch: its replica's samples; of a volume input,
     ``input_grid``'s box; of a volume target of a split output (``output_grid``, of ``output_volume``
     voxels), the output's box."""
+    if y is not None:
+        one_target(y, "Engine.shard_batch")
     n = x.shape[0]
     if n % grid.data:
         raise ValueError(f"Engine.shard_batch: global batch {n} does not split over "

@@ -63,7 +63,7 @@ from hybridpar.device import cpu_alloc
 from hybridpar.grid import ProcessGrid, require_group
 from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline import predicting
-from hybridpar.pipeline.batch import shard
+from hybridpar.pipeline.batch import one_target, shard
 from hybridpar.pipeline.building import Source, build, reducers
 from hybridpar.pipeline.clipping import clip_grad_norm_
 from hybridpar.pipeline.model_mode import ModelMode
@@ -349,6 +349,7 @@ class Engine:
         watching = self._check_batch_stats(training)
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
+        one_target(y_local, "Engine.train_step")
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
             if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:

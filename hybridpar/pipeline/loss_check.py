@@ -138,12 +138,14 @@ def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -
     def second(t: Any) -> Any:
         if not (sample(t) and volume(t)):
             return t
-        part = t.narrow(d - 3, 0, k) if half == 0 else t.narrow(d - 3, k, extent - k)
-        return torch.cat([part, part.narrow(d - 3, 0, extent - part.shape[d - 3])], d - 3)
+        if half == 0:  # k and extent - k >= k voxels of the first half's start
+            return torch.cat([t.narrow(d - 3, 0, k), t.narrow(d - 3, 0, extent - k)], d - 3)
+        rest = t.narrow(d - 3, k, extent - k)  # extent - k and k of the second half's start
+        return torch.cat([rest, rest.narrow(d - 3, 0, k)], d - 3)
 
-    other_out, other_y = tree_map(second, out), tree_map(second, y)
     both = functools.partial(tree_map, lambda a, b: torch.cat([a, b]) if sample(a) else a)
     try:
+        other_out, other_y = tree_map(second, out), tree_map(second, y)
         other = evaluate(loss_fn, other_out, other_y)
         together = evaluate(loss_fn, both(out, other_out), both(y, other_y))
     except (RuntimeError, ValueError, TypeError, IndexError):

@@ -61,6 +61,7 @@ from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device import cpu_alloc
 from hybridpar.grid import ProcessGrid, require_group
+from hybridpar.nn.sharing import follow_originals
 from hybridpar.pipeline import model_state as state
 from hybridpar.pipeline import predicting
 from hybridpar.pipeline.batch import one_target, shard
@@ -292,11 +293,17 @@ class Engine:
         for _, m in self.layers:
             m.train(mode)
 
-    def _follow_model(self) -> bool:
-        """The mode this call runs in: the model's (``model.train()``/``model.eval()`` since the last
-        call reach this stage's layers, which hold the model's tensors in modules of their own)."""
+    def _follow_user(self, what: str) -> bool:
+        """What the user changed on the model since the last call, followed or refused before any work
+        of ``Engine.what``, in one place: its mode (``model.train()``/``model.eval()`` reach this stage's
+        layers, which hold the model's tensors in modules of their own), the plain attributes its
+        forward reads (copied to module swapping's copies of its modules, :func:`follow_originals`;
+        refused where a traced graph holds their old values, :meth:`_check_mode`). Returns the mode
+        the call runs in."""
         if self._mode.follow():
             self._set_layers(self._mode.training)
+        self._check_mode(what)
+        follow_originals()
         return self._mode.training
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
@@ -344,8 +351,7 @@ class Engine:
         size), and a first stage's input shard of another size is refused before any collective.
         """
         self._require_built("train_step")
-        training = self._follow_model()  # False: trains in eval mode (frozen BatchNorm statistics), as torch
-        self._check_mode("train_step")
+        training = self._follow_user("train_step")  # False: trains in eval mode (frozen BN statistics)
         watching = self._check_batch_stats(training)
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
@@ -381,8 +387,7 @@ class Engine:
         running statistics, which are then averaged over the data-parallel replicas: call it on every
         replica alike."""
         self._require_built("predict")
-        training = self._follow_model()
-        self._check_mode("predict")
+        training = self._follow_user("predict")
         if len(self.input_shape) == 5:
             size, first_batch = agree_size(x_local, self.grid, self.input_grid, "Engine.predict")
             self._at_size(size, "Engine.predict")

@@ -26,7 +26,6 @@ from hybridpar.comm.reduce import no_grad_sync
 from hybridpar.comm.transport import Work
 from hybridpar.device.precision import no_autocast
 from hybridpar.grid import ProcessGrid
-from hybridpar.nn.sharing import follow_originals
 from hybridpar.pipeline import deferred
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
@@ -88,9 +87,7 @@ class StepRuntime:
         """Every action, then the step's ends: sends, gradient reduction, running statistics, loss.
 
         The reducer's step begins before the first backward: it reduces only what this step's
-        backward adds (gradients from before the step are taken aside, and put back if it fails).
-        Copies of the user's modules (module swapping) first take up the attributes the user set since."""
-        follow_originals()
+        backward adds (gradients from before the step are taken aside, and put back if it fails)."""
         reducer = self.ctx.reducer
         if reducer is not None:
             reducer.begin()

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from hybridpar.comm.reduce import grad_split, mark_grad_split
 from hybridpar.grid import ProcessGrid
@@ -40,7 +41,15 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     :func:`one_build`, a parameter two layers apply with gradients counted apart is refused.
     """
     entry = registry.lookup(m)
-    if entry is None or entry.to_dist is None:
+    whole = entry is not None and grid.spatial_size == 1 and parametrize.is_parametrized(m)
+    if entry is not None and entry.to_dist is not None and parametrize.is_parametrized(m) and not whole:
+        what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+        raise SpecError(f"{what}: a parametrized layer (weight_norm, spectral_norm, orthogonal: "
+                        f"torch.nn.utils.parametrize) computes its weight on each call, which its split "
+                        f"counterpart does not; remove the parametrization (parametrize."
+                        f"remove_parametrizations) or run the layer whole (layers: {{{name or '<layer>'}: "
+                        f"{{spatial: replicate}}}})")
+    if entry is None or entry.to_dist is None or whole:  # a parametrized layer run whole: itself
         d = sharing_copy(m)
         mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
         _note(m, grid, name)

@@ -109,8 +109,9 @@ def test_tiny_run_with_mpi(name, tmp_path):
 
 
 def test_a_preloaded_allocator_counter_reaches_the_ranks():
-    """heapcount's counter is an LD_PRELOAD library: ranks forked from the preloaded server would not
-    load it, so ranks that need it start as fresh interpreters and count a 50 MiB block."""
+    """heapcount's counter is an LD_PRELOAD library: ranks forked from a server started without it
+    would not load it (this process's, started by the tests before), so they start as fresh
+    interpreters and count a 50 MiB block."""
     from perf import heapcount
     from perf.ranks import launch
 

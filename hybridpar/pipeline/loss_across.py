@@ -100,8 +100,8 @@ def _finding(loss_fn: Callable, pieces: Pieces, parts: list[list[torch.Tensor]],
              along: list[bool]) -> Finding:
     """The loss of ``parts`` taken together along ``dim`` (the leaves ``along`` marks; the others as the
     first part holds them) against the parts' mean and sum; nothing found where it raises."""
-    together = [torch.cat([p[i] for p in parts], dim) if a else parts[0][i] for i, a in enumerate(along)]
     try:
+        together = [torch.cat([p[i] for p in parts], dim) if a else parts[0][i] for i, a in enumerate(along)]
         whole = evaluate(loss_fn, *pieces.tree(together))
         values = [evaluate(loss_fn, *pieces.tree(p)) for p in parts]
     except (RuntimeError, ValueError, TypeError, IndexError):

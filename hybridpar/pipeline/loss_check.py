@@ -18,8 +18,7 @@ step's own value) with the parts' size-weighted mean and with their sum. The par
 part of one sample has no second sample to cut from: it is paired with a second one made of its first
 half (along the first spatial dim it has two voxels along) tiled, then of its second, which counts its
 labels, masked voxels, weights and extremes differently (a copy of one sample; :func:`pair`); without
-such a dim it is
-doubled (``expand``), which tells a mean from a sum only. The ranks agree in one
+such a dim it is doubled (``expand``), which tells a mean from a sum only. The ranks agree in one
 all-gather of a few numbers over the stage (:func:`agree`), so a shard where the test tells nothing
 (too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
 a sum, or one line, the same on every rank, raised before any backward runs. What differs between

@@ -139,7 +139,7 @@ class Stepper:
         split = self.built.stage.output_split
         dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED else []
         space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
-        group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
+        group = self._stage_group
         if loss.numel() == 1:
             across = loss_across.findings(self.loss_fn, out, y, self._other_targets(y), self._piece(),
                                           dims, group, *self._peers())
@@ -153,6 +153,16 @@ class Stepper:
             raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
         self._refused = refused
         return torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    @property
+    def _stage_group(self) -> dist.ProcessGroup | None:
+        """The stage's data x spatial ranks, where the loss's parts are combined (None: this rank alone)."""
+        return self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
+
+    @property
+    def _output_shards(self) -> int:
+        """How many ranks share one replica's output (1: it is whole on each)."""
+        return self.built.layout.of(self.built.stage.output_split).spatial_size
 
     def _other_targets(self, y: Any) -> list[torch.Tensor]:
         """The step's other micro-batches' targets of as many samples as the first's (``y``)."""
@@ -168,7 +178,7 @@ class Stepper:
     def _peers(self) -> tuple[list[int], list[int]]:
         """Ranks of the stage group (ordered by replica, then place in the stage) that hold shards of this
         rank's samples, and those at its place in the other replicas."""
-        size, per = self.grid.stage_size, self.built.layout.of(self.built.stage.output_split).spatial_size
+        size, per = self.grid.stage_size, self._output_shards
         me_d, me_s = self.grid.data_index, self.grid.spatial_index
         space = [me_d * size + s for s in range(size) if s // per == me_s // per]
         return space, [d * size + me_s for d in range(self.grid.data)]
@@ -277,10 +287,9 @@ class Stepper:
         self._targets = []
         if self.grid.pipe > 1 and checking:  # every stage learns the loss stage's check
             self._tell_stages(device)
-        group = self.grid.stage_group if self.grid.data * self.grid.stage_size > 1 else None
-        shards = self.built.layout.of(self.built.stage.output_split).spatial_size
         if checking:
-            self.loss_reads.finish(group, shards, device, self.grid.pipe > 1, "Engine.train_step")
+            self.loss_reads.finish(self._stage_group, self._output_shards, device, self.grid.pipe > 1,
+                                   "Engine.train_step")
         else:
             self.loss_reads.refuse_captured("Engine.train_step")
         return loss

@@ -11,7 +11,7 @@ How: every rank of the stage takes a piece of its output and target, the same fe
 spatial dim (:data:`CAP` at most, spread over its shard, as many on every rank: the smallest shard's
 extent decides) of every volume that has the output's extent, and its per-sample vectors (a head's
 (N, k)) whole, in float64 (where a normalisation one count apart shows above rounding, whatever the
-model's dtype), and all-gathers them over the stage (one small all-gather per tensor). Each rank then
+model's dtype), and all-gathers them over the stage (one small all-gather per dtype). Each rank then
 evaluates ``loss_fn`` on the pieces of the ranks that hold its samples (the output's shards) taken
 together along the first split dim, and on those of the replicas at its spatial position, with this
 rank's first output piece beside the targets of its other micro-batches, taken together along the
@@ -85,15 +85,21 @@ class Pieces:
 
 
 def _gather(taken: list[torch.Tensor], group: dist.ProcessGroup) -> list[list[torch.Tensor]]:
-    """Every rank's kept leaves, by rank of ``group`` (bool travels as uint8: not every backend has it)."""
-    ranks: list[list[torch.Tensor]] = [[] for _ in range(dist.get_world_size(group))]
-    for t in taken:
-        sent = t.to(torch.uint8) if t.dtype == torch.bool else t
-        got = [torch.empty_like(sent) for _ in ranks]
-        dist.all_gather(got, sent, group=group)
+    """Every rank's kept leaves, by rank of ``group``: one all-gather per dtype, the leaves flattened
+    into it (bool travels as uint8: not every backend has it)."""
+    world = dist.get_world_size(group)
+    ranks: list[list[torch.Tensor | None]] = [[None] * len(taken) for _ in range(world)]
+    sent = [t.to(torch.uint8) if t.dtype == torch.bool else t for t in taken]
+    for dtype in sorted({t.dtype for t in sent}, key=str):
+        these = [i for i, t in enumerate(sent) if t.dtype == dtype]
+        flat = torch.cat([sent[i].reshape(-1) for i in these])
+        got = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(got, flat, group=group)
         for r, g in enumerate(got):
-            ranks[r].append(g.to(torch.bool) if t.dtype == torch.bool else g)
-    return ranks
+            for i, part in zip(these, g.split([sent[i].numel() for i in these]), strict=True):
+                part = part.view(sent[i].shape)
+                ranks[r][i] = part.to(torch.bool) if taken[i].dtype == torch.bool else part
+    return ranks  # type: ignore[return-value]
 
 
 def _finding(loss_fn: Callable, pieces: Pieces, parts: list[list[torch.Tensor]], dim: int,

@@ -158,3 +158,31 @@ def test_a_killed_rank_is_named_with_its_signal(data, tmp_path):
     assert len(lines) == 1, err[-3000:]
     assert re.fullmatch(rf"error: rank 1 \(pid {ranks[0].pid}\) died: killed by SIGKILL; rank 0 was waiting "
                         r"for it in \w+(, step \d+)?", lines[0]), lines[0]
+
+
+_LATE_RANK = """
+import sys, time
+import torch.distributed as dist
+from hybridpar.process import failure
+from hybridpar.process.launchers import init_distributed
+init_distributed("gloo")
+if dist.get_rank() == 1:
+    time.sleep(1.5)  # meets the same error later: rank 0, which serves the store, must still be there
+failure.leave(failure.report("error: " + sys.argv[1], failure.CONFIG_ERROR))
+"""
+
+
+def test_a_configuration_error_met_late_by_a_rank_is_still_one_line(tmp_path):
+    """Under mpirun or srun rank 0 serves the rendezvous store: it stays until every rank has read the
+    job's line, so a rank slower to meet the same configuration error prints nothing of its own."""
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_RANK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    ranks = [subprocess.Popen([sys.executable, str(script), "the same for every rank"], cwd=ROOT, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    errs = [p.communicate(timeout=60)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], errs
+    assert errs[0].splitlines() == ["error: the same for every rank"] and errs[1] == "", errs

@@ -100,6 +100,7 @@ def report(line: str, code: int = RUNTIME_FAULT) -> int:
                 root, root_line, root_stamp = rank, line, stamp
             else:
                 root, root_line, root_stamp = json.loads(store.get(f"{_KEY}/first"))
+            store.add(f"{_KEY}/known", 1)
             speak = root == rank
         except (RuntimeError, OSError, ValueError):
             root, root_line, root_stamp, speak = rank, f"rank {rank}: {line}", stamp, True
@@ -112,7 +113,31 @@ def report(line: str, code: int = RUNTIME_FAULT) -> int:
             # Before any group: rank 0 meets the same error and speaks; a quiet rank that left at once
             # would have the launcher stop rank 0 (torchrun's SIGTERM) before it printed the line.
             time.sleep(_QUIET_GRACE_S)
+    if code == CONFIG_ERROR and store is not None and _hosts_store(rank):
+        _wait_for_peers(store)
     return code
+
+
+def _hosts_store(rank: int) -> bool:
+    """Whether this process serves the rendezvous store: rank 0 does under mpirun, srun and ``env://``;
+    torchrun's agent serves it for its workers."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _wait_for_peers(store: dist.Store) -> None:
+    """Keep the store up until every rank has read the job's line (or :data:`_QUIET_GRACE_S` passed).
+
+    Why: the store lives in this process. A configuration error is met by every rank, and one that
+    meets it a moment later (a loaded machine) would find the store gone once this one left, and print
+    its own copy of the line. A runtime fault leaves at once: its peers may never report (hung or dead),
+    and a restart should not wait for them.
+    """
+    end = time.monotonic() + _QUIET_GRACE_S
+    try:
+        while store.add(f"{_KEY}/known", 0) < dist.get_world_size() and time.monotonic() < end:
+            time.sleep(0.02)
+    except (RuntimeError, OSError):
+        pass
 
 
 def leave(code: int) -> NoReturn:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +45,7 @@ KEYS: dict[str, set[str]] = {
     "advisor": {"config", "results", "table", "details"},
     "infer_split": {"config", "ratios", "stats", "table"},
 }
+AT_ONCE = 2  # tiny runs side by side (tiny_runs)
 NEEDS_MPIEXEC = {"transports"}  # its ranks are started by mpiexec
 SKIP = {
     "recovery": "kills and restarts 4 torchrun workers twice (a minute on 2 cores); run `python -m perf "
@@ -74,16 +78,40 @@ def test_list_and_an_unknown_name():
     assert "no benchmark 'no_such_bench'" in res.stderr
 
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
-def test_tiny_run_writes_its_json(name, tmp_path):
+def _runnable(name: str) -> str | None:
+    """Why ``name`` is not run here, or None."""
     if name in SKIP:
-        pytest.skip(SKIP[name])
+        return SKIP[name]
     if name in NEEDS_MPIEXEC and mpiexec() is None:
-        pytest.skip("needs mpiexec (pip install mpich)")
+        return "needs mpiexec (pip install mpich)"
+    return None
+
+
+def _tiny(name: str, out: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """``python -m perf NAME --tiny`` writing into the folder ``out``; its result and its JSON's path."""
     if name == "harness":  # writes a folder: scaling.json, calibration.json, scaling.csv
-        res, out = _perf(name, "--tiny", "--out-dir", str(tmp_path)), tmp_path / "scaling.json"
-    else:
-        res, out = _perf(name, "--tiny", "--out", str(tmp_path / f"{name}.json")), tmp_path / f"{name}.json"
+        return _perf(name, "--tiny", "--out-dir", str(out)), out / "scaling.json"
+    return _perf(name, "--tiny", "--out", str(out / f"{name}.json")), out / f"{name}.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Every runnable benchmark's tiny run, :data:`AT_ONCE` at a time, started when the first test asks.
+
+    Why: a tiny run spends most of its seconds on one core (its launcher's start, its table, one rank
+    waiting for another), so two side by side take little more than one; their figures mean nothing
+    at this size anyway. Each test then waits for its own run and names it when it fails.
+    """
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+        yield {name: pool.submit(_tiny, name, tmp_path_factory.mktemp(name))
+               for name in BENCHMARKS if _runnable(name) is None}
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_tiny_run_writes_its_json(name, tiny_runs):
+    if _runnable(name):
+        pytest.skip(_runnable(name))
+    res, out = tiny_runs[name].result()
     assert res.returncode == 0, f"python -m perf {name} --tiny:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     data = json.loads(out.read_text())
     missing = ({"benchmark", "date", "command", "machine", "args"} | KEYS[name]) - set(data)

@@ -411,6 +411,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("nested block data x spatial", "NestedUNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
         ("flattened into Linear layers, 2x2", "FlatRegressor", {"grid": {"spatial": [2, 2, 1]}}),
+        ("flattened into Linear layers, data x spatial", "FlatRegressor",
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("own unregistered layers, data x spatial", "OwnLayersNet",
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("call settings, 2x2", "CallSettings", {"grid": {"spatial": [2, 2, 1]}})]
@@ -500,6 +502,21 @@ class _Refused(nn.Module):
                 h = torch.softmax(h, dim=0)
             elif self.what == "a channel reduced and returned":
                 return h.mean(1)
+            elif self.what == "a sample of a volume mean picked":
+                h = h - h.mean(dim=(2, 3, 4), keepdim=True)[:1]
+            elif self.what == "volume means summed over the batch":
+                h = h - h.mean(dim=(2, 3, 4), keepdim=True).sum()
+            elif self.what == "volume means swapped between samples":
+                a, b = h.mean(dim=(2, 3, 4), keepdim=True).chunk(2, 0)
+                h = h - torch.cat([b, a])
+            elif self.what == "volume means flipped over the batch":
+                h = h - h.amax(dim=(2, 3, 4), keepdim=True).flip(0)
+            elif self.what == "features mixed by a product":
+                s = h.mean(dim=(2, 3, 4))
+                h = h * (s @ s.transpose(0, 1)).mean()
+            elif self.what == "a buffer from the first sample":
+                self.seen = h.detach().mean(dim=(2, 3, 4)).reshape(-1)  # (N,): one value per sample
+                h = h * self.seen[0]
             elif self.what == "filled in place":
                 acc = torch.zeros(h.shape)
                 acc.add_(h)
@@ -530,6 +547,27 @@ def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": [2, 1, 1]}})
     with pytest.raises(SpecError, match=match):
         spec.plan(_Refused(what), (2, 1, 8, 8, 8), 4)
+
+
+@pytest.mark.parametrize("what,match", [
+    ("a sample of a volume mean picked", r"indexing \(picks among the samples\)"),
+    ("volume means summed over the batch", r"sum \(over the samples' dim\)"),
+    ("volume means swapped between samples", r"chunk \(along the samples' dim\)"),
+    ("volume means flipped over the batch", r"flip \(along the samples' dim\)"),
+    ("features mixed by a product", r"transpose \(along the samples' dim\)"),
+    ("a buffer from the first sample", r"indexing \(picks among the samples\)"),
+])
+@pytest.mark.parametrize("grid,world", [({"data": 2, "spatial": [2, 1, 1]}, 4), ({"data": 2}, 2)],
+                         ids=["data_x_spatial", "data"])
+def test_samples_mixed_after_the_volume_is_reduced_are_refused(what, match, grid, world):
+    """A volume's mean per sample is no longer split, but its batch still is (data parallelism,
+    micro-batches): a call across its samples gave each replica its own answer, silently."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": grid})
+    with pytest.raises(SpecError, match=f"{match}, on values per sample of a batch in parts, at test_untr"):
+        spec.plan(_Refused(what), (2, 1, 8, 8, 8), world)
 
 
 def test_explain_lists_every_call_between_the_layers():

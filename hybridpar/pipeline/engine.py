@@ -72,6 +72,7 @@ from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
 from hybridpar.pipeline.step_state import BufferWatch, micro_batch_norms, refuse_micro_batch_norms
 from hybridpar.pipeline.stepping import Stepper
+from hybridpar.pipeline.user_hooks import HookWatch
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.records import LayerPlan
@@ -93,6 +94,8 @@ class Engine:
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
         require_group("parallelize")
+        self._hooks = HookWatch(model)
+        self._hooks.check("hp.parallelize")
         self.memory_format = memory_format
         self._source: Source | None = Source.trace(model, spec)  # released once built (see _build)
         if all(p.device.type == "cpu" for p in model.parameters()):
@@ -302,6 +305,7 @@ class Engine:
         the call runs in."""
         if self._mode.follow():
             self._set_layers(self._mode.training)
+        self._hooks.check(f"Engine.{what}")
         self._check_mode(what)
         follow_originals()
         return self._mode.training

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import flops as flop_count
@@ -26,7 +26,7 @@ from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
-from hybridpar.planner import calls
+from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
@@ -102,16 +102,15 @@ class LayoutWatch(TorchFunctionMode):
         self.grid_split = split
         self.batch_apart = batch_apart  # the batch runs in parts (data parallel, micro-batches)
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
-        self.depth = 0
-        self.split = WeakIdKeyDictionary()  # split activation -> its global extents (D, H, W)
-        self.chains = WeakIdKeyDictionary()  # a split volume part way through reshapes: their atoms
-        self.unsafe: list[str] = []
-        self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
+        self.reset()
 
     def reset(self) -> None:
-        self.depth, self.unsafe, self.met = 0, [], {}
-        self.split, self.chains = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self.depth, self.unsafe = 0, []
+        self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
+        # split activation -> its global extents (D, H, W); tensors carrying a batch held apart (if
+        # batch_apart); a split volume part way through reshapes -> their atoms
+        self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
 
     def mark(self, t: object, extents: Extents) -> None:
         """Say that ``t`` (a tensor, or each tensor of a tuple) is split, of global ``extents``."""
@@ -127,6 +126,7 @@ class LayoutWatch(TorchFunctionMode):
     def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
         """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
         where it works voxel by voxel on a split input (a softmax over channels)."""
+        self.carry([x], out)
         if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
             return
         entry = registry.lookup(m)
@@ -140,11 +140,21 @@ class LayoutWatch(TorchFunctionMode):
         """The global extents of a split layer's output (here the volume's: the output's own)."""
         return tuple(out.shape[-3:])
 
+    def carry(self, inputs: list[torch.Tensor], out: object) -> None:
+        """Where the batch runs in parts, mark what a call or layer made of a tensor carrying it."""
+        if self.batch_apart and any(t in self.split or t in self.batched for t in inputs):
+            self.batched.update((t, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = calls.canonical(kwargs or {})
         if self.depth:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
+        out = self._dispatch(func, args, kwargs, tensors)
+        self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
+        return out
+
+    def _dispatch(self, func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         split = [t for t in tensors if t in self.split]
         if any(t in self.chains for t in tensors):
             if calls.name_of(func) in STEPS and len(tensors) == 1:
@@ -159,7 +169,11 @@ class LayoutWatch(TorchFunctionMode):
         if not split or (calls.name_of(func) in calls.LIKE_OF and args and args[0] not in self.split):
             # nothing split; or a replicated tensor made like a split one (p.to(x), p.type_as(x)): it
             # takes the split one's dtype and device, not its layout
-            return self._run_replicated(func, args, kwargs)
+            out = self._run_replicated(func, args, kwargs)
+            carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
+            if carriers and (why := per_sample.across(func, args, kwargs, carriers, out)):
+                self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {calls.caller()}")
+            return out
         if calls.in_place(calls.name_of(func)) and args and isinstance(args[0], torch.Tensor) \
                 and args[0] not in self.split:
             self.unsafe.append(f"{calls.name_of(func)} (writes a split activation into a whole tensor in "
@@ -399,6 +413,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     if split != REPLICATED:
         watch.mark(x, tuple(input_shape[2:]))
+    if watch.batch_apart:
+        watch.batched[x] = True
     try:
         with watch:
             outs, spec = tree_flatten(meta_call(model, state, x))

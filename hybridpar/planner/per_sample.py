@@ -1,0 +1,102 @@
+"""Whether a call keeps the samples of a batch apart: the rule for tensors that carry the batch but no
+split volume (a volume's mean per sample and channel, a head's features).
+
+Why: data parallelism and micro-batches hold the batch in parts, so a call that works across dim 0
+(``g[:1]``, ``g.mean(0)``, ``g.sum()``, ``torch.cat([b, a])`` of two halves, ``g.flip(0)``) computes on
+each part what one process computes on the whole batch: a different answer, silently. On a split
+activation :mod:`hybridpar.planner.calls` says so; once the volume is reduced away the tensor is no
+longer split, and this module says it for what is left. Per-sample work (elementwise, along other dims,
+a layer or a matrix product applied to each sample) passes; anything it cannot tell is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridpar.nn import registry
+from hybridpar.planner import calls
+
+# Calls along given dims: the argument (position after the tensor, keyword) that names them, and what
+# its absence means (None: the whole tensor, flattened; an int: that dim).
+_ALONG: dict[str, tuple[int, str, int | None]] = {
+    **{name: (1, "dim", None) for name in (
+        *calls.REDUCTIONS, "prod", "all", "any", "count_nonzero", "nansum", "nanmean", "median", "nanmedian",
+        "var_mean", "std_mean", "argmax", "argmin", "logsumexp", "aminmax", "mode")},
+    **{name: (1, "dim", 0) for name in (*calls.JOINS, *calls.PIECES)},
+    **{name: (1, "dim", -1) for name in ("softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin",
+                                         "logcumsumexp", "sort", "argsort", "glu", "narrow", "select",
+                                         "unflatten", "diff")},
+    "normalize": (2, "dim", 1), "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1),
+    "quantile": (2, "dim", None), "nanquantile": (2, "dim", None), "roll": (2, "dims", None),
+    "flip": (1, "dims", None), "chunk": (2, "dim", 0), "split": (2, "dim", 0), "tensor_split": (2, "dim", 0),
+    "transpose": (1, "dim0", None), "swapaxes": (1, "axis0", None), "movedim": (1, "source", None),
+}
+_PAIRS = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1"), "movedim": (2, "destination")}
+_RESHAPES = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand", "repeat", "tile",
+             "view_as", "reshape_as", "expand_as", "clone", "detach", "permute")
+_PRODUCTS = ("matmul", "mm", "__matmul__", "bmm", "linear")
+
+
+def _dims(dim: Any, nd: int) -> set[int] | None:
+    if dim is None:
+        return None
+    dims = dim if isinstance(dim, list | tuple) else (dim,)
+    return {d % nd for d in dims} if all(isinstance(d, int) for d in dims) else None
+
+
+def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any) -> str | None:
+    """What ``func(*args, **kwargs)`` (which gave ``out``) does across the samples of ``carriers``, its
+    tensors that carry the batch (at least one), or None if it works on each sample apart. The batch is
+    held in parts by data parallelism or micro-batches."""
+    name = calls.name_of(func).strip("_") if calls.name_of(func) not in calls.VALUE_READS else \
+        calls.name_of(func)
+    batched, others = carriers[0], len(carriers) - 1
+    nd = max(batched.dim(), 1)
+    first = args[0] if args else None
+    if calls.in_place(calls.name_of(func)) and not any(first is t for t in carriers):
+        return f"{calls.name_of(func)} (writes per-sample values into a tensor the replicas share)"
+    if calls.reads_shape(func) or calls.name_of(func) in calls.SAFE or name in calls.SAFE:
+        return None
+    if name == "getitem":
+        return None if not calls.indexes_batch(args[1]) else "indexing (picks among the samples)"
+    if name in _RESHAPES:
+        if name == "permute":
+            order = args[1:] if len(args) > 2 or not isinstance(args[1], list | tuple) else args[1]
+            kept = bool(order) and isinstance(order[0], int) and order[0] % nd == 0
+        else:
+            kept = isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == batched.shape[0]
+        return None if kept else f"{name} (moves the samples' dim)"
+    if name in _ALONG:
+        pos, key, default = _ALONG[name]
+        nd_out = nd + 1 if name == "stack" else nd
+        given = calls._arg(args, kwargs, pos, key, default)
+        dims = _dims(given, nd_out)
+        if name in _PAIRS:
+            other = calls._arg(args, kwargs, *_PAIRS[name])
+            dims = None if dims is None or _dims(other, nd) is None else dims | _dims(other, nd)
+        if name == "stack":
+            return None if dims is not None and 0 not in dims else "stack (along the samples' dim)"
+        if dims is None or 0 in dims:
+            return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
+        return None
+    if name in _PRODUCTS:
+        return None if first is batched and batched.dim() >= 2 and others == 0 else \
+            f"{name} (mixes samples: only a per-sample product, x @ W, keeps them apart)"
+    if name == "batch_norm" and calls._arg(args, kwargs, 5, "training", False):
+        return "batch_norm (statistics over the samples)"
+    role = registry.function_role(func) or registry.function_role(name)
+    if role in ("pointwise", "shape") or name in calls.LIKE or calls.name_of(func) in calls.LIKE:
+        return None
+    module = _module(func, args, kwargs)
+    if module is not None:
+        return None
+    return f"{calls.name_of(func)} (not known to keep the samples apart)"
+
+
+def _module(func: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        return registry.function_module(func, args, kwargs)
+    except (TypeError, ValueError, NotImplementedError):
+        return None

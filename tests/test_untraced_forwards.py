@@ -580,3 +580,76 @@ def test_explain_lists_every_call_between_the_layers():
                  r"mean: mean over D, H, W, the volume's value on every rank \(all-reduce\)",
                  r"cat: joins along channels or batch, on shards", r"shape: reads the volume's extents"):
         assert re.search(want, calls), want
+
+
+class _TracedMix(nn.Module):
+    """The same calls in a forward torch.fx traces: the graph's planner refuses them alike."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        g = h.mean(dim=(2, 3, 4), keepdim=True)
+        if self.what == "flip":
+            g = g.flip(0)
+        elif self.what == "roll":
+            g = torch.roll(g, 1, 0)
+        elif self.what == "view":
+            g = g.view(-1)[:2].sum()
+        return h - g
+
+
+@pytest.mark.parametrize("what,match", [("flip", r"flip: flip \(along the samples' dim\)"),
+                                        ("roll", r"roll: roll \(along the samples' dim\)"),
+                                        ("view", r"view: view \(moves the samples' dim\)")])
+def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"data": 2}})
+    with pytest.raises(SpecError, match=match + r": works across the samples of the batch"):
+        spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
+
+
+class _Keeps(nn.Module):
+    """A tensor kept in a plain attribute: read later in the same call (fine), or in the next one."""
+
+    def __init__(self, carried: bool, shape_check: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+        self.carried, self.shape_check, self.prev = carried, shape_check, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.shape_check and x.shape[2] > 0:
+            h = h * 2
+        if self.carried:
+            if self.prev is not None:
+                h = h + self.prev
+        else:
+            self.prev = h * 0.5
+            h = h - self.prev
+        self.prev = h.detach()
+        return h
+
+
+@pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
+def test_a_tensor_carried_to_the_next_call_in_an_attribute_is_refused(shape_check):
+    """Planning on the meta device once left a meta tensor in ``self.prev`` (the next real step then
+    failed on devices), and a trace a Proxy; now the attribute is put back and a value carried from one
+    call to the next is refused naming it. Kept and read within one call, it plans."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    model = _Keeps(carried=True, shape_check=shape_check)
+    with pytest.raises(SpecError, match=r"model \(_Keeps\): its forward keeps a tensor in self.prev and "
+                                        r"reads it in the next call"):
+        spec.plan(model, (2, 1, 8, 8, 8), 2)
+    assert model.prev is None
+    within = _Keeps(carried=False, shape_check=shape_check)
+    spec.plan(within, (2, 1, 8, 8, 8), 2)
+    assert within.prev is None

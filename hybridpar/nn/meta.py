@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,8 +47,13 @@ class OnMeta(TorchFunctionMode):
     """A tensor the forward makes from sizes alone (``torch.zeros(n, c, *x.shape[2:])``), without a
     device, is made on the meta device beside the forward's own, as on the device it runs on."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.calls.append(getattr(func, "__name__", ""))
         if getattr(func, "__name__", "") in FACTORIES and kwargs.get("device") is None \
                 and not any(isinstance(a, torch.Tensor) for a in args) and _users_call():
             kwargs = {**kwargs, "device": "meta"}
@@ -63,11 +70,76 @@ def _users_call() -> bool:
 
 
 def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> Any:
-    """``module(*args)`` with ``state`` (from :func:`meta_state`) in place of its own."""
+    """``module(*args)`` with ``state`` (from :func:`meta_state`) in place of its own. A forward that
+    keeps a tensor in a plain attribute (``self.prev = h.detach()``) is run twice: refused if the second
+    run, which finds what the first kept, calls anything else (the value is carried from one call to the
+    next, which no split plan follows); the attributes are put back as they were either way."""
+    before = _tensor_attrs(module)
+    values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
+    out = _call(module, state, args, OnMeta())
+    kept = _changed(module, before)
+    if not kept:
+        return out
+    runs = [OnMeta(), OnMeta()]  # from the state before the call, then from what the first kept
+    try:
+        _put_back(module, values, kept)
+        with _unwatched(module):
+            for run in runs:
+                _call(module, state, args, run)
+    finally:
+        _put_back(module, values, _changed(module, before))
+    if runs[0].calls != runs[1].calls:
+        from hybridpar.planner.terms import SpecError  # noqa: PLC0415 (the planner imports this module)
+
+        prefix, k = kept[0]
+        where = f"{prefix} ({type(module.get_submodule(prefix)).__name__})" if prefix else \
+            f"model ({type(module).__name__})"
+        raise SpecError(f"{where}: its forward keeps a tensor in self.{k} and reads it in the next call, "
+                        f"which a split run cannot follow as one process does; keep it in a buffer "
+                        f"(self.register_buffer) updated in place, or pass it as an input")
+    return out
+
+
+@contextlib.contextmanager
+def _unwatched(module: nn.Module) -> Iterator[None]:
+    """A run that no one else sees: no other torch-function mode (a planner's watch), no module hooks
+    (its records of the layers), both put back after."""
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    hooks = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    for m, _, _ in hooks:
+        m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for m, post, pre in hooks:
+            m._forward_hooks, m._forward_pre_hooks = post, pre
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> Any:
     with contextlib.ExitStack() as stack:
-        stack.enter_context(OnMeta())
+        stack.enter_context(mode)
         for m in module.modules():
             if isinstance(m, nn.SyncBatchNorm):
                 m.forward = BATCH_NORM.forward.__get__(m)  # type: ignore[method-assign]
                 stack.callback(vars(m).pop, "forward", None)
         return torch.func.functional_call(module, state, args, tie_weights=False)
+
+
+def _tensor_attrs(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    return {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+
+
+def _changed(module: nn.Module, before: dict[tuple[str, str], torch.Tensor]) -> list[tuple[str, str]]:
+    return [key for key, v in _tensor_attrs(module).items() if before.get(key) is not v]
+
+
+def _put_back(module: nn.Module, values: dict[tuple[str, str], Any], kept: list[tuple[str, str]]) -> None:
+    for prefix, k in kept:
+        m = module.get_submodule(prefix)
+        if (prefix, k) in values:
+            setattr(m, k, values[(prefix, k)])
+        else:
+            delattr(m, k)

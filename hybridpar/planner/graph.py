@@ -156,8 +156,16 @@ class _Tracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace, refused where the forward sets or reads grad mode, which no graph records
         (:mod:`hybridpar.planner.trace_state`); a child's forward that does is kept whole."""
-        with trace_state.watched_trace() as seen:
-            graph = super().trace(root, concrete_args)
+        before = {(m, k): v for m in root.modules() for k, v in vars(m).items()} \
+            if isinstance(root, nn.Module) else {}
+        try:
+            with trace_state.watched_trace() as seen:
+                graph = super().trace(root, concrete_args)
+        finally:
+            kept = _put_back_proxies(root, before)
+        if kept:
+            raise SpecError(f"its forward keeps a tensor in self.{kept}, which a traced graph cannot "
+                            f"carry from one call to the next")
         trace_state.refuse_grad_mode(seen)
         return graph
 
@@ -167,6 +175,23 @@ class _Tracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         finally:
             self.stack.pop()
+
+
+def _put_back_proxies(root: Any, before: dict[tuple[nn.Module, str], Any]) -> str | None:
+    """Undo what a trace stored in plain attributes (``self.prev = h``: an fx Proxy, which a later
+    trace would read as a value of another graph); the first such attribute's name, or None."""
+    if not isinstance(root, nn.Module):
+        return None
+    kept = None
+    for m in root.modules():
+        for k, v in list(vars(m).items()):
+            if isinstance(v, fx.Proxy):
+                kept = kept or k
+                if (m, k) in before:
+                    setattr(m, k, before[(m, k)])
+                else:
+                    delattr(m, k)
+    return kept
 
 
 def trace(model: nn.Module) -> ModelGraph:

@@ -46,6 +46,30 @@ def _dims(dim: Any, nd: int) -> set[int] | None:
     return {d % nd for d in dims} if all(isinstance(d, int) for d in dims) else None
 
 
+def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
+                  out_shape: tuple[int, ...] | None) -> str | None:
+    """What a reshape or a call along given dims (``name``, as called) does to dim 0 of an ``nd``-dim
+    input whose dim 0 holds the ``batch`` samples, from its arguments and its output's shape alone
+    (what a traced graph knows of a node), or None if it keeps them apart or is not such a call."""
+    if name in _RESHAPES:
+        if name == "permute":
+            order = args[1:] if len(args) > 2 or not isinstance(args[1], list | tuple) else args[1]
+            kept = bool(order) and isinstance(order[0], int) and order[0] % nd == 0
+        else:
+            kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
+        return None if kept else f"{name} (moves the samples' dim)"
+    if name not in _ALONG:
+        return None
+    pos, key, default = _ALONG[name]
+    dims = _dims(calls._arg(args, kwargs, pos, key, default), nd + 1 if name == "stack" else nd)
+    if name in _PAIRS:
+        other = _dims(calls._arg(args, kwargs, *_PAIRS[name]), nd)
+        dims = None if dims is None or other is None else dims | other
+    if dims is None or 0 in dims:
+        return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
+    return None
+
+
 def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any) -> str | None:
     """What ``func(*args, **kwargs)`` (which gave ``out``) does across the samples of ``carriers``, its
     tensors that carry the batch (at least one), or None if it works on each sample apart. The batch is
@@ -53,7 +77,6 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     name = calls.name_of(func).strip("_") if calls.name_of(func) not in calls.VALUE_READS else \
         calls.name_of(func)
     batched, others = carriers[0], len(carriers) - 1
-    nd = max(batched.dim(), 1)
     first = args[0] if args else None
     if calls.in_place(calls.name_of(func)) and not any(first is t for t in carriers):
         return f"{calls.name_of(func)} (writes per-sample values into a tensor the replicas share)"
@@ -61,26 +84,10 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "getitem":
         return None if not calls.indexes_batch(args[1]) else "indexing (picks among the samples)"
-    if name in _RESHAPES:
-        if name == "permute":
-            order = args[1:] if len(args) > 2 or not isinstance(args[1], list | tuple) else args[1]
-            kept = bool(order) and isinstance(order[0], int) and order[0] % nd == 0
-        else:
-            kept = isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == batched.shape[0]
-        return None if kept else f"{name} (moves the samples' dim)"
-    if name in _ALONG:
-        pos, key, default = _ALONG[name]
-        nd_out = nd + 1 if name == "stack" else nd
-        given = calls._arg(args, kwargs, pos, key, default)
-        dims = _dims(given, nd_out)
-        if name in _PAIRS:
-            other = calls._arg(args, kwargs, *_PAIRS[name])
-            dims = None if dims is None or _dims(other, nd) is None else dims | _dims(other, nd)
-        if name == "stack":
-            return None if dims is not None and 0 not in dims else "stack (along the samples' dim)"
-        if dims is None or 0 in dims:
-            return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
-        return None
+    if name in _RESHAPES or name in _ALONG:
+        n = batched.shape[0] if batched.dim() else 1
+        return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,
+                             tuple(out.shape) if isinstance(out, torch.Tensor) else None)
     if name in _PRODUCTS:
         return None if first is batched and batched.dim() >= 2 and others == 0 else \
             f"{name} (mixes samples: only a per-sample product, x @ W, keeps them apart)"
@@ -89,8 +96,7 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     role = registry.function_role(func) or registry.function_role(name)
     if role in ("pointwise", "shape") or name in calls.LIKE or calls.name_of(func) in calls.LIKE:
         return None
-    module = _module(func, args, kwargs)
-    if module is not None:
+    if _module(func, args, kwargs) is not None:
         return None
     return f"{calls.name_of(func)} (not known to keep the samples apart)"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridpar.nn import registry
-from hybridpar.planner import calls
+from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
 from hybridpar.planner.graph import INPUT, OUTPUT, Node
 from hybridpar.planner.space_maps import SpaceMap
@@ -117,7 +117,7 @@ class Walk:
     def place(self, i: int, node: Node) -> None:
         """Decide node ``i``'s layout and record it."""
         in_shape, out_shape = self.a.shapes[i]
-        self._refuse_across_samples(node, in_shape)
+        self._refuse_across_samples(node, in_shape, out_shape)
         role, entry = _role(node, in_shape, self.a.graph.values)
         mapped = self._chain(node)
         split = mapped if mapped is not None else self._asked(node, role, in_shape)
@@ -125,7 +125,8 @@ class Walk:
         self._note_replicated_input(node, split, out_shape)
         self._record(i, node, role, entry, split, mapped is not None)
 
-    def _refuse_across_samples(self, node: Node, in_shape: tuple[int, ...]) -> None:
+    def _refuse_across_samples(self, node: Node, in_shape: tuple[int, ...], out_shape: tuple[int, ...]
+                               ) -> None:
         """Refuse a call across the samples of a batch that data parallelism or micro-batches split
         (each part would give its own answer, unlike one process), as a forward run by module swapping
         refuses it (:func:`hybridpar.planner.calls.mixes_samples`)."""
@@ -133,10 +134,15 @@ class Walk:
         if node.op == "module" or self.micro >= batch or len(in_shape) < 2 or in_shape[0] != batch:
             return
         args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
-        if calls.mixes_samples(node.target, args, kwargs, len(in_shape)):
-            raise SpecError(f"{node.name} ({calls.name_of(node.target)}): works across the samples of the "
-                            f"batch, which data parallelism or micro-batches hold apart (each part would "
-                            f"give its own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+        mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
+        name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
+        moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
+                                                            out_shape)
+        if mixes or moved:
+            what = f"{node.name}: {moved}" if moved else f"{node.name} ({calls.name_of(node.target)})"
+            raise SpecError(f"{what}: works across the samples of the batch, which data parallelism or "
+                            f"micro-batches hold apart (each part would give its own answer): work on each "
+                            f"sample, e.g. reduce over dim=(1, 2, 3, 4)")
 
     def _value_shape(self, name: str) -> tuple[int, ...]:
         """The global shape of the value node ``name`` (or the model input) gives."""

@@ -653,3 +653,25 @@ def test_a_tensor_carried_to_the_next_call_in_an_attribute_is_refused(shape_chec
     within = _Keeps(carried=False, shape_check=shape_check)
     spec.plan(within, (2, 1, 8, 8, 8), 2)
     assert within.prev is None
+
+
+@pytest.mark.parametrize("name,args,kwargs,moves", [
+    ("norm", (2,), {}, True),  # x.norm(2): over every dim (the order is not a dim)
+    ("norm", (2, 1), {}, False),
+    ("max", ("other",), {}, False),  # torch.max(a, b): elementwise
+    ("max", (0,), {}, True),
+    ("diff", (1, 1), {}, False),
+    ("flip", ([0],), {}, True),
+    ("transpose", (1, 0), {}, True),
+    ("permute", (0, 2, 1), {}, False),
+    ("view", (-1,), {}, True),
+    ("softmax", (), {"dim": 1}, False),
+])
+def test_which_calls_move_the_samples(name, args, kwargs, moves):
+    """The rule both planners read (:mod:`hybridpar.planner.per_sample`), on a (2, 3, 4) per-sample value."""
+    from hybridpar.planner.per_sample import moves_samples
+
+    g = torch.zeros(2, 3, 4)
+    args = tuple(g if a == "other" else a for a in args)
+    out = {"view": (24,), "transpose": (3, 2, 4), "permute": (2, 4, 3)}.get(name)
+    assert bool(moves_samples(name, (g, *args), kwargs, 3, 2, out)) is moves

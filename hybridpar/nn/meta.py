@@ -40,6 +40,11 @@ def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]
     return state, floats[0].dtype if floats else torch.get_default_dtype()
 
 
+class CarriedState(ValueError):
+    """A forward carries a tensor from one call to the next in a plain attribute (the planner raises it
+    as its ``SpecError``; defined here, below the planner, which imports this module)."""
+
+
 FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye")
 
 
@@ -89,12 +94,10 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     finally:
         _put_back(module, values, _changed(module, before))
     if runs[0].calls != runs[1].calls:
-        from hybridpar.planner.terms import SpecError  # noqa: PLC0415 (the planner imports this module)
-
         prefix, k = kept[0]
         where = f"{prefix} ({type(module.get_submodule(prefix)).__name__})" if prefix else \
             f"model ({type(module).__name__})"
-        raise SpecError(f"{where}: its forward keeps a tensor in self.{k} and reads it in the next call, "
+        raise CarriedState(f"{where}: its forward keeps a tensor in self.{k} and reads it in the next call, "
                         f"which a split run cannot follow as one process does; keep it in a buffer "
                         f"(self.register_buffer) updated in place, or pass it as an input")
     return out

@@ -22,12 +22,14 @@ from hybridpar.planner import calls
 # its absence means (None: the whole tensor, flattened; an int: that dim).
 _ALONG: dict[str, tuple[int, str, int | None]] = {
     **{name: (1, "dim", None) for name in (
-        *calls.REDUCTIONS, "prod", "all", "any", "count_nonzero", "nansum", "nanmean", "median", "nanmedian",
-        "var_mean", "std_mean", "argmax", "argmin", "logsumexp", "aminmax", "mode")},
+        "prod", "all", "any", "count_nonzero", "nansum", "nanmean", "median", "nanmedian", "var_mean",
+        "std_mean", "argmax", "argmin", "logsumexp", "aminmax")},
+    **{name: (pos, key or "dim", None) for name, (key, pos) in calls.REDUCTIONS.items()},
     **{name: (1, "dim", 0) for name in (*calls.JOINS, *calls.PIECES)},
     **{name: (1, "dim", -1) for name in ("softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin",
                                          "logcumsumexp", "sort", "argsort", "glu", "narrow", "select",
-                                         "unflatten", "diff")},
+                                         "unflatten", "mode")},
+    "diff": (2, "dim", -1),
     "normalize": (2, "dim", 1), "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1),
     "quantile": (2, "dim", None), "nanquantile": (2, "dim", None), "roll": (2, "dims", None),
     "flip": (1, "dims", None), "chunk": (2, "dim", 0), "split": (2, "dim", 0), "tensor_split": (2, "dim", 0),
@@ -58,8 +60,8 @@ def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
         else:
             kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
         return None if kept else f"{name} (moves the samples' dim)"
-    if name not in _ALONG:
-        return None
+    if name not in _ALONG or (name in ("max", "min") and len(args) > 1 and not isinstance(args[1], int)):
+        return None  # torch.max(a, b): elementwise
     pos, key, default = _ALONG[name]
     dims = _dims(calls._arg(args, kwargs, pos, key, default), nd + 1 if name == "stack" else nd)
     if name in _PAIRS:

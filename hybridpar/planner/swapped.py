@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.meta import CarriedState, meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
@@ -108,8 +108,7 @@ class LayoutWatch(TorchFunctionMode):
     def reset(self) -> None:
         self.depth, self.unsafe = 0, []
         self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
-        # split activation -> its global extents (D, H, W); tensors carrying a batch held apart (if
-        # batch_apart); a split volume part way through reshapes -> their atoms
+        # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms
         self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
 
     def mark(self, t: object, extents: Extents) -> None:
@@ -424,8 +423,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
             raise SpecError(f"model ({type(model).__name__}): its forward returns a split activation of "
                             f"shape {bent[0]}, not N, C, D, H, W (a channel reduced or picked): return "
                             f"it with its channel dim kept (h.mean(1, keepdim=True), h[:, :1])")
-    except SpecError:
-        raise
+    except (SpecError, CarriedState) as err:
+        raise err if isinstance(err, SpecError) else SpecError(str(err)) from None
     except Exception as err:
         where = records[-1].name if records else "its first layer"
         raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "

@@ -236,7 +236,9 @@ def test_init_from_exported_weights(tiny_data, tmp_path):
     rebuilt = build_model_from_export(exported).state_dict()  # from the file alone: its config, its weights
     assert set(rebuilt) == set(want) and all(torch.equal(rebuilt[k], v) for k, v in want.items())
     other = train_script(_args(tiny_data, tmp_path / "c", f"model.init_from={exported}", "model.dense=[16]"))
-    assert set(other.codes) == {2}, (other.codes, other.stderr[-3000:])
+    # each rank meets the error and exits 2, or is stopped (SIGTERM, as torchrun stops it) once another
+    # did: which one depends on the machine's load
+    assert 2 in other.codes and set(other.codes) <= {2, -15}, (other.codes, other.stderr[-3000:])
     lines = [ln for ln in other.stderr.splitlines() if "model.init_from" in ln]
     assert len(lines) == 1 and "holds another model than this config builds" in lines[0], other.stderr[-3000:]
     assert "Traceback" not in other.stderr, other.stderr[-3000:]

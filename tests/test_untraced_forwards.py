@@ -675,3 +675,18 @@ def test_which_calls_move_the_samples(name, args, kwargs, moves):
     args = tuple(g if a == "other" else a for a in args)
     out = {"view": (24,), "transpose": (3, 2, 4), "permute": (2, 4, 3)}.get(name)
     assert bool(moves_samples(name, (g, *args), kwargs, 3, 2, out)) is moves
+
+
+def test_per_sample_functions_pass_and_mixing_ones_do_not():
+    """Per-sample work on a (N, C) value that carries the batch plans; what mixes its samples does not."""
+    from hybridpar.planner.per_sample import across
+
+    s, w = torch.zeros(2, 4), torch.zeros(3, 4)
+    keep = [(F.layer_norm, (s, (4,))), (torch.einsum, ("nc,dc->nd", s, w)),
+            (torch.einsum, ("nc,dc->nd", [s, w])), (F.linear, (s, w)), (torch.matmul, (s, w.T)),
+            (F.gelu, (s,))]
+    mix = [(F.layer_norm, (s, (2, 4))), (torch.einsum, ("nc,mc->nm", s, s)), (torch.matmul, (w, s.T)),
+           (torch.Tensor.__getitem__, (s, 0)), (torch.roll, (s, 1))]
+    for mixes, (func, args) in [(False, c) for c in keep] + [(True, c) for c in mix]:
+        said = across(func, args, {}, [s], func(*args))
+        assert bool(said) is mixes, (func, args, said)

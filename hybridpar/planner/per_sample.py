@@ -95,12 +95,33 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
             f"{name} (mixes samples: only a per-sample product, x @ W, keeps them apart)"
     if name == "batch_norm" and calls._arg(args, kwargs, 5, "training", False):
         return "batch_norm (statistics over the samples)"
+    if name == "layer_norm":  # over its last len(normalized_shape) dims
+        return None if len(calls._arg(args, kwargs, 1, "normalized_shape", ())) < batched.dim() else \
+            "layer_norm (over the samples' dim)"
+    if name in ("group_norm", "instance_norm"):
+        return None
+    if name == "einsum":
+        return _einsum(args, carriers)
     role = registry.function_role(func) or registry.function_role(name)
     if role in ("pointwise", "shape") or name in calls.LIKE or calls.name_of(func) in calls.LIKE:
         return None
     if _module(func, args, kwargs) is not None:
         return None
     return f"{calls.name_of(func)} (not known to keep the samples apart)"
+
+
+def _einsum(args: tuple, carriers: list[torch.Tensor]) -> str | None:
+    """``einsum`` keeps the samples apart where every operand that carries them names dim 0 with one
+    letter that leads the output and that no other operand names (``"nc,c->nc"``, ``"nc,dc->nd"``)."""
+    eq, ops = args[0], list(args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:])
+    ins, _, out = eq.replace(" ", "").partition("->") if isinstance(eq, str) else ("", "", "")
+    terms = ins.split(",")
+    carried = [any(op is t for t in carriers) for op in ops]
+    if not out or "." in ins or len(terms) != len(ops) or not all(terms) or not any(carried):
+        return "einsum (not known to keep the samples apart)"
+    letters = {t[0] for t, c in zip(terms, carried, strict=True) if c}
+    alone = all(next(iter(letters)) not in t for t, c in zip(terms, carried, strict=True) if not c)
+    return None if len(letters) == 1 and out[0] in letters and alone else "einsum (mixes samples)"
 
 
 def _module(func: Any, args: tuple, kwargs: dict) -> Any:

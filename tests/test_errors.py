@@ -55,6 +55,17 @@ def test_layer_errors_name_layer_and_fix(grid):
         hp.nn.DistConv3d(2, 2, 3, grid=grid, transport="tcp")(torch.randn(1, 2, 4, 4, 4))
 
 
+def test_a_layer_without_a_split_form_is_refused_by_its_name(grid):
+    """A model's layer whose Dist counterpart refuses its arguments: the refusal names the model's layer,
+    not only the Dist class (a user reads their own module names)."""
+    from hybridpar.pipeline.convert import to_distributed
+    from hybridpar.planner import SpecError
+
+    with pytest.raises(SpecError, match=r"^enc\.pool \(MaxPool3d\): DistMaxPool3d: return_indices=True "
+                                        r"is not supported: .* ConvTranspose3d"):
+        to_distributed(nn.MaxPool3d(2, return_indices=True), grid, name="enc.pool")
+
+
 def test_grid_with_spatial_must_divide_the_stage(grid):
     with pytest.raises(ValueError, match=r"must divide the 1 ranks of a stage"):
         grid.with_spatial((2, 1, 1))

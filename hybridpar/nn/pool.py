@@ -56,7 +56,9 @@ class DistMaxPool3d(SpatialLayer, nn.MaxPool3d):
         nn.MaxPool3d.__init__(self, kernel_size, stride, padding, dilation, return_indices, ceil_mode)
         self.init_spatial(grid, transport)
         if return_indices:
-            raise NotImplementedError("DistMaxPool3d: return_indices=True is not supported")
+            raise NotImplementedError("DistMaxPool3d: return_indices=True is not supported: the indices "
+                                      "number the whole volume's voxels and MaxUnpool3d has no split "
+                                      "counterpart; upsample with ConvTranspose3d or F.interpolate")
         self.window()  # checks the arguments, one line naming the layer
 
     def halo_exchanger(self, shape: tuple[int, int, int]) -> HaloExchanger:

@@ -54,7 +54,12 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
         mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
         _note(m, grid, name)
         return d
-    d = entry.to_dist(m, grid, overlap)
+    try:
+        d = entry.to_dist(m, grid, overlap)
+    except (NotImplementedError, ValueError, TypeError) as err:  # the Dist layer's own refusal, named
+        if not name or name in str(err):
+            raise
+        raise SpecError(f"{name} ({type(m).__name__}): {err}") from err
     registry.note_split(d, entry)
     check_window(entry, m, d, name)
     check_reduce_params(entry, m, d, name)

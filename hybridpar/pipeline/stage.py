@@ -219,7 +219,7 @@ class StageBuilder:
         def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
             if name in first:
                 return self.convert(name, m, first[name])
-            return to_distributed(m, grid, self.overlap)  # never called on this input
+            return to_distributed(m, grid, self.overlap, name)  # never called on this input
 
         grid = self.layout(self.spec.grid.spatial)
         swapped, whole = swap(self.model, grid, convert)

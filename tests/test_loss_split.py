@@ -94,6 +94,10 @@ LOSSES = {
     "batch-normalised": lambda o, y: F.mse_loss(o, y) / y.var(),
     "nearly a mean": lambda o, y: F.mse_loss(o, y) + 1e-7 * F.mse_loss(o, y) ** 2,  # 1e-6 off the mean's
     "plus the extreme": lambda o, y: F.mse_loss(o, y) + 0.1 * o.abs().amax(),
+    # class-index targets (N, D, H, W), as torch's segmentation losses take them
+    "CE": F.cross_entropy,
+    "CE sum": lambda o, y: F.cross_entropy(o, y, reduction="sum"),
+    "weighted CE": lambda o, y: F.cross_entropy(o, y, weight=torch.tensor([0.2, 1.0, 3.0], dtype=o.dtype)),
 }
 
 S2, S4 = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 1]}}
@@ -110,6 +114,8 @@ EXACT = [
     (4, "Plain", "mse", S4), (4, "Plain", "sum", S4), (4, "Deep", "deep mean", S4),
     (4, "Plain", "mse", DS), (4, "Plain", "sum", DS), (4, "Plain", "sample sum", DS),
     (4, "Plain", "sum", DSM), (4, "Head", "mse", DS), (4, "Head", "sum", DSM),
+    (2, "Classes", "CE", S2), (4, "Classes", "CE", S4), (4, "Classes", "CE sum", DSM),
+    (2, "Classes", "CE sum", PIPE),
 ]
 # (world, model, loss, spec, what the line says was cut): refused alike on every rank
 REFUSED = [
@@ -120,6 +126,7 @@ REFUSED = [
     (2, "Plain", "plus the extreme", PIPE4, "a sample paired with its second half along D tiled"),
     (4, "Plain", "TV along H", S4, "halves along H"), (4, "Head", "batch-normalised", DS, "(samples)"),
     (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
+    (2, "Classes", "weighted CE", S2, "halves along D"),
 ]
 
 
@@ -132,6 +139,8 @@ def _id(world: int, model: str, loss: str, spec: dict) -> str:
 def _data(model: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    if model == "Classes":  # class indices (N, D, H, W)
+        return x, torch.randint(0, 3, (SHAPE[0], *SHAPE[2:]), generator=g)
     y = torch.randn((SHAPE[0], 4) if model == "Head" else (SHAPE[0], 1, *SHAPE[2:]), dtype=torch.float64,
                     generator=g)
     return x, y
@@ -313,6 +322,12 @@ def _roi(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((o - y) ** 2 * m).sum() / m.sum().clamp(min=1)
 
 
+def _class_roi(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy averaged over the voxels of one class (of class indices, N, D, H, W)."""
+    m = (y == 2).to(o.dtype)
+    return (F.cross_entropy(o, y, reduction="none") * m).sum() / m.sum().clamp(min=1)
+
+
 def _head_weighted(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(o, y, weight=torch.tensor([0.2, 1.0, 3.0, 0.5], dtype=o.dtype))
 
@@ -326,6 +341,8 @@ ACROSS = {
                                          "every output shard taken together"),
     "ROI on one rank's shard, float32": (2, "Plain", _roi, S2, "every output shard taken together"),
     "ROI in one replica's samples": (4, "Plain", _roi, DS, "every replica's and micro-batch's samples"),
+    "class-index ROI on one rank's shard": (2, "Classes", _class_roi, S2,
+                                            "every output shard taken together"),
     "ignore_index in the 2nd micro-batch": (2, "Classes", _ignored, MB2, "every replica's and micro-batch's"),
     "weighted CE head, one sample per replica": (2, "Head", _head_weighted, {"grid": {"data": 2}},
                                                  "every replica's and micro-batch's samples"),
@@ -356,6 +373,9 @@ def _across_body(rank: int, world: int, case: str) -> tuple[str, bool]:
     if case == "ROI in one replica's samples":
         y = y.abs()
         y[batch // 2:] *= -1
+    if case == "class-index ROI on one rank's shard":  # the class on rank 0's half only, every voxel of it
+        y = torch.randint(0, 2, (batch, *SHAPE[2:]), generator=torch.Generator().manual_seed(7))
+        y[:, :SHAPE[2] // 2] = 2
     torch.manual_seed(0)
     mine = globals()[model]().double()
     if case.endswith("float32"):  # the pieces are compared in float64 whatever the model's dtype

@@ -28,7 +28,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def _box(t: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
-    box = local_box(tuple(t.shape[2:]), grid)
+    """``grid``'s box of ``t``'s last three (spatial) dims."""
+    box = local_box(tuple(t.shape[-3:]), grid)
     return t[(Ellipsis, *(slice(a, b) for a, b in box))]
 
 
@@ -62,9 +63,9 @@ def shard(x: torch.Tensor, y: torch.Tensor | None, grid: ProcessGrid, input_grid
         return _own(x_rep), None
     y_rep = y[rows]
     if not output_grid.is_replicated:
-        if y.dim() != 5 or tuple(y.shape[2:]) != output_volume:
+        if y.dim() not in (4, 5) or tuple(y.shape[-3:]) != output_volume:
             raise ValueError(f"Engine.shard_batch: the model's output is a split volume of "
                              f"{'x'.join(map(str, output_volume))} voxels; the target must be N, C, D, H, "
-                             f"W of that size, got {tuple(y.shape)}")
+                             f"W (or N, D, H, W: class indices) of that size, got {tuple(y.shape)}")
         y_rep = _box(y_rep, output_grid)
     return _own(x_rep), _own(y_rep)

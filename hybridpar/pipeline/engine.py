@@ -313,7 +313,8 @@ class Engine:
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor | None = None):
         """Global batch (the same on every rank) -> this rank's piece: its replica's samples, and of the
         input only the shard its first reader computes on. Targets are this replica's: whole, or, for a
-        volume target (N, C', D, H, W) of a model whose output stays split, split like the output.
+        volume target (N, C', D, H, W, or class indices N, D, H, W) of a model whose output stays split,
+        split like the output.
 
         A volume batch of another extent than the build size is cut as the plan at that size says (its
         target as the model's output there), for :meth:`predict`; a size the built split cannot take is

@@ -57,7 +57,8 @@ class Pieces:
             self._volume(t) or (0 < t.dim() <= 2 and t.shape[0] == samples))]
 
     def _volume(self, t: torch.Tensor) -> bool:
-        return t.dim() == 5 and tuple(t.shape[2:]) == self.box
+        """N, C, D, H, W of the output's extent, or N, D, H, W (a target of class indices)."""
+        return t.dim() in (4, 5) and tuple(t.shape[-3:]) == self.box and t.shape[0] == self.samples
 
     def take(self, leaves: list[Any], device: torch.device | None = None) -> list[torch.Tensor]:
         """The kept leaves of ``leaves`` (of this structure), volumes thinned, on ``device`` if given (a
@@ -67,7 +68,7 @@ class Pieces:
             t = leaves[i]
             if self._volume(t):
                 for d, (extent, count) in enumerate(zip(self.box, self.shape, strict=True)):
-                    t = t.index_select(2 + d, _positions(extent, count, t.device))
+                    t = t.index_select(d - 3, _positions(extent, count, t.device))
             t = t.double() if t.is_floating_point() else t  # exact enough to tell a normalisation apart
             taken.append((t if device is None else t.to(device)).contiguous())
         return taken
@@ -136,7 +137,7 @@ def findings(loss_fn: Callable, out: Any, y: Any, other_ys: list[Any], shape: tu
         ranks = _gather(mine, group) if group is not None else [mine]
         space, batch = [], []
         if split_dims and len(space_peers) > 1:
-            space.append(_finding(loss_fn, pieces, [ranks[r] for r in space_peers], 2 + split_dims[0],
+            space.append(_finding(loss_fn, pieces, [ranks[r] for r in space_peers], split_dims[0] - 3,
                                   pieces.volumes()))
         parts = [ranks[r] for r in batch_peers]
         y_at = len(tree_flatten(out)[0])  # the target's leaves follow the output's

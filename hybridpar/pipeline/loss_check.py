@@ -107,11 +107,12 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
     ``extent``; an extent of one doubled instead, the whole then being the doubled tensors) and
     compare the loss of the whole, ``whole``, with its parts'. A loss that raises on the parts, or
     is no scalar, tells nothing."""
+    at = dim - 5 if dim >= 2 else dim  # a spatial dim counted from the end: a class-index target has no C
     try:
         if extent >= 2:
             k = extent // 2
-            a = evaluate(loss_fn, _cut(out, dim, pick, 0, k), _cut(y, dim, pick, 0, k))
-            b = evaluate(loss_fn, _cut(out, dim, pick, k, extent - k), _cut(y, dim, pick, k, extent - k))
+            a = evaluate(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k))
+            b = evaluate(loss_fn, _cut(out, at, pick, k, extent - k), _cut(y, at, pick, k, extent - k))
             return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
         double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
                                    if isinstance(t, torch.Tensor) and pick(t) else t)
@@ -157,8 +158,8 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
     """This rank's findings along the shards' split dims (``split_dims``, spatial: 0-2) and, where
     ``batch_cut`` (replicas or micro-batches cut the batch), along the samples.
 
-    Volumes (5-d) of the shard's extent are cut along space, the target with them where it is such
-    a volume; every tensor with the micro-batch's samples is cut along the batch. Whole values (a
+    Volumes (N, C, D, H, W, or N, D, H, W class indices) of the shard's extent are cut along space, the
+    target with them where it is such a volume; every tensor with the micro-batch's samples is cut along the batch. Whole values (a
     head's (N, 4), a gathered volume) go to each part whole, as each shard's loss reads them."""
     if loss.numel() != 1:
         return [], []
@@ -172,7 +173,7 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
         out, y = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (out, y))
         if volume is not None:
             box = tuple(volume.shape[2:])
-            split = lambda t: t.dim() == 5 and tuple(t.shape[2:]) == box  # noqa: E731
+            split = lambda t: t.dim() in (4, 5) and tuple(t.shape[-3:]) == box  # noqa: E731
             space = [probe(loss_fn, out, y, whole, 2 + d, split, box[d]) for d in split_dims if box[d] >= 2]
         samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() > 0 else None
         if batch_cut and samples:

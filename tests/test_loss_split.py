@@ -1,13 +1,16 @@
-"""A loss the engine cannot combine from its parts is refused; a sum is summed; a recomputation leaves
-buffers alone.
+"""A loss the engine cannot combine from its parts over the output's shards is evaluated on the gathered
+output; one it cannot combine over samples is refused; a sum is summed; a recomputation leaves buffers
+alone.
 
 The engine evaluates ``loss_fn`` on each rank's output shard, micro-batch and replica and combines the
-values: exact for a mean over voxels and samples (checked against one process here, as before) and,
-now, for a sum (``reduction="sum"``, a per-sample sum averaged over the batch). A loss that is neither
-(masked mean, Dice, Pearson, differences between voxels across a split dim, a loss normalised over the
-batch under data parallelism) was silently wrong; it is refused with one line, the same on every rank,
-before any gradient is applied. With ``pipeline: {recompute: true}`` a model's own buffer updates (an
-EMA, a step counter, BatchNorm's statistics) count once per step, as in one process.
+values: exact for a mean over voxels and samples (checked against one process here, as before) and for a
+sum (``reduction="sum"``, a per-sample sum averaged over the batch). A loss that is neither over the
+shards (masked mean, Dice, Pearson, class-weighted cross entropy, differences between voxels across a
+split dim) is evaluated on the whole output, gathered on the ranks that share it, and trains as one
+process; one that is neither over the samples (normalised over the batch under data parallelism or
+micro-batches) is refused with one line, the same on every rank, before any gradient is applied. With
+``pipeline: {recompute: true}`` a model's own buffer updates (an EMA, a step counter, BatchNorm's
+statistics) count once per step, as in one process.
 
 Float64, two SGD steps against the same model in one process, on 2 ranks [2,1,1], 4 ranks [2,2,1],
 data 2 x spatial [2,1,1] (with micro-batches of one sample) and a 2-stage pipeline.
@@ -76,6 +79,13 @@ class Stateful(nn.Module):
         return self.c2(h - self.ema * (1 + self.steps / 10))
 
 
+def _dice(o: torch.Tensor, y: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
+    """Soft Dice over ``dims`` (None: every dim), one per sample over (1, 2, 3, 4)."""
+    p, t = torch.sigmoid(o), (y > 0).to(o.dtype)
+    total = (lambda v: v.sum()) if dims is None else (lambda v: v.sum(dims))
+    return 1 - (2 * total(p * t) + 1) / (total(p) + total(t) + 1)
+
+
 def _pearson(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 1 - torch.corrcoef(torch.stack([o.flatten(), y.flatten()]))[0, 1]
 
@@ -90,6 +100,8 @@ LOSSES = {
     "masked mean": lambda o, y: ((o - y) ** 2 * (y > 0)).sum() / (y > 0).sum(),
     "dice": lambda o, y: 1 - (2 * (torch.sigmoid(o) * (y > 0)).sum() + 1)
     / (torch.sigmoid(o).sum() + (y > 0).sum() + 1),
+    "sample dice": lambda o, y: _dice(o, y, (1, 2, 3, 4)).mean(),
+    "deep dice": lambda o, y: _dice(o[0], y, None) + 0.5 * _dice(o[1], y, None),
     "pearson": _pearson,
     "batch-normalised": lambda o, y: F.mse_loss(o, y) / y.var(),
     "nearly a mean": lambda o, y: F.mse_loss(o, y) + 1e-7 * F.mse_loss(o, y) ** 2,  # 1e-6 off the mean's
@@ -117,16 +129,21 @@ EXACT = [
     (2, "Classes", "CE", S2), (4, "Classes", "CE", S4), (4, "Classes", "CE sum", DSM),
     (2, "Classes", "CE sum", PIPE),
 ]
+# (world, model, loss, spec): no mean or sum over the output's shards, evaluated on the whole output
+# (gathered) and trained exactly as one process
+WHOLE = [
+    (2, "Plain", "masked mean", S2), (2, "Plain", "dice", S2), (2, "Plain", "pearson", S2),
+    (2, "Plain", "TV along D", S2), (2, "Plain", "nearly a mean", S2), (4, "Plain", "TV along H", S4),
+    (2, "Classes", "weighted CE", S2), (4, "Classes", "weighted CE", S4), (4, "Plain", "sample dice", DS),
+    (4, "Plain", "sample dice", DSM), (4, "Deep", "deep dice", S4),
+]
 # (world, model, loss, spec, what the line says was cut): refused alike on every rank
 REFUSED = [
-    (2, "Plain", "masked mean", S2, "halves along D"), (2, "Plain", "dice", S2, "halves along D"),
-    (2, "Plain", "pearson", S2, "halves along D"), (2, "Plain", "TV along D", S2, "halves along D"),
-    (2, "Plain", "nearly a mean", S2, "halves along D"),
     (2, "Plain", "dice", PIPE, "(samples)"),
     (2, "Plain", "plus the extreme", PIPE4, "a sample paired with its second half along D tiled"),
-    (4, "Plain", "TV along H", S4, "halves along H"), (4, "Head", "batch-normalised", DS, "(samples)"),
+    (4, "Head", "batch-normalised", DS, "(samples)"),
     (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
-    (2, "Classes", "weighted CE", S2, "halves along D"),
+    (4, "Plain", "dice", DS, "(samples)"), (4, "Classes", "weighted CE", DSM, "a sample paired"),
 ]
 
 
@@ -174,6 +191,26 @@ def _exact_body(rank: int, world: int, model: str, loss: str, spec: dict) -> Non
                          ids=[_id(*case) for case in EXACT])
 def test_a_loss_that_splits_trains_as_one_process(pools, world, model, loss, spec):
     pools(world).run(_exact_body, model, loss, spec, timeout=300)
+
+
+def _whole_body(rank: int, world: int, model: str, loss: str, spec: dict) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _exact_body(rank, world, model, loss, spec)
+    return [str(w.message) for w in said if "gathered on each of" in str(w.message)]
+
+
+@pytest.mark.parametrize("world,model,loss,spec", WHOLE, ids=[_id(*case) for case in WHOLE])
+def test_a_loss_that_does_not_split_over_the_shards_trains_on_the_gathered_output(pools, world, model, loss,
+                                                                                  spec):
+    """Dice, Pearson, a masked mean, a class-weighted cross entropy, differences across a split dim:
+    the output and target gathered whole on the ranks that share them, two steps exactly as one
+    process (the loss, every gradient, every weight); rank 0 says so once."""
+    said = pools(world).run(_whole_body, model, loss, spec, timeout=300)
+    assert len(said[0]) == 1 and all(not s for s in said[1:]), f"{model} {loss} {spec}: {said}"
+    assert said[0][0].startswith("Engine.train_step: loss_fn ") and "MiB per rank" in said[0][0], said[0][0]
 
 
 def _one_step(engine, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[str, bool]:
@@ -226,9 +263,11 @@ def _parts(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
     return F.mse_loss(o, y), {"mse": F.mse_loss(o, y).detach()}
 
 
-# name: (model, loss, batch, the step refused (its batch the first with ignored voxels), what the line says)
+# name: (model, loss, batch, the step refused (its batch the first with ignored voxels), what the line says;
+# None: no refusal, the loss evaluated on the gathered output from that step on)
 LATER = {
-    "ignore_index from the 2nd batch": ("Classes", _ignored, 4, 1, "halves along D"),
+    "ignore_index from the 2nd batch": ("Classes", _ignored, 4, None, None),
+    "ignore_index in one replica's 2nd batch": ("Classes", _ignored, 4, 1, "every replica's and micro-"),
     "weighted CE, one sample per replica": ("Classes", _weighted, 2, 0, "its first half along D tiled"),
     "tuple returned": ("Plain", _parts, 4, 0, "returned a tuple of 2 items; "),
 }
@@ -243,7 +282,7 @@ def _later_body(rank: int, world: int, case: str, spec: dict) -> tuple[str, int,
     if model == "Classes":
         y = torch.randint(0, 3, (2, batch, 1, *SHAPE[2:]), generator=g)
         if loss_fn is _ignored:
-            y[refused_at, :, :, :2] = 255  # the first batch has none: a mean there
+            y[1, batch // 2:, :, :2] = 255  # the first batch has none: a mean there
     else:
         y = torch.randn(x.shape, dtype=torch.float64, generator=g)
     import hybridpar as hp
@@ -266,20 +305,27 @@ def _later_body(rank: int, world: int, case: str, spec: dict) -> tuple[str, int,
         ref_opt.zero_grad()
         loss_fn(ref(x[step]), y[step]).backward()
         ref_opt.step()
-    return "no error", 2, math.inf
+    return "no error", 2, max((p - q).abs().max().item() for p, q in zip(mine.parameters(), ref.parameters(),
+                                                                         strict=True))
 
 
 @pytest.mark.parametrize("world,case,spec", [
     (2, "ignore_index from the 2nd batch", S2),
+    (4, "ignore_index in one replica's 2nd batch", DSM),
     (2, "weighted CE, one sample per replica", {"grid": {"data": 2}}),
     (2, "tuple returned", S2), (2, "tuple returned", PIPE),
-], ids=["ignore_index-later-spatial2", "weighted_ce-data2", "tuple-spatial2", "tuple-pipe2"])
+], ids=["ignore_index-later-spatial2", "ignore_index-later-data2xspatial2", "weighted_ce-data2",
+        "tuple-spatial2", "tuple-pipe2"])
 def test_a_loss_is_checked_on_every_step_and_must_be_a_scalar(pools, world, case, spec):
     said = pools(world).run(_later_body, case, spec, timeout=60)  # a rank left waiting would time out
     desc, (_, _, _, step, part) = f"{case} {spec}", LATER[case]
     lines = {s for s, _, _ in said}
     assert len(lines) == 1, f"{desc}: ranks said different things: {lines}"
     line = lines.pop()
+    if step is None:  # no mean over the shards from the 2nd step: the output gathered for it, exact
+        assert line == "no error", f"{desc}: {line}"
+        assert max(o for _, _, o in said) < 1e-9, f"{desc}: weights off one process's by {said}"
+        return
     name = LATER[case][1].__name__
     assert line.startswith(f"Engine.train_step: loss_fn {name} ") and "\n" not in line, f"{desc}: {line}"
     assert part in line, f"{desc}: the line does not say {part!r}: {line}"
@@ -363,7 +409,9 @@ def _across_target(model: str, batch: int) -> torch.Tensor:
     return y
 
 
-def _across_body(rank: int, world: int, case: str) -> tuple[str, bool]:
+def _across_body(rank: int, world: int, case: str) -> tuple[str, bool, float]:
+    """What one step said, whether it left the weights and gradients untouched, and how far its
+    gradients are from one process's."""
     import hybridpar as hp
 
     _, model, loss_fn, spec, _ = ACROSS[case]
@@ -380,19 +428,31 @@ def _across_body(rank: int, world: int, case: str) -> tuple[str, bool]:
     mine = globals()[model]().double()
     if case.endswith("float32"):  # the pieces are compared in float64 whatever the model's dtype
         mine, x, y = mine.float(), x.float(), y.float()
-    return _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
+    ref = globals()[model]().to(next(mine.parameters()).dtype)
+    ref.load_state_dict(mine.state_dict())
+    said, untouched = _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
+    loss_fn(ref(x), y).backward()
+    off = max(math.inf if p.grad is None else (p.grad - q.grad).abs().max().item()
+              for p, q in zip(mine.parameters(), ref.parameters(), strict=True))
+    return said, untouched, off
 
 
 @pytest.mark.parametrize("case", list(ACROSS), ids=[c.replace(" ", "_") for c in ACROSS])
-def test_a_loss_normalised_by_what_differs_between_ranks_is_refused(pools, case):
+def test_a_loss_normalised_by_what_differs_between_ranks_is_found(pools, case):
     """Each rank's halves agree (the ROI or the ignored samples lie whole on one side of a rank's cut),
     the ranks, replicas or micro-batches do not: on one process the loss is not the engine's combination
-    (0.5x the gradient for the ROI on two ranks). Refused alike on every rank, nothing applied."""
+    (0.5x the gradient for the ROI on two ranks). Across the output's shards: the loss evaluated on the
+    gathered output, the gradients one process's; across replicas or micro-batches: refused alike on
+    every rank, nothing applied."""
     world, *_, part = ACROSS[case]
     said = pools(world).run(_across_body, case, timeout=60)
-    lines = {s for s, _ in said}
+    lines = {s for s, _, _ in said}
     assert len(lines) == 1, f"{case}: ranks said different things: {lines}"
     line = lines.pop()
+    if part == "every output shard taken together":
+        tol = 1e-5 if case.endswith("float32") else 1e-12
+        assert line == "no error" and max(o for _, _, o in said) < tol, f"{case}: {line}, {said}"
+        return
     assert line.startswith("Engine.train_step: loss_fn ") and "\n" not in line, f"{case}: {line}"
     assert part in line, f"{case}: the line does not say {part!r}: {line}"
-    assert all(ok for _, ok in said), f"{case}: a gradient was applied or left before the refusal"
+    assert all(ok for _, ok, _ in said), f"{case}: a gradient was applied or left before the refusal"

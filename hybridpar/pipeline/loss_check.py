@@ -159,8 +159,9 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
     ``batch_cut`` (replicas or micro-batches cut the batch), along the samples.
 
     Volumes (N, C, D, H, W, or N, D, H, W class indices) of the shard's extent are cut along space, the
-    target with them where it is such a volume; every tensor with the micro-batch's samples is cut along the batch. Whole values (a
-    head's (N, 4), a gathered volume) go to each part whole, as each shard's loss reads them."""
+    target with them where it is such a volume; every tensor with the micro-batch's samples is cut
+    along the batch. Whole values (a head's (N, 4), a gathered volume) go to each part whole, as each
+    shard's loss reads them."""
     if loss.numel() != 1:
         return [], []
     whole = float(loss.detach().double().reshape(()))
@@ -233,8 +234,8 @@ def name_of(fn: Callable) -> str:
     return name
 
 
-def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[str]) -> str:
-    """The one line every rank raises (see module doc): the values found, what fits, what to do."""
+def described(axis: int, found: Finding) -> str:
+    """What a cut found, in words: the loss of the whole against its parts' mean and sum."""
     if found.dim == ACROSS:
         whole, parts = (("a few voxels of every output shard taken together", "each shard's")
                         if axis == SPACE else
@@ -249,24 +250,30 @@ def refusal(loss_fn: Callable, axis: int, found: Finding, output_layers: list[st
                         DOUBLED: ("a sample taken twice", "each copy")}.get(
             found.dim, ("an output shard", f"its two halves along {'DHW'[found.dim - 2]}"))
     p = next((p for p in (6, 9, 12) if f"{found.whole:.{p}g}" != f"{found.mean:.{p}g}"), 15)  # shown apart
-    cut = (f"on {whole} it is {found.whole:.{p}g}, on {parts} {found.mean:.{p}g} as their size-weighted mean "
-           f"and {found.sum:.{p}g} as their sum")
-    fits = ("the engine evaluates loss_fn on each rank's output shard, micro-batch and data-parallel replica "
-            "and combines the values, which is exact for a loss that averages (or sums) over voxels and "
-            "samples, e.g. F.mse_loss, F.l1_loss or F.cross_entropy with reduction 'mean' or 'sum'")
-    if axis == SPACE:
-        keep = (f"layers: {{{', '.join(repr(n) + ': {spatial: replicate}' for n in output_layers)}}}"
-                if output_layers else "layers: {<the output layer>: {spatial: replicate}}")
-        todo = (f"a loss over the whole volume (Dice, a normalised or spectral loss, differences between "
-                f"voxels) does not split: train on one that does, or keep the output whole so loss_fn sees "
-                f"the whole volume on every rank ({keep} in the spec); engine.predict(x_local) gives whole "
-                f"outputs for a metric computed outside train_step")
-    else:
-        todo = ("a loss over the whole batch (normalised or correlated across samples) does not split over "
-                "data-parallel replicas or micro-batches: use grid.data 1 and pipeline.microbatches 1, or a "
-                "per-sample loss")
+    return (f"on {whole} it is {found.whole:.{p}g}, on {parts} {found.mean:.{p}g} as their size-weighted "
+            f"mean and {found.sum:.{p}g} as their sum")
+
+
+def refusal(loss_fn: Callable, axis: int, found: Finding) -> str:
+    """The one line every rank raises for a loss that does not split over the samples (see module doc):
+    the values found, what fits, what to do. One that does not split over the output's shards is
+    evaluated on the whole output instead (:mod:`hybridpar.pipeline.loss_whole`)."""
     return (f"Engine.train_step: loss_fn {name_of(loss_fn)} does not split as the engine combines it: "
-            f"{cut}; {fits}; {todo}")
+            f"{described(axis, found)}; the engine evaluates loss_fn on each micro-batch and data-parallel "
+            f"replica and combines the values, which is exact for a loss that averages (or sums) over "
+            f"samples, e.g. F.mse_loss, F.l1_loss or F.cross_entropy with reduction 'mean' or 'sum'; a loss "
+            f"over the whole batch (normalised or correlated across samples, a class-weighted or "
+            f"ignore_index mean over the batch's voxels) does not split over data-parallel replicas or "
+            f"micro-batches: use grid.data 1 and pipeline.microbatches 1, or a per-sample loss")
+
+
+def whole_notice(loss_fn: Callable, found: Finding, ranks: int, mib: float) -> str:
+    """What rank 0 says once where the output is gathered for the loss (:mod:`.loss_whole`)."""
+    return (f"Engine.train_step: loss_fn {name_of(loss_fn)} is no mean or sum over voxels "
+            f"({described(SPACE, found)}): it is evaluated on the whole output and target, gathered on "
+            f"each of the {ranks} ranks that share them ({mib:.1f} MiB per rank), exactly as in one "
+            f"process; a loss that averages or sums over voxels (F.mse_loss, F.cross_entropy) runs on the "
+            f"shards without the gather")
 
 
 def encode(refused: tuple[int, Finding] | None) -> torch.Tensor:

@@ -9,15 +9,17 @@ A new schedule (interleaved 1F1B, zero-bubble) changes this part and the schedul
 The loss's weighting is right only for a loss that splits as the engine combines it: that is checked
 on every step (:mod:`hybridpar.pipeline.loss_check`; a masked loss may mask nothing in its first
 batches), which also finds a sum (summed over shards, micro-batches and replicas then), after checking
-that the loss is a scalar tensor at all. A recomputed forward runs on the buffers the
-forward found and leaves them as they were (:func:`_recompute_contexts`): a model's own buffer
-updates (an EMA, a step counter) count once, as in one process.
+that the loss is a scalar tensor at all; one that does not split over the output's shards (Dice) is
+evaluated on the whole output, gathered (:mod:`hybridpar.pipeline.loss_whole`). A recomputed forward
+runs on the buffers the forward found and leaves them as they were (:func:`_recompute_contexts`): a
+model's own buffer updates (an EMA, a step counter) count once, as in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -28,13 +30,15 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device.cuda_graphs import capturing
 from hybridpar.device.eager import first_call_eager
 from hybridpar.device.precision import autocast_state
+from hybridpar.grid import ProcessGrid
 from hybridpar.nn.buffer_state import Snapshot, put
 from hybridpar.nn.norm import recomputing
-from hybridpar.pipeline import deferred, loss_across, loss_check
+from hybridpar.pipeline import deferred, loss_across, loss_check, loss_whole
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
 from hybridpar.pipeline.loss_params import LossReads
@@ -71,6 +75,7 @@ class Stepper:
         self._returned: list[float] | None = None  # a pipeline's loss that is no scalar, told alike
         self._batch, self._cut_batch = 1, False  # the replica batch; whether micro-batches or replicas cut it
         self._targets: list[torch.Tensor] = []  # the step's micro-batches' targets (the check reads them)
+        self._whole = False  # the loss is evaluated on the whole output, gathered (see loss_whole)
 
     @property
     def first_stage(self) -> bool:
@@ -102,8 +107,12 @@ class Stepper:
         exchange's); for a sum, shards summed, micro-batches and replicas too (the share of the batch
         and the replicas' average undone). Split outputs of one structure share one split and one
         extent (the plan gathers them otherwise), so one share weighs them all. Which of the two the
-        loss is, or neither (refused), is checked on every step (:meth:`_check`), and first whether it
-        is a scalar tensor (:func:`loss_check.returned`): one line on every rank where it is not."""
+        loss is is checked on every step (:meth:`_check`), and first whether it is a scalar tensor
+        (:func:`loss_check.returned`): one line on every rank where it is not. A loss that is neither
+        over the output's shards is evaluated on the whole output from then on (:mod:`.loss_whole`),
+        each rank's weighed by the share of the ranks that gather it."""
+        if self._whole:
+            out, y = loss_whole.gathered(out, y, *self._output_place())
         with self.loss_reads.watch():
             loss = self.loss_fn(out, y)
         bad = loss_check.returned(loss) if self._returned is None else None
@@ -117,7 +126,9 @@ class Stepper:
             self._pending = False
             loss = self._check(out, y, loss)
         stage, weight = self.built.stage, 1.0
-        if stage.output_split != REPLICATED and self.verdict.space == loss_check.MEAN:
+        if self._whole:  # the same whole loss on each rank that shares the output (see loss_whole)
+            weight = 1.0 / self._output_shards
+        elif stage.output_split != REPLICATED and self.verdict.space == loss_check.MEAN:
             lead = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5)
             weight = math.prod(lead.shape[2:]) / math.prod(stage.lead_output.output_shape[2:])
         if self.verdict.batch == loss_check.SUM:
@@ -133,26 +144,47 @@ class Stepper:
 
     def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """Whether ``loss_fn`` is a mean or a sum along the dims the engine cuts (see
-        :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks; neither raises the same
-        line on every rank before any backward, or on a pipeline (whose other stages wait for a
+        :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks. Neither along the
+        output's shards: the loss anew on the whole output, gathered (:mod:`.loss_whole`), and checked
+        along the samples alone, this step and every later one. Neither along the samples raises the
+        same line on every rank before any backward, or on a pipeline (whose other stages wait for a
         gradient) gives no gradient and raises after the step (:meth:`_tell_stages`)."""
         split = self.built.stage.output_split
-        dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED else []
+        dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED and not self._whole else []
         space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
         group = self._stage_group
         if loss.numel() == 1:
-            across = loss_across.findings(self.loss_fn, out, y, self._other_targets(y), self._piece(),
-                                          dims, group, *self._peers())
+            others = self._other_targets(y)
+            if self._whole:  # the other micro-batches' targets gathered as this one's
+                grid, volume = self._output_place()
+                box = tuple(hi - lo for lo, hi in local_box(volume, grid))
+                others = [loss_whole.target(t, box, grid, volume) for t in others]
+            across = loss_across.findings(self.loss_fn, out, y, others, self._piece(), dims, group,
+                                          *self._peers())
             space, batch = space + across[0], batch + across[1]
         self.verdict, refused = loss_check.agree(space, batch, loss_check.rtol_of(loss.dtype), group,
                                                  loss.device)
+        if refused is not None and refused[0] == loss_check.SPACE:  # the loss on the whole output instead
+            self._whole = True
+            out, y = loss_whole.gathered(out, y, *self._output_place())
+            if dist.get_rank() == 0:
+                warnings.warn(loss_check.whole_notice(self.loss_fn, refused[1], self._output_shards,
+                                                      loss_whole.mebibytes(out, y)), stacklevel=6)
+            with self.loss_reads.watch():
+                loss = self.loss_fn(out, y)
+            return self._check(out, y, loss)
         if refused is None:
             return loss
         if self.grid.pipe == 1:
             self.verdict = loss_check.Verdict()
-            raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
+            raise ValueError(loss_check.refusal(self.loss_fn, *refused))
         self._refused = refused
         return torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    def _output_place(self) -> tuple[ProcessGrid, tuple[int, int, int]]:
+        """The grid the output is split over and its global (D, H, W)."""
+        stage = self.built.stage
+        return self.built.layout.of(stage.output_split), tuple(stage.lead_output.output_shape[2:])
 
     @property
     def _stage_group(self) -> dist.ProcessGroup | None:
@@ -196,14 +228,7 @@ class Stepper:
             raise ValueError(loss_check.returned_line(self.loss_fn, returned))
         if refused is not None:
             self.verdict = loss_check.Verdict()
-            raise ValueError(loss_check.refusal(self.loss_fn, *refused, self._output_layers()))
-
-    def _output_layers(self) -> list[str]:
-        """The plan's names of the layers that make a traced model's outputs (a refusal names them)."""
-        stage = self.built.stage
-        if stage.output_rows is None:  # run by module swapping: no layer stands for an output
-            return []
-        return sorted({r.name for r in stage.outputs if r.name and not r.name.startswith("(")})
+            raise ValueError(loss_check.refusal(self.loss_fn, *refused))
 
     def step_plan(self, microbatches: int) -> tuple[int | None, list[Action]]:
         """The split end (:meth:`split_upto`) and the action list of a step of ``microbatches``,

@@ -263,6 +263,50 @@ def _structured_loss(out, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out[0], y) + 0.5 * F.mse_loss(out[1], F.avg_pool3d(y, 2))
 
 
+class InPlaceNet(nn.Module):
+    """In-place calls whose result the forward does not assign (the usual idiom): the layers after them
+    read the changed tensor, including where the plan runs the call whole (a mask from a comparison,
+    a volume mean). A forward that changes a view in place runs by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        h.masked_fill_(h > 0.3, 0.3)
+        h.sub_(h.mean((2, 3, 4), keepdim=True))
+        F.leaky_relu_(h, 0.2)
+        g = self.c2(h)
+        g += x
+        g.sigmoid_()
+        return g
+
+
+class _StraightThrough(torch.autograd.Function):
+    """A clamp whose backward passes the gradient through unchanged (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        return x.clamp(-0.1, 0.1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g * 0.5
+
+
+class STENet(nn.Module):
+    """An autograd.Function of the user's between layers: its own backward, not its forward's derivative
+    (fx would trace into its forward, so the forward runs by module swapping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(_StraightThrough.apply(self.c1(x)))
+
+
 LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss}
 
 
@@ -372,6 +416,11 @@ CASES = [
     (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (2, "in-place calls not assigned", "InPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "in-place calls not assigned, 2x2", "InPlaceNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "an autograd.Function of the user's, data x spatial", "STENet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

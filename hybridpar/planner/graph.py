@@ -34,7 +34,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
-from hybridpar.planner import trace_state
+from hybridpar.planner import in_place, trace_state
 from hybridpar.planner.terms import SpecError
 
 INPUT = "(input)"
@@ -154,8 +154,9 @@ class _Tracer(fx.Tracer):
         return not self._traceable[id(m)]
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        """fx's trace, refused where the forward sets or reads grad mode, which no graph records
-        (:mod:`hybridpar.planner.trace_state`); a child's forward that does is kept whole."""
+        """fx's trace, refused where the forward sets or reads grad mode or applies an autograd.Function
+        of its own, which no graph records (:mod:`hybridpar.planner.trace_state`; a child's forward
+        that does is kept whole), its in-place operations made explicit (:mod:`.in_place`)."""
         before = {(m, k): v for m in root.modules() for k, v in vars(m).items()} \
             if isinstance(root, nn.Module) else {}
         try:
@@ -167,6 +168,7 @@ class _Tracer(fx.Tracer):
             raise SpecError(f"its forward keeps a tensor in self.{kept}, which a traced graph cannot "
                             f"carry from one call to the next")
         trace_state.refuse_grad_mode(seen)
+        in_place.make_explicit(graph, root)
         return graph
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:

@@ -28,11 +28,13 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from hybridpar.nn.sharing import TORCH_OWN  # torch's bookkeeping; ``training`` is graph.mode_dependent's
 from hybridpar.planner.terms import SpecError
@@ -57,11 +59,19 @@ class GradModeInTrace(RuntimeError):
     """The forward set or read grad mode while torch.fx traced it, which the traced graph cannot hold."""
 
 
+class FunctionInTrace(RuntimeError):
+    """The forward applied an autograd.Function of its own to a traced value: torch.fx records the
+    operations of its forward, and its own backward (a straight-through estimator, a gradient scale or
+    reversal) would be replaced by the derivative of those."""
+
+
 @dataclass
 class _Seen:
-    """What one trace (one ``fx.Tracer.trace`` call) saw: the grad-mode calls its forward made."""
+    """What one trace (one ``fx.Tracer.trace`` call) saw: the grad-mode calls its forward made, and the
+    autograd.Functions it applied to traced values."""
 
     grad_mode: list[str]
+    functions: list[str] = field(default_factory=list)
 
 
 def _traces() -> list[_Seen]:
@@ -85,9 +95,28 @@ def _watching(name: str, original: Any) -> Any:
     return call
 
 
+def _applying(original: classmethod) -> classmethod:
+    """``Function.apply`` that, applied by a forward being traced on this thread to a traced value,
+    refuses (:class:`FunctionInTrace`): the forward then runs by module swapping, the Function's own
+    backward with it. hybridpar's own Functions (halo exchanges) are applied by leaf layers fx does
+    not enter, and pass."""
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        traces = getattr(_local, "traces", None)
+        if traces and not cls.__module__.startswith("hybridpar.") and any(
+                isinstance(a, torch.fx.Proxy) for a in tree_leaves((args, kwargs))):
+            name = f"{cls.__qualname__}.apply"
+            traces[-1].functions.append(name)
+            raise FunctionInTrace(_why_function(name))
+        return original.__func__(cls, *args, **kwargs)
+
+    return classmethod(apply)
+
+
 @contextlib.contextmanager
 def _grad_mode_wrapped() -> Iterator[None]:
-    """The grad-mode functions wrapped (:func:`_watching`) while any trace is open on any thread."""
+    """The grad-mode functions (:func:`_watching`) and ``autograd.Function.apply`` (:func:`_applying`)
+    wrapped while any trace is open on any thread."""
     global _open
     with _lock:
         if _open == 0:
@@ -96,6 +125,9 @@ def _grad_mode_wrapped() -> Iterator[None]:
                 original = getattr(space, name)
                 _originals.append((space, name, original))
                 setattr(space, name, _watching(known, original))
+            apply = torch.autograd.Function.__dict__["apply"]
+            _originals.append((torch.autograd.Function, "apply", apply))
+            torch.autograd.Function.apply = _applying(apply)
         _open += 1
     try:
         yield
@@ -124,9 +156,18 @@ def watched_trace() -> Iterator[_Seen]:
 
 
 def refuse_grad_mode(seen: _Seen) -> None:
-    """Raise :class:`GradModeInTrace` if the traced forward set or read grad mode."""
+    """Raise :class:`GradModeInTrace` if the traced forward set or read grad mode, and
+    :class:`FunctionInTrace` if it applied an autograd.Function of its own to a traced value (the
+    forward may have caught the error)."""
     if seen.grad_mode:
         raise GradModeInTrace(_why(seen.grad_mode[0]))
+    if seen.functions:
+        raise FunctionInTrace(_why_function(seen.functions[0]))
+
+
+def _why_function(name: str) -> str:
+    return (f"the forward applies an autograd.Function ({name}), whose own backward a traced graph "
+            f"would not keep")
 
 
 def _why(name: str) -> str:

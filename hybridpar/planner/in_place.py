@@ -1,0 +1,91 @@
+"""In-place operations in a traced graph, made explicit: later readers of the changed value read the
+operation's result.
+
+Why: torch.fx records ``h.sigmoid_()``, ``F.leaky_relu_(h)`` or ``h.masked_fill_(m, v)`` as a node
+whose result nobody reads when the forward does not assign it; the layers after it read ``h`` itself,
+the node before the change. One process sees the change through the tensor they share. A plan does
+not run on that tensor: where it gathers ``h`` for the operation (an operation it runs whole), the
+change lands on the gathered copy and the next layer reads the shard unchanged, a wrong answer with no
+error. Here every reader of ``h`` after the in-place node reads the node instead, which is what the
+tensor holds then. A value that is a view of another (``h[:, :2].zero_()``) changes its base, whose
+readers the graph does not tie to the view: such a forward is not traced (:class:`ViewChanged`) and
+runs by module swapping, on the shards themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+from torch import fx, nn
+
+_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+              operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+              operator.irshift, operator.imatmul}
+# methods and functions whose result is a view of their first argument: changing it changes that
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "narrow", "select", "permute", "transpose", "t",
+          "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "movedim", "moveaxis",
+          "swapaxes", "swapdims", "diagonal", "as_strided", "unfold", "detach", "chunk", "split",
+          "tensor_split", "unbind", "split_with_sizes", "getitem", "real", "imag", "view_as_real",
+          "view_as_complex", "contiguous", "align_as", "T", "mT", "H", "mH"}
+
+
+class ViewChanged(RuntimeError):
+    """An in-place operation changes a view of another value, which a traced graph does not follow."""
+
+
+def _name(n: fx.Node) -> str:
+    target = n.target
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def changes_first(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``n`` writes into its first argument: a method or function named ``..._`` (not
+    ``__x__``), ``x += y`` and its kin, a call with ``inplace=True``, a module built ``inplace=True``."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if n.op == "call_module":
+        return getattr(modules.get(str(n.target)), "inplace", False) is True
+    if n.op not in ("call_method", "call_function"):
+        return False
+    name = _name(n)
+    if n.op == "call_function" and n.target in _OPERATORS:
+        return True
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    if n.kwargs.get("inplace") is True:
+        return True
+    if n.op == "call_function" and callable(n.target):
+        try:
+            bound = inspect.signature(n.target).bind(*n.args, **n.kwargs)
+        except (TypeError, ValueError):
+            return False
+        return bound.arguments.get("inplace") is True
+    return False
+
+
+def _view_of(n: fx.Node) -> bool:
+    """Whether ``n``'s value may share memory with another value of the graph."""
+    if n.op in ("call_method", "call_function"):
+        return _name(n) in _VIEWS
+    return False
+
+
+def make_explicit(graph: fx.Graph, root: Any) -> None:
+    """Rewire ``graph`` so that every read of a value after an in-place operation on it reads that
+    operation's result (see module doc); raise :class:`ViewChanged` where the value changed is a
+    view."""
+    modules = dict(root.named_modules()) if isinstance(root, nn.Module) else {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        if not changes_first(n, modules):
+            continue
+        value = n.args[0]
+        if _view_of(value):
+            raise ViewChanged(f"the forward changes a view in place ({_name(n)} on {_name(value)} of "
+                              f"{value.args[0] if value.args else value}), which a traced graph does not "
+                              f"carry to the value it views")
+        for user in list(value.users):
+            if user is not n and order[user] > order[n]:
+                user.replace_input_with(value, n)

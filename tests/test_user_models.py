@@ -653,3 +653,53 @@ def test_a_parametrized_layer_is_refused_split(pools):
     line = said.pop()
     assert line.startswith("wn (ParametrizedConv3d): a parametrized layer (weight_norm, spectral_norm") and (
         line.endswith("(layers: {wn: {spatial: replicate}})")), line
+
+
+class DropNet(nn.Module):
+    """Element-wise dropout on split activations: a layer, and the function (traced, and in a forward
+    fx cannot trace)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+        self.drop = nn.Dropout(0.4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        if self.how == "untraced" and x.shape[2] > 4:  # a branch on a shape: module swapping
+            h = self.drop(h)
+        h = F.dropout(h, 0.3, self.training) if self.how == "function" else self.drop(h)
+        return self.c2(h)
+
+
+def _dropout_body(rank: int, world: int, how: str, spec: dict) -> float:
+    """One step from one random state beside one process from the same: the largest gradient error."""
+    import hybridpar as hp
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((2, 1, 9, 6, 6), dtype=torch.float64, generator=g)
+    y = torch.randn(x.shape, dtype=torch.float64, generator=g)
+    torch.manual_seed(0)
+    ref = DropNet(how).double()
+    model = DropNet(how).double()
+    model.load_state_dict(ref.state_dict())
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
+    local = engine.shard_batch(x, y)
+    torch.manual_seed(3)
+    engine.train_step(*local)
+    torch.manual_seed(3)
+    F.mse_loss(ref(x), y).backward()
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+                                                                     strict=True))
+
+
+@pytest.mark.parametrize("world,how,spec", [
+    (2, "layer", {"grid": {"spatial": [2, 1, 1]}}), (4, "layer", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "function", {"grid": {"spatial": [2, 1, 1]}}), (2, "untraced", {"grid": {"spatial": [2, 1, 1]}}),
+], ids=["layer-2", "layer-2x2", "function-2", "untraced-2"])
+def test_dropout_on_a_split_volume_draws_one_process_mask(pools, world, how, spec):
+    """Each shard masked by its box of the mask one process draws from the same random state (the ranks
+    are seeded alike): the same gradients, where a copy on the shards drew one mask per shard, alike."""
+    errors = pools(world).run(_dropout_body, how, spec, timeout=120)
+    assert max(errors) < 1e-12, f"{how} {spec}: gradients off one process's by {errors}"

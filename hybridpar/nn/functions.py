@@ -24,7 +24,7 @@ def register_functions() -> None:
     pointwise = [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.iadd,
                  operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu,
                  torch.sigmoid, torch.tanh, torch.exp, torch.log1p, torch.abs, torch.clamp, torch.square,
-                 F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.sigmoid, F.tanh, F.dropout, F.mish,
+                 F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.sigmoid, F.tanh, F.mish,
                  F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
                  "add", "sub", "mul", "div", "neg", "relu", "sigmoid", "tanh", "exp", "abs", "clamp",
                  "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as",
@@ -74,6 +74,8 @@ def register_functions() -> None:
                                as_module=lambda x, output_size: nn.AdaptiveAvgPool3d(output_size))
     registry.register_function(F.adaptive_max_pool3d, as_module=lambda x, output_size, return_indices=False:
                                nn.AdaptiveMaxPool3d(output_size, return_indices))
+    registry.register_function(F.dropout, as_module=lambda x, p=0.5, training=True, inplace=False:
+                               nn.Dropout(p, inplace) if training else nn.Identity())  # one process's mask
     registry.register_function(F.max_pool3d, as_module=lambda x, *a, **k: nn.MaxPool3d(*a, **k))
     registry.register_function(F.avg_pool3d, as_module=lambda x, *a, **k: nn.AvgPool3d(*a, **k))
 

@@ -703,3 +703,59 @@ def test_dropout_on_a_split_volume_draws_one_process_mask(pools, world, how, spe
     are seeded alike): the same gradients, where a copy on the shards drew one mask per shard, alike."""
     errors = pools(world).run(_dropout_body, how, spec, timeout=120)
     assert max(errors) < 1e-12, f"{how} {spec}: gradients off one process's by {errors}"
+
+
+class CheckpointNet(nn.Module):
+    """Activation checkpointing in a forward fx cannot trace (a branch on depth): of layers alone it
+    trains as one process; around a functional pool, which the engine runs split only while it follows
+    the forward (the recomputation in the backward runs on the bare shards), it is refused."""
+
+    def __init__(self, functional: bool, reentrant: bool) -> None:
+        super().__init__()
+        self.functional, self.reentrant = functional, reentrant
+        self.c1 = nn.Conv3d(1, 4, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh())
+        self.c2 = nn.Conv3d(4, 1, 3, padding=1)
+
+    def _inner(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.block(h)
+        return F.avg_pool3d(h, 3, 1, 1) if self.functional else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        if x.shape[2] > 4:
+            h = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=self.reentrant)
+        return self.c2(h)
+
+
+def _checkpoint_body(rank: int, world: int, functional: bool, reentrant: bool) -> str:
+    import hybridpar as hp
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((2, 1, 9, 6, 6), dtype=torch.float64, generator=g)
+    y = torch.randn(x.shape, dtype=torch.float64, generator=g)
+    torch.manual_seed(0)
+    ref = CheckpointNet(functional, reentrant).double()
+    model = CheckpointNet(functional, reentrant).double()
+    model.load_state_dict(ref.state_dict())
+    try:
+        engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+        engine.train_step(*engine.shard_batch(x, y))
+    except ValueError as err:
+        return str(err)
+    F.mse_loss(ref(x), y).backward()
+    off = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+                                                                    strict=True))
+    return f"off by {off:.1e}"
+
+
+@pytest.mark.parametrize("functional,reentrant", [(False, True), (False, False), (True, True), (True, False)],
+                         ids=["layers-reentrant", "layers", "functional-reentrant", "functional"])
+def test_activation_checkpointing_in_an_untraced_forward(pools, functional, reentrant):
+    said = set(pools(2).run(_checkpoint_body, functional, reentrant, timeout=120))
+    assert len(said) == 1, said
+    line = said.pop()
+    if functional:
+        assert "avg_pool3d inside torch.utils.checkpoint" in line, line
+    else:
+        assert line.startswith("off by") and float(line.split()[-1]) < 1e-12, line

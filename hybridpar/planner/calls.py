@@ -369,6 +369,33 @@ def caller() -> str:
     return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
+def in_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` runs the caller: its recomputation in the backward runs the
+    same Python again without the engine's ``TorchFunctionMode``, on the bare shards."""
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__") != "torch.utils.checkpoint":
+        f = f.f_back
+    return f is not None
+
+
+def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],
+               split: list[torch.Tensor]) -> str | None:
+    """Why a call on split activations (``split`` of its ``tensors``) cannot run split, or None: a call
+    classified ``refuse``; inside ``torch.utils.checkpoint``, any call the bare shards would run
+    otherwise than the engine (anything but work along leading dims or elementwise on split operands
+    only: the engine cuts a whole operand to the shard's box and answers shape reads with the
+    volume's extents, a recomputation would do neither)."""
+    if kind.kind == "refuse":
+        return describe(func, kind)
+    alike = kind.kind in ("keep", "join", "pieces") or (
+        kind.kind == "pointwise" and len(split) == len(tensors)) or (
+        kind.kind == "shape" and name_of(func) not in ("shape", "size", "numel", "nelement"))  # .device
+    if not alike and in_checkpoint():
+        return (f"{name_of(func)} inside torch.utils.checkpoint, whose recomputation in the backward runs "
+                f"on the bare shards (checkpoint layers only, or use pipeline.recompute)")
+    return None
+
+
 def line_of(err: BaseException) -> str:
     """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not _ours(f.filename)]

@@ -181,8 +181,8 @@ class LayoutWatch(TorchFunctionMode):
         kind = calls.classify(func, args, kwargs, split[0].dim())
         key = (calls.role_of(func, kind), calls.caller())
         self.met[key] = self.met.get(key, 0) + 1
-        if kind.kind == "refuse":
-            self.unsafe.append(f"{calls.describe(func, kind)} at {calls.caller()}")
+        if (why := calls.refusal_of(func, kind, tensors, split)) is not None:
+            self.unsafe.append(f"{why} at {calls.caller()}")
             return func(*args, **kwargs)
         if kind.kind == "value":
             raise SpecError(f"{calls.name_of(func)} at {calls.caller()} reads the values of a split "

@@ -188,11 +188,11 @@ def leaf_flop_sums(counted: flop_count.FlopCount,
 def _flop_costs(model: nn.Module, leaves: list[tuple[str, nn.Module | None]], input_shape: tuple[int, ...],
                 shapes: Shapes) -> tuple[list[int], list[int], flop_count.FlopCount | None]:
     """Forward and training FLOPs per leaf, and the count they come from (None when the model
-    cannot be copied to the meta device: a training step then counts as 3x forward, 2x for the
-    first layer, which computes no input gradient)."""
+    cannot be copied to or run on the meta device: a training step then counts as 3x forward, 2x for
+    the first layer, which computes no input gradient)."""
     try:
         counted: flop_count.FlopCount | None = flop_count.count(model, input_shape)
-    except TypeError:
+    except (TypeError, RuntimeError):  # a forward that reads a value (torch.rand(()) < p) on the meta device
         counted = None
     if counted is None:
         fwd = [forward_flops(m, i, o) for (_, m), (i, o) in zip(leaves, shapes, strict=True)]

@@ -370,12 +370,21 @@ def caller() -> str:
 
 
 def in_checkpoint() -> bool:
-    """Whether ``torch.utils.checkpoint`` runs the caller: its recomputation in the backward runs the
-    same Python again without the engine's ``TorchFunctionMode``, on the bare shards."""
+    """Whether the user's forward runs the caller inside ``torch.utils.checkpoint``: its recomputation
+    in the backward runs the same Python again without the engine's ``TorchFunctionMode``, on the bare
+    shards. Frames are read up to the engine's own code that called the forward, so the engine's own
+    recomputation (``pipeline.recompute``, which enters the mode again) is not the user's."""
     f = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__") != "torch.utils.checkpoint":
+    while f is not None and f.f_globals.get("__name__", "").startswith("hybridpar."):  # the modes' dispatch
         f = f.f_back
-    return f is not None
+    while f is not None:
+        module = f.f_globals.get("__name__", "")
+        if module == "torch.utils.checkpoint":
+            return True
+        if module.startswith("hybridpar."):
+            return False
+        f = f.f_back
+    return False
 
 
 def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],

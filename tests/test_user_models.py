@@ -759,3 +759,47 @@ def test_activation_checkpointing_in_an_untraced_forward(pools, functional, reen
         assert "avg_pool3d inside torch.utils.checkpoint" in line, line
     else:
         assert line.startswith("off by") and float(line.split()[-1]) < 1e-12, line
+
+
+class EvalOnlyNet(nn.Module):
+    """A forward fx cannot trace (a branch on depth) that calls, in eval mode only, what cannot run on
+    shards (a flip along a split dim): planned in training, it must not run that call unsplit later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        if x.shape[2] > 4 and not self.training:
+            h = h + h.flip(2)
+        return self.c2(h)
+
+
+def _eval_only_body(rank: int, world: int) -> str:
+    import hybridpar as hp
+
+    x = torch.randn((2, 1, 9, 6, 6), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    model = EvalOnlyNet().double()
+    ref = EvalOnlyNet().double().eval()
+    ref.load_state_dict(model.state_dict())
+    engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    x_local, y_local = engine.shard_batch(x, x)
+    engine.train_step(x_local, y_local)
+    model.zero_grad()
+    ref.load_state_dict(model.state_dict())
+    engine.eval()
+    try:
+        got = engine.predict(x_local)
+    except ValueError as err:
+        return str(err)
+    with torch.no_grad():
+        return f"off by {(got - ref(x)).abs().max().item():.1e}"
+
+
+def test_a_call_met_only_in_another_mode_is_never_run_unsplit(pools):
+    said = set(pools(2).run(_eval_only_body, timeout=120))
+    assert len(said) == 1, said
+    line = said.pop()
+    assert "flip" in line or (line.startswith("off by") and float(line.split()[-1]) < 1e-12), line

@@ -46,7 +46,7 @@ from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
-from hybridpar.planner.swapped import Extents, LayoutWatch, leaves
+from hybridpar.planner.swapped import Extents, LayoutWatch, leaves, unsafe_error
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
 
@@ -337,6 +337,8 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
         try:
             with mode:
                 out = inner(x, *args, **kwargs)
+            if mode.unsafe:  # a path the plan's run did not take (a branch on the mode): never run unsplit
+                raise unsafe_error(swapped, mode)
             # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole
             return tree_map(lambda t: mode.whole(t) if isinstance(t, torch.Tensor) and t in mode.chains
                             else t, out)

@@ -282,10 +282,9 @@ class LayoutWatch(TorchFunctionMode):
         this mode lets them pass (its ``depth``). ``on_leave(m, args, out)`` runs as a layer ends, still
         inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
         outermost layer). The one place this mode is paused inside layers."""
-        def enter(m: nn.Module, args: tuple) -> tuple | None:
-            new = self.before_layer(m, args) if self.depth == 0 else None
+        def enter(m: nn.Module, args: tuple) -> tuple | None:  # before_layer's own calls pass too
             self.depth += 1
-            return new
+            return self.before_layer(m, args) if self.depth == 1 else None
 
         def leave(m: nn.Module, args: tuple, out: object) -> None:
             try:
@@ -400,7 +399,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
                               split if runs_split else REPLICATED)
         except SpecError:  # on what a function unsafe on shards computed (x.mean(...)): that is the error;
             if watch.unsafe and x not in watch.split:  # on a split activation, the layer's own refusal
-                raise _unsafe(model, watch) from None
+                raise unsafe_error(model, watch) from None
             raise
         add(names[m], m, x, out, runs_split, halo)
         if gathers:
@@ -436,11 +435,11 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     if not records and not nested:
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
     if watch.unsafe:
-        raise _unsafe(model, watch)
+        raise unsafe_error(model, watch)
     return records, modules, watch, out_split
 
 
-def _unsafe(model: nn.Module, watch: LayoutWatch) -> SpecError:
+def unsafe_error(model: nn.Module, watch: LayoutWatch) -> SpecError:
     what = ", ".join(dict.fromkeys(watch.unsafe))
     return SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {what} "
                      f"on split activations outside any layer, which cannot run split. Supported there: "

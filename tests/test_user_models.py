@@ -13,6 +13,8 @@ Three SGD steps in float64 against the same model in one process, on 2 and 4 ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -673,17 +675,23 @@ class DropNet(nn.Module):
         return self.c2(h)
 
 
-def _dropout_body(rank: int, world: int, how: str, spec: dict) -> float:
-    """One step from one random state beside one process from the same: the largest gradient error."""
-    import hybridpar as hp
-
+def _twins(make: Callable[[], nn.Module]) -> tuple[torch.Tensor, torch.Tensor, nn.Module, nn.Module]:
+    """A (2, 1, 9, 6, 6) batch and its target, and two float64 copies of ``make()`` with one set of
+    weights: the one process and the one to split."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn((2, 1, 9, 6, 6), dtype=torch.float64, generator=g)
     y = torch.randn(x.shape, dtype=torch.float64, generator=g)
     torch.manual_seed(0)
-    ref = DropNet(how).double()
-    model = DropNet(how).double()
+    ref, model = make().double(), make().double()
     model.load_state_dict(ref.state_dict())
+    return x, y, ref, model
+
+
+def _dropout_body(rank: int, world: int, how: str, spec: dict) -> float:
+    """One step from one random state beside one process from the same: the largest gradient error."""
+    import hybridpar as hp
+
+    x, y, ref, model = _twins(lambda: DropNet(how))
     engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
     local = engine.shard_batch(x, y)
     torch.manual_seed(3)
@@ -731,13 +739,7 @@ class CheckpointNet(nn.Module):
 def _checkpoint_body(rank: int, world: int, functional: bool, reentrant: bool) -> str:
     import hybridpar as hp
 
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn((2, 1, 9, 6, 6), dtype=torch.float64, generator=g)
-    y = torch.randn(x.shape, dtype=torch.float64, generator=g)
-    torch.manual_seed(0)
-    ref = CheckpointNet(functional, reentrant).double()
-    model = CheckpointNet(functional, reentrant).double()
-    model.load_state_dict(ref.state_dict())
+    x, y, ref, model = _twins(lambda: CheckpointNet(functional, reentrant))
     try:
         engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
         engine.train_step(*engine.shard_batch(x, y))

@@ -582,6 +582,15 @@ def test_lazy_modules_are_refused_until_materialised():
     assert [r.split for r in spec.plan(model, (2, 1, 8, 8, 8), 2)] == [(2, 1, 1)] * 3
 
 
+def test_masks_comparisons_and_in_place_calls_plan_without_gathers():
+    """``h > t``, ``masked_fill_``, ``sub_`` of a volume mean, ``leaky_relu_``, ``sigmoid_``: elementwise,
+    run on the shards (each held the whole volume, gathered, before)."""
+    import hybridpar as hp
+
+    plan = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 2, 1]}}).plan(InPlaceNet(), SHAPE, 4)
+    assert not [r.name for r in plan if r.gather], [(r.name, r.split) for r in plan]
+
+
 def test_shape_reads_plan_without_gathers():
     """Shapes read in a forward are planned as values, not gathers: ``x.size(0)`` on a split tensor, a
     size taken from one tensor for ``F.interpolate`` of another, a function pad, a channel repeat."""

@@ -28,7 +28,13 @@ def register_functions() -> None:
                  F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
                  "add", "sub", "mul", "div", "neg", "relu", "sigmoid", "tanh", "exp", "abs", "clamp",
                  "square", "add_", "mul_", "relu_", "contiguous", "float", "double", "to", "type_as",
-                 "radd", "rsub", "rmul", "truediv", "rtruediv", "iadd", "isub", "imul", "itruediv", "pow"]
+                 "radd", "rsub", "rmul", "truediv", "rtruediv", "iadd", "isub", "imul", "itruediv", "pow",
+                 # comparisons, masks and in-place forms (planner.in_place rewires their readers)
+                 operator.gt, operator.lt, operator.ge, operator.le, operator.isub, operator.itruediv,
+                 torch.gt, torch.lt, torch.ge, torch.le, torch.where, torch.lerp, F.leaky_relu_, F.elu_,
+                 torch.relu_, torch.sigmoid_, torch.tanh_, torch.clamp_,
+                 "gt", "lt", "ge", "le", "where", "masked_fill", "masked_fill_", "lerp", "lerp_", "sub_",
+                 "div_", "sigmoid_", "tanh_", "clamp_", "abs_", "neg_", "exp_", "leaky_relu_"]
     for fn in pointwise:
         registry.register_function(fn, "pointwise")
     for fn in (getattr, "size", "numel", "nelement", "dim", "ndimension"):

@@ -279,7 +279,9 @@ class InPlaceNet(nn.Module):
         h.masked_fill_(h > 0.3, 0.3)
         h.sub_(h.mean((2, 3, 4), keepdim=True))
         F.leaky_relu_(h, 0.2)
-        g = self.c2(h)
+        t = h * 2
+        F.threshold_(t, -0.01, -0.01)
+        g = self.c2(h + t)
         g += x
         g.sigmoid_()
         return g

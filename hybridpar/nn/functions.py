@@ -32,9 +32,10 @@ def register_functions() -> None:
                  # comparisons, masks and in-place forms (planner.in_place rewires their readers)
                  operator.gt, operator.lt, operator.ge, operator.le, operator.isub, operator.itruediv,
                  torch.gt, torch.lt, torch.ge, torch.le, torch.where, torch.lerp, F.leaky_relu_, F.elu_,
-                 torch.relu_, torch.sigmoid_, torch.tanh_, torch.clamp_,
+                 torch.relu_, torch.sigmoid_, torch.tanh_, torch.clamp_, F.threshold, F.threshold_,
+                 F.hardtanh_, F.relu_,
                  "gt", "lt", "ge", "le", "where", "masked_fill", "masked_fill_", "lerp", "lerp_", "sub_",
-                 "div_", "sigmoid_", "tanh_", "clamp_", "abs_", "neg_", "exp_", "leaky_relu_"]
+                 "div_", "sigmoid_", "tanh_", "clamp_", "abs_", "neg_", "exp_", "leaky_relu_", "threshold_"]
     for fn in pointwise:
         registry.register_function(fn, "pointwise")
     for fn in (getattr, "size", "numel", "nelement", "dim", "ndimension"):

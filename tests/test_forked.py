@@ -23,7 +23,13 @@ print("to stderr", file=sys.stderr)
 mode = sys.argv[1]
 if mode == "exit3":
     sys.exit(3)
+ready = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0-printed")
+if mode == "rank1-fails" and rank == 0:
+    open(ready, "w").close()  # rank 1 fails only once rank 0 has printed (a loaded machine starts it late)
 if mode == "rank1-fails" and rank == 1:
+    end = time.monotonic() + 20
+    while not os.path.exists(ready) and time.monotonic() < end:
+        time.sleep(0.05)
     os._exit(2)
 if mode in ("rank1-fails", "hang"):
     time.sleep(60)
@@ -47,6 +53,7 @@ def test_output_status_and_atexit_as_python_gives_them(script):
 
 def test_a_failed_rank_stops_the_others(script, monkeypatch):
     monkeypatch.setattr("forked.STOP_GRACE_S", 5.0)
+    (script.parent / "rank0-printed").unlink(missing_ok=True)
     t0 = time.monotonic()
     res = run_python([str(script), "rank1-fails"], ranks=2)
     assert time.monotonic() - t0 < 30                               # not the 60 s rank 0 sleeps

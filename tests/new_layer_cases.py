@@ -4,7 +4,8 @@ DistUpsample and dist_interpolate (nearest, nearest-exact, trilinear with and wi
 int, float and per-dim scale factors, sizes, recompute_scale_factor), DistGroupNorm,
 DistInstanceNorm3d (affine or not, tracked running statistics or not, training and eval),
 DistAdaptiveAvgPool3d and DistAdaptiveMaxPool3d (any output size; ties across shards), the
-DistBatchNorm3d fixes (``bias=False``, an empty batch), and the registry's conversions. Everything in
+DistBatchNorm3d fixes (``bias=False``, an empty batch), boxes of slices (``x[..., a:b:s]``, a
+crop), and the registry's conversions. Everything in
 float64 against torch.nn with :func:`layer_cases.compare_layer` (relative error <= 1e-10 on output,
 input gradient, parameter gradients and buffers). Extents are odd and uneven (5, 7, 9, 13) so shards
 differ in size; every description names its case and grid.
@@ -256,6 +257,51 @@ def run_unet(fails: Failures, grid) -> int:
     return 1
 
 
+class Index(nn.Module):
+    """``x[index]`` as a module: the reference a :class:`~hybridpar.nn.slicing.VolumeSlice` must match."""
+
+    def __init__(self, index) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.index]
+
+
+SLICES = [(Ellipsis, slice(1, -1), slice(None), slice(2, None)),  # a crop at both ends, one dim whole
+          (slice(None), slice(None), slice(None, None, 2), slice(1, None, 3), slice(None)),  # strided
+          (slice(None), slice(1, 2), slice(3, 9), slice(0, 4), slice(2, 7, 2)),  # a channel, a box
+          (Ellipsis, slice(-4, None), slice(None, -3, 2), slice(1, 2)),  # one voxel thick along W
+          (slice(None), slice(None), slice(5, 6))]  # one plane of D, kept as a dim
+"""Boxes of slices on the odd, uneven extents of :data:`SHAPES` (steps and negative bounds too)."""
+
+
+def _box_fits(box: nn.Module, shape, grid) -> bool:
+    """Whether every dim's halo plan exists (a box thinner than the split, or one that reads beyond a
+    neighbour's shard, is a HaloError naming the dim and the split that fits)."""
+    try:
+        for w, extent, parts in zip(registry.lookup(box).windows_of(box), shape[2:], grid.spatial_shape):
+            w.plans(extent, parts)
+    except HaloError:
+        return False
+    return True
+
+
+def run_volume_slice(fails: Failures, grid) -> int:
+    """``x[index]`` on a split volume: every rank's balanced shard of the box, and its backward."""
+    from hybridpar.nn.slicing import box_of
+
+    count = 0
+    for i, index in enumerate(SLICES):
+        for shape in SHAPES:
+            box = box_of(index, shape[2:])
+            ours = registry.lookup(box).to_dist(box, grid)
+            compare_layer(fails, f"x[{index}] shape {shape} grid {grid.spatial_shape}", grid, Index(index),
+                          ours, shape, 7 * i + shape[3], expect_error=not _box_fits(box, shape, grid))
+            count += 1
+    return count
+
+
 FAMILIES = {  # layer_cases.run_family runs one per pytest test
     "upsample": lambda fails, grid, rng, opts: run_upsample(fails, grid),
     "group_norm": lambda fails, grid, rng, opts: run_group_norm(fails, grid),
@@ -264,4 +310,5 @@ FAMILIES = {  # layer_cases.run_family runs one per pytest test
     "batch_norm_fixes": lambda fails, grid, rng, opts: run_batch_norm_fixes(fails, grid),
     "conversions": lambda fails, grid, rng, opts: run_conversions(fails, grid),
     "unet": lambda fails, grid, rng, opts: run_unet(fails, grid),
+    "volume_slice": lambda fails, grid, rng, opts: run_volume_slice(fails, grid),
 }

@@ -373,6 +373,66 @@ class TopLevelWeight(nn.Module):
         return self.conv(x) * self.gamma
 
 
+class OwnGroupNorm(nn.GroupNorm):
+    """A group norm of the user's with a forward of its own (in a wider dtype, then back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x.double(), self.num_groups, self.weight.double(), self.bias.double(),
+                            self.eps).type_as(x)
+
+
+class Crops(nn.Module):
+    """A valid-convolution U-Net: the skip centre-cropped to the decoder's size by slices computed from
+    shapes, a strided box of voxels, a crop by negative padding, a channel slice with a crop, and norms
+    of the user's own weights (a group norm subclass with its own forward, a functional instance norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv3d(2, 4, 3)
+        self.mid = nn.Conv3d(4, 4, 3, padding=1)
+        self.up = nn.ConvTranspose3d(4, 4, 2, stride=2)
+        self.dec = nn.Conv3d(8, 2, 1)
+        self.norm = OwnGroupNorm(2, 2)
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(2))
+        self.b = nn.Parameter(0.1 * torch.randn(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.relu(self.enc(x))
+        u = self.up(F.relu(self.mid(F.max_pool3d(s, 2))))
+        if s.shape[2] != u.shape[2]:  # untraceable: the centre crop's offsets come from shapes
+            dd = [(a - b) // 2 for a, b in zip(s.shape[2:], u.shape[2:])]
+            s = s[:, :, dd[0]:dd[0] + u.shape[2], dd[1]:dd[1] + u.shape[3], dd[2]:dd[2] + u.shape[4]]
+        h = F.relu(F.instance_norm(self.dec(torch.cat([u, s], dim=1)), weight=self.w, bias=self.b))
+        h = self.norm(h)
+        k = h[:, :, 1::2, ::2, 1:]  # a strided box
+        h = h + F.interpolate(k, size=h.shape[2:], mode="nearest")
+        h = F.pad(h, (0, -1, -1, 0, 1, -2))  # crops and a pad at once
+        return h[:, :1, 1:-1]
+
+
+class ChannelsLast(nn.Module):
+    """A ConvNeXt block (depthwise conv, permute to channels last, LayerNorm over channels, Linear MLP, a
+    layer scale read in the forward, permute back) and a group norm written by hand (``view`` to groups,
+    statistics, ``view_as`` back): values part way through reshapes, read whole where a call needs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv3d(2, 2, 3, padding=1, groups=2)
+        self.ln = nn.LayerNorm(2)
+        self.fc1, self.fc2 = nn.Linear(2, 4), nn.Linear(4, 2)
+        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(2))
+        self.head = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dw(x).permute(0, 2, 3, 4, 1)
+        h = self.fc2(F.gelu(self.fc1(self.ln(h)))) * self.gamma
+        h = x + h.permute(0, 4, 1, 2, 3)
+        n = h.shape[0]
+        g = h.view(n, 1, -1)
+        g = (g - g.mean(-1, keepdim=True)) / torch.sqrt(g.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        return self.head(g.view_as(h))
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
@@ -380,7 +440,8 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     for desc, model, spec in cases:
         out = {"NestedUNet": 1, "DeepBranch": 1, "OwnLayersNet": 1, "Idioms": 1,
                "ChannelCalls": 4}.get(model, 2)
-        shape = {"FlatRegressor": (SHAPE[0], 4), "VolumeMean": (SHAPE[0], 2, 1, 1, 1)}.get(
+        shape = {"FlatRegressor": (SHAPE[0], 4), "VolumeMean": (SHAPE[0], 2, 1, 1, 1),
+                 "Crops": (SHAPE[0], 1, 3, 5, 3)}.get(
             model, (SHAPE[0], out, *SHAPE[2:]))
         y = torch.randn(shape, dtype=torch.float64, generator=g)
         try:
@@ -405,7 +466,9 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a maximum tied over many voxels", "Ties", {"grid": {"spatial": [2, 1, 1]}}),
        ("a functional conv as wide as its split input", "PooledConv", {"grid": {"spatial": [1, 1, 2]}}),
        ("a block of two inputs with a shape check", "TwoInputBlock", {"grid": {"spatial": [2, 1, 1]}}),
-       ("calls along channels, logsumexp over the volume", "ChannelCalls", {"grid": {"spatial": [2, 1, 1]}})]
+       ("calls along channels, logsumexp over the volume", "ChannelCalls", {"grid": {"spatial": [2, 1, 1]}}),
+       ("crops, strided boxes, norms of the user's weights", "Crops", {"grid": {"spatial": [2, 1, 1]}}),
+       ("channels last and view_as", "ChannelsLast", {"grid": {"spatial": [1, 2, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -415,7 +478,10 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("own unregistered layers, data x spatial", "OwnLayersNet",
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
-        ("call settings, 2x2", "CallSettings", {"grid": {"spatial": [2, 2, 1]}})]
+        ("call settings, 2x2", "CallSettings", {"grid": {"spatial": [2, 2, 1]}}),
+        ("crops, 2x2", "Crops", {"grid": {"spatial": [2, 2, 1]}}),
+        ("crops, data x spatial", "Crops", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("channels last and view_as, 2x2", "ChannelsLast", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -477,8 +543,8 @@ class _Refused(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         if x.shape[2] > 0:  # untraceable
-            if self.what == "crop":
-                h = h[:, :, 1:-1]
+            if self.what == "a plane picked":
+                h = h * h[:, :, 1].mean()
             elif self.what == "partial mean":
                 h = h - h.mean(dim=2, keepdim=True)
             elif self.what == "cat along depth":
@@ -525,7 +591,8 @@ class _Refused(nn.Module):
 
 
 @pytest.mark.parametrize("what,match", [
-    ("crop", r"__getitem__: indexing into the volume's dims at test_untraced_forwards.py:\d+"),
+    ("a plane picked", r"__getitem__: indexing into the volume's dims other than by a box of slices .* at "
+                       r"test_untraced_forwards.py:\d+"),
     ("partial mean", r"mean: mean over some of the volume's dims \[2\] but not all .* at test_untraced"),
     ("cat along depth", r"cat: cat along dim 2, a split dim of the volume"),
     ("branch on a value", r"at test_untraced_forwards.py:\d+: RuntimeError.*branch on configuration"),

@@ -6,7 +6,7 @@ of one's own takes the same public names: :func:`register` with its window as :c
 records, and a Dist class built on :class:`SpatialLayer` (``launch/examples/own_layer.py``).
 """
 
-from hybridpar.nn import dropout, functions, neuralop, registry  # noqa: F401 (they register)
+from hybridpar.nn import dropout, functions, neuralop, registry, slicing  # noqa: F401 (they register)
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
 from hybridpar.nn.dropout import DistAlphaDropout, DistDropout
 from hybridpar.nn.layout import Gather, Redistribute, Scatter

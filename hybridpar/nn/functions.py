@@ -2,13 +2,15 @@
 
 Why a module of its own: the layer registry holds the tables and the rules of lookup; which of torch's
 many functions are elementwise, which read shapes, and which stand for a layer (``F.interpolate`` is an
-``nn.Upsample``) is a long list of facts about torch, kept apart from them. Registered on import
+``nn.Upsample``, ``F.conv3d`` an ``nn.Conv3d`` of the caller's weights) is a long list of facts about
+torch, kept apart from them. Registered on import
 (:mod:`hybridpar.nn` imports it).
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +53,10 @@ def register_functions() -> None:
         return nn.Upsample(size, scale_factor, mode, align_corners)
 
     def pad(x, pad, mode="constant", value=None) -> nn.Module | None:
-        if len(pad) > 6 or len(pad) % 2 or any(not isinstance(p, int) or p < 0 for p in pad):
-            return None  # cropping, or pads not known when traced: the whole tensor
-        six = (*pad, *(0,) * (6 - len(pad)))
+        if len(pad) > 6 or len(pad) % 2 or any(not isinstance(p, int) for p in pad) or (
+                mode != "constant" and min(pad) < 0):
+            return None  # pads not known when traced, or another mode's crop: the whole tensor
+        six = (*pad, *(0,) * (6 - len(pad)))  # a negative pad crops (a kernel-1 window, hybridpar.nn.pad)
         if mode == "constant":
             return nn.ConstantPad3d(six, 0.0 if value is None else value)
         layer = {"replicate": nn.ReplicationPad3d, "reflect": nn.ReflectionPad3d,
@@ -85,6 +88,58 @@ def register_functions() -> None:
                                nn.Dropout(p, inplace) if training else nn.Identity())  # one process's mask
     registry.register_function(F.max_pool3d, as_module=lambda x, *a, **k: nn.MaxPool3d(*a, **k))
     registry.register_function(F.avg_pool3d, as_module=lambda x, *a, **k: nn.AvgPool3d(*a, **k))
+
+
+WEIGHTED = {
+    F.conv3d: ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    F.conv_transpose3d: ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                         "dilation"),
+    F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
+    F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum",
+                      "eps")}
+"""Functions that stand for a layer with the caller's weights, by their arguments' names: the layer
+runs split with the weights given at each call (``F.conv3d(h, self.w)``, a norm subclass's own
+forward calling ``F.group_norm(x, g, self.weight, self.bias)``)."""
+SUMMED = (F.group_norm, F.instance_norm)
+"""Of :data:`WEIGHTED`, those whose split layer returns its weights' gradients already summed over the
+shards (its statistics are the volume's); a conv's are each shard's part."""
+
+
+def weighted_args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call of one of :data:`WEIGHTED` by its arguments' names."""
+    return {**dict(zip(WEIGHTED[func], args)), **kwargs}
+
+
+def weighted_module(func: Any, args: tuple, kwargs: dict) -> nn.Module:
+    """The layer a call of one of :data:`WEIGHTED` stands for, on the meta device (its weight and bias
+    are the call's, given at each call)."""
+    got = weighted_args(func, args, kwargs)
+    w, b = got.get("weight"), got.get("bias")
+    if func in SUMMED:
+        stats = got.get("running_mean") is not None or got.get("running_var") is not None
+        if func is F.instance_norm and (stats or not got.get("use_input_stats", True)):
+            raise ValueError("instance_norm with running statistics of the caller's (an nn.InstanceNorm3d "
+                             "with track_running_stats keeps its own)")
+        if not (isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor) and w.dim() == 1
+                and b.shape == w.shape):
+            layer = "GroupNorm" if func is F.group_norm else "InstanceNorm3d"
+            raise ValueError(f"{func.__name__} with a weight and no bias (or a bias and no weight): give "
+                             f"both (as nn.{layer} does) or none")
+        eps = got.get("eps", 1e-5)
+        if func is F.group_norm:
+            return nn.GroupNorm(got["num_groups"], w.shape[0], eps, affine=True, device="meta")
+        return nn.InstanceNorm3d(w.shape[0], eps, affine=True, device="meta")
+    if not isinstance(w, torch.Tensor) or w.dim() != 5:
+        raise ValueError("a functional conv3d takes a 5-D weight")
+    groups = got.get("groups", 1)
+    common = dict(kernel_size=tuple(w.shape[2:]), stride=got.get("stride", 1), padding=got.get("padding", 0),
+                  dilation=got.get("dilation", 1), groups=groups, bias=b is not None, device="meta")
+    if func is F.conv3d:
+        if isinstance(common["padding"], str) and common["padding"] == "same" and common["stride"] != 1:
+            raise ValueError("padding='same' needs stride 1")
+        return nn.Conv3d(w.shape[1] * groups, w.shape[0], **common)
+    return nn.ConvTranspose3d(w.shape[0], w.shape[1] * groups, output_padding=got.get("output_padding", 0),
+                              **common)
 
 
 register_functions()

@@ -21,7 +21,7 @@ each layer's output, of what calls make of them) and answers as the volume would
 * reshape chains given the volume's sizes (a pixel shuffle) run with the shard's.
 
 The plan refuses, before any step, what none of these covers
-(:class:`hybridpar.planner.swapped.LayoutWatch`, of which this is the run).
+(:class:`hybridpar.planner.layout_watch.LayoutWatch`, of which this is the run).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -41,12 +40,14 @@ from hybridpar.comm.reduce import grad_split, max_to_replicated, replicated_into
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
+from hybridpar.planner.layout_watch import Extents, LayoutWatch
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
-from hybridpar.planner.swapped import Extents, LayoutWatch, leaves, unsafe_error
+from hybridpar.planner.swapped import leaves, unsafe_error
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
 
@@ -122,8 +123,7 @@ class SplitForward(LayoutWatch):
         if not torch.is_grad_enabled() or calls.in_place(name) or name in calls.SAFE \
                 or calls.reads_shape(func):
             return func(*args, **kwargs)  # nothing differentiable made (in place, or a read)
-        share = lambda t: _ShareGrad.apply(t, grad_split(t)) \
-            if isinstance(t, torch.Tensor) and t.requires_grad and grad_split(t) > 1 else t  # noqa: E731
+        share = lambda t: _shared(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         each = lambda a: type(a)(map(share, a)) if isinstance(a, list | tuple) else share(a)  # noqa: E731
         return func(*map(each, args), **{k: each(v) for k, v in kwargs.items()})
 
@@ -193,10 +193,10 @@ class SplitForward(LayoutWatch):
         extents = self.split[x]
         if isinstance(d, SpatialLayer):
             d.global_input_shape = extents
-        if func in (F.conv3d, F.conv_transpose3d):
-            names = ("input", "weight", "bias")
-            given = {**dict(zip(names, args)), **kwargs}
-            state = {k: self._fit(given[k], None) for k in ("weight", "bias") if given.get(k) is not None}
+        if func in WEIGHTED:
+            given = weighted_args(func, args, kwargs)
+            fit = _shared if func in SUMMED else lambda t: self._fit(t, None)
+            state = {k: fit(given[k]) for k in ("weight", "bias") if given.get(k) is not None}
             out = torch.func.functional_call(d, state, (x,))
         else:
             out = d(x)
@@ -224,7 +224,7 @@ class SplitForward(LayoutWatch):
             out = func(args[0], form_shape(form_of(dims, start), src.shape[0], local))
         else:
             out = func(*args, **kwargs)
-        if out.dim() == 5:
+        if self.closes(start, steps, whole):
             self.mark(out, whole[2:])
         else:
             self.chains[out] = (start, steps, whole)
@@ -233,6 +233,17 @@ class SplitForward(LayoutWatch):
 
     def _chain_shape(self, func, args, kwargs) -> Any:
         return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
+
+    def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        if t in self.split:
+            return (*t.shape[:-3], *self.split[t])
+        return tuple(self.chains[t][2]) if t in self.chains else tuple(t.shape)
+
+
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    """A weight given to a split layer that returns its gradient whole on every rank (a norm's): where
+    the engine sums that weight over the shards (a split layer's own), each rank keeps its share."""
+    return _ShareGrad.apply(t, grad_split(t)) if t.requires_grad and grad_split(t) > 1 else t
 
 
 class _ShareGrad(torch.autograd.Function):

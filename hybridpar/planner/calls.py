@@ -1,5 +1,5 @@
 """What a call made outside any layer does to a split activation: the one table that a forward run by
-module swapping is planned by (:class:`hybridpar.planner.swapped.LayoutWatch`, on the global volume)
+module swapping is planned by (:class:`hybridpar.planner.layout_watch.LayoutWatch`, on the global volume)
 and run by (:class:`hybridpar.pipeline.split_forward.SplitForward`, on shards).
 
 Why one table: the plan decides before any step whether each call can run split, and the run then
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.nn import registry
+from hybridpar.nn import registry, slicing
+from hybridpar.nn.functions import WEIGHTED, weighted_module
 from hybridpar.planner.space_maps import STEPS
 
 
@@ -227,9 +227,11 @@ def indexes_batch(index: Any) -> bool:
     return not (first is Ellipsis or (isinstance(first, slice) and first == slice(None)))
 
 
-def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
+def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, ...] | None = None
+             ) -> CallKind:
     """How a call of ``func(*args, **kwargs)`` meets its split inputs, the first of ``nd`` dims; the
-    arguments as the volume's forward gives them (sizes read from shapes are global)."""
+    arguments as the volume's forward gives them (sizes read from shapes are global), ``extents``
+    the volume's (D, H, W) where known (an index's box is resolved against them)."""
     name = name_of(func).strip("_") if name_of(func) not in VALUE_READS else name_of(func)
     if reads_shape(func):
         return CallKind("shape")
@@ -245,8 +247,8 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
         return CallKind("refuse", why=str(err))
     if module is not None:
         return CallKind("module", module=module)
-    if func in (F.conv3d, F.conv_transpose3d):
-        return _functional_conv(func, args, kwargs)
+    if func in WEIGHTED:
+        return _functional_layer(func, args, kwargs)
     if name in REDUCTIONS:
         return _reduction(name, args, kwargs, nd)
     if name in JOINS:
@@ -255,8 +257,11 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind:
         return _along(name, _arg(args, kwargs, 1 if name == "unbind" else 2, "dim", 0), nd)
     if name == "getitem":
         ok = index_keeps_space(args[1], nd)
+        if not ok and nd == 5 and extents is not None and (box := slicing.box_of(args[1], extents)):
+            return CallKind("module", module=box)  # a crop or a strided box: a window layer
         return CallKind("keep" if ok else "refuse", dims=(0,) if ok and indexes_batch(args[1]) else (),
-                        why="" if ok else "indexing into the volume's dims")
+                        why="" if ok else "indexing into the volume's dims other than by a box of slices "
+                                          "(x[:, :, a:b, c:d, e:f], steps too) that keeps every sample")
     if name in ("repeat", "expand", "tile"):
         return _leading(name, args, kwargs, nd)
     if name == "logsumexp" and _volume_dims(_arg(args, kwargs, 1, "dim"), nd):
@@ -303,33 +308,13 @@ def _leading(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
     return CallKind("keep" if ok else "refuse", why="" if ok else f"{name} that moves a dim of the volume")
 
 
-def _functional_conv(func: Any, args: tuple, kwargs: dict) -> CallKind:
-    """``F.conv3d(x, weight, bias, ...)``: an ``nn.Conv3d`` (or transposed) of that weight's shape, run
-    split with the call's own weight and bias (see :func:`conv_module`)."""
+def _functional_layer(func: Any, args: tuple, kwargs: dict) -> CallKind:
+    """``F.conv3d(x, weight, bias, ...)``, ``F.group_norm(x, groups, weight, bias)``: the layer of that
+    weight's shape, run split with the call's own weight and bias (see :func:`weighted_module`)."""
     try:
-        return CallKind("module", module=conv_module(func, args, kwargs))
+        return CallKind("module", module=weighted_module(func, args, kwargs))
     except (TypeError, ValueError) as err:
         return CallKind("refuse", why=str(err))
-
-
-def conv_module(func: Any, args: tuple, kwargs: dict) -> nn.Module:
-    """The ``nn.Conv3d`` (``nn.ConvTranspose3d``) a functional call stands for, on the meta device (its
-    weight and bias are the call's, given at each call)."""
-    names = ("input", "weight", "bias", "stride", "padding") + (
-        ("dilation", "groups") if func is F.conv3d else ("output_padding", "groups", "dilation"))
-    got = {**dict(zip(names, args)), **kwargs}
-    w, b = got["weight"], got.get("bias")
-    if not isinstance(w, torch.Tensor) or w.dim() != 5:
-        raise ValueError("a functional conv3d takes a 5-D weight")
-    groups = got.get("groups", 1)
-    common = dict(kernel_size=tuple(w.shape[2:]), stride=got.get("stride", 1), padding=got.get("padding", 0),
-                  dilation=got.get("dilation", 1), groups=groups, bias=b is not None, device="meta")
-    if func is F.conv3d:
-        if isinstance(common["padding"], str) and common["padding"] == "same" and common["stride"] != 1:
-            raise ValueError("padding='same' needs stride 1")
-        return nn.Conv3d(w.shape[1] * groups, w.shape[0], **common)
-    return nn.ConvTranspose3d(w.shape[0], w.shape[1] * groups, output_padding=got.get("output_padding", 0),
-                              **common)
 
 
 ROLES = {"shape": "reads the volume's extents", "step": "reshapes shard by shard",

@@ -7,7 +7,7 @@ gather. Which chains of reshapes are of that kind is pure index arithmetic on th
 shapes, done here; the planner (:mod:`hybridpar.planner.plan`) gives such a chain its input's split
 and the graph runner (:mod:`hybridpar.pipeline.stage_graph`) runs it with the local shapes
 :meth:`SpaceMap.local_shape` gives. Run by module swapping, the forward reshapes each shard by the
-extents it reads from it; the plan's watch (:class:`hybridpar.planner.swapped.LayoutWatch`) follows
+extents it reads from it; the plan's watch (:class:`hybridpar.planner.layout_watch.LayoutWatch`) follows
 the same steps (:func:`step`, :func:`close`) to accept only what :meth:`SpaceMap.fits`.
 
 The arithmetic: every dim of a value is a row-major list of *atoms*, ``(source, stride, size)``: the

@@ -9,7 +9,7 @@ record (:mod:`hybridpar.job_layout`), not how a step runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -86,6 +86,7 @@ class Built:
     stage: Stage
     sizes: SizePlans
     state_keys: state.ModelKeys
+    returns: dict = field(default_factory=dict)  # predicting.returned_in's, per size and mode
 
 
 def build(source: Source, spec: ParallelSpec, grid: ProcessGrid, world: int, input_shape: tuple[int, ...],

@@ -363,6 +363,7 @@ class Engine:
         one_target(y_local, "Engine.train_step")
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
+            predicting.refuse_other_returns(self._built, self._size, training, "Engine.train_step")
             if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
                 _check_build_size(x_local, self.input_shape, local_box(self.input_shape[2:], self.input_grid))
         loss = self._stepper.train(x_local, y_local, loss_scale, self._send, training)
@@ -398,8 +399,9 @@ class Engine:
             self._at_size(size, "Engine.predict")
             batch = first_batch if batch is None else batch
         batch = x_local.shape[0] if batch is None else batch
+        returned = predicting.returned_in(self._built, self._size, training, "Engine.predict")
         outs, dtype, device = self._stepper.forward_pass(x_local, batch, self._send, training)
-        return predicting.outputs(self._built, outs, batch, gather, dtype, device)
+        return predicting.outputs(self._built, returned, outs, batch, gather, dtype, device)
 
     # ------------------------------------------------------------------ state
     def local_state_dict(self) -> dict[str, torch.Tensor]:

@@ -13,28 +13,69 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from hybridpar.comm.redistribute import gather as gather_volume
 from hybridpar.pipeline.building import Built
-from hybridpar.pipeline.stage import REPLICATED
+from hybridpar.pipeline.stage import REPLICATED, swapped_outputs
+from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.terms import Split
+
+Returned = tuple[list[LayerPlan], TreeSpec | None, Split]
 
 
-def outputs(built: Built, outs: list[list[Any]], batch: int, gather: bool, dtype: torch.dtype,
-            device: torch.device) -> Any:
-    """The model's outputs, in the structure it returns them in, from ``outs`` (the last stage's
-    outputs of each micro-batch, flattened; empty on other stages): on the last stage, the
-    micro-batches joined and split volumes gathered where ``gather``; on the other stages, received
-    from the last one, except split volumes left split (those stages hold None in their place)."""
-    grid, stage = built.layout.grid, built.stage
+def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str) -> Returned:
+    """The rows, structure and split of what the forward returns at ``size`` (C, D, H, W) in mode
+    ``training``: the stage's, unless a forward run by module swapping was built in the other mode,
+    where what it returns may differ (deep supervision's outputs at several scales in training, one
+    volume in eval); then as the model's copy on the meta device returns it in this mode (memoised)."""
+    stage, sizes = built.stage, built.sizes
+    if stage.output_rows is not None or sizes.model is None or sizes.model.training == training:
+        return stage.outputs, stage.output_spec, stage.output_split
+    key = (tuple(size), training)
+    if key not in built.returns:
+        flags = [(m, m.training) for m in sizes.model.modules()]
+        sizes.model.train(training)
+        try:
+            last = sizes.at(size, caller)[-1]
+            built.returns[key] = swapped_outputs(sizes.model, last, stage.input_split, sizes.shape(size))
+        finally:
+            for m, mode in flags:
+                m.training = mode
+    return built.returns[key]
+
+
+def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, caller: str) -> None:
+    """Refuse a training step in the mode the engine was not built in where the forward then returns
+    other outputs (another structure, shape or split): its loss, targets and gradients are laid out
+    for the built mode's."""
+    got = returned_in(built, size, training, caller)
+    stage = built.stage
+    if got[1:] != (stage.output_spec, stage.output_split) or [r.output_shape for r in got[0]] != [
+            r.output_shape for r in stage.outputs]:
+        built_in, now = ("eval", "training") if training else ("training", "eval")
+        raise ValueError(f"{caller}: the model's forward returns other outputs in {now} mode than in "
+                         f"{built_in} mode, which the engine was built in (its loss and targets are laid out "
+                         f"for those); train in {built_in} mode (model.train({not training}))")
+
+
+def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int, gather: bool,
+            dtype: torch.dtype, device: torch.device) -> Any:
+    """The model's outputs (``returned``: their rows, structure and split, :func:`returned_in`), in the
+    structure it returns them in, from ``outs`` (the last stage's outputs of each micro-batch,
+    flattened; empty on other stages): on the last stage, the micro-batches joined and split volumes
+    gathered where ``gather``; on the other stages, received from the last one, except split volumes
+    left split (those stages hold None in their place)."""
+    grid = built.layout.grid
+    rows, spec, out_split = returned
     last = grid.pipe_index == grid.pipe - 1
     ys = []
-    for k, rec in enumerate(stage.outputs):
-        split = stage.output_split != REPLICATED and len(rec.output_shape) == 5
+    for k, rec in enumerate(rows):
+        split = out_split != REPLICATED and len(rec.output_shape) == 5
         if last:
             y = torch.cat([leaves[k] for leaves in outs])
             if split and gather:  # whole volumes
-                y = gather_volume(y, built.layout.of(stage.output_split), tuple(rec.output_shape[2:]))
+                y = gather_volume(y, built.layout.of(out_split), tuple(rec.output_shape[2:]))
         elif split and not gather:
             y = None  # the last stage holds the shards
         else:
@@ -42,4 +83,4 @@ def outputs(built: Built, outs: list[list[Any]], batch: int, gather: bool, dtype
         if grid.pipe > 1 and (gather or not split):
             dist.broadcast(y, built.transport.peer(grid.pipe - 1), group=grid.pipe_group)
         ys.append(y)
-    return ys[0] if stage.output_spec is None else tree_unflatten(ys, stage.output_spec)
+    return ys[0] if spec is None else tree_unflatten(ys, spec)

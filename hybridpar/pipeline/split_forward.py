@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.comm.redistribute import gather
@@ -45,7 +45,7 @@ from hybridpar.nn.layout import Gather
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
-from hybridpar.planner.layout_watch import Extents, LayoutWatch
+from hybridpar.planner.layout_watch import Extents, LayoutWatch, leave_whole
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
 from hybridpar.planner.swapped import leaves, unsafe_error
 
@@ -350,9 +350,13 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
                 out = inner(x, *args, **kwargs)
             if mode.unsafe:  # a path the plan's run did not take (a branch on the mode): never run unsplit
                 raise unsafe_error(swapped, mode)
-            # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole
-            return tree_map(lambda t: mode.whole(t) if isinstance(t, torch.Tensor) and t in mode.chains
-                            else t, out)
+            # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole, and every
+            # split one where they are not alike (leave_whole: the plan's rule)
+            shapes = [mode.global_shape(t) if isinstance(t, torch.Tensor) and t in mode.split else None
+                      for t in tree_leaves(out)]
+            whole = leave_whole(shapes)
+            return tree_map(lambda t: mode.whole(t) if isinstance(t, torch.Tensor) and (
+                t in mode.chains or (whole and t in mode.split)) else t, out)
         finally:
             mode.reset()
 

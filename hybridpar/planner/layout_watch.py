@@ -35,6 +35,17 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 Extents = tuple[int, ...]
 
 
+def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
+    """Whether what a forward returns (per leaf, the global shape of a split tensor, None for any other
+    value) leaves whole, every split one gathered: split tensors of different extents, one that is
+    not N, C, D, H, W (a channel squeezed away), or split ones beside values that are not (deep
+    supervision's outputs at several scales). The loss then reads them whole, as a traced forward's
+    (whose graph gathers such outputs); one extent over every output stays split."""
+    split = [s for s in shapes if s is not None]
+    return bool(split) and (len(split) != len(shapes) or len({s[-3:] for s in split}) > 1
+                            or any(len(s) != 5 for s in split))
+
+
 def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
     """Whether a registered layer that does not split (``nn.Linear``, ``nn.Softmax`` over a dim of the
     volume) would read a split volume: it needs the whole volume, so the forward is refused (a

@@ -27,7 +27,7 @@ from hybridpar.nn.meta import CarriedState, meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
-from hybridpar.planner.layout_watch import LayoutWatch
+from hybridpar.planner.layout_watch import LayoutWatch, leave_whole
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.terms import SpecError, Split
 
@@ -171,12 +171,9 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     try:
         with watch:
             outs, spec = tree_flatten(meta_call(model, state, x))
-        out_split = (outs, [isinstance(t, torch.Tensor) and t in watch.split for t in outs], spec)
-        bent = [tuple(t.shape) for t, s in zip(outs, out_split[1], strict=True) if s and t.dim() != 5]
-        if bent:
-            raise SpecError(f"model ({type(model).__name__}): its forward returns a split activation of "
-                            f"shape {bent[0]}, not N, C, D, H, W (a channel reduced or picked): return "
-                            f"it with its channel dim kept (h.mean(1, keepdim=True), h[:, :1])")
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and t in watch.split else None for t in outs]
+        whole = leave_whole(shapes)
+        out_split = (outs, [s is not None and not whole for s in shapes], spec)
     except (SpecError, CarriedState) as err:
         raise err if isinstance(err, SpecError) else SpecError(str(err)) from None
     except Exception as err:

@@ -460,6 +460,27 @@ def deep_loss(out: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor) -> t
     return F.mse_loss(out["full"], y) + 0.5 * F.mse_loss(out["half"], F.avg_pool3d(y, 2)) + mask
 
 
+class Writes(nn.Module):
+    """Channels mixed per voxel by ``einsum`` with a parameter, and values written into boxes of the
+    volume: a border zeroed, every other plane set to a learnable per-channel value (whose gradient
+    comes from the shards the box meets; the others write an empty part), a channel overwritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.mix = nn.Parameter(0.5 * torch.randn(2, 3))
+        self.fill = nn.Parameter(0.3 * torch.randn(1, 2, 1, 1, 1))
+        self.head = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("ncdhw,oc->nodhw", torch.tanh(self.conv(x)), self.mix)
+        if h.shape[2] > 1:  # untraceable
+            h[:, :, :2] = 0.0
+            h[:, :, -1:, 1::3] = self.fill
+            h[:, 1:] = h[:, 1:] * 2
+        return self.head(h)
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
@@ -497,7 +518,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("calls along channels, logsumexp over the volume", "ChannelCalls", {"grid": {"spatial": [2, 1, 1]}}),
        ("crops, strided boxes, norms of the user's weights", "Crops", {"grid": {"spatial": [2, 1, 1]}}),
        ("channels last and view_as", "ChannelsLast", {"grid": {"spatial": [1, 2, 1]}}),
-       ("deep supervision and a squeezed head", "DeepHeads", {"grid": {"spatial": [2, 1, 1]}})]
+       ("deep supervision and a squeezed head", "DeepHeads", {"grid": {"spatial": [2, 1, 1]}}),
+       ("einsum per voxel, writes into boxes", "Writes", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -511,7 +533,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("crops, 2x2", "Crops", {"grid": {"spatial": [2, 2, 1]}}),
         ("crops, data x spatial", "Crops", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
         ("channels last and view_as, 2x2", "ChannelsLast", {"grid": {"spatial": [2, 2, 1]}}),
-        ("deep supervision, data x spatial", "DeepHeads", {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
+        ("deep supervision, data x spatial", "DeepHeads", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("einsum per voxel, writes into boxes, 2x2", "Writes", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -584,6 +607,10 @@ class _Refused(nn.Module):
                 h = h * h[:, :, 1].mean()
             elif self.what == "partial mean":
                 h = h - h.mean(dim=2, keepdim=True)
+            elif self.what == "einsum over the volume":
+                h = h * torch.einsum("ncdhw,ncdhw->nc", h, h)[:, :, None, None, None]
+            elif self.what == "a plane written from a volume":
+                h[:, :, 1:3] = h[:, :, 3:5]
             elif self.what == "cat along depth":
                 h = torch.cat([h, h], dim=2)
             elif self.what == "branch on a value":
@@ -630,6 +657,8 @@ class _Refused(nn.Module):
                        r"test_untraced_forwards.py:\d+"),
     ("partial mean", r"mean: mean over some of the volume's dims \[2\] but not all .* at test_untraced"),
     ("cat along depth", r"cat: cat along dim 2, a split dim of the volume"),
+    ("einsum over the volume", r"einsum: einsum 'ncdhw,ncdhw->nc' other than voxel by voxel"),
+    ("a plane written from a volume", r"__setitem__: writing into the volume's dims other than a box"),
     ("branch on a value", r"at test_untraced_forwards.py:\d+: RuntimeError.*branch on configuration"),
     ("item", r"at test_untraced_forwards.py:\d+ reads the values of a split activation"),
     ("batch mean", r"mean \(over the batch, which data parallelism or micro-batches hold apart"),

@@ -53,10 +53,10 @@ class VolumeSlice(nn.Module):
         return f"padding={self.padding}, stride={self.stride}, channels={self.channels}"
 
 
-def box_of(index: object, extents: Sequence[int]) -> VolumeSlice | None:
-    """The :class:`VolumeSlice` that ``x[index]`` is on a 5-D volume of global ``extents`` (D, H, W),
-    or None where the index is something else: a sample picked or a dim dropped (an int), a mask,
-    or an empty box. Slices of the batch are not boxes (data parallelism holds it apart)."""
+def _per_dim(index: object) -> list[slice] | None:
+    """``index`` as one slice per dim of a 5-D volume, or None where it is not a box of slices of ints
+    that keeps every sample (an int drops a dim, a mask or a list picks; data parallelism holds the
+    batch apart)."""
     items = list(index) if isinstance(index, tuple) else [index]
     if items.count(Ellipsis) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in items):
         return None
@@ -67,6 +67,31 @@ def box_of(index: object, extents: Sequence[int]) -> VolumeSlice | None:
     if len(per_dim) != 5 or per_dim[0] != slice(None):
         return None
     if not all(isinstance(v, int | None) for s in per_dim for v in (s.start, s.stop, s.step)):
+        return None
+    return per_dim
+
+
+def shard_index(index: object, extents: Sequence[int], box: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+    """A box of slices ``index`` of a volume of global ``extents`` as the index of its part on a shard
+    holding ``box`` ((lo, hi) per D, H, W); where the box misses the shard, an empty one (so that a
+    value written there still meets the shard: its gradient's reduction runs on every rank)."""
+    per_dim = _per_dim(index)
+    if per_dim is None:
+        raise ValueError(f"not a box of slices: {index!r}")
+    local = per_dim[:2]
+    for s, extent, (lo, hi) in zip(per_dim[2:], extents, box, strict=True):
+        start, stop, step = s.indices(extent)
+        first = start if start >= lo else start + -(-(lo - start) // step) * step
+        end = min(stop, hi)
+        local.append(slice(first - lo, end - lo, step) if first < end else slice(0, 0))
+    return tuple(local)
+
+
+def box_of(index: object, extents: Sequence[int]) -> VolumeSlice | None:
+    """The :class:`VolumeSlice` that ``x[index]`` is on a 5-D volume of global ``extents`` (D, H, W),
+    or None where the index is something else (see :func:`_per_dim`) or an empty box."""
+    per_dim = _per_dim(index)
+    if per_dim is None:
         return None
     pads: list[int] = []
     strides: list[int] = []

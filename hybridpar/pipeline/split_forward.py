@@ -40,6 +40,7 @@ from hybridpar.comm.reduce import grad_split, max_to_replicated, replicated_into
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
+from hybridpar.nn import slicing
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.meta import meta_call, meta_state
@@ -178,6 +179,12 @@ class SplitForward(LayoutWatch):
         return out
 
     _run_keep = _run_join = _run_pieces = _run_pointwise
+
+    def _run_assign(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        """``x[box] = value``: the shard's part of the box written (an empty part where it misses)."""
+        extents = self.split[x]
+        value = self._fit(args[2], None)  # a value with a gradient gets every shard's part of it
+        return func(x, slicing.shard_index(args[1], extents, self.box(extents)), value, *args[3:], **kwargs)
 
     def _run_reduce(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         return reduce_over_volume(kind, x, self.split[x], self.group)

@@ -32,12 +32,13 @@ from hybridpar.planner.space_maps import STEPS
 @dataclass(frozen=True)
 class CallKind:
     """How one call meets its split inputs. ``kind``: ``shape`` (reads a shape, answered with global
-    extents), ``step`` (a reshape chain's step, :mod:`hybridpar.planner.space_maps`), ``module``
-    (stands for a registered layer, ``F.interpolate``, run as its split counterpart), ``reduce``
-    (over the whole volume: the global value, replicated), ``keep`` (works along leading dims only:
-    a channel mean), ``pointwise`` (elementwise, broadcasting), ``join`` (``cat``/``stack`` along a
-    leading dim), ``pieces`` (``chunk``/``split``/``unbind`` along a leading dim), ``value`` (reads
-    values into Python: a shard's, not the volume's) or ``refuse``."""
+    extents), ``step`` (a reshape chain's step, :mod:`hybridpar.planner.space_maps`), ``module`` (stands
+    for a registered layer, ``F.interpolate``, run as its split counterpart), ``reduce`` (over the whole
+    volume: the global value, replicated), ``keep`` (works along leading dims only: a channel mean),
+    ``pointwise`` (elementwise, broadcasting), ``join`` (``cat``/``stack`` along a leading dim),
+    ``pieces`` (``chunk``/``split``/``unbind`` along a leading dim), ``assign`` (``h[box] = v``: each
+    shard its part of a box of the volume), ``value`` (reads values into Python: a shard's, not the
+    volume's) or ``refuse``."""
 
     kind: str
     module: nn.Module | None = None  # ``module``: the layer the call stands for
@@ -255,6 +256,10 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, 
         return _along(name, _arg(args, kwargs, 1, "dim", 0), nd)
     if name in PIECES:  # unbind(input, dim); chunk, split, tensor_split(input, what, dim)
         return _along(name, _arg(args, kwargs, 1 if name == "unbind" else 2, "dim", 0), nd)
+    if name == "einsum":
+        return _einsum(args, nd)
+    if name == "setitem":
+        return _assign(args, nd, extents)
     if name == "getitem":
         ok = index_keeps_space(args[1], nd)
         if not ok and nd == 5 and extents is not None and (box := slicing.box_of(args[1], extents)):
@@ -283,6 +288,36 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, 
     if name_of(func) in SAFE or name in SAFE or role == "shape":
         return CallKind("shape")
     return CallKind("refuse")
+
+
+def _einsum(args: tuple, nd: int) -> CallKind:
+    """``torch.einsum`` voxel by voxel (``"ncdhw,oc->nodhw"``): the output and every operand of the split
+    one's dims end in D, H, W's letters, which no other operand reads."""
+    eq = args[0] if args and isinstance(args[0], str) else None
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], list | tuple) else list(args[1:])
+    if eq is None or "->" not in eq or "." in eq:
+        return CallKind("refuse", why="einsum without an explicit output (a->b) or with an ellipsis")
+    terms, out = eq.replace(" ", "").split("->")
+    space, terms = out[-3:], terms.split(",")
+    ok = len(out) >= 3 and len(set(space)) == 3 and not set(out[:-3]) & set(space) and all(
+        t.endswith(space) if getattr(o, "ndim", 0) == nd else not set(t) & set(space)
+        for t, o in zip(terms, operands, strict=False))
+    return CallKind("pointwise") if ok else CallKind(
+        "refuse", why=f"einsum {eq!r} other than voxel by voxel (the output and every volume operand ending "
+                      f"in D, H, W, no other operand reading them)")
+
+
+def _assign(args: tuple, nd: int, extents: tuple[int, ...] | None) -> CallKind:
+    """``h[index] = value`` on a split ``h``: along channels or the batch, on shards; into a box of slices
+    (``h[:, :, :2] = 0``) a value of extent 1 along D, H, W, each shard writing its part of the box."""
+    index, value = args[1], args[2] if len(args) > 2 else None
+    if index_keeps_space(index, nd):
+        return CallKind("keep", dims=(0,) if indexes_batch(index) else ())
+    uniform = not isinstance(value, torch.Tensor) or all(s == 1 for s in value.shape[-3:])
+    if nd == 5 and extents is not None and uniform and slicing.box_of(index, extents) is not None:
+        return CallKind("assign")
+    return CallKind("refuse", why="writing into the volume's dims other than a box of slices with a value "
+                                  "the same at every voxel (h[:, :, :2] = 0)")
 
 
 def _leading(name: str, args: tuple, kwargs: dict, nd: int) -> CallKind:
@@ -321,6 +356,7 @@ ROLES = {"shape": "reads the volume's extents", "step": "reshapes shard by shard
          "module": "runs as its split layer", "keep": "works along channels or batch, on shards",
          "pointwise": "elementwise, on shards", "join": "joins along channels or batch, on shards",
          "pieces": "cuts along channels or batch, on shards", "value": "reads values (refused)",
+         "assign": "writes each shard's part of a box",
          "refuse": "refused"}
 """What each kind of call does to a split activation, as ``explain`` says it."""
 

@@ -229,6 +229,9 @@ class LayoutWatch(TorchFunctionMode):
 
     _run_keep = _run_join = _run_pieces = _run_pointwise
 
+    def _run_assign(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        return func(*args, **kwargs)  # in place: the value stays split
+
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         out = func(*args, **kwargs)
         m = kind.module

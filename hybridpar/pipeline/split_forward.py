@@ -43,7 +43,6 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn import slicing
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
-from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.layout_watch import Extents, LayoutWatch, leave_whole
@@ -64,7 +63,6 @@ class SplitForward(LayoutWatch):
         self.group = grid.spatial_group if grid.spatial_size > 1 else None
         self.input_extents: Extents = ()
         self._dist: dict[str, nn.Module] = {}  # a call's layer -> its split counterpart, built once
-        self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
         self.replays = WeakIdKeyDictionary()  # a chain -> (its split source, its extents, the steps)
 
     def reset(self) -> None:
@@ -78,19 +76,6 @@ class SplitForward(LayoutWatch):
     # ------------------------------------------------------------------ geometry
     def box(self, extents: Extents) -> tuple[tuple[int, int], ...]:
         return shard_box(extents, self.grid.spatial_shape, self.grid.spatial_coord)
-
-    def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
-                     name: object = None) -> Extents:
-        """The global extents of ``m``'s output on a volume of ``extents``, memoised per size under
-        ``name`` (a layer's identity; a call's stand-in, made anew at every call, its description)."""
-        key = (id(m) if name is None else name, tuple(lead), extents, dtype)
-        if key not in self._extents:
-            state, own = meta_state(m)
-            if any(t.is_floating_point() for t in state.values()):
-                dtype = own  # the layer's own: only the extents count
-            out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
-            self._extents[key] = tuple(out.shape[-3:])
-        return self._extents[key]
 
     def _fit(self, t: Any, extents: Extents | None) -> Any:
         """A replicated operand as a split computation on a volume of ``extents`` reads it: its dims that
@@ -207,6 +192,7 @@ class SplitForward(LayoutWatch):
             out = torch.func.functional_call(d, state, (x,))
         else:
             out = d(x)
+            out = out.view_as(out) if out is x else out  # a new tensor object: x keeps its extents
         if not _replicates(m):
             self.mark(out, self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key))
         return out

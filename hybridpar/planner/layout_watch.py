@@ -9,16 +9,17 @@ consults is :mod:`hybridpar.planner.calls`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn import registry
+from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, node_halos
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
@@ -76,13 +77,48 @@ class LayoutWatch(TorchFunctionMode):
         self.batch_apart = batch_apart  # the batch runs in parts (data parallel, micro-batches)
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
+        self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
+        self._fits: dict[tuple, bool] = {}  # (a call's layer, input shape) -> module_fits
         self.reset()
 
     def reset(self) -> None:
-        self.depth, self.unsafe = 0, []
+        self.depth, self.unsafe, self.gathered = 0, [], []  # gathered: calls run on the whole volume
         self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
         # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms
         self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
+
+    def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
+                     name: object = None) -> Extents:
+        """The global extents of ``m``'s output on a volume of ``extents``, memoised per size under
+        ``name`` (a layer's identity; a call's stand-in, made anew at every call, its description)."""
+        key = (id(m) if name is None else name, tuple(lead), extents, dtype)
+        if key not in self._extents:
+            state, own = meta_state(m)
+            if any(t.is_floating_point() for t in state.values()):
+                dtype = own  # the layer's own: only the extents count
+            out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
+            self._extents[key] = tuple(out.shape[-3:])
+        return self._extents[key]
+
+    def module_fits(self, m: nn.Module, x: torch.Tensor) -> bool:
+        """Whether the layer ``m`` a call stands for runs split on ``x`` (else the call runs on the gathered
+        volume, as a traced plan replicates a layer too small to split): registered as splittable, its
+        geometry fits the split (a box of one plane does not split two ways)."""
+        entry = registry.lookup(m)
+        if not self.splits or x.dim() != 5:
+            return True
+        if entry is None or not entry.splittable:
+            return False
+        extents, key = self.split[x], calls.module_key(m)
+        memo = (key, tuple(x.shape[:2]), extents)
+        if memo not in self._fits:
+            out = self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key)
+            try:
+                node_halos("", m, entry, (*x.shape[:2], *extents), (*x.shape[:2], *out), self.grid_split)
+                self._fits[memo] = True
+            except SpecError:
+                self._fits[memo] = False
+        return self._fits[memo]
 
     def mark(self, t: object, extents: Extents) -> None:
         """Say that ``t`` (a tensor, or each tensor of a tuple) is split, of global ``extents``."""
@@ -155,6 +191,9 @@ class LayoutWatch(TorchFunctionMode):
                                f"place: each rank would fill its own part only) at {calls.caller()}")
             return func(*args, **kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim(), self.split[split[0]])
+        if kind.kind == "refuse" and not calls.in_place(calls.name_of(func)) or (
+                kind.kind == "module" and not self.module_fits(kind.module, split[0])):
+            kind = calls.CallKind("whole", why=kind.why)  # computed on the gathered volume
         key = (calls.role_of(func, kind), calls.caller())
         self.met[key] = self.met.get(key, 0) + 1
         if (why := calls.refusal_of(func, kind, tensors, split)) is not None:
@@ -174,7 +213,7 @@ class LayoutWatch(TorchFunctionMode):
                                f"micro-batches hold apart: work on each sample, e.g. reduce over "
                                f"dim=(1, 2, 3, 4)) at {calls.caller()}")
             return func(*args, **kwargs)
-        if len({self.split[t] for t in split}) > 1:
+        if len({self.split[t] for t in split}) > 1 and kind.kind != "whole":
             self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
                                f"{calls.caller()}")
             return func(*args, **kwargs)
@@ -191,10 +230,43 @@ class LayoutWatch(TorchFunctionMode):
         if t in self.split or t in self.chains:
             return self._dispatch(torch.Tensor.reshape, (t, shape), {}, [t])
         out = t.reshape(shape)
-        if like in self.split:
-            out = self._fit(out, self.split[like])
-            self.mark(out, self.split[like])
-        return out
+        return self._resplit(out, [self.split[like]]) if like in self.split else out
+
+    def _run_whole(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+        """A call that cannot run on shards (a flip, a cumulative sum along D, a plane picked): run on the
+        gathered volume, the same on every rank, each result laid out as a volume of its inputs' extents
+        taken back to the shard's box. Refused where the batch is held in parts and the call mixes its
+        samples or draws random numbers (each part would draw the first samples' alike)."""
+        extents = [self.split[t] for t in _tensors(args, kwargs) if t in self.split]
+        whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
+        args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
+        kwargs = {k: whole(v) for k, v in kwargs.items()}
+        out = self._run_replicated(func, args, kwargs)
+        name = calls.name_of(func)
+        if self.batch_apart:
+            carriers = [t for t in _tensors(args, kwargs) if t.dim() in (4, 5)]
+            why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
+                name) else per_sample.across(func, args, kwargs, carriers, out) if carriers else None
+            if why:
+                self.unsafe.append(f"{why}, computed whole on a batch in parts, at {calls.caller()}")
+        self.gathered.append(f"{name} at {calls.caller()}")
+        return self._resplit(out, extents)
+
+    def _resplit(self, out: Any, extents: list[Extents]) -> Any:
+        """``out`` (whole values) with each tensor of a volume of one of ``extents`` in its last three
+        dims as a split one: its shard's box of it."""
+        def one(t: Any) -> Any:
+            e = tuple(t.shape[-3:]) if isinstance(t, torch.Tensor) and t.dim() >= 3 else None
+            if e is None or e not in extents:
+                return t
+            t = self._fit(t, e)
+            self.mark(t, e)
+            return t
+        return tree_map(one, out)
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole value of a split activation (here, on the volume, it is that already)."""
+        return t
 
     def _fit(self, t: Any, extents: Extents | None) -> Any:
         """A whole operand as a split computation reads it (here, on the volume: itself)."""
@@ -290,11 +362,16 @@ class LayoutWatch(TorchFunctionMode):
             self.depth += 1
             return self.before_layer(m, args) if self.depth == 1 else None
 
-        def leave(m: nn.Module, args: tuple, out: object) -> None:
+        def leave(m: nn.Module, args: tuple, out: object) -> object:
+            # a layer that hands back its input tensor (a crop whose shard is its input's) gives a new
+            # tensor object of it, so that marking its output's extents leaves the input's as they were
+            fresh = out.view_as(out) if self.depth == 1 and isinstance(out, torch.Tensor) and any(
+                out is a for a in args) else None
             try:
-                (on_leave or self._left)(m, args, out)
+                (on_leave or self._left)(m, args, out if fresh is None else fresh)
             finally:
                 self.depth -= 1
+            return fresh
 
         modules = list(modules)
         return [m.register_forward_pre_hook(enter) for m in modules] + \

@@ -48,6 +48,18 @@ def _dims(dim: Any, nd: int) -> set[int] | None:
     return {d % nd for d in dims} if all(isinstance(d, int) for d in dims) else None
 
 
+RANDOM = ("rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+          "normal", "multinomial", "poisson", "dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu",
+          "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+          "random_")
+
+
+def draws(name: str) -> bool:
+    """Whether the function called ``name`` draws random numbers: on a batch held in parts, each part
+    would draw what the first samples draw on one process."""
+    return name in RANDOM or name.strip("_") in RANDOM
+
+
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
                   out_shape: tuple[int, ...] | None) -> str | None:
     """What a reshape or a call along given dims (``name``, as called) does to dim 0 of an ``nd``-dim

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
@@ -188,14 +190,17 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
     if watch.unsafe:
         raise unsafe_error(model, watch)
+    if watch.gathered and (not dist.is_initialized() or dist.get_rank() == 0):  # said once per job
+        calls_ = ", ".join(dict.fromkeys(watch.gathered))
+        warnings.warn(f"hybridpar: model ({type(model).__name__}), run by module swapping, calls {calls_} on "
+                      f"split activations, which cannot run on shards: each runs on the volume gathered onto "
+                      f"every rank (exact, but each holds the whole volume there)", stacklevel=3)
     return records, modules, watch, out_split
 
 
 def unsafe_error(model: nn.Module, watch: LayoutWatch) -> SpecError:
     what = ", ".join(dict.fromkeys(watch.unsafe))
     return SpecError(f"model ({type(model).__name__}): run by module swapping, its forward calls {what} "
-                     f"on split activations outside any layer, which cannot run split. Supported there: "
-                     f"elementwise arithmetic, interpolate, pad, functional pools and convs, reductions over "
-                     f"the whole volume, cat/stack/chunk along channels or batch, shape reads (they answer "
-                     f"the volume's extents); use a layer instead (nn.Flatten), or make the forward "
-                     f"traceable by torch.fx")
+                     f"on split activations outside any layer, which neither shards nor the gathered volume "
+                     f"compute as one process does (hybridpar/README.md says what may be called there); use "
+                     f"a layer instead, or make the forward traceable by torch.fx")

@@ -116,6 +116,13 @@ def _mode_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: torch
     step("training step after model.train()")
     step("second training step")
     state("after model.train() and two steps: state")
+    for m in (*model.modules(), *ref.modules()):  # fine-tuning: the norms frozen by their own eval()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    step("a step with each BatchNorm frozen by its own eval()")
+    state("after a step with frozen BatchNorms: state")
+    model.train()
+    ref.train()
     engine.eval()
     if model.training:
         fails.append(f"{desc}: engine.eval() left the model in training mode")
@@ -145,6 +152,17 @@ def _refused_case(fails: Failures, desc: str, x: torch.Tensor, split: list[int])
     model.train()
     with torch.no_grad():
         fails.check(f"{desc} predict after model.train()", engine.predict(xl), ref(x))
+    nested = nn.Sequential(ModeTraced().double())  # traced into: its own flag chose the branch
+    engine = hp.parallelize(nested, {"grid": {"spatial": split}, "layers": {"0.conv": {"spatial": split}}},
+                            loss_fn=F.mse_loss)
+    xl, _ = engine.shard_batch(x, x)
+    nested[0].eval()
+    try:
+        engine.predict(xl)
+        fails.append(f"{desc}: predict after a traced-into module's eval() ran its training graph")
+    except SpecError as err:
+        if "0's mode has changed since the engine traced it" not in str(err):
+            fails.append(f"{desc}: refusal says {err}")
 
 
 def _mode_body(rank: int, world: int, split: list[int]) -> None:

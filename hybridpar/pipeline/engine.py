@@ -127,6 +127,10 @@ class Engine:
         forward read a plain attribute (``self.tau``) that has changed since: it holds the old value."""
         refuse_changed(self._traced_attrs, f"Engine.{what}")
         bound, model = self._traced_mode
+        if moved := self._mode.moved_branches():
+            raise SpecError(f"Engine.{what}: model ({model})'s forward differs between training and eval, "
+                            f"and {moved[0]}'s mode has changed since the engine traced it (the graph holds "
+                            f"the branch of its mode then); put it back, or parallelize the model anew")
         if bound is not None and bound != self._mode.training:
             traced, now = ("training", "eval") if bound else ("eval", "training")
             raise SpecError(f"Engine.{what}: model ({model})'s forward differs between training and eval "
@@ -184,7 +188,7 @@ class Engine:
         self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
         self.input_grid = self.layout.of(self.input_split)
         self._mode.follow()  # the model's mode now (model.eval() before the first batch)
-        self._set_layers(self._mode.training)
+        self._set_layers()
         self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format,
                                 list(self._source.model.named_parameters()))
         # The stages share the model's tensors: a user who drops the model lets the other stages' go.
@@ -198,6 +202,8 @@ class Engine:
         graph = self._source.graph  # the mode a graph holds the branch of, where the forward has two
         self._traced_mode = (graph.training if graph is not None and graph.mode_dependent else None,
                              type(self._source.model).__name__)
+        if graph is not None and graph.mode_dependent:
+            self._mode.bind_branches(self._source.model, {n.target for n in graph.nodes if n.op == "module"})
         self._traced_attrs = graph.attributes if graph is not None else ()  # plain values the graph holds
         self._source = None
         if self.grid.pipe > 1:
@@ -286,15 +292,14 @@ class Engine:
         """Training mode (``False``: eval) for the engine and the model given to ``parallelize`` alike,
         as ``model.train(mode)`` is, which the engine follows too (:class:`ModelMode`)."""
         self._mode.set(mode)
-        self._set_layers(mode)
+        self._set_layers()
         return self
 
     def eval(self) -> Engine:
         return self.train(False)
 
-    def _set_layers(self, mode: bool) -> None:
-        for _, m in self.layers:
-            m.train(mode)
+    def _set_layers(self) -> None:
+        self._mode.apply(self.layers)  # every module's flag as the model's module of its name has it
 
     def _follow_user(self, what: str) -> bool:
         """What the user changed on the model since the last call, followed or refused before any work
@@ -304,7 +309,7 @@ class Engine:
         refused where a traced graph holds their old values, :meth:`_check_mode`). Returns the mode
         the call runs in."""
         if self._mode.follow():
-            self._set_layers(self._mode.training)
+            self._set_layers()
         self._hooks.check(f"Engine.{what}")
         self._check_mode(what)
         follow_originals()

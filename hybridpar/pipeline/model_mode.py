@@ -16,7 +16,9 @@ from torch import nn
 
 
 class ModelMode:
-    """The engine's training flag, following the user's model's (its root module's ``training``).
+    """The engine's training flags, following the user's model's: its root module's ``training`` (the
+    mode a call runs in) and every submodule's (a BatchNorm frozen for fine-tuning with ``bn.eval()``, a
+    Dropout switched off), which the stage's modules of the same name take.
 
     The model is held weakly: a pipeline stage lets go of the other stages' layers once built (see
     :meth:`~hybridpar.pipeline.engine.Engine._build`), so a user who drops the model drops them; the
@@ -25,14 +27,20 @@ class ModelMode:
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         self.training = model.training
+        self._flags = self._read()
+        self._branches: dict[str, bool] = {}  # modules a traced graph went into, by name: their flags then
+
+    def _read(self) -> tuple[bool, ...] | None:
+        model = self._model()
+        return None if model is None else tuple(m.training for m in model.modules())
 
     def follow(self) -> bool:
-        """Take the model's flag (``model.train()``/``model.eval()`` since the last call); whether it
-        changed. One attribute read per call: cheap enough for every step."""
-        model = self._model()
-        if model is None or model.training == self.training:
+        """Take the model's flags (``model.train()``/``model.eval()``, a submodule's ``.eval()``, since the
+        last call); whether any changed. One pass over the model's modules."""
+        flags = self._read()
+        if flags is None or flags == self._flags:
             return False
-        self.training = model.training
+        self._flags, self.training = flags, self._model().training
         return True
 
     def set(self, mode: bool) -> None:
@@ -42,3 +50,41 @@ class ModelMode:
         model = self._model()
         if model is not None:
             model.train(mode)
+            self._flags = self._read()
+
+    def apply(self, layers: list[tuple[str | None, nn.Module]]) -> None:
+        """Give the stage's modules the flags of the model's modules of the same name (a layer holding
+        more modules than its original, or named otherwise, takes its nearest named parent's)."""
+        model = self._model()
+        for name, layer in layers:
+            orig = _submodule(model, name) if model is not None and name is not None else None
+            if orig is None:
+                layer.train(self.training)
+                continue
+            flags = {k: m.training for k, m in orig.named_modules()}
+            for k, m in layer.named_modules():
+                parent = k
+                while parent not in flags and parent:
+                    parent = parent.rpartition(".")[0]
+                m.training = flags.get(parent, orig.training)
+
+    def bind_branches(self, model: nn.Module, leaves: set[str]) -> None:
+        """Note the flags of the modules a traced graph went into (not its leaves, nor inside one): a
+        forward that reads ``self.training`` there holds the branch of those flags."""
+        self._branches = {k: m.training for k, m in model.named_modules()
+                          if k and not any(k == leaf or k.startswith(f"{leaf}.") for leaf in leaves)}
+
+    def moved_branches(self) -> list[str]:
+        """Those modules whose flag has changed since :meth:`bind_branches`."""
+        model = self._model()
+        if model is None or not self._branches:
+            return []
+        return [k for k, flag in self._branches.items() if (m := _submodule(model, k)) is not None
+                and m.training != flag]
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:  # a layer named by a call (``name#1``) or not the model's own
+        return None

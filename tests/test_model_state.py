@@ -14,6 +14,8 @@ several cases per call.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -321,7 +323,58 @@ def test_left_as_found_puts_back_what_a_forward_moves():
             m[0].weight.mul_(0.5)
 
 
+class Scaled(nn.Module):
+    """A conv, a BatchNorm and a buffer the forward reads: what a training loop may change between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.n, self.c2 = nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.Conv3d(4, 1, 1)
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(F.relu(self.n(self.c1(x)))) * self.scale
+
+
+def _changes_body(rank: int, world: int, split: list[int]) -> None:
+    """A layer's setting changed, a submodule replaced, a buffer rebound after the build: each refused
+    at the next step, naming it (the split layers hold what the build saw); a buffer filled in place
+    (shared) is followed."""
+    from hybridpar.planner.terms import SpecError
+
+    fails = Failures()
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    changes = {"momentum": (lambda m: setattr(m.n, "momentum", 0.6),
+                            r"model.n \(BatchNorm3d\).momentum is 0.6, 0.1 when the engine was built"),
+               "replaced": (lambda m: setattr(m, "c2", nn.Conv3d(4, 1, 1).double()),
+                            r"model.c2 \(Conv3d\) is not the module the engine was built from"),
+               "rebound": (lambda m: setattr(m, "scale", torch.full((1,), 0.5, dtype=torch.float64)),
+                           r"model.scale is another tensor than the engine was built on"),
+               "in place": (lambda m: m.scale.fill_(0.5), None)}
+    for desc, (change, said) in changes.items():
+        torch.manual_seed(0)
+        ref, model = Scaled().double(), Scaled().double()
+        model.load_state_dict(ref.state_dict())
+        engine = hp.parallelize(model, {"grid": {"spatial": split}}, loss_fn=F.mse_loss)
+        xl, yl = engine.shard_batch(x, x)
+        engine.train_step(xl, yl)
+        F.mse_loss(ref(x), x)
+        change(model)
+        change(ref)
+        try:
+            loss = engine.train_step(xl, yl)
+        except SpecError as err:
+            if said is None or not re.search(said, str(err)):
+                fails.append(f"{desc}: {err}")
+            continue
+        if said is not None:
+            fails.append(f"{desc}: a step ran after the change")
+        want = F.mse_loss(ref(x), x).detach()
+        fails.check(f"{desc}: the loss after the change", loss.detach().reshape(()), want)
+    fails.raise_if_any(rank)
+
+
 CALLS = [(2, "_mode_body", [2, 1, 1]), (2, "_buffer_body", [2, 1, 1]),  # one pool size after the other
+         (2, "_changes_body", [2, 1, 1]),
          (4, "_mode_body", [2, 2, 1]), (4, "_buffer_body", [2, 2, 1])]
 
 

@@ -67,6 +67,7 @@ from hybridpar.pipeline import predicting
 from hybridpar.pipeline.batch import one_target, shard
 from hybridpar.pipeline.building import Source, build, reducers
 from hybridpar.pipeline.clipping import clip_grad_norm_
+from hybridpar.pipeline.layer_settings import LayerSettings
 from hybridpar.pipeline.model_mode import ModelMode
 from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
@@ -188,6 +189,7 @@ class Engine:
         self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
         self.input_grid = self.layout.of(self.input_split)
         self._mode.follow()  # the model's mode now (model.eval() before the first batch)
+        self._settings = LayerSettings(self._source.model)  # what the split layers are built from
         self._set_layers()
         self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format,
                                 list(self._source.model.named_parameters()))
@@ -311,6 +313,7 @@ class Engine:
         if self._mode.follow():
             self._set_layers()
         self._hooks.check(f"Engine.{what}")
+        self._settings.check(f"Engine.{what}")
         self._check_mode(what)
         follow_originals()
         return self._mode.training

@@ -43,6 +43,15 @@ class BNNet(nn.Module):
         return self.body(x)
 
 
+class BNCumulative(BNNet):
+    """BNNet with cumulative averages (``momentum=None``: running statistics averaged over every batch
+    seen, a weight read from the ``num_batches_tracked`` counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body[1].momentum = self.body[4].momentum = None
+
+
 class ModeUntraced(nn.Module):
     """Untraceable (a branch on the input's depth), reading ``self.training``, with a BatchNorm."""
 
@@ -172,7 +181,7 @@ def _mode_body(rank: int, world: int, split: list[int]) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     y = torch.randn(SHAPE, dtype=torch.float64, generator=g)
-    for desc, make in (("BatchNorm, traced", BNNet),
+    for desc, make in (("BatchNorm, traced", BNNet), ("cumulative BatchNorm (momentum None)", BNCumulative),
                        ("self.training and BatchNorm, untraceable", ModeUntraced),
                        ("self.training, traceable: run by module swapping", ModeTraced)):
         try:

@@ -33,6 +33,13 @@ def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "swapped":
         return Untraceable().double()
+    if name == "batchnorm":  # running statistics: the plan at another size runs on a meta copy of them
+        bn = nn.BatchNorm3d(3)
+        with torch.no_grad():
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+        layers = (nn.Conv3d(1, 3, 3, padding=1), bn, nn.ReLU(), nn.Conv3d(3, 1, 3, padding=1))
+        return nn.Sequential(*layers).double()
     if name == "strided":
         model: nn.Module = nn.Sequential(
             nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4),
@@ -46,7 +53,8 @@ def make_model(name: str) -> nn.Module:
 SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "periodic": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (16, 8, 12)],
          "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)],
-         "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)]}
+         "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
+         "batchnorm": [(12, 12, 12), (17, 15, 16), (7, 9, 8)]}
 
 
 def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1), **layers) -> dict:
@@ -159,7 +167,7 @@ def _predict_body(rank: int, world: int, name: str, layout: dict) -> None:
 
 
 PREDICT_CASES = [
-    (2, "unet", _layout()), (2, "strided", _layout()), (2, "swapped", _layout()),
+    (2, "unet", _layout()), (2, "strided", _layout()), (2, "swapped", _layout()), (2, "batchnorm", _layout()),
     (2, "strided", _layout(**{"4": (1, 2, 1)})),  # Redistributes before and after the upsampling
     (4, "periodic", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(spatial=(2, 2, 1))),
     (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),

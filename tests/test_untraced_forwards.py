@@ -435,28 +435,28 @@ class ChannelsLast(nn.Module):
 
 
 class DeepHeads(nn.Module):
-    """Deep supervision: heads at two scales returned as a dict in training, one volume in eval, and a
-    single-channel head squeezed to (N, D, H, W) for a BCE target: returned volumes that are not alike,
-    read whole by the loss (as a traced forward's are)."""
+    """Deep supervision: heads at two scales returned as a dict in training, one volume and a 0-d weight
+    penalty in eval, and a single-channel head squeezed to (N, D, H, W) for a BCE target: returned
+    volumes that are not alike, read whole by the loss (as a traced forward's are)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.enc = nn.Conv3d(2, 4, 3, padding=1)
         self.full, self.coarse = nn.Conv3d(4, 1, 1), nn.Conv3d(4, 1, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         h = torch.relu(self.enc(x))
         if h.shape[2] % 2:  # untraceable
             h = h * 1.5
         out = self.full(h)
         if self.training:
             return {"full": out, "half": self.coarse(F.avg_pool3d(h, 2)), "mask": out.squeeze(1)}
-        return out
+        return out, self.full.weight.square().sum()  # a 0-d value beside the volume (a weight penalty)
 
 
-def deep_loss(out: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+def deep_loss(out: tuple | dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     if not isinstance(out, dict):
-        return F.mse_loss(out, y)
+        return F.mse_loss(out[0], y) + 1e-3 * out[1]
     mask = F.binary_cross_entropy_with_logits(out["mask"], (y[:, 0] > 0).to(y.dtype))
     return F.mse_loss(out["full"], y) + 0.5 * F.mse_loss(out["half"], F.avg_pool3d(y, 2)) + mask
 
@@ -613,7 +613,7 @@ def _mode_body(rank: int, world: int) -> None:
     xh, yh = heads.shard_batch(x, x[:, :1])
     heads.train_step(xh, yh)
     heads.eval()  # one volume returned, split, where training returned a dict read whole
-    assert heads.predict(xh).shape == (2, 1, *SHAPE[2:])
+    assert heads.predict(xh)[0].shape == (2, 1, *SHAPE[2:])
     with pytest.raises(ValueError, match=r"returns other outputs in eval mode than in training mode"):
         heads.train_step(xh, yh)
 

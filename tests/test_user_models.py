@@ -372,7 +372,7 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
                  (engine.grid.data_index + 1) * (x.shape[0] // engine.grid.data))
     got, want = tree_leaves(engine.predict(x_local)), tree_leaves(want_out)
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
-        fails.check(f"{desc} predict output {k}", g, w[rows])
+        fails.check(f"{desc} predict output {k}", g, w[rows] if w.dim() else w)
 
 
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:

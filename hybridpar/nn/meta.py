@@ -35,7 +35,11 @@ def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]
         for name, t in [*m._parameters.items(), *m._buffers.items()]:
             if t is not None:
                 key = f"{prefix}.{name}" if prefix else name
-                state[key] = metas.setdefault(id(t), torch.empty_like(t, device="meta"))
+                # a counter (BatchNorm's num_batches_tracked, read as float() when momentum is None)
+                # keeps its value, on a copy: a meta tensor has none to read
+                counter = t.dim() == 0 and not t.is_floating_point() and not t.is_meta
+                state[key] = metas.setdefault(id(t), t.detach().clone() if counter else
+                                              torch.empty_like(t, device="meta"))
     floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     return state, floats[0].dtype if floats else torch.get_default_dtype()
 

@@ -73,14 +73,27 @@ def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int,
     for k, rec in enumerate(rows):
         split = out_split != REPLICATED and len(rec.output_shape) == 5
         if last:
-            y = torch.cat([leaves[k] for leaves in outs])
+            y = _joined([leaves[k] for leaves in outs], k)
             if split and gather:  # whole volumes
                 y = gather_volume(y, built.layout.of(out_split), tuple(rec.output_shape[2:]))
         elif split and not gather:
             y = None  # the last stage holds the shards
         else:
-            y = torch.empty((batch, *rec.output_shape[1:]), dtype=dtype, device=device)
+            shape = (batch, *rec.output_shape[1:]) if rec.output_shape else ()  # a 0-d value: as it is
+            y = torch.empty(shape, dtype=dtype, device=device)
         if grid.pipe > 1 and (gather or not split):
             dist.broadcast(y, built.transport.peer(grid.pipe - 1), group=grid.pipe_group)
         ys.append(y)
     return ys[0] if spec is None else tree_unflatten(ys, spec)
+
+
+def _joined(parts: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Output ``k`` of each micro-batch joined along the batch; a 0-d value (a penalty of the weights)
+    is one value for all of them, refused where the micro-batches give different ones (one process
+    computes it over the whole batch, which no micro-batch holds)."""
+    if parts[0].dim():
+        return torch.cat(parts)
+    if any(not torch.equal(p, parts[0]) for p in parts[1:]):
+        raise ValueError(f"Engine.predict: output {k} is a 0-d value that differs between the micro-batches "
+                         f"(one process computes it over the whole batch); return it per sample, (N,)")
+    return parts[0]

@@ -150,8 +150,10 @@ class Engine:
             return False
         if self._batch_norms is None:  # this stage's, found once
             self._batch_norms = micro_batch_norms(self.layers)
-        if not pl.micro_batch_stats:
-            refuse_micro_batch_norms(self._batch_norms, pl.microbatches, "Engine.train_step")
+        if not pl.micro_batch_stats:  # every stage's norms (the model's), so that every rank refuses
+            model = self._mode.model()
+            refuse_micro_batch_norms(micro_batch_norms([("", model)]) if model is not None else
+                                     self._batch_norms, pl.microbatches, "Engine.train_step")
         if self._buffer_watch.done or not training:
             return False
         self._buffer_watch.start(self.layers, [s for _, s in self._batch_norms])
@@ -372,7 +374,10 @@ class Engine:
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
             predicting.refuse_other_returns(self._built, self._size, training, "Engine.train_step")
-            if self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
+            if self.grid.pipe > 1:  # the later stages wait on the first: every rank learns its size
+                _check_build_size(agree_size(x_local, self.grid, self.input_grid, "Engine.train_step")[0],
+                                  self.input_shape)
+            elif self.first_stage and isinstance(x_local, torch.Tensor) and x_local.dim() == 5:
                 _check_build_size(x_local, self.input_shape, local_box(self.input_shape[2:], self.input_grid))
         loss = self._stepper.train(x_local, y_local, loss_scale, self._send, training)
         if watching:
@@ -427,12 +432,18 @@ class Engine:
         state.load_state(self.layers, state_dict)
 
 
-def _check_build_size(x_local: torch.Tensor, input_shape: tuple[int, ...],
-                      box: list[tuple[int, int]]) -> None:
-    """Refuse a first stage's input shard that is not this rank's ``box`` of the build size."""
-    want, got = tuple(hi - lo for lo, hi in box), tuple(x_local.shape[2:])
+def _check_build_size(x: torch.Tensor | tuple[int, ...], input_shape: tuple[int, ...],
+                      box: list[tuple[int, int]] | None = None) -> None:
+    """Refuse a first stage's input shard ``x`` that is not this rank's ``box`` of the build size, or an
+    input of global (C, D, H, W) ``x`` (every rank of a pipeline learns it) other than the build size."""
+    voxels = lambda s: "x".join(map(str, s))  # noqa: E731
+    if box is None:
+        if tuple(x[1:]) != tuple(input_shape[2:]):
+            raise ValueError(f"Engine.train_step: trains at the build size {voxels(input_shape[2:])}; got "
+                             f"{voxels(x[1:])} (predict and shard_batch take other sizes)")
+        return
+    want, got = tuple(hi - lo for lo, hi in box), tuple(x.shape[2:])
     if got != want:
-        voxels = lambda s: "x".join(map(str, s))  # noqa: E731
         raise ValueError(f"Engine.train_step: trains at the build size {voxels(input_shape[2:])}, whose "
                          f"shard on this rank is {voxels(want)} voxels; got {voxels(got)} "
                          f"(predict and shard_batch take other sizes)")

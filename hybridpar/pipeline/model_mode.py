@@ -30,6 +30,10 @@ class ModelMode:
         self._flags = self._read()
         self._branches: dict[str, bool] = {}  # modules a traced graph went into, by name: their flags then
 
+    def model(self) -> nn.Module | None:
+        """The user's model, while the user holds it."""
+        return self._model()
+
     def _read(self) -> tuple[bool, ...] | None:
         model = self._model()
         return None if model is None else tuple(m.training for m in model.modules())

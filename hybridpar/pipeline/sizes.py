@@ -119,6 +119,12 @@ class SizePlans:
             raise ValueError(f"the model makes {len(plan)} nodes at this size where the engine was built "
                              f"on {len(self.built)}; build an engine for this size")
         for built, row in zip(self.built, plan, strict=True):
+            if _differs(built, row) and (built.split, built.output_split) == (row.split, row.output_split):
+                raise ValueError(f"layers: {row.name} ({row.kind}, input {list(row.input_shape)}) at this "
+                                 f"size stands where the engine runs {built.name} ({built.kind}, input "
+                                 f"{list(built.input_shape)}): the forward takes another path at "
+                                 f"this size (a branch on a shape); build an engine for this size "
+                                 f"(parallelize(..., input_shape=...))")
             if _differs(built, row):
                 raise ValueError(f"layers: {row.name} ({row.kind}) would run split "
                                  f"{list(row.split)} (output {list(row.output_split)}) at this size, where "

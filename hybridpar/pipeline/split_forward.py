@@ -165,6 +165,9 @@ class SplitForward(LayoutWatch):
 
     _run_keep = _run_join = _run_pieces = _run_pointwise
 
+    def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
+        target.copy_(self._fit(whole, self.split[target]))
+
     def _run_assign(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         """``x[box] = value``: the shard's part of the box written (an empty part where it misses)."""
         extents = self.split[x]

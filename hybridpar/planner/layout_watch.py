@@ -191,7 +191,7 @@ class LayoutWatch(TorchFunctionMode):
                                f"place: each rank would fill its own part only) at {calls.caller()}")
             return func(*args, **kwargs)
         kind = calls.classify(func, args, kwargs, split[0].dim(), self.split[split[0]])
-        if kind.kind == "refuse" and not calls.in_place(calls.name_of(func)) or (
+        if kind.kind == "refuse" and (not calls.in_place(calls.name_of(func)) or split[0] is args[0]) or (
                 kind.kind == "module" and not self.module_fits(kind.module, split[0])):
             kind = calls.CallKind("whole", why=kind.why)  # computed on the gathered volume
         key = (calls.role_of(func, kind), calls.caller())
@@ -237,12 +237,14 @@ class LayoutWatch(TorchFunctionMode):
         gathered volume, the same on every rank, each result laid out as a volume of its inputs' extents
         taken back to the shard's box. Refused where the batch is held in parts and the call mixes its
         samples or draws random numbers (each part would draw the first samples' alike)."""
+        name = calls.name_of(func)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        target = first if calls.in_place(name) and first is not None and first in self.split else None
         extents = [self.split[t] for t in _tensors(args, kwargs) if t in self.split]
         whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
         args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
         kwargs = {k: whole(v) for k, v in kwargs.items()}
         out = self._run_replicated(func, args, kwargs)
-        name = calls.name_of(func)
         if self.batch_apart:
             carriers = [t for t in _tensors(args, kwargs) if t.dim() in (4, 5)]
             why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
@@ -250,7 +252,14 @@ class LayoutWatch(TorchFunctionMode):
             if why:
                 self.unsafe.append(f"{why}, computed whole on a batch in parts, at {calls.caller()}")
         self.gathered.append(f"{name} at {calls.caller()}")
+        if target is not None:  # written into the gathered volume: the shard's box of it, back into the shard
+            self._write_back(target, args[0])
+            return target if out is args[0] else out
         return self._resplit(out, extents)
+
+    def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
+        """Put the shard's box of ``whole`` into split ``target`` in place (here, on the volume, the
+        call wrote ``target`` itself)."""
 
     def _resplit(self, out: Any, extents: list[Extents]) -> Any:
         """``out`` (whole values) with each tensor of a volume of one of ``extents`` in its last three

@@ -98,6 +98,13 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "getitem":
         return None if not calls.indexes_batch(args[1]) else "indexing (picks among the samples)"
+    if name == "setitem" and first is batched:  # h[:, :, :2] = v, h[h > 0] = v: per sample, v alike
+        index, value = args[1], args[2] if len(args) > 2 else None
+        mask = isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.shape == batched.shape
+        ok = mask or not (isinstance(index, torch.Tensor) or calls.indexes_batch(index))
+        ok = ok and (not isinstance(value, torch.Tensor) or value.dim() < batched.dim() or (
+            not mask and value.shape[0] in (1, batched.shape[0])))
+        return None if ok else "__setitem__ (writes across the samples)"
     if name in _RESHAPES or name in _ALONG:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,

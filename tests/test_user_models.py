@@ -774,6 +774,24 @@ def test_activation_checkpointing_in_an_untraced_forward(pools, functional, reen
         assert line.startswith("off by") and float(line.split()[-1]) < 1e-12, line
 
 
+class CheckpointedPool(CheckpointNet):
+    """A max pool (a Python function of torch's, whose frames lie between the planner's two modes)
+    inside the checkpoint."""
+
+    def _inner(self, h: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(F.max_pool3d(self.block(h), 2), scale_factor=2)
+
+
+def test_a_checkpointed_call_is_refused_by_the_plan():
+    """The plan (a forward on the meta device, under its own mode) sees the call inside the checkpoint
+    too: refused before any step, not left to the run."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.raises(hp.SpecError, match=r"max_pool3d inside torch.utils.checkpoint"):
+        spec.plan(CheckpointedPool(True, False), (2, 1, 8, 8, 8), 2)
+
+
 class EvalOnlyNet(nn.Module):
     """A forward fx cannot trace (a branch on depth) that calls, in eval mode only, what cannot run on
     shards (a flip along a split dim): planned in training, it must not run that call unsplit later."""

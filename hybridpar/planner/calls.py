@@ -402,7 +402,7 @@ def in_checkpoint() -> bool:
         module = f.f_globals.get("__name__", "")
         if module == "torch.utils.checkpoint":
             return True
-        if module.startswith("hybridpar."):
+        if module.startswith("hybridpar.") and f.f_code.co_name != "__torch_function__":  # not a mode's
             return False
         f = f.f_back
     return False

@@ -666,6 +666,14 @@ class _Refused(nn.Module):
             elif self.what == "a buffer from the first sample":
                 self.seen = h.detach().mean(dim=(2, 3, 4)).reshape(-1)  # (N,): one value per sample
                 h = h * self.seen[0]
+            elif self.what == "a narrowed view written in place":
+                h.narrow(2, 1, 3).mul_(2)
+            elif self.what == "a box written in place":
+                h[:, :, 1:5] *= 2
+            elif self.what == "a box read after its volume is written":
+                s = h[:, :, 1:-1]
+                h.relu_()
+                h = F.pad(s, (0, 0, 0, 0, 1, 1)) + h
             elif self.what == "filled in place":
                 acc = torch.zeros(h.shape)
                 acc.add_(h)
@@ -683,6 +691,9 @@ class _Refused(nn.Module):
     ("chunk along the batch", r"chunk \(across the samples of the batch, which data parallelism"),
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
     ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
+    ("a narrowed view written in place", r"mul_ \(writes in place into a view of the volume gathered for"),
+    ("a box written in place", r"mul_ \(writes in place into a box of slices at test_untraced_forwards"),
+    ("a box read after its volume is written", r"pad of a box of slices at .*, written in place since"),
     ("softmax over the batch", r"softmax \(across the samples of the batch"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):

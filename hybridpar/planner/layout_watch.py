@@ -84,8 +84,12 @@ class LayoutWatch(TorchFunctionMode):
     def reset(self) -> None:
         self.depth, self.unsafe, self.gathered = 0, [], []  # gathered: calls run on the whole volume
         self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
-        # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms
-        self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
+        # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms;
+        # a tensor that in one process would be a view of a split one but here is a copy (a box of slices,
+        # a view of a volume gathered for a call, h.narrow(2, ...)) -> (what it is, its source's id); a
+        # copy whose source was written in place since -> what it is
+        self.split, self.batched, self.chains, self.copies, self.stale = (
+            WeakIdKeyDictionary() for _ in range(5))
 
     def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
                      name: object = None) -> Extents:
@@ -158,7 +162,24 @@ class LayoutWatch(TorchFunctionMode):
         if self.depth:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
+        copied = [self.copies[t] for t in tensors if t in self.copies]
+        name = calls.name_of(func)
+        written = args[0] if args and isinstance(args[0], torch.Tensor) and calls.in_place(name) else None
+        if (stale := [self.stale[t] for t in tensors if t in self.stale]) and name not in calls.SAFE:
+            self.unsafe.append(f"{name} of {stale[0]}, written in place since (in one process a view, which "
+                               f"would see the write; here a copy) at {calls.caller()}")
+        if written is not None and written in self.copies:
+            self.unsafe.append(f"{name} (writes in place into {self.copies[written][0]}, which the split "
+                               f"activation does not share; write into it, h[:, :, a:b] = h[:, :, a:b] * 2) "
+                               f"at {calls.caller()}")
+            return func(*args, **kwargs)
+        if written is not None:  # what was taken of it before (a box, a view gathered) no longer matches
+            self.stale.update((c, what) for c, (what, source) in list(self.copies.items())
+                              if source == id(written))
         out = self._dispatch(func, args, kwargs, tensors)
+        if copied:  # a view of such a view is one too
+            self.copies.update((t, copied[0]) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                               and t._is_view())
         self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
         return out
 
@@ -217,7 +238,10 @@ class LayoutWatch(TorchFunctionMode):
             self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
                                f"{calls.caller()}")
             return func(*args, **kwargs)
-        return getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
+        out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
+        if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
+            self.copies[out] = (f"a box of slices at {calls.caller()}", id(args[0]))
+        return out
 
     def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         """The shape ``t`` has on the volume (a split one's, or one part way through reshapes)."""
@@ -255,22 +279,30 @@ class LayoutWatch(TorchFunctionMode):
         if target is not None:  # written into the gathered volume: the shard's box of it, back into the shard
             self._write_back(target, args[0])
             return target if out is args[0] else out
-        return self._resplit(out, extents)
+        views = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t._is_view()}
+        out = self._resplit(out, extents, views)
+        source = id(first) if first is not None else None
+        what = f"a view of the volume gathered for {name} at {calls.caller()}"
+        self.copies.update((t, (what, source)) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (
+            id(t) in views or t in self.copies))
+        return out
 
     def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
         """Put the shard's box of ``whole`` into split ``target`` in place (here, on the volume, the
         call wrote ``target`` itself)."""
 
-    def _resplit(self, out: Any, extents: list[Extents]) -> Any:
+    def _resplit(self, out: Any, extents: list[Extents], views: set[int] = frozenset()) -> Any:
         """``out`` (whole values) with each tensor of a volume of one of ``extents`` in its last three
-        dims as a split one: its shard's box of it."""
+        dims as a split one: its shard's box of it (a view of a gathered volume, ``views``, stays one)."""
         def one(t: Any) -> Any:
             e = tuple(t.shape[-3:]) if isinstance(t, torch.Tensor) and t.dim() >= 3 else None
             if e is None or e not in extents:
                 return t
-            t = self._fit(t, e)
-            self.mark(t, e)
-            return t
+            fitted = self._fit(t, e)
+            self.mark(fitted, e)
+            if id(t) in views:
+                self.copies[fitted] = ("a view of a gathered volume", None)
+            return fitted
         return tree_map(one, out)
 
     def whole(self, t: torch.Tensor) -> torch.Tensor:
@@ -368,6 +400,8 @@ class LayoutWatch(TorchFunctionMode):
         inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
         outermost layer). The one place this mode is paused inside layers."""
         def enter(m: nn.Module, args: tuple) -> tuple | None:  # before_layer's own calls pass too
+            if self.depth == 0:
+                self._layer_reads(m, [a for a in args if isinstance(a, torch.Tensor)])
             self.depth += 1
             return self.before_layer(m, args) if self.depth == 1 else None
 
@@ -385,6 +419,20 @@ class LayoutWatch(TorchFunctionMode):
         modules = list(modules)
         return [m.register_forward_pre_hook(enter) for m in modules] + \
             [m.register_forward_hook(leave, always_call=True) for m in modules]
+
+    def _layer_reads(self, m: nn.Module, inputs: list[torch.Tensor]) -> None:
+        """What a layer's inputs say about copies (see :meth:`__torch_function__`): one written in place
+        since it was taken is refused, an in-place layer (``ReLU(inplace=True)``) writing one too, and
+        one writing a split activation leaves the copies taken of it behind."""
+        if stale := [self.stale[a] for a in inputs if a in self.stale]:
+            self.unsafe.append(f"{type(m).__name__} on {stale[0]}, written in place since (in one process a "
+                               f"view, which would see the write; here a copy)")
+        if getattr(m, "inplace", False) and inputs:
+            if inputs[0] in self.copies:
+                self.unsafe.append(f"{type(m).__name__}(inplace=True) writing {self.copies[inputs[0]][0]}, "
+                                   f"which the split activation does not share")
+            self.stale.update((c, what) for c, (what, source) in list(self.copies.items())
+                              if source == id(inputs[0]))
 
     def _left(self, m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -164,7 +164,8 @@ class LayoutWatch(TorchFunctionMode):
         tensors = _tensors(args, kwargs)
         copied = [self.copies[t] for t in tensors if t in self.copies]
         name = calls.name_of(func)
-        written = args[0] if args and isinstance(args[0], torch.Tensor) and calls.in_place(name) else None
+        written = args[0] if args and isinstance(args[0], torch.Tensor) and (
+            calls.in_place(name) or kwargs.get("inplace") is True) else None  # F.relu(h, inplace=True) too
         if (stale := [self.stale[t] for t in tensors if t in self.stale]) and name not in calls.SAFE:
             self.unsafe.append(f"{name} of {stale[0]}, written in place since (in one process a view, which "
                                f"would see the write; here a copy) at {calls.caller()}")

@@ -191,7 +191,7 @@ class Engine:
         self.input_split, self.output_split = built.stage.input_split, built.stage.output_split
         self.input_grid = self.layout.of(self.input_split)
         self._mode.follow()  # the model's mode now (model.eval() before the first batch)
-        self._settings = LayerSettings(self._source.model)  # what the split layers are built from
+        self._settings = LayerSettings(self._source.model, self.plan)  # what the split layers are built from
         self._set_layers()
         self._stepper = Stepper(built, self.spec, self.loss_fn, self.defer_weight_grads, self.memory_format,
                                 list(self._source.model.named_parameters()))

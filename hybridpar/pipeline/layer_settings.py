@@ -4,7 +4,7 @@ Why: the engine builds its split layers from the model once (a DistBatchNorm3d t
 ``momentum`` and ``eps``, a DistDropout its ``p``) and runs them on the model's own tensors. A training
 loop that then changes a layer's setting (a momentum schedule), replaces a submodule (a new head for
 transfer learning) or rebinds a buffer (``model.scale = torch.full_like(...)``) changes what one process
-computes but not what the built layers do. Each step checks, in one pass over the model, that none of
+computes but not what the built split layers do. Each step checks, in one pass over the model, that none of
 these changed since the build, and refuses the step in one line naming what did (alike on every rank
 that changed it alike); a tensor changed in place, which the layers share, is followed.
 """
@@ -16,8 +16,11 @@ from typing import Any
 
 from torch import nn
 
+from hybridpar.call_keys import module_path
 from hybridpar.nn import registry
 from hybridpar.nn.sharing import TORCH_OWN
+from hybridpar.planner.analysis import REPLICATED
+from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.terms import SpecError
 
 
@@ -28,15 +31,20 @@ def _settings(m: nn.Module) -> dict[str, Any]:
 
 
 class LayerSettings:
-    """The model's modules, parameters, buffers and registered layers' settings as the build saw them."""
+    """The model's modules, parameters, buffers and its split layers' settings as the build saw them.
+    The settings are those of the layers ``plan`` splits by a split class of their own (on every stage
+    alike), which took them at the build; a layer run as a copy of itself (an activation, a dropout, a
+    replicated layer) reads its original's at each call (:func:`~hybridpar.nn.sharing.follow_originals`),
+    so a change there is followed."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, plan: list[LayerPlan]) -> None:
+        split = {module_path(r.name) for r in plan if r.split != REPLICATED}
         self._model = weakref.ref(model)
         self._modules = {k: weakref.ref(m) for k, m in model.named_modules()}
         self._tensors = {k: weakref.ref(t) for k, t in (*model.named_parameters(remove_duplicate=False),
                                                         *model.named_buffers(remove_duplicate=False))}
-        self._settings = {k: _settings(m) for k, m in model.named_modules()
-                          if registry.lookup(m) is not None and type(m).__module__.startswith("torch.")}
+        self._settings = {k: _settings(m) for k, m in model.named_modules()  # run by a class of hybridpar's
+                          if k in split and (e := registry.lookup(m)) is not None and e.to_dist is not None}
 
     def check(self, what: str) -> None:
         """Refuse (``what``, e.g. ``"Engine.train_step"``, leading the line) a model whose modules,

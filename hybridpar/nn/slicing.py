@@ -53,18 +53,25 @@ class VolumeSlice(nn.Module):
         return f"padding={self.padding}, stride={self.stride}, channels={self.channels}"
 
 
+def per_dim_index(index: object, nd: int) -> list | None:
+    """``x[index]`` of an ``nd``-dim ``x`` as one item per dim (the Ellipsis and the dims left out as
+    full slices), or None where it names more dims than ``x`` has or holds two Ellipses."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if items.count(Ellipsis) > 1:
+        return None
+    per_dim: list = []
+    for i in items:
+        per_dim += [slice(None)] * (nd - len(items) + 1) if i is Ellipsis else [i]
+    per_dim += [slice(None)] * (nd - len(per_dim))
+    return per_dim if len(per_dim) == nd else None
+
+
 def _per_dim(index: object) -> list[slice] | None:
     """``index`` as one slice per dim of a 5-D volume, or None where it is not a box of slices of ints
     that keeps every sample (an int drops a dim, a mask or a list picks; data parallelism holds the
     batch apart)."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if items.count(Ellipsis) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in items):
-        return None
-    per_dim: list[slice] = []
-    for i in items:
-        per_dim += [slice(None)] * (5 - len(items) + 1) if i is Ellipsis else [i]
-    per_dim += [slice(None)] * (5 - len(per_dim))
-    if len(per_dim) != 5 or per_dim[0] != slice(None):
+    per_dim = per_dim_index(index, 5)
+    if per_dim is None or not all(isinstance(i, slice) for i in per_dim) or per_dim[0] != slice(None):
         return None
     if not all(isinstance(v, int | None) for s in per_dim for v in (s.start, s.stop, s.step)):
         return None

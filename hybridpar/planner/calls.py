@@ -211,14 +211,11 @@ def index_keeps_space(index: Any, nd: int) -> bool:
     list of channels, ``x[:, [0, 2]]``: a single advanced index keeps its dim's place)."""
     items = list(index) if isinstance(index, tuple) else [index]
     advanced = [i for i in items if isinstance(i, torch.Tensor | list)]
-    if items.count(Ellipsis) > 1 or any(i is None for i in items) or len(advanced) > 1 or any(
+    if any(i is None for i in items) or len(advanced) > 1 or any(
             isinstance(i, torch.Tensor) and (i.dtype == torch.bool or i.dim() != 1) for i in advanced):
         return False
-    per_dim: list[Any] = []
-    for i in items:
-        per_dim += [slice(None)] * (nd - len(items) + 1) if i is Ellipsis else [i]
-    per_dim += [slice(None)] * (nd - len(per_dim))
-    return len(per_dim) == nd and all(isinstance(i, slice) and i == slice(None) for i in per_dim[nd - 3:])
+    per_dim = slicing.per_dim_index(index, nd)
+    return per_dim is not None and all(isinstance(i, slice) and i == slice(None) for i in per_dim[nd - 3:])
 
 
 def indexes_batch(index: Any) -> bool:

@@ -509,6 +509,54 @@ class Gathered(nn.Module):
         return self.head(h)
 
 
+class PooledGate(nn.Module):
+    """A block torch.fx cannot trace into (a shape check), whose layers run on the volume and on pooled
+    values: a squeeze-and-excitation gate of its own, and a conv reused on a pooled copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Conv3d(2, 2, 1)
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pooled = F.adaptive_avg_pool3d(h, 2)
+        if h.shape[2] > 1:
+            h = self.conv(h)
+        gate = torch.sigmoid(self.fc(F.adaptive_avg_pool3d(h, 1)) + self.conv(pooled).mean((2, 3, 4), True))
+        return h * gate
+
+
+class Reused(nn.Module):
+    """Layers called on the split volume and on whole values (a decoder reused by a VAE branch): a
+    conv first on a pooled copy, then on the volume, another the other way round, a BatchNorm on both
+    (its running statistics updated by each call, as in one process), and a nested block doing both; in
+    eval the forward returns None beside the volume, as MONAI's SegResNetVAE does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(2, 2, 3, padding=1)
+        self.first_pooled = nn.Conv3d(2, 2, 3, padding=1)
+        self.first_split = nn.Conv3d(2, 2, 3, padding=1)
+        self.block = PooledGate()
+        self.norm = nn.BatchNorm3d(2)
+        self.head = nn.Conv3d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = torch.tanh(self.stem(x))
+        small = F.adaptive_avg_pool3d(h, 3)
+        p = self.first_pooled(self.norm(small))
+        h = self.norm(h)
+        h = self.first_pooled(h) * torch.sigmoid(p.mean((2, 3, 4), keepdim=True))
+        h = self.first_split(h)
+        q = self.first_split(F.interpolate(small, scale_factor=2))
+        out = self.head(self.block(h))
+        return out, (q.square().mean() if self.training else None)
+
+
+def reused_loss(out: tuple[torch.Tensor, torch.Tensor | None], y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out[0], y) + 0.1 * out[1]
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(7)
@@ -522,7 +570,7 @@ def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
         y = torch.randn(shape, dtype=torch.float64, generator=g)
         try:
             _compare(fails, f"{desc} {spec}", globals()[model], spec, x, y,
-                     deep_loss if model == "DeepHeads" else F.mse_loss)
+                     {"DeepHeads": deep_loss, "Reused": reused_loss}.get(model, F.mse_loss))
         except Exception as err:  # name the case, then go on with the others
             fails.append(f"{desc} {spec}: {type(err).__name__}: {err}")
     fails.raise_if_any(rank)
@@ -548,7 +596,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("channels last and view_as", "ChannelsLast", {"grid": {"spatial": [1, 2, 1]}}),
        ("deep supervision and a squeezed head", "DeepHeads", {"grid": {"spatial": [2, 1, 1]}}),
        ("einsum per voxel, writes into boxes", "Writes", {"grid": {"spatial": [2, 1, 1]}}),
-       ("calls run on the gathered volume", "Gathered", {"grid": {"spatial": [2, 1, 1]}})]
+       ("calls run on the gathered volume", "Gathered", {"grid": {"spatial": [2, 1, 1]}}),
+       ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -565,7 +614,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("deep supervision, data x spatial", "DeepHeads", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
         ("einsum per voxel, writes into boxes, 2x2", "Writes", {"grid": {"spatial": [2, 2, 1]}}),
         ("calls run on the gathered volume, data x spatial", "Gathered",
-         {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
+         {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -629,12 +679,15 @@ class _Refused(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(1, 1, 1), nn.Sigmoid())
         self.what = what
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         if x.shape[2] > 0:  # untraceable
-            if self.what == "noise drawn like the volume":
+            if self.what == "a gate inside a checkpoint":
+                h = h * torch.utils.checkpoint.checkpoint(self.gate, h, use_reentrant=False)
+            elif self.what == "noise drawn like the volume":
                 h = h + torch.randn_like(h)
             elif self.what == "branch on a value":
                 h = h * 2 if h.mean() > 0 else h
@@ -695,6 +748,7 @@ class _Refused(nn.Module):
     ("a box written in place", r"mul_ \(writes in place into a box of slices at test_untraced_forwards"),
     ("a box read after its volume is written", r"pad of a box of slices at .*, written in place since"),
     ("softmax over the batch", r"softmax \(across the samples of the batch"),
+    ("a gate inside a checkpoint", r"gate.1 \(Conv3d\) runs on a value that is not split inside torch.utils"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

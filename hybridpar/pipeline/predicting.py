@@ -90,7 +90,10 @@ def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int,
 def _joined(parts: list[torch.Tensor], k: int) -> torch.Tensor:
     """Output ``k`` of each micro-batch joined along the batch; a 0-d value (a penalty of the weights)
     is one value for all of them, refused where the micro-batches give different ones (one process
-    computes it over the whole batch, which no micro-batch holds)."""
+    computes it over the whole batch, which no micro-batch holds); a value that is not a tensor (the
+    None a VAE returns for its loss in eval) is returned as it is."""
+    if not isinstance(parts[0], torch.Tensor):
+        return parts[0]
     if parts[0].dim():
         return torch.cat(parts)
     if any(not torch.equal(p, parts[0]) for p in parts[1:]):

@@ -64,6 +64,7 @@ class SplitForward(LayoutWatch):
         self.input_extents: Extents = ()
         self._dist: dict[str, nn.Module] = {}  # a call's layer -> its split counterpart, built once
         self.replays = WeakIdKeyDictionary()  # a chain -> (its split source, its extents, the steps)
+        self.following = False  # within the forward (not a recomputation torch.utils.checkpoint runs)
 
     def reset(self) -> None:
         super().reset()
@@ -335,12 +336,15 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
     mode = SplitForward(grid, whole, to_dist)
     mode.bind(input_shape)
     mode.hook([m for _, m in leaves(swapped)])
+    for d, original in whole.items():
+        _whole_on_replicated(mode, d, original)
     inner = swapped.forward
 
     @eager  # the mode's layouts live in Python state a compiled graph would not consult again
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         mode.reset()
         mode.mark(x, mode.input_extents)
+        mode.following = True
         try:
             with mode:
                 out = inner(x, *args, **kwargs)
@@ -354,11 +358,46 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
             return tree_map(lambda t: mode.whole(t) if isinstance(t, torch.Tensor) and (
                 t in mode.chains or (whole and t in mode.split)) else t, out)
         finally:
+            mode.following = False
             mode.reset()
 
     swapped.forward = forward  # an attribute of this copy only: its class and state dict keys unchanged
     swapped._hybridpar_block = mode
     return mode
+
+
+def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) -> None:
+    """Make the split layer ``d`` compute as ``original`` (the layer it stands for) when it is given a
+    value that is not split: a layer called on the volume and again on a pooled or gathered value (a
+    decoder block reused by a VAE branch, a squeeze-and-excitation gate in a block), which on that
+    value must not exchange halos nor count its shards. Every rank then computes the whole of that
+    call's gradient, of which each keeps its share where the engine sums the layer's parameters over
+    the shards (:func:`_shared`). A recomputation by ``torch.utils.checkpoint`` in the backward, which
+    runs on shards unfollowed, runs split (the plan refuses such a layer on a value not split there)."""
+    if not isinstance(d, SpatialLayer) and all(grad_split(p) == 1 for p in d.parameters()):
+        return  # a copy that computes as its original on any value (a dense head)
+    split_forward = d.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if not mode.following or x is None or x in mode.split or x in mode.chains:
+            return split_forward(*args, **kwargs)
+        own = dict(d.named_modules())  # the original is out of the model: it runs in the copy's mode
+        for name, sub in original.named_modules():
+            sub.training = own[name].training if name in own else d.training
+        state = {name: _shared(p) for name, p in original.named_parameters()}
+        # buffers as copies, written back in training (a norm's running statistics, which torch updates
+        # without counting a version): what this call saves for its backward (a BatchNorm saves them)
+        # is then not the buffer a split call of the layer updates in place
+        copies = {name: b.detach().clone() for name, b in original.named_buffers()}
+        out = torch.func.functional_call(original, {**state, **copies}, args, kwargs)
+        if any(m.training for m in original.modules()):
+            with torch.no_grad():
+                for name, b in original.named_buffers():
+                    b.copy_(copies[name])
+        return out
+
+    d.forward = forward  # this copy's own: its class and state dict keys unchanged
 
 
 def bind_nested(m: nn.Module, input_shape: Sequence[int]) -> bool:

@@ -119,7 +119,7 @@ def swapped_outputs(model: nn.Module, last: LayerPlan, split: Split, input_shape
                         f"must be split alike (one extent) or all whole (a traced forward gathers them)")
     out_split = split if split_out else REPLICATED
     rows = [dataclasses.replace(last, name=f"{OUTPUT}[{k}]" if len(leaves) > 1 else last.name,
-                                output_shape=tuple(t.shape), out_split=out_split)
+                                output_shape=tuple(getattr(t, "shape", ())), out_split=out_split)
             for k, t in enumerate(leaves)]
     return rows, None if len(leaves) == 1 and spec.is_leaf() else spec, out_split
 
@@ -214,7 +214,10 @@ class StageBuilder:
             warnings.warn(f"hybridpar.parallelize: {self.untraced}. Running it by module swapping: its "
                           f"own forward on shards, every registered layer split "
                           f"{list(self.spec.grid.spatial)}", stacklevel=5)
-        first = {lp.name: lp for lp in reversed(plan)}
+        # a layer is converted by its first call on the split volume (one called on a pooled value
+        # too runs whole there: split_forward's _whole_on_replicated), else by its first call
+        first = {module_path(lp.name): lp
+                 for lp in sorted(reversed(plan), key=lambda lp: lp.split != REPLICATED)}
 
         def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
             if name in first:

@@ -150,6 +150,12 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
                             f"model can run by module swapping")
         gathers = watch.needs_whole(m, x)  # runs whole on the gathered volume
         runs_split = watch.runs_split(m, x) and not gathers  # on a replicated input (a pooled gate), whole
+        if watch.splits and not runs_split and entry is not None and entry.splittable and x.dim() == 5 \
+                and not watch.unsafe and calls.in_checkpoint():  # a recomputation sees no split
+            raise SpecError(f"model ({type(model).__name__}): {names[m]} ({type(m).__name__}) runs on a "
+                            f"value that is not split inside torch.utils.checkpoint, whose recomputation in "
+                            f"the backward runs it as on a shard (checkpoint it on the split volume only, or "
+                            f"use pipeline.recompute)")
         watch.after_layer(m, x, out, runs_split)
         try:
             halo = node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape),

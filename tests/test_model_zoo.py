@@ -18,8 +18,9 @@ monai = pytest.importorskip("monai")
 SHAPE = (2, 1, 16, 16, 16)
 # resnet10's last BatchNorms see one voxel per sample: 4 samples keep them well conditioned in float64
 # (with 2, a few SGD steps drift by ~1e-8 whatever the layout). VNet's too, but its fixed widths cost
-# 17 GFLOPs a forward at 2 x 16^3: one step (the weights after it hold the gradient) at 2 samples
-SHAPES = {"BasicUNet": (2, 1, 32, 32, 16), "BasicUNetPlusPlus": (2, 1, 32, 32, 16),
+# 17 GFLOPs a forward at 2 x 16^3: one step (the weights after it hold the gradient) at 2 samples. The
+# BasicUNets' instance norms see one sample at a time: one sample of 32 x 32 x 16 (their last level 2 x 2 x 1)
+SHAPES = {"BasicUNet": (1, 1, 32, 32, 16), "BasicUNetPlusPlus": (1, 1, 32, 32, 16),
           "resnet10": (4, 1, 16, 16, 16),
           # RegUNet's encode_pools (untraceable: they check that their input's extents are even) run split
           # by module swapping inside them: the second reads 10 voxels along d where each shard holds 5

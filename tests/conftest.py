@@ -11,7 +11,6 @@ import torch
 
 from distributed import Pools
 
-
 # The longest files (seconds on 2 cores), run first: ``make test`` hands whole files to two workers
 # as each gets free (xdist's loadfile), and a long file taken last leaves the other worker idle.
 LONGEST_FIRST = ("test_perf_suite.py", "test_model_zoo.py", "test_user_models.py", "test_failures.py",

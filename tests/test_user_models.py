@@ -674,13 +674,13 @@ def test_a_parametrized_layer_is_refused_split(pools):
 
 class DropNet(nn.Module):
     """Element-wise dropout on split activations: a layer, and the function (traced, and in a forward
-    fx cannot trace)."""
+    fx cannot trace); dropout of whole channels."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
         self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
-        self.drop = nn.Dropout(0.4)
+        self.drop = nn.Dropout3d(0.4) if how == "channels" else nn.Dropout(0.4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.c1(x))
@@ -702,14 +702,15 @@ def _twins(make: Callable[[], nn.Module]) -> tuple[torch.Tensor, torch.Tensor, n
     return x, y, ref, model
 
 
-def _dropout_body(rank: int, world: int, how: str, spec: dict) -> float:
-    """One step from one random state beside one process from the same: the largest gradient error."""
+def _dropout_body(rank: int, world: int, how: str, spec: dict, apart: bool) -> float:
+    """One step from one random state beside one process from the same (``apart``: each rank seeded
+    apart, one process as the first): the largest gradient error."""
     import hybridpar as hp
 
     x, y, ref, model = _twins(lambda: DropNet(how))
     engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
     local = engine.shard_batch(x, y)
-    torch.manual_seed(3)
+    torch.manual_seed(3 + rank * apart)
     engine.train_step(*local)
     torch.manual_seed(3)
     F.mse_loss(ref(x), y).backward()
@@ -717,14 +718,20 @@ def _dropout_body(rank: int, world: int, how: str, spec: dict) -> float:
                                                                      strict=True))
 
 
-@pytest.mark.parametrize("world,how,spec", [
-    (2, "layer", {"grid": {"spatial": [2, 1, 1]}}), (4, "layer", {"grid": {"spatial": [2, 2, 1]}}),
-    (2, "function", {"grid": {"spatial": [2, 1, 1]}}), (2, "untraced", {"grid": {"spatial": [2, 1, 1]}}),
-], ids=["layer-2", "layer-2x2", "function-2", "untraced-2"])
-def test_dropout_on_a_split_volume_draws_one_process_mask(pools, world, how, spec):
-    """Each shard masked by its box of the mask one process draws from the same random state (the ranks
-    are seeded alike): the same gradients, where a copy on the shards drew one mask per shard, alike."""
-    errors = pools(world).run(_dropout_body, how, spec, timeout=120)
+TWO, TWO_BY_TWO = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 1]}}
+
+
+@pytest.mark.parametrize("world,how,spec,apart", [
+    (2, "layer", TWO, False), (4, "layer", TWO_BY_TWO, False), (2, "function", TWO, False),
+    (2, "untraced", TWO, False), (4, "layer", TWO_BY_TWO, True), (2, "channels", TWO, True),
+], ids=["layer-2", "layer-2x2", "function-2", "untraced-2", "layer-2x2-seeded-apart",
+        "channels-2-seeded-apart"])
+def test_dropout_on_a_split_volume_draws_one_process_mask(pools, world, how, spec, apart):
+    """Each shard masked by its box of the mask one process draws from the same random state: the same
+    gradients, where a copy on the shards drew one mask per shard, alike. Ranks seeded apart draw from
+    the split's first rank's stream (hybridpar.comm.random_streams): a channel dropped on one shard is
+    dropped on all."""
+    errors = pools(world).run(_dropout_body, how, spec, apart, timeout=120)
     assert max(errors) < 1e-12, f"{how} {spec}: gradients off one process's by {errors}"
 
 

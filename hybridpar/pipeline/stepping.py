@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from hybridpar.comm import random_streams
 from hybridpar.comm.redistribute import local_box
 from hybridpar.comm.transport import Work
 from hybridpar.device.cuda_graphs import capturing
@@ -295,6 +296,8 @@ class Stepper:
         x_local = self.placed(x_local) if self.first_stage else x_local
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self.dtype_device(x_local)
+        if self.grid.spatial_size > 1 and not capturing(device):  # the split's shards draw as one sample
+            random_streams.agree(self.grid.spatial_group, device)
         return sizes, xs, dtype, device
 
     def train(self, x_local: torch.Tensor, y_local: torch.Tensor, loss_scale: torch.Tensor | None,

@@ -54,6 +54,11 @@ RANDOM = ("rand", "randn", "rand_like", "randn_like", "randint", "randint_like",
           "random_")
 
 
+DRAWN_PER_PART = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+"""Random calls each part of a batch draws for its own samples, as DDP's replicas do: dropout masks, as the
+dropout layers draw them."""
+
+
 def draws(name: str) -> bool:
     """Whether the function called ``name`` draws random numbers: on a batch held in parts, each part
     would draw what the first samples draw on one process."""

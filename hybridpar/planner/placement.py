@@ -136,6 +136,11 @@ class Walk:
         args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
         mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
         name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
+        if per_sample.draws(name) and name not in per_sample.DRAWN_PER_PART:
+            raise SpecError(f"{node.name} ({calls.name_of(node.target)}): draws random numbers for the "
+                            f"samples of a batch that data parallelism or micro-batches hold apart (each "
+                            f"part would draw what one process draws for the first samples); draw them "
+                            f"outside the forward, or run without splitting the batch")
         moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
                                                             out_shape)
         if mixes or moved:

@@ -375,14 +375,14 @@ def describe(func: Any, kind: CallKind) -> str:
     return f"{name_of(func)}{why}"
 
 
-def _ours(filename: str) -> bool:
+def ours(filename: str) -> bool:
     return f"{os.sep}torch{os.sep}" in filename or f"{os.sep}hybridpar{os.sep}" in filename
 
 
 def caller() -> str:
     """``file:line`` of the innermost frame outside torch and this package: the forward's line."""
     f = sys._getframe(1)
-    while f is not None and _ours(f.f_code.co_filename):
+    while f is not None and ours(f.f_code.co_filename):
         f = f.f_back
     return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
@@ -425,7 +425,7 @@ def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],
 
 def line_of(err: BaseException) -> str:
     """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not _ours(f.filename)]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not ours(f.filename)]
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
 
 

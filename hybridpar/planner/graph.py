@@ -135,6 +135,7 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.stack: list[str] = []
         self._traceable: dict[int, bool] = {}
+        self.record_stack_traces = True  # each node's line, for what the planner refuses there
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict):

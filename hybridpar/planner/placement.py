@@ -8,6 +8,8 @@ stages and records what the walk decided.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -137,17 +139,17 @@ class Walk:
         mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
         name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
         if per_sample.draws(name) and name not in per_sample.DRAWN_PER_PART:
-            raise SpecError(f"{node.name} ({calls.name_of(node.target)}): draws random numbers for the "
-                            f"samples of a batch that data parallelism or micro-batches hold apart (each "
-                            f"part would draw what one process draws for the first samples); draw them "
-                            f"outside the forward, or run without splitting the batch")
+            raise SpecError(f"{node.name} ({calls.name_of(node.target)}) at {_line(node)}: draws random "
+                            f"numbers for the samples of a batch that data parallelism or micro-batches hold "
+                            f"apart (each part would draw what one process draws for the first samples); "
+                            f"draw them outside the forward, or run without splitting the batch")
         moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
                                                             out_shape)
         if mixes or moved:
             what = f"{node.name}: {moved}" if moved else f"{node.name} ({calls.name_of(node.target)})"
-            raise SpecError(f"{what}: works across the samples of the batch, which data parallelism or "
-                            f"micro-batches hold apart (each part would give its own answer): work on each "
-                            f"sample, e.g. reduce over dim=(1, 2, 3, 4)")
+            raise SpecError(f"{what} at {_line(node)}: works across the samples of the batch, which data "
+                            f"parallelism or micro-batches hold apart (each part would give its own answer): "
+                            f"work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
 
     def _value_shape(self, name: str) -> tuple[int, ...]:
         """The global shape of the value node ``name`` (or the model input) gives."""
@@ -301,3 +303,11 @@ def broadcasts(split: Split, shape: Sequence[int], reader: Split) -> bool:
     box along the dims it spans (a redistribute would cut its one voxel into empty shards)."""
     return split == REPLICATED and len(shape) == 5 and any(
         e == 1 for e, parts in zip(shape[2:], reader, strict=True) if parts > 1)
+
+
+def _line(node: Node) -> str:
+    """``file:line`` of the user's code that made ``node``: the innermost frame outside torch and this
+    package of the stack the tracer records for each node (outermost first)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.fx_node.meta.get("stack_trace") or "")
+    theirs = [f"{os.path.basename(file)}:{line}" for file, line in frames if not calls.ours(file)]
+    return theirs[-1] if theirs else "?"

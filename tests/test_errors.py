@@ -47,8 +47,9 @@ def test_layer_errors_name_layer_and_fix(grid):
         hp.nn.DistMaxPool3d(3, padding=2, grid=grid)
     with pytest.raises(ValueError, match="stats must be 'spatial' or 'stage'"):
         hp.nn.DistBatchNorm3d(3, grid=grid, stats="global")
-    with pytest.raises(NotImplementedError, match="output_size"):
-        hp.nn.DistConvTranspose3d(2, 2, 2, 2, grid=grid)(torch.randn(1, 2, 3, 3, 3), output_size=(6, 6, 6))
+    with pytest.raises(ValueError, match=r"DistConvTranspose3d: on an input of global extents \[3, 3, 3\], "
+                                          r"requested an output size of \[9, 6, 6\]"):
+        hp.nn.DistConvTranspose3d(2, 2, 2, 2, grid=grid)(torch.randn(1, 2, 3, 3, 3), output_size=(9, 6, 6))
     with pytest.raises(ValueError, match="expected more than 1 value per channel"):
         hp.nn.DistBatchNorm3d(2, grid=grid)(torch.randn(1, 2, 1, 1, 1))
     with pytest.raises(ValueError, match="unknown transport 'tcp'"):

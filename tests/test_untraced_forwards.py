@@ -553,6 +553,23 @@ class Reused(nn.Module):
         return out, (q.square().mean() if self.training else None)
 
 
+class ToSkipSize(nn.Module):
+    """A transposed conv given the skip's size (``output_size=skip.shape[2:]``, the U-Net idiom for odd
+    extents: 9 pooled to 5, back to 9), in a forward with a shape check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv3d(2, 2, 3, padding=1)
+        self.down = nn.Conv3d(2, 4, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose3d(4, 2, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.tanh(self.enc(x))
+        d = torch.relu(self.down(skip))
+        assert d.shape[2] == (skip.shape[2] + 1) // 2
+        return skip + self.up(d, output_size=skip.shape[2:])
+
+
 def reused_loss(out: tuple[torch.Tensor, torch.Tensor | None], y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out[0], y) + 0.1 * out[1]
 
@@ -597,7 +614,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("deep supervision and a squeezed head", "DeepHeads", {"grid": {"spatial": [2, 1, 1]}}),
        ("einsum per voxel, writes into boxes", "Writes", {"grid": {"spatial": [2, 1, 1]}}),
        ("calls run on the gathered volume", "Gathered", {"grid": {"spatial": [2, 1, 1]}}),
-       ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}})]
+       ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}}),
+       ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -615,7 +633,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("einsum per voxel, writes into boxes, 2x2", "Writes", {"grid": {"spatial": [2, 2, 1]}}),
         ("calls run on the gathered volume, data x spatial", "Gathered",
          {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
-        ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}})]
+        ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}}),
+        ("a transposed conv to the skip's size, 2x2", "ToSkipSize", {"grid": {"spatial": [2, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -687,6 +706,10 @@ class _Refused(nn.Module):
         if x.shape[2] > 0:  # untraceable
             if self.what == "a gate inside a checkpoint":
                 h = h * torch.utils.checkpoint.checkpoint(self.gate, h, use_reentrant=False)
+            elif self.what == "noise drawn from the shape":
+                h = h + torch.randn(h.shape, dtype=h.dtype)
+            elif self.what == "stochastic depth":
+                h = h * (torch.rand(h.shape[0], 1, 1, 1, 1) > 0.5)
             elif self.what == "noise drawn like the volume":
                 h = h + torch.randn_like(h)
             elif self.what == "branch on a value":
@@ -748,6 +771,9 @@ class _Refused(nn.Module):
     ("a box written in place", r"mul_ \(writes in place into a box of slices at test_untraced_forwards"),
     ("a box read after its volume is written", r"pad of a box of slices at .*, written in place since"),
     ("softmax over the batch", r"softmax \(across the samples of the batch"),
+    ("noise drawn from the shape", r"randn \(draws random numbers per sample of the batch, which each part "
+                                   r"would draw alike\) at test_untraced_forwards.py:\d+"),
+    ("stochastic depth", r"rand \(draws random numbers per sample of the batch"),
     ("a gate inside a checkpoint", r"gate.1 \(Conv3d\) runs on a value that is not split inside torch.utils"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
@@ -812,6 +838,8 @@ class _TracedMix(nn.Module):
             g = g.view(-1)[:2].sum()
         elif self.what == "latent drawn per sample":  # a VAE's reparametrisation: one draw for the batch
             g = g + torch.randn_like(g) * g.exp()
+        elif self.what == "noise drawn from the shape":
+            g = g + torch.randn(g.shape)
         return h - g
 
 
@@ -823,7 +851,9 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
     ("roll", r"roll: roll \(along the samples' dim\)" + AT + "works across the samples of the batch"),
     ("view", r"view: view \(moves the samples' dim\)" + AT + "works across the samples of the batch"),
     ("latent drawn per sample",
-     r"randn_like \(randn_like\)" + AT + "draws random numbers for the samples of a batch")])
+     r"randn_like \(randn_like\)" + AT + "draws random numbers for the samples of a batch"),
+    ("noise drawn from the shape",  # torch.fx cannot trace a draw of a traced shape: module swapping refuses
+     r"randn \(draws random numbers per sample of the batch")])
 def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError

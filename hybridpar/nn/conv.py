@@ -131,6 +131,25 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         """The halo operator this layer applies to a shard of a global (D, H, W) = ``shape`` input."""
         return self.window_exchanger(shape)
 
+    def _pad_for(self, shape: tuple[int, int, int], output_size) -> None:
+        """Take the output padding that makes the global output of a (D, H, W) = ``shape`` input
+        ``output_size`` (the volume's extents, as torch's ``forward(x, output_size=...)`` takes them;
+        ``skip.shape[2:]`` answers them), checked as torch checks it: one setting per call, its halo
+        plans memoised anew where it changes."""
+        probe = torch.empty((1, self.in_channels, *shape), device="meta")
+        try:
+            padding = nn.ConvTranspose3d._output_padding(self, probe, list(output_size), list(self.stride),
+                                                         list(self.padding), list(self.kernel_size), 3,
+                                                         list(self.dilation))
+        except ValueError as err:  # torch's own check, on the volume's extents: named here
+            raise ValueError(f"{self.layer_name}: on an input of global extents {list(shape)}, {err}"
+                             ) from None
+        if tuple(padding) != tuple(self.output_padding):
+            self.output_padding = tuple(padding)
+            self.__dict__.pop("_window", None)  # SpatialLayer.window reads the settings anew
+            self._exchangers.clear()
+            self._origins.clear()
+
     def origins(self, shape: tuple[int, int, int]) -> list[int]:
         """Per dim, where the kernel's result on this rank's extended input starts in the global output
         (memoised per global input ``shape``)."""
@@ -146,10 +165,9 @@ class DistConvTranspose3d(SpatialLayer, nn.ConvTranspose3d):
         return self._origins[shape]
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
-        if output_size is not None:
-            raise NotImplementedError("DistConvTranspose3d: output_size is not supported; set "
-                                      "output_padding instead")
         shape = self.global_shape(x)
+        if output_size is not None:
+            self._pad_for(shape, output_size)
         ex = self.halo_exchanger(shape)
         origins = self.origins(shape)
         group = self.grid.spatial_group if self.grid.spatial_size > 1 else None

@@ -148,7 +148,11 @@ class SplitForward(LayoutWatch):
         return args, {k: pick(v) for k, v in kwargs.items()}
 
     def layer_extents(self, m: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Extents:
-        return self._out_extents(self.originals.get(m, m), x.shape[:-3], self.split[x], x.dtype)
+        original = self.originals.get(m, m)
+        padding = getattr(m, "output_padding", None)  # a ConvTranspose3d's, set by the call's output_size
+        if padding is not None and tuple(original.output_padding) != tuple(padding):
+            original.output_padding = tuple(padding)  # the swapped copy's layer: the user's is left alone
+        return self._out_extents(original, x.shape[:-3], self.split[x], x.dtype, name=(id(original), padding))
 
     # ------------------------------------------------------------------ calls, on shards
     def _run_shape(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:

@@ -75,6 +75,7 @@ class LayoutWatch(TorchFunctionMode):
         super().__init__()
         self.grid_split = split
         self.batch_apart = batch_apart  # the batch runs in parts (data parallel, micro-batches)
+        self.batch = 0  # the samples of the batch the forward is planned on (where it runs in parts)
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
         self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
@@ -206,6 +207,9 @@ class LayoutWatch(TorchFunctionMode):
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
             if carriers and (why := per_sample.across(func, args, kwargs, carriers, out)):
                 self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {calls.caller()}")
+            elif self.batch_apart and per_sample.draws_per_sample(calls.name_of(func), out, self.batch):
+                self.unsafe.append(f"{calls.name_of(func)} (draws random numbers per sample of the batch, "
+                                   f"which each part would draw alike) at {calls.caller()}")
             return out
         if calls.in_place(calls.name_of(func)) and args and isinstance(args[0], torch.Tensor) \
                 and args[0] not in self.split:

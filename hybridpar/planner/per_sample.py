@@ -65,6 +65,14 @@ def draws(name: str) -> bool:
     return name in RANDOM or name.strip("_") in RANDOM
 
 
+def draws_per_sample(name: str, out: Any, batch: int) -> bool:
+    """Whether a call named ``name`` that gave ``out`` from no value carrying the batch drew random numbers
+    for each of its ``batch`` samples (``torch.randn(h.shape)``, ``torch.rand(h.shape[0], 1, 1, 1, 1)``
+    for stochastic depth): dim 0 of the draw is the batch's size."""
+    return draws(name) and name.strip("_") not in DRAWN_PER_PART and isinstance(out, torch.Tensor) and \
+        out.dim() > 0 and out.shape[0] == batch > 1
+
+
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
                   out_shape: tuple[int, ...] | None) -> str | None:
     """What a reshape or a call along given dims (``name``, as called) does to dim 0 of an ``nd``-dim

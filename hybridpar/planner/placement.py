@@ -133,16 +133,21 @@ class Walk:
         (each part would give its own answer, unlike one process), as a forward run by module swapping
         refuses it (:func:`hybridpar.planner.calls.mixes_samples`)."""
         batch = self.a.input_shape[0]
-        if node.op == "module" or self.micro >= batch or len(in_shape) < 2 or in_shape[0] != batch:
+        if node.op == "module" or self.micro >= batch:
             return
-        args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
-        mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
         name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
-        if per_sample.draws(name) and name not in per_sample.DRAWN_PER_PART:
+        drawn = torch.empty(out_shape, device="meta") if isinstance(out_shape, tuple) else None
+        if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
+                nd >= 2 and in_shape[0] == batch and per_sample.draws(name)
+                and name not in per_sample.DRAWN_PER_PART):
             raise SpecError(f"{node.name} ({calls.name_of(node.target)}) at {_line(node)}: draws random "
                             f"numbers for the samples of a batch that data parallelism or micro-batches hold "
                             f"apart (each part would draw what one process draws for the first samples); "
                             f"draw them outside the forward, or run without splitting the batch")
+        if nd < 2 or in_shape[0] != batch:
+            return
+        args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
+        mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
         moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
                                                             out_shape)
         if mixes or moved:

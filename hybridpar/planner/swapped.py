@@ -175,7 +175,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     if split != REPLICATED:
         watch.mark(x, tuple(input_shape[2:]))
     if watch.batch_apart:
-        watch.batched[x] = True
+        watch.batched[x], watch.batch = True, input_shape[0]
     try:
         with watch:
             outs, spec = tree_flatten(meta_call(model, state, x))

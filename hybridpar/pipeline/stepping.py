@@ -297,7 +297,8 @@ class Stepper:
         xs = x_local.split(sizes) if self.first_stage else [None] * len(sizes)
         dtype, device = self.dtype_device(x_local)
         if self.grid.spatial_size > 1 and not capturing(device):  # the split's shards draw as one sample
-            random_streams.agree(self.grid.spatial_group, device)
+            with prange("random_streams"):  # named where a silent peer times it out
+                random_streams.agree(self.grid.spatial_group, device)
         return sizes, xs, dtype, device
 
     def train(self, x_local: torch.Tensor, y_local: torch.Tensor, loss_scale: torch.Tensor | None,

@@ -65,12 +65,17 @@ def draws(name: str) -> bool:
     return name in RANDOM or name.strip("_") in RANDOM
 
 
+def draws_alike(name: str) -> bool:
+    """Whether the function called ``name`` draws random numbers that each part of a batch held in parts
+    would draw alike, where one process draws them on: every draw but dropout's masks."""
+    return draws(name) and name.strip("_") not in DRAWN_PER_PART
+
+
 def draws_per_sample(name: str, out: Any, batch: int) -> bool:
     """Whether a call named ``name`` that gave ``out`` from no value carrying the batch drew random numbers
     for each of its ``batch`` samples (``torch.randn(h.shape)``, ``torch.rand(h.shape[0], 1, 1, 1, 1)``
     for stochastic depth): dim 0 of the draw is the batch's size."""
-    return draws(name) and name.strip("_") not in DRAWN_PER_PART and isinstance(out, torch.Tensor) and \
-        out.dim() > 0 and out.shape[0] == batch > 1
+    return draws_alike(name) and isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == batch > 1
 
 
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,

@@ -381,14 +381,15 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
     if not isinstance(d, SpatialLayer) and all(grad_split(p) == 1 for p in d.parameters()):
         return  # a copy that computes as its original on any value (a dense head)
     split_forward = d.forward
+    own = dict(d.named_modules())  # the original is out of the model: it runs in the copy's mode
+    twins = [(sub, own.get(name, d)) for name, sub in original.named_modules()]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if not mode.following or x is None or x in mode.split or x in mode.chains:
             return split_forward(*args, **kwargs)
-        own = dict(d.named_modules())  # the original is out of the model: it runs in the copy's mode
-        for name, sub in original.named_modules():
-            sub.training = own[name].training if name in own else d.training
+        for sub, twin in twins:
+            sub.training = twin.training
         state = {name: _shared(p) for name, p in original.named_parameters()}
         # buffers as copies, written back in training (a norm's running statistics, which torch updates
         # without counting a version): what this call saves for its backward (a BatchNorm saves them)

@@ -74,8 +74,7 @@ class LayoutWatch(TorchFunctionMode):
     def __init__(self, split: Split, batch_apart: bool = False) -> None:
         super().__init__()
         self.grid_split = split
-        self.batch_apart = batch_apart  # the batch runs in parts (data parallel, micro-batches)
-        self.batch = 0  # the samples of the batch the forward is planned on (where it runs in parts)
+        self.batch_apart, self.batch = batch_apart, 0  # the batch in parts (data parallel, micro-batches); N
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
         self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
@@ -207,7 +206,8 @@ class LayoutWatch(TorchFunctionMode):
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
             if carriers and (why := per_sample.across(func, args, kwargs, carriers, out)):
                 self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {calls.caller()}")
-            elif self.batch_apart and per_sample.draws_per_sample(calls.name_of(func), out, self.batch):
+            elif self.batch_apart and isinstance(out, torch.Tensor) and per_sample.draws_per_sample(
+                    calls.name_of(func), tuple(out.shape), self.batch):
                 self.unsafe.append(f"{calls.name_of(func)} (draws random numbers per sample of the batch, "
                                    f"which each part would draw alike) at {calls.caller()}")
             return out

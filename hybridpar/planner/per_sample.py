@@ -71,11 +71,11 @@ def draws_alike(name: str) -> bool:
     return draws(name) and name.strip("_") not in DRAWN_PER_PART
 
 
-def draws_per_sample(name: str, out: Any, batch: int) -> bool:
-    """Whether a call named ``name`` that gave ``out`` from no value carrying the batch drew random numbers
-    for each of its ``batch`` samples (``torch.randn(h.shape)``, ``torch.rand(h.shape[0], 1, 1, 1, 1)``
-    for stochastic depth): dim 0 of the draw is the batch's size."""
-    return draws_alike(name) and isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == batch > 1
+def draws_per_sample(name: str, shape: tuple[int, ...] | None, batch: int) -> bool:
+    """Whether a call named ``name`` that gave a tensor of ``shape`` (None: no tensor) from no value
+    carrying the batch drew random numbers for each of its ``batch`` samples (``torch.randn(h.shape)``,
+    ``torch.rand(h.shape[0], 1, 1, 1, 1)`` for stochastic depth): dim 0 of the draw is the batch's size."""
+    return draws_alike(name) and bool(shape) and shape[0] == batch > 1
 
 
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,

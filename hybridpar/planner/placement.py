@@ -136,8 +136,7 @@ class Walk:
         if node.op == "module" or self.micro >= batch:
             return
         name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
-        drawn = torch.empty(out_shape, device="meta") if isinstance(out_shape, tuple) and all(
-            isinstance(d, int) for d in out_shape) else None  # a tuple of shapes: no draw's
+        drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
                 nd >= 2 and in_shape[0] == batch and per_sample.draws_alike(name)):
             raise SpecError(f"{node.name} ({calls.name_of(node.target)}) at {_line(node)}: draws random "

@@ -840,6 +840,11 @@ class _TracedMix(nn.Module):
             g = g + torch.randn_like(g) * g.exp()
         elif self.what == "noise drawn from the shape":
             g = g + torch.randn(g.shape)
+        elif self.what == "transposed and summed":  # (C, N) summed over N: the batch, silently
+            g = g.flatten(1).t().sum(1)[None, :, None, None, None]
+        elif self.what == "a Gram matrix over the batch":
+            m = g.flatten(1)
+            g = (m.T @ m).sum()
         return h - g
 
 
@@ -853,7 +858,9 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
     ("latent drawn per sample",
      r"randn_like \(randn_like\)" + AT + "draws random numbers for the samples of a batch"),
     ("noise drawn from the shape",  # torch.fx cannot trace a draw of a traced shape: module swapping refuses
-     r"randn \(draws random numbers per sample of the batch")])
+     r"randn \(draws random numbers per sample of the batch"),
+    ("transposed and summed", r"sum_1: sum \(over the samples' dim\)" + AT),
+    ("a Gram matrix over the batch", r"matmul: matmul \(reads the samples along different dims\)" + AT)])
 def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError

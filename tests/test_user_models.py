@@ -311,6 +311,37 @@ class STENet(nn.Module):
         return self.c2(_StraightThrough.apply(self.c1(x)))
 
 
+class StackNet(nn.Module):
+    """Features stacked along a new dim 0 and averaged over it (MONAI's registration blocks), and a
+    per-sample vector transposed and back: the samples leave dim 0 and return, across a pipeline cut
+    too (at ``act``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(1, 2, 3, padding=1)
+        self.act, self.out = nn.ReLU(), nn.Conv3d(2, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = [self.a(x), torch.tanh(self.b(x))]
+        g = feats[0].mean(dim=(2, 3, 4)).t()  # (C, N)
+        h = self.act(torch.stack(feats, 0) * 2).mean(0)
+        return self.out(h * g.t()[:, :, None, None, None])
+
+
+class ScalarCutNet(nn.Module):
+    """A mean over the whole batch live across a pipeline cut (at ``act``): with one micro-batch per
+    replica the batch is not held apart, and the 0-d value travels as one element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(1, 2, 3, padding=1)
+        self.act, self.out = nn.ReLU(), nn.Conv3d(2, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.a(x).mean()
+        return self.out(self.act(self.b(x)) * m)
+
+
 LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss}
 
 
@@ -429,6 +460,12 @@ CASES = [
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, data x spatial", "STENet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "features stacked and averaged, data x spatial", "StackNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "samples along dim 1 across a pipeline cut, pipe x spatial", "StackNet",
+     {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["a", "act"]}}),
+    (2, "a 0-d value across a pipeline cut", "ScalarCutNet",
+     {"grid": {"pipe": 2}, "pipeline": {"microbatches": 1, "stages": ["a", "act"]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

@@ -33,8 +33,24 @@ from hybridpar.planner.placement import broadcasts
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.space_maps import RESHAPES, Form, find_space_maps, form_shape
 from hybridpar.planner.stages import live_across
+from hybridpar.planner.terms import SpecError
 
 Split = tuple[int, int, int]
+
+
+def batch_dims(graph: ModelGraph, input_shape: tuple[int, ...], names: Sequence[str]
+               ) -> dict[str, tuple[int, ...]]:
+    """The dims of each value ``names`` that grow with the batch, from its shapes traced at two batch
+    sizes: dim 0 of an activation, dim 1 after ``torch.stack(feats, 0)``, none of a mean over every
+    dim. A stage that receives a value sizes it by these for each micro-batch. Empty where the model
+    does not run on twice the batch (then dim 0 is taken)."""
+    once = trace_values(graph, input_shape)
+    try:
+        twice = trace_values(graph, (2 * input_shape[0], *input_shape[1:]))
+    except SpecError:
+        return {}
+    return {n: tuple(d for d, (a, b) in enumerate(zip(once[n].shape, twice[n].shape, strict=True)) if a != b)
+            for n in names if n != INPUT and isinstance(once[n], torch.Tensor)}
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -99,6 +115,7 @@ class StageGraph(nn.Module):
         self.recv = [INPUT] if lo == 0 else live[lo - 1]
         self.send = [graph.output] if hi == len(graph.nodes) else live[hi - 1]
         self.last = hi == self.n_nodes
+        self.batch_dims = batch_dims(graph, tuple(input_shape), self.recv) if lo else {}
         self.value_split: dict[str, Split] = {INPUT: input_split}
         for r in plan:
             self.value_split[r.name] = r.output_split
@@ -167,16 +184,25 @@ class StageGraph(nn.Module):
 
     # ------------------------------------------------------------------ packing
     def local_shape(self, name: str, batch: int) -> tuple[int, ...]:
-        """This rank's shape of value ``name`` for a micro-batch of ``batch`` samples."""
-        shape = self.value_shape[name]
+        """This rank's shape of value ``name`` for a micro-batch of ``batch`` samples: the dims that hold
+        the samples (:func:`batch_dims`; dim 0 where not known) scaled from the bound size's batch."""
+        shape = list(self.value_shape[name])
+        for d in self.batch_dims.get(name, (0,) if shape else ()):
+            shape[d] = shape[d] * batch // self.value_shape[INPUT][0]
         if len(shape) != 5 or self.value_split[name] == (1, 1, 1):
-            return (batch, *shape[1:])
+            return tuple(shape)
         box = local_box(tuple(shape[2:]), self.layout(self.value_split[name]))  # type: ignore[arg-type]
-        return (batch, shape[1], *(b - a for a, b in box))
+        return (shape[0], shape[1], *(b - a for a, b in box))
 
     def recv_numel(self, batch: int) -> int:
         """Elements of the flat tensor this stage receives for a micro-batch of ``batch`` samples."""
         return sum(math.prod(self.local_shape(n, batch)) for n in self.recv)
+
+    def recv_batch(self, numel: int) -> int:
+        """The micro-batch a received flat tensor of ``numel`` elements holds (values that do not carry
+        the batch, a mean over everything, take the same elements whatever it is)."""
+        fixed = self.recv_numel(0)
+        return (numel - fixed) // max(self.recv_numel(1) - fixed, 1)
 
     def _unpack(self, flat: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
         shapes = [self.local_shape(n, batch) for n in self.recv]
@@ -228,7 +254,7 @@ class StageGraph(nn.Module):
             env: dict[str, Any] = {INPUT: x}
             batch = x.shape[0]
         else:
-            batch = x.numel() // self.recv_numel(1)
+            batch = self.recv_batch(x.numel())
             env = self._unpack(x.reshape(-1), batch)
         for i, ((name, op, target, inputs, args_t, kwargs_t), rec) in enumerate(
                 zip(self.calls, self.records, strict=True)):

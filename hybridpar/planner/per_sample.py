@@ -78,17 +78,53 @@ def draws_per_sample(name: str, shape: tuple[int, ...] | None, batch: int) -> bo
     return draws_alike(name) and bool(shape) and shape[0] == batch > 1
 
 
+TRANSPOSES = ("t", "T", "mT", "H", "mH", "adjoint", "transpose", "swapaxes", "swapdims", "movedim",
+              "moveaxis", "permute")
+
+
+def transposed(name: str, args: tuple, kwargs: dict, nd: int, at: int) -> int | None:
+    """Where dim ``at`` of an ``nd``-dim input goes in a call that reorders dims (``name`` in
+    :data:`TRANSPOSES`, as called: ``m.t()``, ``m.T``, ``torch.swapdims(m, 0, 1)``), or None where its
+    dims are not given as numbers."""
+    order = list(range(nd))
+    if name in ("t", "T", "H") and nd <= 2 or name in ("T", "H"):
+        order.reverse()
+    elif name in ("mT", "mH", "adjoint"):
+        order[-2:] = order[:-3:-1]
+    elif name in ("transpose", "swapaxes", "swapdims"):
+        first, second = ("axis0", "axis1") if name == "swapaxes" else ("dim0", "dim1")
+        pair = [calls._arg(args, kwargs, 1, first), calls._arg(args, kwargs, 2, second)]
+        if not all(isinstance(d, int) for d in pair):
+            return None
+        a, b = (d % nd for d in pair)
+        order[a], order[b] = order[b], order[a]
+    elif name in ("movedim", "moveaxis"):
+        src, dst = calls._arg(args, kwargs, 1, "source"), calls._arg(args, kwargs, 2, "destination")
+        src, dst = ([v] if isinstance(v, int) else list(v) if isinstance(v, list | tuple) else None
+                    for v in (src, dst))
+        if src is None or dst is None or not all(isinstance(d, int) for d in src + dst):
+            return None
+        rest = iter(d for d in range(nd) if d not in {v % nd for v in src})
+        placed = {d % nd: v % nd for v, d in zip(src, dst, strict=True)}
+        order = [placed[k] if k in placed else next(rest) for k in range(nd)]
+    elif name == "permute":
+        listed = len(args) == 2 and isinstance(args[1], list | tuple)
+        given = kwargs.get("dims", args[1] if listed else args[1:])
+        if len(given) != nd or not all(isinstance(d, int) for d in given):
+            return None
+        order = [d % nd for d in given]
+    return order.index(at)
+
+
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
                   out_shape: tuple[int, ...] | None) -> str | None:
     """What a reshape or a call along given dims (``name``, as called) does to dim 0 of an ``nd``-dim
     input whose dim 0 holds the ``batch`` samples, from its arguments and its output's shape alone
     (what a traced graph knows of a node), or None if it keeps them apart or is not such a call."""
+    if name in TRANSPOSES and name not in _PAIRS:
+        return None if transposed(name, args, kwargs, nd, 0) == 0 else f"{name} (moves the samples' dim)"
     if name in _RESHAPES:
-        if name == "permute":
-            order = args[1:] if len(args) > 2 or not isinstance(args[1], list | tuple) else args[1]
-            kept = bool(order) and isinstance(order[0], int) and order[0] % nd == 0
-        else:
-            kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
+        kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
         return None if kept else f"{name} (moves the samples' dim)"
     if name not in _ALONG or (name in ("max", "min") and len(args) > 1 and not isinstance(args[1], int)):
         return None  # torch.max(a, b): elementwise
@@ -100,6 +136,37 @@ def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
     if dims is None or 0 in dims:
         return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
     return None
+
+
+def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: int | None) -> int | str:
+    """Where the samples land in the output of a call (``name``, as called) on an ``nd``-dim input that
+    holds them along dim ``at`` (its output has ``out_nd`` dims; None: not one tensor), or why the call
+    works across them. Followed: a new dim put before them (``torch.stack(feats, 0)`` and a mean over it,
+    as MONAI's registration blocks do; ``unsqueeze(0)``), elementwise work (broadcasting aligns dims from
+    the right) and calls along other dims; anything else is refused."""
+    if out_nd is None or name in _PRODUCTS:
+        return f"{name} (not known to keep the samples apart)"
+    if name in TRANSPOSES:
+        to = transposed(name, args, kwargs, nd, at)
+        return f"{name} (of dims not given as numbers)" if to is None else to
+    if name in ("contiguous", "clone", "detach") or registry.function_role(name) == "pointwise":
+        return out_nd - (nd - at)
+    if name == "unsqueeze" or name == "stack":
+        pos, key = (1, "dim") if name == "unsqueeze" else _ALONG[name][:2]
+        new = _dims(calls._arg(args, kwargs, pos, key, 0), nd + 1)
+        return f"{name} (along a dim not given as a number)" if new is None else \
+            at + 1 if min(new) <= at else at
+    if name not in _ALONG or name in _RESHAPES:
+        return f"{name} (not known to keep the samples apart)"
+    pos, key, default = _ALONG[name]
+    dims = _dims(calls._arg(args, kwargs, pos, key, default), nd)
+    if dims is None or at in dims:
+        return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
+    if out_nd == nd:  # along the dims, or reduced keeping them
+        return at
+    if out_nd == nd - len(dims):
+        return at - sum(d < at for d in dims)
+    return f"{name} (not known to keep the samples apart)"
 
 
 def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any) -> str | None:
@@ -123,7 +190,7 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         ok = ok and (not isinstance(value, torch.Tensor) or value.dim() < batched.dim() or (
             not mask and value.shape[0] in (1, batched.shape[0])))
         return None if ok else "__setitem__ (writes across the samples)"
-    if name in _RESHAPES or name in _ALONG:
+    if name in _RESHAPES or name in _ALONG or name in TRANSPOSES:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,
                              tuple(out.shape) if isinstance(out, torch.Tensor) else None)

@@ -107,6 +107,7 @@ class Walk:
     gathers: list[bool] = field(default_factory=list)
     auto: dict[str, str] = field(default_factory=dict)  # node -> why the planner replicated it (_too_small)
     whole_out: set[str] = field(default_factory=set)  # user modules run split whose output is replicated
+    samples_at: dict[str, int] = field(default_factory=dict)  # values with the samples along a dim but 0
 
     def __post_init__(self) -> None:
         self.index = self.a.graph.index()
@@ -133,9 +134,18 @@ class Walk:
         (each part would give its own answer, unlike one process), as a forward run by module swapping
         refuses it (:func:`hybridpar.planner.calls.mixes_samples`)."""
         batch = self.a.input_shape[0]
-        if node.op == "module" or self.micro >= batch:
+        if self.micro >= batch:
             return
         name, nd = calls.name_of(node.target).strip("_"), len(in_shape)
+        args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
+        if name == "getattr" and len(args) > 1 and args[1] in per_sample.TRANSPOSES:
+            name = args[1]  # m.T, m.mT: a transpose
+        if any(n in self.samples_at for n in node.inputs) or nd >= 2 and in_shape[0] == batch and (
+                name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
+            self._follow_samples(node, name, args, kwargs, out_shape)
+            return
+        if node.op == "module":
+            return
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
                 nd >= 2 and in_shape[0] == batch and per_sample.draws_alike(name)):
@@ -145,7 +155,6 @@ class Walk:
                             f"draw them outside the forward, or run without splitting the batch")
         if nd < 2 or in_shape[0] != batch:
             return
-        args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
         mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
         moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
                                                             out_shape)
@@ -154,6 +163,31 @@ class Walk:
             raise SpecError(f"{what} at {_line(node)}: works across the samples of the batch, which data "
                             f"parallelism or micro-batches hold apart (each part would give its own answer): "
                             f"work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+
+    def _follow_samples(self, node: Node, name: str, args: tuple, kwargs: dict, out_shape: tuple[int, ...]
+                        ) -> None:
+        """Follow the samples of a batch along a dim other than 0 (``torch.stack(feats, 0)``, then a mean
+        over the new dim: :func:`hybridpar.planner.per_sample.samples_to`); refuse what works across
+        them, or reads them along different dims counted from the right."""
+        batch = self.a.input_shape[0]
+        carried = [(len(shape), self.samples_at.get(n, 0)) for n in node.inputs
+                   if len(shape := self._value_shape(n)) >= 2 and (n in self.samples_at or shape[0] == batch)]
+        where: int | str = f"{name} (reads the samples along different dims)"
+        if len({at - nd for nd, at in carried}) == 1:
+            nd, at = carried[0]
+            entry = registry.lookup(node.module) if node.op == "module" else None
+            out_nd = len(out_shape) if node.name != OUTPUT else None
+            where = f"{node.kind} (not known to keep the samples apart)" if node.op == "module" and (
+                entry is None or entry.role != "pointwise") else at + len(out_shape) - nd if entry else \
+                per_sample.samples_to(name, args, kwargs, nd, at, out_nd)
+        if where and not isinstance(where, str) and node.name == self.a.graph.output:
+            where = f"{name} (returns the samples along dim {where}, not 0)"
+        if isinstance(where, str):
+            raise SpecError(f"{node.name}: {where} at {_line(node)}: works across the samples of the batch, "
+                            f"which data parallelism or micro-batches hold apart (each part would give its "
+                            f"own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+        if where:
+            self.samples_at[node.name] = where
 
     def _value_shape(self, name: str) -> tuple[int, ...]:
         """The global shape of the value node ``name`` (or the model input) gives."""

@@ -700,6 +700,7 @@ class _Refused(nn.Module):
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(1, 1, 1), nn.Sigmoid())
         self.what = what
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
@@ -740,8 +741,8 @@ class _Refused(nn.Module):
                 s = h.mean(dim=(2, 3, 4))
                 h = h * (s @ s.transpose(0, 1)).mean()
             elif self.what == "a buffer from the first sample":
-                self.seen = h.detach().mean(dim=(2, 3, 4)).reshape(-1)  # (N,): one value per sample
-                h = h * self.seen[0]
+                self.seen.copy_(h.detach().mean(dim=(2, 3, 4)).reshape(-1)[0])  # the first sample's
+                h = h * self.seen
             elif self.what == "a narrowed view written in place":
                 h.narrow(2, 1, 3).mul_(2)
             elif self.what == "a box written in place":
@@ -871,44 +872,62 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
 
 
 class _Keeps(nn.Module):
-    """A tensor kept in a plain attribute: read later in the same call (fine), or in the next one."""
+    """State kept in plain attributes by the forward: a tensor read in the next call, one left after
+    the call (an auxiliary loss for ``loss_fn`` to read), one used within the call and dropped, a
+    counter bumped on each call, and a shape recorded alike on each call."""
 
-    def __init__(self, carried: bool, shape_check: bool) -> None:
+    def __init__(self, how: str, shape_check: bool) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
-        self.carried, self.shape_check, self.prev = carried, shape_check, None
+        self.how, self.shape_check, self.prev, self.calls, self.size = how, shape_check, None, 0, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         if self.shape_check and x.shape[2] > 0:
             h = h * 2
-        if self.carried:
+        if self.how == "carried":
             if self.prev is not None:
                 h = h + self.prev
-        else:
+            self.prev = h.detach()
+        elif self.how == "left":
+            self.prev = h.pow(2).mean()
+        elif self.how == "within":
             self.prev = h * 0.5
             h = h - self.prev
-        self.prev = h.detach()
+            del self.prev
+        elif self.how == "counter":
+            self.calls += 1
+            h = h * (1 - 0.5 ** self.calls)
+        elif self.how == "size":
+            self.size = tuple(x.shape)
         return h
 
 
+@pytest.mark.parametrize("how,match", [
+    ("carried", r"keeps a tensor in self.prev and reads it in the next call"),
+    ("left", r"keeps a tensor in self.prev after the call \(an auxiliary loss, a cache\), which your model "
+             r"would not hold.*return it from the forward"),
+    ("counter", r"changes self.calls on every call.*keep it in a buffer updated in place"),
+    ("within", None), ("size", None)])
 @pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
-def test_a_tensor_carried_to_the_next_call_in_an_attribute_is_refused(shape_check):
+def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     """Planning on the meta device once left a meta tensor in ``self.prev`` (the next real step then
-    failed on devices), and a trace a Proxy; now the attribute is put back and a value carried from one
-    call to the next is refused naming it. Kept and read within one call, it plans."""
+    failed on devices), a trace a Proxy, and bumped a counter in the user's model; each attribute is
+    put back. What no split run can follow as one process does is refused naming it: a value carried to
+    the next call, a tensor left on the model (a loss reading ``model.prev`` got a stale value,
+    silently), a counter (a traced graph keeps its value at the trace). Used within a call, or set
+    alike on every call, it plans."""
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError
 
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
-    model = _Keeps(carried=True, shape_check=shape_check)
-    with pytest.raises(SpecError, match=r"model \(_Keeps\): its forward keeps a tensor in self.prev and "
-                                        r"reads it in the next call"):
+    model = _Keeps(how, shape_check)
+    if match is None:
         spec.plan(model, (2, 1, 8, 8, 8), 2)
-    assert model.prev is None
-    within = _Keeps(carried=False, shape_check=shape_check)
-    spec.plan(within, (2, 1, 8, 8, 8), 2)
-    assert within.prev is None
+    else:
+        with pytest.raises(SpecError, match=r"model \(_Keeps\): its forward " + match):
+            spec.plan(model, (2, 1, 8, 8, 8), 2)
+    assert model.prev is None and model.calls == 0 and model.size is None
 
 
 @pytest.mark.parametrize("name,args,kwargs,moves", [
@@ -946,3 +965,40 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
     for mixes, (func, args) in [(False, c) for c in keep] + [(True, c) for c in mix]:
         said = across(func, args, {}, [s], func(*args))
         assert bool(said) is mixes, (func, args, said)
+
+
+class _Rebinds(nn.Module):
+    """A running maximum kept in a buffer: replaced by the forward, or updated in place."""
+
+    def __init__(self, in_place: bool, shape_check: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+        self.in_place, self.shape_check = in_place, shape_check
+        self.register_buffer("rmax", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.shape_check and x.shape[2] > 0:
+            h = h * 2
+        if self.in_place:
+            self.rmax.copy_(torch.maximum(self.rmax, h.detach().abs().amax()))
+        else:
+            self.rmax = torch.maximum(self.rmax, h.detach().abs().amax())
+        return h / self.rmax
+
+
+@pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
+def test_a_buffer_replaced_by_the_forward_is_refused(shape_check):
+    """``self.rmax = ...`` on a registered buffer: a traced graph has no such step and a copy run on shards
+    updates its own, so the model's buffer stayed 1 where one process had the running maximum (loss
+    and gradients exact, the state dict not). Updated in place, it plans."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    model = _Rebinds(in_place=False, shape_check=shape_check)
+    with pytest.raises(SpecError, match=r"model \(_Rebinds\): its forward rebinds buffer rmax \(self.rmax = "
+                                        r"\.\.\.\).*update it in place \(self.rmax.copy_"):
+        spec.plan(model, (2, 1, 8, 8, 8), 2)
+    assert float(model.rmax) == 1.0
+    spec.plan(_Rebinds(in_place=True, shape_check=shape_check), (2, 1, 8, 8, 8), 2)

@@ -83,9 +83,10 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     keeps a tensor in a plain attribute (``self.prev = h.detach()``) is run twice: refused if the second
     run, which finds what the first kept, calls anything else (the value is carried from one call to the
     next, which no split plan follows); the attributes are put back as they were either way."""
-    before = _tensor_attrs(module)
+    before, plain = _tensor_attrs(module), _plain_attrs(module)
     values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
     out = _call(module, state, args, OnMeta())
+    _refuse_moving(module, state, args, values, plain)
     kept = _changed(module, before)
     if not kept:
         return out
@@ -97,14 +98,67 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
                 _call(module, state, args, run)
     finally:
         _put_back(module, values, _changed(module, before))
+    prefix, k = kept[0]
+    where = _where(module, prefix)
     if runs[0].calls != runs[1].calls:
-        prefix, k = kept[0]
-        where = f"{prefix} ({type(module.get_submodule(prefix)).__name__})" if prefix else \
-            f"model ({type(module).__name__})"
         raise CarriedState(f"{where}: its forward keeps a tensor in self.{k} and reads it in the next call, "
-                        f"which a split run cannot follow as one process does; keep it in a buffer "
-                        f"(self.register_buffer) updated in place, or pass it as an input")
-    return out
+                           f"which a split run cannot follow as one process does; keep it in a buffer "
+                           f"(self.register_buffer) updated in place, or pass it as an input")
+    raise CarriedState(f"{where}: its forward keeps a tensor in self.{k} after the call (an auxiliary loss, "
+                       f"a cache), which your model would not hold: the engine runs the forward split (a "
+                       f"traced graph keeps no such step at all); return it from the forward (a tuple or "
+                       f"dict of outputs reaches loss_fn), or keep it in a local variable")
+
+
+def _where(module: nn.Module, prefix: str) -> str:
+    return f"{prefix} ({type(module.get_submodule(prefix)).__name__})" if prefix else \
+        f"model ({type(module).__name__})"
+
+
+_TORCH_OWN = frozenset(vars(nn.Module()))  # a module's own bookkeeping: its dicts of state and hooks
+
+
+def _plain_attrs(module: nn.Module) -> dict[tuple[str, str], Any]:
+    """The values a forward may rebind in plain attributes (numbers, flags, strings...), not tensors,
+    modules or torch's bookkeeping."""
+    return {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()
+            if k not in _TORCH_OWN and not isinstance(v, torch.Tensor | nn.Module)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # noqa: BLE001 - values that do not compare (arrays): not the same
+        return False
+
+
+def _refuse_moving(module: nn.Module, state: dict[str, torch.Tensor], args: tuple,
+                   values: dict[tuple[str, str], Any], plain: dict[tuple[str, str], Any]) -> None:
+    """Refuse a forward that rebinds a plain attribute to a new value on every call (``self.calls += 1``,
+    a warm-up counter): a traced graph keeps the value it had when traced, a swapped copy counts its own
+    calls and the planner's, so no split run follows it. One set alike on each call (``self.size =
+    x.shape``) passes. The attributes are put back as they were either way."""
+    first = _plain_attrs(module)
+    changed = [key for key, v in first.items() if key not in plain or not _same(v, plain[key])]
+    gone = [(prefix, k) for prefix, k in plain if k not in vars(module.get_submodule(prefix))]  # del self.tmp
+    _put_back(module, values, gone)
+    if not changed:
+        return
+    try:
+        with _unwatched(module):
+            _call(module, state, args, OnMeta())  # again, from what the first call left
+        second = _plain_attrs(module)
+        moving = [key for key in changed if not _same(second.get(key), first[key])]
+    finally:
+        now = _plain_attrs(module)
+        _put_back(module, values, [key for key, v in now.items()
+                                   if key not in plain or not _same(v, plain[key])])
+    if moving:
+        prefix, k = moving[0]
+        raise CarriedState(f"{_where(module, prefix)}: its forward changes self.{k} on every call, which a "
+                           f"split run cannot follow as one process does (a traced graph keeps its value at "
+                           f"the trace); keep it in a buffer updated in place (self.register_buffer('{k}', "
+                           f"torch.zeros((), dtype=torch.long)); self.{k} += 1), or pass it as an input")
 
 
 @contextlib.contextmanager
@@ -125,13 +179,30 @@ def _unwatched(module: nn.Module) -> Iterator[None]:
 
 
 def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> Any:
+    rebound: list[str] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(mode)
         for m in module.modules():
             if isinstance(m, nn.SyncBatchNorm):
                 m.forward = BATCH_NORM.forward.__get__(m)  # type: ignore[method-assign]
                 stack.callback(vars(m).pop, "forward", None)
-        return torch.func.functional_call(module, state, args, tie_weights=False)
+        hook = module.register_forward_hook(lambda *_: rebound.extend(_rebound(module, state)))
+        stack.callback(hook.remove)
+        out = torch.func.functional_call(module, state, args, tie_weights=False)
+    if rebound:
+        prefix, _, name = rebound[0].rpartition(".")
+        raise CarriedState(f"{_where(module, prefix)}: its forward rebinds buffer {name} (self.{name} = "
+                           f"...), which a split run cannot follow as one process does (a traced graph keeps "
+                           f"no such step; a copy run on shards keeps its own); update it in place "
+                           f"(self.{name}.copy_(...)), or make it before parallelize")
+    return out
+
+
+def _rebound(module: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """The buffers the forward replaced (``self.rmax = torch.maximum(self.rmax, m)``), by state key: seen
+    at the end of the call, before the state in their slots is put back."""
+    return [key for prefix, m in module.named_modules() for n, b in m._buffers.items()
+            if (key := f"{prefix}.{n}" if prefix else n) in state and b is not state[key]]
 
 
 def _tensor_attrs(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:

@@ -52,6 +52,7 @@ from hybridpar.copied_resample import check_copied_resample
 from hybridpar.geometry import ntuple
 from hybridpar.nn import families
 from hybridpar.nn import window as windows
+from hybridpar.nn.copy_check import check_copies
 from hybridpar.nn.formulas import (
     LayerGeometry,
     Work,
@@ -398,6 +399,8 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
             halo.append((0, 0))
             continue
         halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
+    if copied_resample and any(parts > 1 for parts in split):
+        check_copies(m, name, in_shape, out_shape, split)
     return tuple(halo)
 
 

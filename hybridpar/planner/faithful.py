@@ -21,8 +21,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.meta import CarriedState, meta_call, meta_state
 from hybridpar.planner.graph import OUTPUT, GraphRunError, ModelGraph, UntraceableError, trace_values
+from hybridpar.planner.terms import SpecError
 
 _WHY = ("a Python check on a traced value, such as isinstance, torch.jit.isinstance or hasattr, was fixed "
         "at trace time")
@@ -92,6 +93,8 @@ def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, 
     x = torch.empty(input_shape, device="meta", dtype=dtype)
     try:
         eager = _eager_ops(model, x, state)
+    except CarriedState as err:  # state no graph keeps (a counter bumped, a tensor left on the model)
+        raise SpecError(str(err)) from None
     except Exception:  # the forward itself fails on this shape: the trace of values says where
         return
     kind = type(model).__name__

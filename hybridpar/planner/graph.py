@@ -190,10 +190,12 @@ def _put_back_proxies(root: Any, before: dict[tuple[nn.Module, str], Any]) -> st
         for k, v in list(vars(m).items()):
             if isinstance(v, fx.Proxy):
                 kept = kept or k
-                if (m, k) in before:
-                    setattr(m, k, before[(m, k)])
-                else:
-                    delattr(m, k)
+            if (m, k) not in before:
+                delattr(m, k)
+            elif v is not before[(m, k)]:  # a proxy, or a counter the trace bumped (self.calls += 1)
+                setattr(m, k, before[(m, k)])
+        for k in [k for mod, k in before if mod is m and k not in vars(m)]:
+            setattr(m, k, before[(m, k)])  # deleted by the forward
     return kept
 
 

@@ -200,21 +200,32 @@ class _GainUp(nn.Module):
         return F.interpolate(x, scale_factor=2, mode=self.mode) * self.g.view(1, -1, 1, 1, 1)
 
 
+class _PerVolume(nn.Module):
+    """A user's "pointwise" layer that reads its input's extents: on a shard, the shard's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.shape[2] * x.shape[3] * x.shape[4]) ** 0.5
+
+
 hp.nn.register(_GainUp, role="resample", op="pointwise",
                flops=lambda m, x, y: ({"forward_other": y.numel()}, None))
+hp.nn.register(_PerVolume, role="pointwise", flops=lambda m, x, y: ({"forward_other": y.numel()}, None))
 
 
-@pytest.mark.parametrize("mode,split", [("nearest", (2, 1, 1)), ("trilinear", (1, 1, 1))])
-def test_a_resample_copy_that_reads_across_shards_runs_whole(mode, split):
-    """A resample layer without a split version runs as a copy on each shard only where that gives the
-    volume's shards: nearest does; trilinear reads the neighbour's plane (each shard interpolated alone
-    gave another answer at every boundary, silently), which a run of the layer on a small random volume,
-    whole and by shards, finds before any step: the planner runs it whole and says why."""
-    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.AvgPool3d(2), _GainUp(mode), nn.Conv3d(2, 1, 1))
+@pytest.mark.parametrize("mode,split", [("nearest", (2, 1, 1)), ("trilinear", (1, 1, 1)),
+                                        ("volume", (1, 1, 1))])
+def test_a_copy_that_reads_across_shards_runs_whole(mode, split):
+    """A user's resample or pointwise layer without a split version runs as a copy on each shard only
+    where that gives the volume's shards: nearest does; trilinear reads the neighbour's plane (each shard
+    interpolated alone gave another answer at every boundary, silently), a scale by ``x.shape`` reads the
+    shard's extents. A run of the layer on a small random volume, whole and by shards, finds it before
+    any step: the planner runs it whole and says why."""
+    layer = _PerVolume() if mode == "volume" else _GainUp(mode)
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.AvgPool3d(2), layer, nn.Conv3d(2, 1, 1))
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
     state = torch.get_rng_state()
     rec = next(r for r in spec.plan(model, (2, 1, 16, 8, 8), 2) if r.name == "2")
     assert rec.split == split, rec
     assert torch.equal(torch.get_rng_state(), state)  # the check draws from a generator of its own
-    if mode == "trilinear":
+    if mode != "nearest":
         assert "reads across the shards' boundaries" in explain(spec, model, (2, 1, 16, 8, 8), 2)

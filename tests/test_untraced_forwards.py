@@ -751,6 +751,10 @@ class _Refused(nn.Module):
                 s = h[:, :, 1:-1]
                 h.relu_()
                 h = F.pad(s, (0, 0, 0, 0, 1, 1)) + h
+            elif self.what == "a depth unshuffled on odd shards":  # 6 voxels split 3 | 3, unshuffled by 2
+                h = h[:, :, 1:-1]
+                n, c, d, hh, w = h.shape
+                h = h.view(n, c, d // 2, 2, hh, w).permute(0, 1, 3, 2, 4, 5).reshape(n, c * 2, d // 2, hh, w)
             elif self.what == "filled in place":
                 acc = torch.zeros(h.shape)
                 acc.add_(h)
@@ -775,6 +779,8 @@ class _Refused(nn.Module):
     ("noise drawn from the shape", r"randn \(draws random numbers per sample of the batch, which each part "
                                    r"would draw alike\) at test_untraced_forwards.py:\d+"),
     ("stochastic depth", r"rand \(draws random numbers per sample of the batch"),
+    ("a depth unshuffled on odd shards",
+     r"view \(a reshape no shard makes of its own\) at test_untraced_forwards.py:\d+"),
     ("a gate inside a checkpoint", r"gate.1 \(Conv3d\) runs on a value that is not split inside torch.utils"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):

@@ -93,7 +93,7 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     runs = [OnMeta(), OnMeta()]  # from the state before the call, then from what the first kept
     try:
         _put_back(module, values, kept)
-        with _unwatched(module):
+        with unwatched(module):
             for run in runs:
                 _call(module, state, args, run)
     finally:
@@ -145,7 +145,7 @@ def _refuse_moving(module: nn.Module, state: dict[str, torch.Tensor], args: tupl
     if not changed:
         return
     try:
-        with _unwatched(module):
+        with unwatched(module):
             _call(module, state, args, OnMeta())  # again, from what the first call left
         second = _plain_attrs(module)
         moving = [key for key in changed if not _same(second.get(key), first[key])]
@@ -162,7 +162,7 @@ def _refuse_moving(module: nn.Module, state: dict[str, torch.Tensor], args: tupl
 
 
 @contextlib.contextmanager
-def _unwatched(module: nn.Module) -> Iterator[None]:
+def unwatched(module: nn.Module) -> Iterator[None]:
     """A run that no one else sees: no other torch-function mode (a planner's watch), no module hooks
     (its records of the layers), both put back after."""
     modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]

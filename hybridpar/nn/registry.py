@@ -381,10 +381,13 @@ def check_extent(name: str, extent: int, parts: int, axis: int) -> None:
 def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int, ...],
                 out_shape: tuple[int, ...], split: tuple[int, int, int]) -> Halos:
     """The halos of a layer without a halo function of its own: its window's, none for the other roles
-    (a resample layer copied onto each shard only where its shards' boundaries fall on its factor)."""
+    (a resample layer copied onto each shard only where its shards' boundaries fall on its factor; a copy
+    of a user's resample or pointwise layer only where it gives the volume's shards, run to see)."""
     halo = []
     ws = entry.windows_of(m)
     copied_resample = entry.role == "resample" and entry.to_dist is None and len(out_shape) == 5
+    copied = copied_resample or (entry.role == "pointwise" and entry.to_dist is None and len(out_shape) == 5
+                                 and not type(m).__module__.startswith(("torch.", "hybridpar.")))
     for i, parts in enumerate(split):
         if parts == 1:
             halo.append((0, 0))
@@ -399,7 +402,7 @@ def _role_halos(entry: LayerEntry, m: nn.Module, name: str, in_shape: tuple[int,
             halo.append((0, 0))
             continue
         halo.append((max(p.halo[0] for p in plans), max(p.halo[1] for p in plans)))
-    if copied_resample and any(parts > 1 for parts in split):
+    if copied and any(parts > 1 for parts in split):  # a user's copy: does it read the volume's extents?
         check_copies(m, name, in_shape, out_shape, split)
     return tuple(halo)
 

@@ -22,7 +22,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, node_halos
-from hybridpar.planner.space_maps import STEPS, NotLocal, close, source_dims, step
+from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
 
@@ -370,22 +370,22 @@ class LayoutWatch(TorchFunctionMode):
     def _run_step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:
         """Follow a reshape of a split volume (a pixel shuffle: :mod:`hybridpar.planner.space_maps`): a
         volume again is split where each shard's box maps to its own output box under the grid's
-        split; anything else is unsafe."""
-        out = func(*args, **kwargs)
-        name = calls.name_of(func)
+        split; anything else (a reshape the shards' extents do not take) is unsafe."""
+        out, name = func(*args, **kwargs), calls.name_of(func)
         if not isinstance(out, torch.Tensor):
             return out
         start, steps, _ = self.chains.get(src, (tuple(src.shape), {}, None))
         try:
-            before = steps[len(steps) - 1] if steps else source_dims(start)
-            steps = {**steps, len(steps): step(name, args[1:], kwargs, before, out.shape)}
+            last = steps[len(steps) - 1] if steps else source_dims(start)
+            steps = {**steps, len(steps): (dims := step(name, args[1:], kwargs, last, out.shape))}
+            if name in ("view", "reshape") and not on_shards(start, dims, self.grid_split):
+                raise NotLocal  # a shard's extents the reshape's sizes do not divide (odd shards, a shuffle)
             if self.closes(start, steps, tuple(out.shape)):
                 self.mark(out, tuple(out.shape[-3:]))
             else:
                 self.chains[out] = (start, steps, tuple(out.shape))
         except NotLocal:
-            self.unsafe.append(f"{name} (a reshape whose shards do not map onto the output's shards) at "
-                               f"{calls.caller()}")
+            self.unsafe.append(f"{name} (a reshape no shard makes of its own) at {calls.caller()}")
         return out
 
     def wholes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -24,6 +24,7 @@ every rank's box is the one the output's split assigns it (:meth:`SpaceMap.fits`
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hybridpar.geometry import shard_range
+from hybridpar.geometry import shard_range, shard_ranges
 from hybridpar.planner.graph import ModelGraph, Node
 
 Atom = tuple[str | int, int, int]  # (source dim: "n", "c" or spatial axis 0-2, stride, size)
@@ -244,3 +245,15 @@ def find_space_maps(graph: ModelGraph, values: dict[str, Any]) -> dict[str, Spac
             continue
         found.update({c.name: space_map for c in chain})
     return found
+
+
+def on_shards(start: tuple[int, ...], dims: Any, split: tuple[int, int, int]) -> bool:
+    """Whether every shard under ``split`` of a volume of shape ``start`` takes a reshape to ``dims`` (as a
+    run makes it, its sizes taken at the shard's extents): the sizes the volume's are divided by, a pixel
+    shuffle's factor, divide each shard's extents too (18 voxels split 9 | 9 do not unshuffle by 2)."""
+    form = form_of(dims, start)
+    for box in itertools.product(*(shard_ranges(e, p) for e, p in zip(start[2:], split, strict=True))):
+        local = [hi - lo for lo, hi in box]
+        if math.prod(form_shape(form, start[0], local)) != math.prod((*start[:2], *local)):
+            return False
+    return True

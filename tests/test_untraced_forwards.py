@@ -715,6 +715,8 @@ class _Refused(nn.Module):
                 h = h + torch.randn_like(h)
             elif self.what == "branch on a value":
                 h = h * 2 if h.mean() > 0 else h
+            elif self.what == "a mean of the positive voxels":
+                h = h - h[h > 0].mean()
             elif self.what == "batch mean":
                 h = h - h.mean()
             elif self.what == "mean over the batch alone":
@@ -764,6 +766,8 @@ class _Refused(nn.Module):
 
 @pytest.mark.parametrize("what,match", [
     ("branch on a value", r"at test_untraced_forwards.py:\d+: RuntimeError.*branch on configuration"),
+    ("a mean of the positive voxels", r"at test_untraced_forwards.py:\d+: nonzero makes a tensor whose size "
+                                      r"its values set \(h\[h > 0\]\)\); use a masked sum"),
     ("item", r"at test_untraced_forwards.py:\d+ reads the values of a split activation"),
     ("batch mean", r"mean \(over the batch, which data parallelism or micro-batches hold apart"),
     ("mean over the batch alone", r"mean \(over the batch, which data parallelism"),

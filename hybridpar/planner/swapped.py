@@ -186,9 +186,14 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         raise err if isinstance(err, SpecError) else SpecError(str(err)) from None
     except Exception as err:
         where = records[-1].name if records else "its first layer"
+        sized = next((op for op in ("nonzero", "masked_select", "unique") if f"torch.{op}()" in str(err)),
+                     None)
+        why, hint = (f"{type(err).__name__}: {err}", "branch on configuration, not on tensor values") \
+            if sized is None else (f"{sized} makes a tensor whose size its values set (h[h > 0])",
+                                   "use a masked sum, (h * m).sum() / m.sum(), or torch.where")
         raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "
-                        f"follow its forward (after {where}, at {calls.line_of(err)}: {type(err).__name__}: "
-                        f"{err}); branch on configuration, not on tensor values") from err
+                        f"follow its forward (after {where}, at {calls.line_of(err)}: {why}); {hint}"
+                        ) from err
     finally:
         for h in handles:
             h.remove()

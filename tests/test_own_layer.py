@@ -229,3 +229,32 @@ def test_a_copy_that_reads_across_shards_runs_whole(mode, split):
     assert torch.equal(torch.get_rng_state(), state)  # the check draws from a generator of its own
     if mode != "nearest":
         assert "reads across the shards' boundaries" in explain(spec, model, (2, 1, 16, 8, 8), 2)
+
+
+class _Untraceable(nn.Module):
+    """The same layers in a forward torch.fx cannot trace: module swapping plans them, on meta tensors."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.stem, self.layer, self.head = nn.Conv3d(1, 2, 3, padding=1), layer, nn.Conv3d(2, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.avg_pool3d(self.stem(x), 2)
+        if h.shape[2] < 2:
+            raise ValueError("too thin")
+        return self.head(self.layer(h))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "volume"])
+def test_a_copy_checked_under_module_swapping(mode):
+    """Module swapping plans with meta tensors in the layers' slots: the check runs the layer with drawn
+    weights; the nearest copy runs split, the one reading the volume's extents is refused by name."""
+    from hybridpar.planner.terms import SpecError
+
+    model = _Untraceable(_PerVolume() if mode == "volume" else _GainUp(mode))
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    if mode == "nearest":
+        assert next(r for r in spec.plan(model, (2, 1, 16, 8, 8), 2) if r.name == "layer").split == (2, 1, 1)
+    else:
+        with pytest.raises(SpecError, match=r"layer \(_PerVolume\).*reads across the shards' boundaries"):
+            spec.plan(model, (2, 1, 16, 8, 8), 2)

@@ -43,6 +43,9 @@ def check_copies(m: nn.Module, name: str, in_shape: tuple[int, ...], out_shape: 
     give the shards of its output on the whole volume (``in_shape`` -> ``out_shape`` on the volume
     sizes its factors; the check runs at a few voxels per shard)."""
     layer = copy.deepcopy(m)
+    for sub in layer.modules():  # planning swaps plain tensors into the parameters' slots
+        sub._parameters.update({k: nn.Parameter(t, t.requires_grad) for k, t in sub._parameters.items()
+                                if t is not None and not isinstance(t, nn.Parameter)})
     g = torch.Generator().manual_seed(0)
     if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):  # planned on meta: weights drawn
         layer = layer.to_empty(device="cpu")  # (where a layer reads is no matter of their values)

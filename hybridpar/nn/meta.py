@@ -80,9 +80,10 @@ def _users_call() -> bool:
 
 def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> Any:
     """``module(*args)`` with ``state`` (from :func:`meta_state`) in place of its own. A forward that
-    keeps a tensor in a plain attribute (``self.prev = h.detach()``) is run twice: refused if the second
-    run, which finds what the first kept, calls anything else (the value is carried from one call to the
-    next, which no split plan follows); the attributes are put back as they were either way."""
+    keeps state on the model is refused, naming it: a tensor left in a plain attribute (read by the next
+    call, which no split plan follows, or by the user's loss, which the engine's run never feeds), a
+    plain value rebound on every call (:func:`_refuse_moving`), a buffer replaced (:func:`_call`). The
+    attributes are put back as they were either way."""
     before, plain = _tensor_attrs(module), _plain_attrs(module)
     values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
     out = _call(module, state, args, OnMeta())

@@ -140,8 +140,8 @@ class Walk:
         args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
         if name == "getattr" and len(args) > 1 and args[1] in per_sample.TRANSPOSES:
             name = args[1]  # m.T, m.mT: a transpose
-        if any(n in self.samples_at for n in node.inputs) or nd >= 2 and in_shape[0] == batch and (
-                name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
+        if any(n in self.samples_at for n in node.inputs) or node.op != "module" and nd >= 2 and \
+                in_shape[0] == batch and (name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
             self._follow_samples(node, name, args, kwargs, out_shape)
             return
         if node.op == "module":

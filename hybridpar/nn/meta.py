@@ -80,10 +80,10 @@ def _users_call() -> bool:
 
 def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> Any:
     """``module(*args)`` with ``state`` (from :func:`meta_state`) in place of its own. A forward that
-    keeps state on the model is refused, naming it: a tensor left in a plain attribute (read by the next
-    call, which no split plan follows, or by the user's loss, which the engine's run never feeds), a
-    plain value rebound on every call (:func:`_refuse_moving`), a buffer replaced (:func:`_call`). The
-    attributes are put back as they were either way."""
+    keeps state on the model in plain attributes is refused, naming it: a tensor left in one (read by the
+    next call, which no split plan follows, or by the user's loss, which the engine's run never feeds), a
+    value rebound on every call (:func:`_refuse_moving`). The attributes are put back as they were
+    either way. (Buffers are the engine's to follow: :mod:`hybridpar.pipeline.step_state`.)"""
     before, plain = _tensor_attrs(module), _plain_attrs(module)
     values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
     out = _call(module, state, args, OnMeta())
@@ -180,30 +180,13 @@ def unwatched(module: nn.Module) -> Iterator[None]:
 
 
 def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> Any:
-    rebound: list[str] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(mode)
         for m in module.modules():
             if isinstance(m, nn.SyncBatchNorm):
                 m.forward = BATCH_NORM.forward.__get__(m)  # type: ignore[method-assign]
                 stack.callback(vars(m).pop, "forward", None)
-        hook = module.register_forward_hook(lambda *_: rebound.extend(_rebound(module, state)))
-        stack.callback(hook.remove)
-        out = torch.func.functional_call(module, state, args, tie_weights=False)
-    if rebound:
-        prefix, _, name = rebound[0].rpartition(".")
-        raise CarriedState(f"{_where(module, prefix)}: its forward rebinds buffer {name} (self.{name} = "
-                           f"...), which a split run cannot follow as one process does (a traced graph keeps "
-                           f"no such step; a copy run on shards keeps its own); update it in place "
-                           f"(self.{name}.copy_(...)), or make it before parallelize")
-    return out
-
-
-def _rebound(module: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
-    """The buffers the forward replaced (``self.rmax = torch.maximum(self.rmax, m)``), by state key: seen
-    at the end of the call, before the state in their slots is put back."""
-    return [key for prefix, m in module.named_modules() for n, b in m._buffers.items()
-            if (key := f"{prefix}.{n}" if prefix else n) in state and b is not state[key]]
+        return torch.func.functional_call(module, state, args, tie_weights=False)
 
 
 def _tensor_attrs(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:

@@ -191,7 +191,8 @@ def _put_back_proxies(root: Any, before: dict[tuple[nn.Module, str], Any]) -> st
             if isinstance(v, fx.Proxy):
                 kept = kept or k
             if (m, k) not in before:
-                delattr(m, k)
+                if isinstance(v, fx.Proxy):  # not the tracer's own (_tensor_constant0: the graph reads it)
+                    delattr(m, k)
             elif v is not before[(m, k)]:  # a proxy, or a counter the trace bumped (self.calls += 1)
                 setattr(m, k, before[(m, k)])
         for k in [k for mod, k in before if mod is m and k not in vars(m)]:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hybridpar.nn.families import BATCH_NORM
+from hybridpar.nn.sharing import TORCH_OWN
 
 
 def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -116,14 +117,11 @@ def _where(module: nn.Module, prefix: str) -> str:
         f"model ({type(module).__name__})"
 
 
-_TORCH_OWN = frozenset(vars(nn.Module()))  # a module's own bookkeeping: its dicts of state and hooks
-
-
 def _plain_attrs(module: nn.Module) -> dict[tuple[str, str], Any]:
     """The values a forward may rebind in plain attributes (numbers, flags, strings...), not tensors,
     modules or torch's bookkeeping."""
     return {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()
-            if k not in _TORCH_OWN and not isinstance(v, torch.Tensor | nn.Module)}
+            if k not in TORCH_OWN and not isinstance(v, torch.Tensor | nn.Module)}
 
 
 def _same(a: Any, b: Any) -> bool:

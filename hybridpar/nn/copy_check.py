@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -41,7 +42,20 @@ def check_copies(m: nn.Module, name: str, in_shape: tuple[int, ...], out_shape: 
                  split: tuple[int, int, int]) -> None:
     """Raise :class:`HaloError` naming layer ``name`` unless copies of ``m`` on the shards of ``split``
     give the shards of its output on the whole volume (``in_shape`` -> ``out_shape`` on the volume
-    sizes its factors; the check runs at a few voxels per shard)."""
+    sizes its factors; the check runs at a few voxels per shard; once per layer and geometry, as a
+    layer called in a loop is planned at each call)."""
+    key = (tuple(in_shape), tuple(out_shape), tuple(split))
+    if key in _CHECKED.setdefault(m, set()):
+        return
+    _check(m, name, in_shape, out_shape, split)
+    _CHECKED[m].add(key)
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+
+def _check(m: nn.Module, name: str, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+           split: tuple[int, int, int]) -> None:
     layer = copy.deepcopy(m)
     for sub in layer.modules():  # planning swaps plain tensors into the parameters' slots
         sub._parameters.update({k: nn.Parameter(t, t.requires_grad) for k, t in sub._parameters.items()

@@ -116,6 +116,7 @@ class StageGraph(nn.Module):
         self.send = [graph.output] if hi == len(graph.nodes) else live[hi - 1]
         self.last = hi == self.n_nodes
         self.batch_dims = batch_dims(graph, tuple(input_shape), self.recv) if lo else {}
+        self._recv_line: tuple[Any, int, int] = (None, 0, 1)  # bound size, elements fixed, per sample
         self.value_split: dict[str, Split] = {INPUT: input_split}
         for r in plan:
             self.value_split[r.name] = r.output_split
@@ -200,9 +201,14 @@ class StageGraph(nn.Module):
 
     def recv_batch(self, numel: int) -> int:
         """The micro-batch a received flat tensor of ``numel`` elements holds (values that do not carry
-        the batch, a mean over everything, take the same elements whatever it is)."""
-        fixed = self.recv_numel(0)
-        return (numel - fixed) // max(self.recv_numel(1) - fixed, 1)
+        the batch, a mean over everything, take the same elements whatever it is); the two sizes it
+        solves from are kept per bound size, as each micro-batch asks."""
+        size = self.value_shape[INPUT]
+        if self._recv_line[0] != size:
+            fixed = self.recv_numel(0)
+            self._recv_line = (size, fixed, max(self.recv_numel(1) - fixed, 1))
+        _, fixed, per_sample = self._recv_line
+        return (numel - fixed) // per_sample
 
     def _unpack(self, flat: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
         shapes = [self.local_shape(n, batch) for n in self.recv]

@@ -172,14 +172,18 @@ class Walk:
         batch = self.a.input_shape[0]
         carried = [(len(shape), self.samples_at.get(n, 0)) for n in node.inputs
                    if len(shape := self._value_shape(n)) >= 2 and (n in self.samples_at or shape[0] == batch)]
-        where: int | str = f"{name} (reads the samples along different dims)"
-        if len({at - nd for nd, at in carried}) == 1:
-            nd, at = carried[0]
-            entry = registry.lookup(node.module) if node.op == "module" else None
-            out_nd = len(out_shape) if node.name != OUTPUT else None
-            where = f"{node.kind} (not known to keep the samples apart)" if node.op == "module" and (
-                entry is None or entry.role != "pointwise") else at + len(out_shape) - nd if entry else \
-                per_sample.samples_to(name, args, kwargs, nd, at, out_nd)
+        if not carried:
+            return
+        nd, at = carried[0]
+        entry = registry.lookup(node.module) if node.op == "module" else None
+        if len({a - n for n, a in carried}) > 1:
+            where: int | str = f"{name} (reads the samples along different dims)"
+        elif node.op == "module":  # a layer: only one working voxel by voxel keeps them where they are
+            where = at + len(out_shape) - nd if entry is not None and entry.role == "pointwise" else \
+                f"{node.kind} (not known to keep the samples apart)"
+        else:
+            where = per_sample.samples_to(name, args, kwargs, nd, at,
+                                          len(out_shape) if node.name != OUTPUT else None)
         if where and not isinstance(where, str) and node.name == self.a.graph.output:
             where = f"{name} (returns the samples along dim {where}, not 0)"
         if isinstance(where, str):

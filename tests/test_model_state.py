@@ -259,10 +259,11 @@ class LayerCounter(nn.Module):
         return self.body(x)
 
 
-def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: torch.Tensor, split: list[int],
-                 in_place: bool) -> None:
+def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: torch.Tensor,
+                 split: list[int]) -> None:
     """Buffers as one process has them: untouched by parallelize and the build, then after 1 and 2
-    steps (the engine's state; the model's own too where the forward updates them in place)."""
+    steps, in the engine's state and in the model's own (``model.state_dict()``), whether the forward
+    updates them in place or rebinds them; then after a prediction."""
     torch.manual_seed(0)
     ref, model = make().double(), make().double()
     model.load_state_dict(ref.state_dict())
@@ -292,8 +293,11 @@ def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: tor
         got = engine.full_state_dict()
         for k, v in ref.state_dict().items():
             fails.check(f"{desc} after {i} step(s): engine {k}", got[k], v)
-            if in_place:
-                fails.check(f"{desc} after {i} step(s): model {k}", model.state_dict()[k], v)
+            fails.check(f"{desc} after {i} step(s): model {k}", model.state_dict()[k], v)
+    with torch.no_grad():
+        fails.check(f"{desc} prediction", engine.predict(xl), ref(x))
+    for k, v in ref.state_dict().items():
+        fails.check(f"{desc} after the prediction: model {k}", model.state_dict()[k], v)
 
 
 def _buffer_body(rank: int, world: int, split: list[int]) -> None:
@@ -301,13 +305,13 @@ def _buffer_body(rank: int, world: int, split: list[int]) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     y = torch.randn(SHAPE, dtype=torch.float64, generator=g)
-    cases = (("counter and EMA in the forward, traced then swapped", RootCounter, True),
-             ("counter and EMA in an untraceable forward", BranchCounter, True),
-             ("counter and EMA rebound in the forward", RootRebound, False),
-             ("counter and rebound EMA in a layer of a traced model", LayerCounter, False))
-    for desc, make, in_place in cases:
+    cases = (("counter and EMA in the forward, traced then swapped", RootCounter),
+             ("counter and EMA in an untraceable forward", BranchCounter),
+             ("counter and EMA rebound in the forward", RootRebound),
+             ("counter and rebound EMA in a layer of a traced model", LayerCounter))
+    for desc, make in cases:
         try:
-            _buffer_case(fails, f"{desc} {split}", make, x, y, split, in_place)
+            _buffer_case(fails, f"{desc} {split}", make, x, y, split)
         except Exception as err:  # name the case, then go on with the others
             fails.append(f"{desc} {split}: {type(err).__name__}: {err}")
     fails.raise_if_any(rank)

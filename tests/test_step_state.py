@@ -30,7 +30,7 @@ class Plain(nn.Module):
 
 
 class Counter(Plain):
-    """A forward keeping a step counter and a weight EMA in buffers."""
+    """A forward keeping a step counter (updated in place) and a weight EMA (rebound) in buffers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +40,7 @@ class Counter(Plain):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.steps += 1
-            self.ema_w.mul_(0.9).add_(0.1 * self.c1.weight.detach())
+            self.ema_w = 0.9 * self.ema_w + 0.1 * self.c1.weight.detach()
         return super().forward(x)
 
 
@@ -93,8 +93,9 @@ def test_clip_grad_norm_matches_one_process(pools, spec, norm_type):
     assert fails == [[], []], fails
 
 
-def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float]:
-    """The refusal each case gets (or "" where none), and the counter afterwards (-1 if none)."""
+def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float, float]:
+    """The refusal each case gets (or "" where none), and the counter and the EMA's largest value
+    afterwards, in the engine's state and in the model's own (-1 if none)."""
     import hybridpar as hp
 
     torch.manual_seed(0)
@@ -114,8 +115,11 @@ def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float]:
         said = ""
     except (hp.SpecError, ValueError) as err:  # a SpecError is a ValueError
         said = str(err)
-    steps = engine.full_state_dict()["steps"].item() if case == "counter" else -1.0
-    return said, steps
+    if case != "counter":
+        return said, -1.0, -1.0
+    full, own = engine.full_state_dict(), model.state_dict()
+    return said, full["steps"].item() + own["steps"].item(), full["ema_w"].abs().max().item() + \
+        own["ema_w"].abs().max().item()
 
 
 @pytest.mark.parametrize("case,start", [
@@ -127,9 +131,9 @@ def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float]:
 ])
 def test_micro_batches_refuse_buffers_the_forward_moves(pools, case, start):
     said = pools(2).run(_refusal_body, case, timeout=300)
-    messages = {m for m, _ in said}
+    messages = {m for m, _, _ in said}
     assert len(messages) == 1, f"{case}: ranks said different things: {said}"
     (message,) = messages
     assert "\n" not in message and message.startswith(start), f"{case}: {message!r}"
     if case == "counter":
-        assert [s for _, s in said] == [0.0, 0.0], f"{case}: buffers not restored: {said}"
+        assert [s for _, *s in said] == [[0.0, 0.0]] * 2, f"{case}: buffers not restored: {said}"

@@ -25,6 +25,12 @@ not the user's own attributes."""
 # Each copy's original and the original's plain attributes as last followed (by identity), per copy.
 _ORIGINALS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, dict[str, Any]]] = \
     weakref.WeakKeyDictionary()
+# Each buffer slot of a copy or split layer: its original's module and slot, and the tensor both held
+# when last alike.
+_BUFFER_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[weakref.ref, str, weakref.ref]]] = \
+    weakref.WeakKeyDictionary()
+# The tensors put back into an original's slot by :func:`return_rebound` (the user did not rebind them).
+_RETURNED: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 def sharing_copy(m: nn.Module) -> nn.Module:
@@ -40,7 +46,41 @@ def sharing_copy(m: nn.Module) -> nn.Module:
     twin = copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers(), *own)})
     for orig, mine in zip(m.modules(), twin.modules(), strict=True):
         _ORIGINALS[mine] = (weakref.ref(orig), _plain(orig))
+        for slot in mine._buffers:
+            _link_buffer(mine, slot, orig, slot)
     return twin
+
+
+def _link_buffer(mine: nn.Module, slot: str, orig: nn.Module, orig_slot: str) -> None:
+    t = mine._buffers[slot]
+    held = _none if t is None else weakref.ref(t)  # a slot filled later (``if self.buf is None``) is rebound
+    _BUFFER_SLOTS.setdefault(mine, {})[slot] = (weakref.ref(orig), orig_slot, held)
+
+
+def _none() -> None:
+    return None
+
+
+def return_rebound() -> None:
+    """Put into each original's buffer slot the tensor its copy's forward rebound the copy's slot to
+    (``self.ema = 0.9 * self.ema + ...``). Why: the copy and the original shared the tensor until the
+    forward replaced it in the copy alone, so ``model.state_dict()`` would keep the value the build saw
+    while the engine's state moves on. Only a slot the copy rebound is returned: one the user rebound on
+    the original is not overwritten (the engine refuses that change, see
+    :mod:`hybridpar.pipeline.layer_settings`). Run after each step and prediction: a walk over the slots."""
+    for mine, slots in list(_BUFFER_SLOTS.items()):
+        for slot, (ref, orig_slot, last) in slots.items():
+            orig, now = ref(), mine._buffers.get(slot)
+            if orig is not None and now is not None and now is not last():
+                orig._buffers[orig_slot] = now
+                slots[slot] = (ref, orig_slot, weakref.ref(now))
+                _RETURNED.setdefault(orig, {})[orig_slot] = weakref.ref(now)
+
+
+def returned(module: nn.Module, slot: str) -> torch.Tensor | None:
+    """The tensor :func:`return_rebound` last put into ``module``'s buffer ``slot``, if it is alive."""
+    ref = _RETURNED.get(module, {}).get(slot)
+    return None if ref is None else ref()
 
 
 def _plain(m: nn.Module) -> dict[str, Any]:
@@ -80,3 +120,4 @@ def share_state(src: nn.Module, dst: nn.Module) -> None:
             holder._parameters[name] = t
         else:
             holder._buffers[name] = t
+            _link_buffer(holder, name, src.get_submodule(path), name)

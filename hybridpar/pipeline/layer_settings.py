@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridpar.call_keys import module_path
 from hybridpar.nn import registry
-from hybridpar.nn.sharing import TORCH_OWN
+from hybridpar.nn.sharing import TORCH_OWN, returned
 from hybridpar.planner.analysis import REPLICATED
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.terms import SpecError
@@ -66,7 +66,15 @@ class LayerSettings:
         for k, t in (*model.named_parameters(remove_duplicate=False),
                      *model.named_buffers(remove_duplicate=False)):
             ref = self._tensors.get(k)
+            if (ref is None or ref() is not t) and _returned(model, k) is t:
+                self._tensors[k] = ref = weakref.ref(t)  # the engine's own (a forward rebound it)
             if ref is None or ref() is not t:
                 raise SpecError(f"{what}: model.{k} is another tensor than the engine was built on (rebound "
                                 f"since, model.{k} = ...); change it in place (.copy_(), .fill_()), or "
                                 f"parallelize the model anew")
+
+
+def _returned(model: nn.Module, key: str) -> object:
+    """What the engine last put into the buffer slot ``key`` of ``model`` (:func:`returned`), or None."""
+    path, _, slot = key.rpartition(".")
+    return returned(model.get_submodule(path), slot)

@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridpar.nn.buffer_state import Snapshot
 from hybridpar.nn.families import moves_per_forward, uses_batch_statistics
+from hybridpar.nn.sharing import return_rebound
 from hybridpar.planner.terms import SpecError
 
 Layers = Sequence[tuple[str | None, nn.Module]]
@@ -81,6 +82,7 @@ class BufferWatch:
         changed = before.moved() if before is not None else []
         if before is not None:
             before.restore()
+            return_rebound()  # the model's own slots as restored
         every: list[list[str]] = [changed]
         if dist.is_initialized() and dist.get_world_size() > 1:
             every = [[] for _ in range(dist.get_world_size())]

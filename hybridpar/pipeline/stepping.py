@@ -39,6 +39,7 @@ from hybridpar.device.precision import autocast_state
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn.buffer_state import Snapshot, put
 from hybridpar.nn.norm import recomputing
+from hybridpar.nn.sharing import return_rebound
 from hybridpar.pipeline import deferred, loss_across, loss_check, loss_whole
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
@@ -313,6 +314,7 @@ class Stepper:
         self._pending, self._refused, self._returned = checking, None, None
         self.loss_reads.start()
         loss = StepRuntime(ctx, steps, xs, y_local.split(sizes), sizes, dtype, device, loss_scale, upto).run()
+        return_rebound()  # the model's own buffer slots hold what its forward rebound
         self._targets = []
         if self.grid.pipe > 1 and checking:  # every stage learns the loss stage's check
             self._tell_stages(device)
@@ -332,6 +334,7 @@ class Stepper:
         runtime = StepRuntime(self._context(send, training, grads=False), steps, xs, [], sizes, dtype, device,
                               None, None)
         runtime.run()
+        return_rebound()
         return [tree_leaves(out) for out in runtime.outputs], dtype, device
 
 

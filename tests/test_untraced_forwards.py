@@ -883,13 +883,16 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
 
 class _Keeps(nn.Module):
     """State kept in plain attributes by the forward: a tensor read in the next call, one left after
-    the call (an auxiliary loss for ``loss_fn`` to read), one used within the call and dropped, a
-    counter bumped on each call, and a shape recorded alike on each call."""
+    the call (an auxiliary loss for ``loss_fn`` to read), terms collected in a list or a dict, one
+    used within the call and dropped, a counter bumped on each call, and a shape recorded alike on each
+    call (or logged in a list)."""
 
     def __init__(self, how: str, shape_check: bool) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.how, self.shape_check, self.prev, self.calls, self.size = how, shape_check, None, 0, None
+        self.terms: list = []
+        self.named: dict = {"start": 1}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
@@ -910,6 +913,13 @@ class _Keeps(nn.Module):
             h = h * (1 - 0.5 ** self.calls)
         elif self.how == "size":
             self.size = tuple(x.shape)
+        elif self.how == "list":
+            self.terms.clear()
+            self.terms.append(self.conv.weight.pow(2).sum())
+        elif self.how == "dict":
+            self.named["w"] = self.conv.weight.abs().sum()
+        elif self.how == "shapes":
+            self.terms.append(tuple(x.shape))
         return h
 
 
@@ -918,14 +928,17 @@ class _Keeps(nn.Module):
     ("left", r"keeps a tensor in self.prev after the call \(an auxiliary loss, a cache\), which your model "
              r"would not hold.*return it from the forward"),
     ("counter", r"changes self.calls on every call.*keep it in a buffer updated in place"),
-    ("within", None), ("size", None)])
+    ("list", r"leaves tensors in self.terms \(a list\) after the call.*return them from the forward"),
+    ("dict", r"leaves tensors in self.named \(a dict\) after the call"),
+    ("within", None), ("size", None), ("shapes", None)])
 @pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
 def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     """Planning on the meta device once left a meta tensor in ``self.prev`` (the next real step then
     failed on devices), a trace a Proxy, and bumped a counter in the user's model; each attribute is
-    put back. What no split run can follow as one process does is refused naming it: a value carried to
-    the next call, a tensor left on the model (a loss reading ``model.prev`` got a stale value,
-    silently), a counter (a traced graph keeps its value at the trace). Used within a call, or set
+    put back, and a list's or dict's contents. What no split run can follow as one process does is
+    refused naming it: a value carried to the next call, a tensor left on the model, or in a list or
+    dict on it (a loss reading ``model.prev`` got a stale value, silently; ``sum(model.terms)`` a meta
+    tensor), a counter (a traced graph keeps its value at the trace). Used within a call, or set
     alike on every call, it plans."""
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError
@@ -938,6 +951,7 @@ def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
         with pytest.raises(SpecError, match=r"model \(_Keeps\): its forward " + match):
             spec.plan(model, (2, 1, 8, 8, 8), 2)
     assert model.prev is None and model.calls == 0 and model.size is None
+    assert model.terms == [] and model.named == {"start": 1}
 
 
 @pytest.mark.parametrize("name,args,kwargs,moves", [

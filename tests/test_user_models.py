@@ -342,6 +342,26 @@ class ScalarCutNet(nn.Module):
         return self.out(self.act(self.b(x)) * m)
 
 
+class LazyMaskNet(nn.Module):
+    """A spherical mask made on the first call from the input's extents, behind a flag buffer the
+    forward branches on (planning runs on meta tensors, which hold no value to branch on: the flag
+    keeps its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.out = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+        self.register_buffer("mask", torch.zeros(SHAPE[2:]))
+        self.register_buffer("ready", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready:
+            axes = [torch.linspace(-1, 1, n, dtype=x.dtype) for n in x.shape[2:]]
+            self.mask.copy_(sum(a.view([-1 if i == k else 1 for i in range(3)]) ** 2
+                                for k, a in enumerate(axes)) < 1)
+            self.ready.fill_(True)
+        return self.out(torch.relu(self.c1(x)) * self.mask)
+
+
 LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss}
 
 
@@ -466,6 +486,8 @@ CASES = [
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["a", "act"]}}),
     (2, "a 0-d value across a pipeline cut", "ScalarCutNet",
      {"grid": {"pipe": 2}, "pipeline": {"microbatches": 1, "stages": ["a", "act"]}}),
+    (4, "a mask made on the first call behind a flag buffer, 2x2", "LazyMaskNet",
+     {"grid": {"spatial": [2, 2, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

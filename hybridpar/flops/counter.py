@@ -18,7 +18,7 @@ from torch import nn
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.families import uses_batch_statistics
-from hybridpar.nn.meta import OnMeta
+from hybridpar.nn.meta import OnMeta, keeps_value
 
 __all__ = ["FlopCount", "LayerFlops", "TrainingTotals", "count", "meta_copy"]
 
@@ -148,18 +148,19 @@ def _select(model: nn.Module) -> tuple[dict[nn.Module, str], list[str]]:
 
 def meta_copy(model: nn.Module, *, reuse_meta: bool = False) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are meta tensors (shapes, dtypes and ties as
-    the model's; nothing allocated): what counting FLOPs and planning the model at another size read
-    of it. ``reuse_meta``: a model already wholly on the meta device is returned as it is (a reader that
-    only runs it need not copy it, and a model built under ``with torch.device('meta'):`` need not be
-    deep-copyable). Whatever ``copy.deepcopy`` raises (a module holding a process group) propagates:
-    each caller says what it means for it."""
+    the model's; nothing allocated), but for the counters and flags a forward reads the value of
+    (:func:`~hybridpar.nn.meta.keeps_value`): what counting FLOPs and planning the model at another
+    size read of it. ``reuse_meta``: a model already wholly on the meta device is returned as it is
+    (a reader that only runs it need not copy it, and a model built under ``with torch.device('meta'):``
+    need not be deep-copyable). Whatever ``copy.deepcopy`` raises (a module holding a process group)
+    propagates: each caller says what it means for it."""
     if reuse_meta and all(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model
     memo: dict[int, object] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = b.detach().clone() if keeps_value(b) else torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
 
 

@@ -13,6 +13,7 @@ meta tensor cannot.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from collections import OrderedDict
@@ -20,8 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from hybridpar.nn.families import BATCH_NORM
 from hybridpar.nn.sharing import TORCH_OWN
@@ -36,13 +39,18 @@ def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]
         for name, t in [*m._parameters.items(), *m._buffers.items()]:
             if t is not None:
                 key = f"{prefix}.{name}" if prefix else name
-                # a counter (BatchNorm's num_batches_tracked, read as float() when momentum is None)
-                # keeps its value, on a copy: a meta tensor has none to read
-                counter = t.dim() == 0 and not t.is_floating_point() and not t.is_meta
-                state[key] = metas.setdefault(id(t), t.detach().clone() if counter else
+                state[key] = metas.setdefault(id(t), t.detach().clone() if keeps_value(t) else
                                               torch.empty_like(t, device="meta"))
     floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     return state, floats[0].dtype if floats else torch.get_default_dtype()
+
+
+def keeps_value(t: torch.Tensor) -> bool:
+    """Whether a run on the meta device reads ``t`` with its value, on a copy: a counter or flag
+    (BatchNorm's ``num_batches_tracked``, read as ``float()`` when momentum is None; a ``ready`` flag a
+    forward branches on), which a meta tensor has no value for. Such a 0-d integer or boolean buffer
+    is the model's configuration, alike on every rank, not a value computed from the volume."""
+    return t.dim() == 0 and not t.is_floating_point() and not t.is_meta
 
 
 class CarriedState(ValueError):
@@ -87,7 +95,9 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     either way. (Buffers are the engine's to follow: :mod:`hybridpar.pipeline.step_state`.)"""
     before, plain = _tensor_attrs(module), _plain_attrs(module)
     values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
+    held = containers(module)
     out = _call(module, state, args, OnMeta())
+    _refuse_filled(module, held)
     _refuse_moving(module, state, args, values, plain)
     kept = _changed(module, before)
     if not kept:
@@ -110,6 +120,46 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
                        f"a cache), which your model would not hold: the engine runs the forward split (a "
                        f"traced graph keeps no such step at all); return it from the forward (a tuple or "
                        f"dict of outputs reaches loss_fn), or keep it in a local variable")
+
+
+Held = dict[tuple[str, str], tuple[list | dict, list | dict]]
+
+
+def containers(module: nn.Module) -> Held:
+    """Each list or dict a module keeps in a plain attribute, with a shallow copy of its contents."""
+    return {(prefix, k): (v, copy.copy(v)) for prefix, m in module.named_modules() for k, v in vars(m).items()
+            if k not in TORCH_OWN and type(v) in (list, dict)}
+
+
+def _tensors_in(value: list | dict) -> list[int]:
+    return [id(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor | fx.Proxy)]
+
+
+def put_back_contents(held: Held) -> list[tuple[str, str]]:
+    """Put back each container's contents as :func:`containers` found them; the containers a run
+    filled with tensors (or a trace's proxies) since, first."""
+    filled = [key for key, (now, then) in held.items() if _tensors_in(now) != _tensors_in(then)]
+    for now, then in held.values():
+        if isinstance(now, list):
+            now[:] = then
+        else:
+            now.clear()
+            now.update(then)
+    return filled
+
+
+def _refuse_filled(module: nn.Module, held: Held) -> None:
+    """Refuse a forward that leaves tensors in a list or dict it keeps on the model (``self.reg.append(
+    h.abs().mean())``, read by the loss): the engine's runs of the forward (on the meta device, on
+    shards) would fill it, never one process's values. Each container's contents are put back first."""
+    filled = put_back_contents(held)
+    if filled:
+        prefix, k = filled[0]
+        kind = type(held[filled[0]][0]).__name__
+        raise CarriedState(f"{_where(module, prefix)}: its forward leaves tensors in self.{k} (a {kind}) "
+                           f"after the call (auxiliary losses, a cache), "
+                           f"which the engine's split runs fill with their own: return them from the forward "
+                           f"(a tuple or dict of outputs reaches loss_fn), or keep them in local variables")
 
 
 def _where(module: nn.Module, prefix: str) -> str:

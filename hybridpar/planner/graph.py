@@ -33,7 +33,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.meta import containers, meta_call, meta_state, put_back_contents
 from hybridpar.planner import in_place, trace_state
 from hybridpar.planner.terms import SpecError
 
@@ -160,11 +160,13 @@ class _Tracer(fx.Tracer):
         that does is kept whole), its in-place operations made explicit (:mod:`.in_place`)."""
         before = {(m, k): v for m in root.modules() for k, v in vars(m).items()} \
             if isinstance(root, nn.Module) else {}
+        held = containers(root) if isinstance(root, nn.Module) else {}
         try:
             with trace_state.watched_trace() as seen:
                 graph = super().trace(root, concrete_args)
         finally:
             kept = _put_back_proxies(root, before)
+            kept = kept or next((k for _, k in put_back_contents(held)), None)  # self.terms.append(h)
         if kept:
             raise SpecError(f"its forward keeps a tensor in self.{kept}, which a traced graph cannot "
                             f"carry from one call to the next")

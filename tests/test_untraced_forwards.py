@@ -482,6 +482,34 @@ class Writes(nn.Module):
         return self.head(h)
 
 
+class Fills(nn.Module):
+    """Tensors of one value made at the volume's extents (``h.new_zeros(h.shape)``, ``torch.zeros(n, 4,
+    *h.shape[2:])``, a D, H, W mask) and written into: a valid conv's output put back into a padded
+    frame, channels placed into a wider tensor, planes of a mask set; boxes added to in place
+    (``h[:, :, a:b] += v``, a learnable per-channel value among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.valid = nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 2, 3)
+        self.shift = nn.Parameter(0.3 * torch.randn(1, 2, 1, 1, 1))
+        self.head = nn.Conv3d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[2] > 1:  # untraceable
+            framed = h.new_zeros(h.shape)
+            framed[:, :, 1:-1, 1:-1, 1:-1] = self.valid(h)
+            mask = torch.zeros(h.shape[2:], dtype=h.dtype)
+            mask[1:4] = 1.0
+            mask[:, 2:] += 0.5
+            h = framed + h * mask
+            h[:, :, 1:-1, ::2] += self.shift
+            h[:, :, :3] *= 2
+        wide = torch.zeros(h.shape[0], 4, *h.shape[2:], dtype=h.dtype)
+        wide[:, 1:3] = h
+        return self.head(wide)
+
+
 class Gathered(nn.Module):
     """Calls that cannot run on shards, run on the volume gathered onto every rank and taken back to
     each shard's box: test-time augmentation (a layer between two flips), a cumulative sum and a mean
@@ -614,6 +642,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("deep supervision and a squeezed head", "DeepHeads", {"grid": {"spatial": [2, 1, 1]}}),
        ("einsum per voxel, writes into boxes", "Writes", {"grid": {"spatial": [2, 1, 1]}}),
        ("calls run on the gathered volume", "Gathered", {"grid": {"spatial": [2, 1, 1]}}),
+       ("tensors of one value at the volume's extents, boxes added to", "Fills",
+        {"grid": {"spatial": [2, 1, 1]}}),
        ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}}),
        ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -633,6 +663,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("einsum per voxel, writes into boxes, 2x2", "Writes", {"grid": {"spatial": [2, 2, 1]}}),
         ("calls run on the gathered volume, data x spatial", "Gathered",
          {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("tensors of one value at the volume's extents, data x spatial", "Fills",
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}}),
         ("a transposed conv to the skip's size, 2x2", "ToSkipSize", {"grid": {"spatial": [2, 2, 1]}})]
 
@@ -747,8 +779,9 @@ class _Refused(nn.Module):
                 h = h * self.seen
             elif self.what == "a narrowed view written in place":
                 h.narrow(2, 1, 3).mul_(2)
-            elif self.what == "a box written in place":
-                h[:, :, 1:5] *= 2
+            elif self.what == "a box written in place, not back":
+                box = h[:, :, 1:5]
+                box *= 2
             elif self.what == "a box read after its volume is written":
                 s = h[:, :, 1:-1]
                 h.relu_()
@@ -758,7 +791,7 @@ class _Refused(nn.Module):
                 n, c, d, hh, w = h.shape
                 h = h.view(n, c, d // 2, 2, hh, w).permute(0, 1, 3, 2, 4, 5).reshape(n, c * 2, d // 2, hh, w)
             elif self.what == "filled in place":
-                acc = torch.zeros(h.shape)
+                acc = torch.linspace(0, 1, h.shape[-1], dtype=h.dtype).expand(h.shape).clone()
                 acc.add_(h)
                 h = h * acc.mean()
         return h
@@ -777,7 +810,9 @@ class _Refused(nn.Module):
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
     ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
     ("a narrowed view written in place", r"mul_ \(writes in place into a view of the volume gathered for"),
-    ("a box written in place", r"mul_ \(writes in place into a box of slices at test_untraced_forwards"),
+    ("a box written in place, not back",
+     r"mul_ \(writes in place into a box of slices at test_untraced_forwards.py:\d+, which the split "
+     r"activation does not share, and no write of it back follows"),
     ("a box read after its volume is written", r"pad of a box of slices at .*, written in place since"),
     ("softmax over the batch", r"softmax \(across the samples of the batch"),
     ("noise drawn from the shape", r"randn \(draws random numbers per sample of the batch, which each part "

@@ -78,6 +78,9 @@ class SplitForward(LayoutWatch):
     def box(self, extents: Extents) -> tuple[tuple[int, int], ...]:
         return shard_box(extents, self.grid.spatial_shape, self.grid.spatial_coord)
 
+    def local(self, extents: Extents) -> Extents:
+        return tuple(hi - lo for lo, hi in self.box(extents))
+
     def _fit(self, t: Any, extents: Extents | None) -> Any:
         """A replicated operand as a split computation on a volume of ``extents`` reads it: its dims that
         span the volume narrowed to this shard's box (``extents`` None: an operand that does not span
@@ -201,6 +204,8 @@ class SplitForward(LayoutWatch):
         else:
             out = d(x)
             out = out.view_as(out) if out is x else out  # a new tensor object: x keeps its extents
+        if calls.name_of(func) == "__getitem__" and out._is_view():  # a box the forward may write
+            out = out.clone()  # in place (h[:, :, a:b] += 2), which a view a Function made forbids
         if not _replicates(m):
             self.mark(out, self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key))
         return out

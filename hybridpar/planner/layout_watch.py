@@ -22,6 +22,8 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, node_halos
+from hybridpar.planner.copies import Copies
+from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
@@ -85,11 +87,13 @@ class LayoutWatch(TorchFunctionMode):
         self.depth, self.unsafe, self.gathered = 0, [], []  # gathered: calls run on the whole volume
         self.met: dict[tuple[str, str], int] = {}  # (what a call on split activations did, line) -> times
         # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms;
-        # a tensor that in one process would be a view of a split one but here is a copy (a box of slices,
-        # a view of a volume gathered for a call, h.narrow(2, ...)) -> (what it is, its source's id); a
-        # copy whose source was written in place since -> what it is
-        self.split, self.batched, self.chains, self.copies, self.stale = (
-            WeakIdKeyDictionary() for _ in range(5))
+        # what in one process would be views of split ones (:mod:`hybridpar.planner.copies`)
+        self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
+        self.copies = Copies()
+
+    def __exit__(self, *exc: object) -> None:
+        self.unsafe += self.copies.unsettled()
+        return super().__exit__(*exc)
 
     def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
                      name: object = None) -> Extents:
@@ -162,29 +166,19 @@ class LayoutWatch(TorchFunctionMode):
         if self.depth:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
-        copied = [self.copies[t] for t in tensors if t in self.copies]
+        copied = [self.copies.taken[t] for t in tensors if t in self.copies.taken]
         name = calls.name_of(func)
         written = args[0] if args and isinstance(args[0], torch.Tensor) and (
             calls.in_place(name) or kwargs.get("inplace") is True) else None  # F.relu(h, inplace=True) too
-        if (stale := [self.stale[t] for t in tensors if t in self.stale]) and name not in calls.SAFE:
-            self.unsafe.append(f"{name} of {stale[0]}, written in place since (in one process a view, which "
-                               f"would see the write; here a copy) at {calls.caller()}")
-        if written is not None and written in self.copies:
-            self.unsafe.append(f"{name} (writes in place into {self.copies[written][0]}, which the split "
-                               f"activation does not share; write into it, h[:, :, a:b] = h[:, :, a:b] * 2) "
-                               f"at {calls.caller()}")
-            return func(*args, **kwargs)
-        if written is not None:  # what was taken of it before (a box, a view gathered) no longer matches
-            self.stale.update((c, what) for c, (what, source) in list(self.copies.items())
-                              if source == id(written))
+        self.unsafe += self.copies.before(name, tensors, written, args[2] if len(args) > 2 else None)
         out = self._dispatch(func, args, kwargs, tensors)
-        if copied:  # a view of such a view is one too
-            self.copies.update((t, copied[0]) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                               and t._is_view())
+        self.copies.after(copied, out)
         self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
         return out
 
     def _dispatch(self, func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+        if calls.name_of(func) in FILLS and (made := born_split(self, func, args, kwargs)) is not None:
+            return made
         if calls.name_of(func) in ("view_as", "reshape_as") and len(args) == 2 and (
                 args[1] in self.split or args[1] in self.chains):
             return self._shaped_as(args[0], args[1])
@@ -245,7 +239,7 @@ class LayoutWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
         if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
-            self.copies[out] = (f"a box of slices at {calls.caller()}", id(args[0]))
+            self.copies.take(out, f"a box of slices at {calls.caller()}", args[0])
         return out
 
     def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:
@@ -286,10 +280,10 @@ class LayoutWatch(TorchFunctionMode):
             return target if out is args[0] else out
         views = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t._is_view()}
         out = self._resplit(out, extents, views)
-        source = id(first) if first is not None else None
         what = f"a view of the volume gathered for {name} at {calls.caller()}"
-        self.copies.update((t, (what, source)) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (
-            id(t) in views or t in self.copies))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (id(t) in views or t in self.copies.taken):
+                self.copies.take(t, what, first)
         return out
 
     def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
@@ -306,7 +300,7 @@ class LayoutWatch(TorchFunctionMode):
             fitted = self._fit(t, e)
             self.mark(fitted, e)
             if id(t) in views:
-                self.copies[fitted] = ("a view of a gathered volume", None)
+                self.copies.take(fitted, "a view of a gathered volume", None)
             return fitted
         return tree_map(one, out)
 
@@ -330,15 +324,15 @@ class LayoutWatch(TorchFunctionMode):
         """A call on values whole on every rank (none of them split)."""
         return func(*args, **kwargs)
 
-    def _run_shape(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
+    def _run_shape(self, func, args, kwargs, kind: calls.CallKind | None = None, x: Any = None) -> Any:
+        """Here, on the volume, as it comes: a shape read (the volume's own, part way through reshapes too),
+        a reduction (the volume's value, alike on every rank: not split), a write in place (stays split)."""
         return func(*args, **kwargs)
 
-    def _chain_shape(self, func, args, kwargs) -> Any:
-        """A shape read of a split volume part way through reshapes (here the volume's own)."""
-        return func(*args, **kwargs)
+    _chain_shape = _run_reduce = _run_assign = _run_shape
 
-    def _run_reduce(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
-        return func(*args, **kwargs)  # the volume's value, the same on every rank: not split
+    def local(self, extents: Extents) -> Extents:  # this rank's box's extents (here the volume's own)
+        return extents
 
     def _run_pointwise(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         out = func(*args, **kwargs)
@@ -346,9 +340,6 @@ class LayoutWatch(TorchFunctionMode):
         return out
 
     _run_keep = _run_join = _run_pieces = _run_pointwise
-
-    def _run_assign(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
-        return func(*args, **kwargs)  # in place: the value stays split
 
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         out = func(*args, **kwargs)
@@ -426,18 +417,8 @@ class LayoutWatch(TorchFunctionMode):
             [m.register_forward_hook(leave, always_call=True) for m in modules]
 
     def _layer_reads(self, m: nn.Module, inputs: list[torch.Tensor]) -> None:
-        """What a layer's inputs say about copies (see :meth:`__torch_function__`): one written in place
-        since it was taken is refused, an in-place layer (``ReLU(inplace=True)``) writing one too, and
-        one writing a split activation leaves the copies taken of it behind."""
-        if stale := [self.stale[a] for a in inputs if a in self.stale]:
-            self.unsafe.append(f"{type(m).__name__} on {stale[0]}, written in place since (in one process a "
-                               f"view, which would see the write; here a copy)")
-        if getattr(m, "inplace", False) and inputs:
-            if inputs[0] in self.copies:
-                self.unsafe.append(f"{type(m).__name__}(inplace=True) writing {self.copies[inputs[0]][0]}, "
-                                   f"which the split activation does not share")
-            self.stale.update((c, what) for c, (what, source) in list(self.copies.items())
-                              if source == id(inputs[0]))
+        """What a layer's inputs say about copies (:meth:`Copies.layer_reads`)."""
+        self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
 
     def _left(self, m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)

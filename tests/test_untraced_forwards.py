@@ -1012,16 +1012,25 @@ def test_which_calls_move_the_samples(name, args, kwargs, moves):
 
 
 def test_per_sample_functions_pass_and_mixing_ones_do_not():
-    """Per-sample work on a (N, C) value that carries the batch plans; what mixes its samples does not."""
+    """Per-sample work on a (N, C) value that carries the batch plans (calls along other dims: unfold,
+    index_select, repeat_interleave, gather with an index of every sample); what mixes its samples does
+    not."""
     from hybridpar.planner.per_sample import across
 
     s, w = torch.zeros(2, 4), torch.zeros(3, 4)
-    keep = [(F.layer_norm, (s, (4,))), (torch.einsum, ("nc,dc->nd", s, w)),
-            (torch.einsum, ("nc,dc->nd", [s, w])), (F.linear, (s, w)), (torch.matmul, (s, w.T)),
-            (F.gelu, (s,))]
-    mix = [(F.layer_norm, (s, (2, 4))), (torch.einsum, ("nc,mc->nm", s, s)), (torch.matmul, (w, s.T)),
-           (torch.Tensor.__getitem__, (s, 0)), (torch.roll, (s, 1))]
-    for mixes, (func, args) in [(False, c) for c in keep] + [(True, c) for c in mix]:
-        said = across(func, args, {}, [s], func(*args))
-        assert bool(said) is mixes, (func, args, said)
+    top, first = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    keep = [(F.layer_norm, (s, (4,)), {}), (torch.einsum, ("nc,dc->nd", s, w), {}),
+            (torch.einsum, ("nc,dc->nd", [s, w]), {}), (F.linear, (s, w), {}), (torch.matmul, (s, w.T), {}),
+            (F.gelu, (s,), {}), (torch.Tensor.unfold, (s, 1, 2, 1), {}),
+            (torch.index_select, (s, 1, top[:, 0]), {}),
+            (torch.repeat_interleave, (s, 2), {"dim": 1}), (torch.gather, (s, 1, top), {}),
+            (torch.gather, (s,), {"dim": 1, "index": top}), (torch.take_along_dim, (s, top, 1), {})]
+    mix = [(F.layer_norm, (s, (2, 4)), {}), (torch.einsum, ("nc,mc->nm", s, s), {}),
+           (torch.matmul, (w, s.T), {}), (torch.Tensor.__getitem__, (s, 0), {}), (torch.roll, (s, 1), {}),
+           (torch.Tensor.unfold, (s, 0, 1, 1), {}), (torch.index_select, (s, 0, top[:1, 0]), {}),
+           (torch.repeat_interleave, (s, 2), {}), (torch.gather, (s, 1, first), {}),
+           (torch.gather, (s, 0, top), {})]
+    for mixes, (func, args, kwargs) in [(False, c) for c in keep] + [(True, c) for c in mix]:
+        said = across(func, args, kwargs, [s], func(*args, **kwargs))
+        assert bool(said) is mixes, (func, args, kwargs, said)
 

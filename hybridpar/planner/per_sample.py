@@ -34,7 +34,12 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     "quantile": (2, "dim", None), "nanquantile": (2, "dim", None), "roll": (2, "dims", None),
     "flip": (1, "dims", None), "chunk": (2, "dim", 0), "split": (2, "dim", 0), "tensor_split": (2, "dim", 0),
     "transpose": (1, "dim0", None), "swapaxes": (1, "axis0", None), "movedim": (1, "source", None),
+    "unfold": (1, "dimension", None), "index_select": (1, "dim", None), "repeat_interleave": (2, "dim", None),
+    "gather": (1, "dim", None), "take_along_dim": (2, "dim", None),
 }
+_INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices")}
+"""Calls along a dim that read an index tensor as wide as their input along every other dim: the samples
+stay apart where the index has as many as the input (one with fewer would pick the first samples)."""
 _PAIRS = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1"), "movedim": (2, "destination")}
 _RESHAPES = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand", "repeat", "tile",
              "view_as", "reshape_as", "expand_as", "clone", "detach", "permute")
@@ -190,6 +195,9 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         ok = ok and (not isinstance(value, torch.Tensor) or value.dim() < batched.dim() or (
             not mask and value.shape[0] in (1, batched.shape[0])))
         return None if ok else "__setitem__ (writes across the samples)"
+    if name in _INDEXED and (first is not batched or getattr(calls._arg(args, kwargs, *_INDEXED[name]),
+                                                             "shape", (0,))[:1] != batched.shape[:1]):
+        return f"{name} (with an index of other samples than its input's)"
     if name in _RESHAPES or name in _ALONG or name in TRANSPOSES:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,

@@ -161,7 +161,7 @@ def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: i
         new = _dims(calls._arg(args, kwargs, pos, key, 0), nd + 1)
         return f"{name} (along a dim not given as a number)" if new is None else \
             at + 1 if min(new) <= at else at
-    if name not in _ALONG or name in _RESHAPES:
+    if name not in _ALONG or name in _RESHAPES or name in _INDEXED:  # an index's samples: not seen here
         return f"{name} (not known to keep the samples apart)"
     pos, key, default = _ALONG[name]
     dims = _dims(calls._arg(args, kwargs, pos, key, default), nd)

@@ -510,6 +510,25 @@ class Fills(nn.Module):
         return self.head(wide)
 
 
+class Bottleneck(nn.Module):
+    """Downsampled below the split (9 voxels along D over 4 ranks: 5, then 3): the bottleneck runs whole
+    on the gathered volume, as a traced plan replicates it, and the decoder split again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.down = nn.Sequential(nn.Conv3d(3, 3, 3, stride=2, padding=1), nn.ReLU(),
+                                  nn.Conv3d(3, 3, 3, stride=2, padding=1), nn.Conv3d(3, 3, 3, padding=1))
+        self.head = nn.Conv3d(6, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if h.shape[2] > 1:  # untraceable
+            h = h * 1.5
+        b = F.interpolate(self.down(h), size=h.shape[2:], mode="trilinear")
+        return self.head(torch.cat([h, b], 1))
+
+
 class Gathered(nn.Module):
     """Calls that cannot run on shards, run on the volume gathered onto every rank and taken back to
     each shard's box: test-time augmentation (a layer between two flips), a cumulative sum and a mean
@@ -663,6 +682,7 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("einsum per voxel, writes into boxes, 2x2", "Writes", {"grid": {"spatial": [2, 2, 1]}}),
         ("calls run on the gathered volume, data x spatial", "Gathered",
          {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("a bottleneck too small to split, run whole", "Bottleneck", {"grid": {"spatial": [4, 1, 1]}}),
         ("tensors of one value at the volume's extents, data x spatial", "Fills",
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}}),
@@ -851,6 +871,21 @@ def test_samples_mixed_after_the_volume_is_reduced_are_refused(what, match, grid
     spec = hp.ParallelSpec.from_dict({"grid": grid})
     with pytest.raises(SpecError, match=f"{match}, on values per sample of a batch in parts, at test_untr"):
         spec.plan(_Refused(what), (2, 1, 8, 8, 8), world)
+
+
+def test_a_layer_too_small_to_split_is_refused_when_strict():
+    """Module swapping runs a layer too small for the split whole, as a traced plan replicates it;
+    ``strict: true`` refuses it, naming the layer and what would fit."""
+    import hybridpar as hp
+    from hybridpar.planner.analysis import TooSmallToSplit
+
+    spec = {"grid": {"spatial": [4, 1, 1]}}
+    plan = hp.ParallelSpec.from_dict(spec).plan(Bottleneck(), SHAPE, 4)
+    whole = [(r.name, r.gather) for r in plan if r.split == (1, 1, 1)]
+    assert whole == [("down.2", True), ("down.3", False)], whole  # gathered for down.2, then whole
+    with pytest.raises(TooSmallToSplit, match=r"down.2 \(Conv3d\) cannot run split \[4, 1, 1\] on its input "
+                                              r"of 5x4x3 voxels.*use a split of at most"):
+        hp.ParallelSpec.from_dict({**spec, "strict": True}).plan(Bottleneck(), SHAPE, 4)
 
 
 def test_explain_lists_every_call_between_the_layers():

@@ -150,8 +150,11 @@ class SplitForward(LayoutWatch):
         args = tuple(type(a)(map(pick, a)) if isinstance(a, list | tuple) else pick(a) for a in args)
         return args, {k: pick(v) for k, v in kwargs.items()}
 
+    def original(self, m: nn.Module) -> nn.Module:
+        return self.originals.get(m, m)
+
     def layer_extents(self, m: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Extents:
-        original = self.originals.get(m, m)
+        original = self.original(m)
         padding = getattr(m, "output_padding", None)  # a ConvTranspose3d's, set by the call's output_size
         if padding is not None and tuple(original.output_padding) != tuple(padding):
             original.output_padding = tuple(padding)  # the swapped copy's layer: the user's is left alone

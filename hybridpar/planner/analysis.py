@@ -131,6 +131,17 @@ def node_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None
         raise _cannot_split(name, m, in_shape, split, err.reason, f": {err}") from None
 
 
+def splits_under(m: nn.Module, entry: registry.LayerEntry, in_shape: tuple[int, ...],
+                 out_shape: tuple[int, ...], split: Split) -> bool:
+    """Whether layer ``m`` runs split under ``split`` (:func:`node_halos` without the search for what
+    would fit, which a planner that replicates such a layer needs not pay for)."""
+    try:
+        entry.halo_widths(m, "", in_shape, out_shape, split)
+        return True
+    except geometry.HaloError:
+        return False
+
+
 def _terse_halos(name: str, m: nn.Module | None, entry: registry.LayerEntry | None,
                  in_shape: tuple[int, ...], out_shape: tuple[int, ...], split: Split) -> Halos:
     """:func:`node_halos` without geometry's search for what would fit (O(extent^2) per call, which

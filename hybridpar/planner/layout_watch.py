@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn import registry
-from hybridpar.nn.meta import meta_call, meta_state
+from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.planner import calls, per_sample
-from hybridpar.planner.analysis import REPLICATED, node_halos
+from hybridpar.planner.analysis import REPLICATED, node_halos, splits_under
 from hybridpar.planner.copies import Copies
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
@@ -104,29 +104,32 @@ class LayoutWatch(TorchFunctionMode):
             state, own = meta_state(m)
             if any(t.is_floating_point() for t in state.values()):
                 dtype = own  # the layer's own: only the extents count
-            out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
+            with unwatched(m):  # a layer of the model's own: its hooks here would record a call
+                out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
             self._extents[key] = tuple(out.shape[-3:])
         return self._extents[key]
 
-    def module_fits(self, m: nn.Module, x: torch.Tensor) -> bool:
-        """Whether the layer ``m`` a call stands for runs split on ``x`` (else the call runs on the gathered
-        volume, as a traced plan replicates a layer too small to split): registered as splittable, its
-        geometry fits the split (a box of one plane does not split two ways)."""
+    def module_fits(self, m: nn.Module, x: torch.Tensor, key: object = None) -> bool:
+        """Whether the layer ``m`` runs split on ``x`` (else it runs on the gathered volume, as a traced
+        plan replicates a layer too small to split): registered as splittable, its geometry fits the
+        split (a box of one plane does not split two ways). ``key``: what tells ``m`` apart (a layer's
+        identity; by default, for a call's stand-in made anew at every call, its settings)."""
         entry = registry.lookup(m)
         if not self.splits or x.dim() != 5:
             return True
         if entry is None or not entry.splittable:
             return False
-        extents, key = self.split[x], calls.module_key(m)
+        extents, key = self.split[x], calls.module_key(m) if key is None else key
         memo = (key, tuple(x.shape[:2]), extents)
         if memo not in self._fits:
             out = self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key)
-            try:
-                node_halos("", m, entry, (*x.shape[:2], *extents), (*x.shape[:2], *out), self.grid_split)
-                self._fits[memo] = True
-            except SpecError:
-                self._fits[memo] = False
+            self._fits[memo] = splits_under(m, entry, (*x.shape[:2], *extents), (*x.shape[:2], *out),
+                                            self.grid_split)
         return self._fits[memo]
+
+    def original(self, m: nn.Module) -> nn.Module:
+        """The layer ``m`` stands for, which computes on the volume (here ``m`` itself)."""
+        return m
 
     def mark(self, t: object, extents: Extents) -> None:
         """Say that ``t`` (a tensor, or each tensor of a tuple) is split, of global ``extents``."""
@@ -141,14 +144,15 @@ class LayoutWatch(TorchFunctionMode):
 
     def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
         """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
-        where it works voxel by voxel on a split input (a softmax over channels)."""
+        where it works voxel by voxel on a split input (a softmax over channels); a split layer run whole
+        (too small to split) gives a whole value."""
         self.carry([x], out)
         if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
             return
         entry = registry.lookup(m)
         if split and not entry.replicated_output(m):
             self.mark(out, self.layer_extents(m, x, out))
-        elif not split and entry is not None and not entry.flattens \
+        elif not split and entry is not None and not entry.flattens and not entry.splittable \
                 and not dense_on_split(m, entry):
             self.mark(out, self.split[x])
 
@@ -386,8 +390,15 @@ class LayoutWatch(TorchFunctionMode):
 
     def needs_whole(self, m: nn.Module, x: torch.Tensor) -> bool:
         """Whether layer ``m`` reads ``x`` whole: a split volume reshaped part way (``x.view(N, -1)``
-        before a Linear), or a split volume read by a layer that needs the whole (a Linear over W)."""
-        return x in self.chains or (x in self.split and dense_on_split(m, registry.lookup(m)))
+        before a Linear), or a split volume read by a layer that needs the whole (a Linear over W) or
+        is too small to split (a U-Net's bottleneck of fewer voxels than ranks), as a traced plan
+        replicates it."""
+        if x in self.chains:
+            return True
+        whole = self.original(m)
+        return x in self.split and (dense_on_split(m, registry.lookup(m)) or (
+            registry.lookup(whole) is not None and registry.lookup(whole).splittable
+            and not self.module_fits(whole, x, key=id(whole))))
 
     def hook(self, modules: Iterable[nn.Module],
              on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:

@@ -231,4 +231,4 @@ def build_plan(spec: SpecView, model: nn.Module, input_shape: Sequence[int],
             raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
                             f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "
                             f"traced graph") from None
-    return swapped_plan(model, shape, spec.grid.spatial, micro)
+    return swapped_plan(model, shape, spec.grid.spatial, micro, strict=spec.strict)

@@ -65,7 +65,7 @@ def nested_block(m: nn.Module | None) -> bool:
 
 
 def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
-                 micro: int, nested: bool = False) -> list[LayerPlan]:
+                 micro: int, nested: bool = False, strict: bool = False) -> list[LayerPlan]:
     """One record per call of a leaf module, or of a function that stands for a layer
     (``F.interpolate``), on a meta forward of the global input, in call order: those on a split
     input under ``split``, the rest replicated. Fails with a :class:`SpecError` naming the call and
@@ -73,8 +73,9 @@ def swapped_plan(model: nn.Module, input_shape: Sequence[int], split: Split,
     layer nobody registered reads a split activation, or a call outside the layers cannot run split
     (:mod:`hybridpar.planner.calls`). The input is split under ``split``; shape reads answer with
     global extents at run time (:mod:`hybridpar.pipeline.split_forward`), as a traced graph's do.
-    ``nested``: ``model`` is a block inside a traced graph."""
-    records, modules, _, _ = _follow(model, input_shape, split, micro, nested)
+    ``nested``: ``model`` is a block inside a traced graph. A layer too small to split runs whole on
+    the gathered volume, as a traced plan replicates it; ``strict`` refuses it instead."""
+    records, modules, _, _ = _follow(model, input_shape, split, micro, nested, strict)
     sums = leaf_flop_sums(flop_count.count(model, tuple(input_shape)), [(r.name, None) for r in records])
     return [dataclasses.replace(r, flops=f[0], train_flops=f[0] + f[1] + f[2],
                                 activation_bytes=BYTES_PER_ELEMENT * math.prod(r.local_output_shape),
@@ -107,7 +108,8 @@ def returned(model: nn.Module, input_shape: Sequence[int], split: Split
     return _follow(model, input_shape, split, input_shape[0])[3]
 
 
-def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool = False
+def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool = False,
+            strict: bool = False
             ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch, tuple[list[Any], list[bool], TreeSpec]]:
     """The records of :func:`swapped_plan` (FLOPs not counted), their modules, the watch that
     followed the forward, and what it returns (:func:`returned`); raises what the forward does that
@@ -149,6 +151,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")
         gathers = watch.needs_whole(m, x)  # runs whole on the gathered volume
+        if gathers and strict and entry is not None and entry.splittable and x in watch.split:
+            node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), split)  # says what would fit
         runs_split = watch.runs_split(m, x) and not gathers  # on a replicated input (a pooled gate), whole
         if watch.splits and not runs_split and entry is not None and entry.splittable and x.dim() == 5 \
                 and not watch.unsafe and calls.in_checkpoint():  # a recomputation sees no split

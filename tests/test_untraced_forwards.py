@@ -954,8 +954,8 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
 class _Keeps(nn.Module):
     """State kept in plain attributes by the forward: a tensor read in the next call, one left after
     the call (an auxiliary loss for ``loss_fn`` to read), terms collected in a list or a dict, one
-    used within the call and dropped, a counter bumped on each call, and a shape recorded alike on each
-    call (or logged in a list)."""
+    used within the call and dropped (or left in a list, read back within the call), a counter bumped
+    on each call, and a shape recorded alike on each call (or logged in a list)."""
 
     def __init__(self, how: str, shape_check: bool) -> None:
         super().__init__()
@@ -990,6 +990,10 @@ class _Keeps(nn.Module):
             self.named["w"] = self.conv.weight.abs().sum()
         elif self.how == "shapes":
             self.terms.append(tuple(x.shape))
+        elif self.how == "scratch":  # read back within the call (MONAI DynUNet's deep-supervision heads)
+            self.terms.clear()
+            self.terms.append(h * 0.5)
+            h = torch.stack([h, *self.terms]).sum(0)
         return h
 
 
@@ -1000,7 +1004,7 @@ class _Keeps(nn.Module):
     ("counter", r"changes self.calls on every call.*keep it in a buffer updated in place"),
     ("list", r"leaves tensors in self.terms \(a list\) after the call.*return them from the forward"),
     ("dict", r"leaves tensors in self.named \(a dict\) after the call"),
-    ("within", None), ("size", None), ("shapes", None)])
+    ("within", None), ("size", None), ("shapes", None), ("scratch", None)])
 @pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
 def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     """Planning on the meta device once left a meta tensor in ``self.prev`` (the next real step then

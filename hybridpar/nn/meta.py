@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.families import BATCH_NORM
 from hybridpar.nn.sharing import TORCH_OWN
@@ -68,10 +69,14 @@ class OnMeta(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
+        self.read = WeakIdKeyDictionary()  # every tensor a call was given
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls.append(getattr(func, "__name__", ""))
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self.read[t] = True
         if getattr(func, "__name__", "") in FACTORIES and kwargs.get("device") is None \
                 and not any(isinstance(a, torch.Tensor) for a in args) and _users_call():
             kwargs = {**kwargs, "device": "meta"}
@@ -95,9 +100,9 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     either way. (Buffers are the engine's to follow: :mod:`hybridpar.pipeline.step_state`.)"""
     before, plain = _tensor_attrs(module), _plain_attrs(module)
     values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
-    held = containers(module)
-    out = _call(module, state, args, OnMeta())
-    _refuse_filled(module, held)
+    held, run = containers(module), OnMeta()
+    out = _call(module, state, args, run)
+    _refuse_filled(module, held, run.read)
     _refuse_moving(module, state, args, values, plain)
     kept = _changed(module, before)
     if not kept:
@@ -148,11 +153,15 @@ def put_back_contents(held: Held) -> list[tuple[str, str]]:
     return filled
 
 
-def _refuse_filled(module: nn.Module, held: Held) -> None:
-    """Refuse a forward that leaves tensors in a list or dict it keeps on the model (``self.reg.append(
-    h.abs().mean())``, read by the loss): the engine's runs of the forward (on the meta device, on
-    shards) would fill it, never one process's values. Each container's contents are put back first."""
-    filled = put_back_contents(held)
+def _refuse_filled(module: nn.Module, held: Held, read: WeakIdKeyDictionary) -> None:
+    """Refuse a forward that leaves tensors in a list or dict it keeps on the model that it never reads
+    itself (``self.reg.append(h.abs().mean())``, for the loss to read): the engine's runs of the forward
+    (on the meta device, on shards) would fill it, never one process's values. One the forward reads
+    back within the call (MONAI DynUNet's deep-supervision heads, gathered into its output) is its
+    scratch. Each container's contents are put back first."""
+    left = {key: [t for t in tree_leaves(now) if isinstance(t, torch.Tensor) and t not in read
+                  and id(t) not in _tensors_in(then)] for key, (now, then) in held.items()}
+    filled = [key for key in put_back_contents(held) if left[key]]
     if filled:
         prefix, k = filled[0]
         kind = type(held[filled[0]][0]).__name__

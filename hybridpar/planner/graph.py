@@ -234,7 +234,9 @@ def trace(model: nn.Module) -> ModelGraph:
         if n.op == "get_attr":
             # a parameter or buffer read between layers (``h * self.gamma``): the graph has no layer to
             # split it with, so the model's own forward runs split by module swapping, which follows it
-            raise UntraceableError(f"model ({type(model).__name__}): its forward reads {n.target} "
+            what = "a tensor it made while traced (a constant, or a buffer it rebinds)" \
+                if str(n.target).startswith("_tensor_constant") else str(n.target)  # fx's own name
+            raise UntraceableError(f"model ({type(model).__name__}): its forward reads {what} "
                                    f"directly, outside any layer; {SUPPORTED}")
         if n.op == "output":
             out = n.args[0]

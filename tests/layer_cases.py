@@ -33,6 +33,8 @@ class Failures(list):
         if got.shape != want.shape:
             self.append(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
             return
+        if want.dtype == torch.bool:  # a flag: compared as numbers
+            got, want = got.double(), want.double()
         scale = want.abs().max().item() if want.numel() else 0.0
         err = (got - want).abs().max().item() / max(scale, 1e-30) if want.numel() else 0.0
         if not err <= tol:

@@ -259,8 +259,60 @@ class LayerCounter(nn.Module):
         return self.body(x)
 
 
+class VolumeEma(nn.Module):
+    """Untraceable: buffers of the volume's extents rebound by the forward, which split runs hold
+    whole (gathered) as one process does: an EMA of the features' channel mean, a mask made once from
+    the input's extents behind a flag, the last batch's features kept (registered empty) and added to
+    the next one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 4, 3, padding=1), nn.Conv3d(4, 1, 3, padding=1)
+        self.register_buffer("ema", torch.zeros(1, 1, *SHAPE[2:]))
+        self.register_buffer("mask", torch.ones(1, 1, 1, 1, 1))
+        self.register_buffer("ready", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("prev", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        if not self.ready:
+            mask = torch.ones(1, 1, *h.shape[2:], dtype=h.dtype)
+            mask[:, :, :2] = 0.5
+            self.mask = mask
+            self.ready.fill_(True)
+        if self.prev is not None:
+            h = h + 0.1 * self.prev
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean((0, 1), keepdim=True)
+        self.prev = h.detach().mean(1, keepdim=True)
+        return self.c2(h * self.mask - self.ema)
+
+
+class VolumeMask(VolumeEma):
+    """VolumeEma's mask alone: alike on every data-parallel replica."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        if not self.ready:
+            mask = torch.ones(1, 1, *h.shape[2:], dtype=h.dtype)
+            mask[:, :, :2] = 0.5
+            self.mask = mask
+            self.ready.fill_(True)
+        return self.c2(h * self.mask)
+
+
+class KeptFeatures(VolumeEma):
+    """VolumeEma's last features alone: each data-parallel replica's own samples."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x))
+        if self.prev is not None:
+            h = h + 0.1 * self.prev
+        self.prev = h.detach().mean(1, keepdim=True)
+        return self.c2(h)
+
+
 def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: torch.Tensor,
-                 split: list[int]) -> None:
+                 split: list[int] | dict) -> None:
     """Buffers as one process has them: untouched by parallelize and the build, then after 1 and 2
     steps, in the engine's state and in the model's own (``model.state_dict()``), whether the forward
     updates them in place or rebinds them; then after a prediction."""
@@ -275,7 +327,8 @@ def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: tor
             if v is not start[k][0]:
                 fails.append(f"{desc} {what}: model {k} is another tensor than the model's own")
 
-    engine = hp.parallelize(model, {"grid": {"spatial": split}}, loss_fn=F.mse_loss)
+    spec = split if isinstance(split, dict) else {"grid": {"spatial": split}}
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss)
     untouched("after parallelize")
     xl, yl = engine.shard_batch(x, y)
     untouched("after shard_batch (the build)")
@@ -294,8 +347,10 @@ def _buffer_case(fails: Failures, desc: str, make: type, x: torch.Tensor, y: tor
         for k, v in ref.state_dict().items():
             fails.check(f"{desc} after {i} step(s): engine {k}", got[k], v)
             fails.check(f"{desc} after {i} step(s): model {k}", model.state_dict()[k], v)
+    rows = slice(engine.grid.data_index * (x.shape[0] // engine.grid.data),
+                 (engine.grid.data_index + 1) * (x.shape[0] // engine.grid.data))  # this replica's
     with torch.no_grad():
-        fails.check(f"{desc} prediction", engine.predict(xl), ref(x))
+        fails.check(f"{desc} prediction", engine.predict(xl), ref(x)[rows])
     for k, v in ref.state_dict().items():
         fails.check(f"{desc} after the prediction: model {k}", model.state_dict()[k], v)
 
@@ -308,12 +363,37 @@ def _buffer_body(rank: int, world: int, split: list[int]) -> None:
     cases = (("counter and EMA in the forward, traced then swapped", RootCounter),
              ("counter and EMA in an untraceable forward", BranchCounter),
              ("counter and EMA rebound in the forward", RootRebound),
-             ("counter and rebound EMA in a layer of a traced model", LayerCounter))
+             ("counter and rebound EMA in a layer of a traced model", LayerCounter),
+             ("buffers of the volume's extents rebound", VolumeEma))
     for desc, make in cases:
         try:
             _buffer_case(fails, f"{desc} {split}", make, x, y, split)
         except Exception as err:  # name the case, then go on with the others
             fails.append(f"{desc} {split}: {type(err).__name__}: {err}")
+    fails.raise_if_any(rank)
+
+
+def _replicas_body(rank: int, world: int, split: list[int]) -> None:
+    """Data x spatial: a mask of the volume made from shapes, alike on every replica, is held whole; a
+    buffer of each replica's own features is refused at the step that makes it, alike on every rank."""
+    from hybridpar.planner.terms import SpecError
+
+    fails = Failures()
+    g = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(SHAPE, dtype=torch.float64, generator=g) for _ in range(2))
+    spec = {"grid": {"data": 2, "spatial": split}}
+    try:
+        _buffer_case(fails, "a mask of the volume, data x spatial", VolumeMask, x, y, spec)
+    except Exception as err:
+        fails.append(f"a mask of the volume, data x spatial: {type(err).__name__}: {err}")
+    engine = hp.parallelize(KeptFeatures().double(), spec, loss_fn=F.mse_loss)
+    try:
+        engine.train_step(*engine.shard_batch(x, y))
+        fails.append("features of each replica kept in a buffer: not refused")
+    except SpecError as err:
+        if "rebinds the buffer prev to a value of the split volume that each data-parallel replica" \
+                not in str(err):
+            fails.append(f"features of each replica kept in a buffer: {err}")
     fails.raise_if_any(rank)
 
 
@@ -388,7 +468,7 @@ def _changes_body(rank: int, world: int, split: list[int]) -> None:
 
 CALLS = [(2, "_mode_body", [2, 1, 1]), (2, "_buffer_body", [2, 1, 1]),  # one pool size after the other
          (2, "_changes_body", [2, 1, 1]),
-         (4, "_mode_body", [2, 2, 1]), (4, "_buffer_body", [2, 2, 1])]
+         (4, "_mode_body", [2, 2, 1]), (4, "_buffer_body", [2, 2, 1]), (4, "_replicas_body", [2, 1, 1])]
 
 
 @pytest.mark.parametrize("world,body,split", CALLS, ids=[f"{b[1:-5]}-{w}_ranks" for w, b, _ in CALLS])

@@ -32,7 +32,8 @@ class Snapshot:
     copy of each tensor's values, taken once however many slots hold it."""
 
     def __init__(self, named: Iterable[tuple[str, nn.Module]]) -> None:
-        self.slots: list[tuple[nn.Module, str, torch.Tensor, str]] = []  # module, slot, tensor, name
+        # module, slot, tensor (None: a slot registered empty, which a forward may fill), name
+        self.slots: list[tuple[nn.Module, str, torch.Tensor | None, str]] = []
         self.copies: dict[int, torch.Tensor] = {}  # id(tensor) -> its values when taken
         seen: set[int] = set()
         with torch.no_grad():
@@ -41,10 +42,8 @@ class Snapshot:
                     continue
                 seen.add(id(m))
                 for slot, t in m._buffers.items():
-                    if t is None:
-                        continue
                     self.slots.append((m, slot, t, f"{prefix}.{slot}" if prefix else slot))
-                    if id(t) not in self.copies:
+                    if t is not None and id(t) not in self.copies:
                         self.copies[id(t)] = t.detach().clone()
 
     def moved(self) -> list[str]:
@@ -53,7 +52,10 @@ class Snapshot:
         out = []
         for m, slot, t, name in self.slots:
             now = m._buffers.get(slot)
-            if (now is not t or not same_values(t.detach(), self.copies[id(t)])) and id(t) not in named:
+            if t is None:
+                if now is not None:
+                    out.append(name)
+            elif (now is not t or not same_values(t.detach(), self.copies[id(t)])) and id(t) not in named:
                 named.add(id(t))
                 out.append(name)
         return out
@@ -64,7 +66,7 @@ class Snapshot:
             for m, slot, t, _ in self.slots:
                 if m._buffers.get(slot) is not t:
                     m._buffers[slot] = t
-            for t in {id(t): t for _, _, t, _ in self.slots}.values():
+            for t in {id(t): t for _, _, t, _ in self.slots if t is not None}.values():
                 saved = self.copies[id(t)]
                 if not same_values(t, saved):
                     t.copy_(saved)
@@ -74,7 +76,7 @@ class Snapshot:
         comes back, for :func:`put`."""
         held = [(m, slot, m._buffers.get(slot)) for m, slot, _, _ in self.slots]
         for m, slot, t, _ in self.slots:
-            m._buffers[slot] = tensors[id(t)]
+            m._buffers[slot] = None if t is None else tensors[id(t)]
         return held
 
     def fresh(self) -> dict[int, torch.Tensor]:

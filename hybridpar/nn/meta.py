@@ -237,7 +237,13 @@ def unwatched(module: nn.Module) -> Iterator[None]:
 
 
 def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> Any:
+    """One run; buffer slots ``state`` has no entry for (registered empty, ``register_buffer("prev",
+    None)``, or registered by the forward) are left as they were: a meta tensor left there would reach
+    the first real step."""
+    empty = {(m, slot) for m in module.modules() for slot, t in m._buffers.items() if t is None}
+    named = {id(m): set(m._buffers) for m in module.modules()}
     with contextlib.ExitStack() as stack:
+        stack.callback(_empty_again, module, empty, named)
         stack.enter_context(mode)
         for m in module.modules():
             if isinstance(m, nn.SyncBatchNorm):
@@ -262,3 +268,12 @@ def _put_back(module: nn.Module, values: dict[tuple[str, str], Any], kept: list[
             setattr(m, k, values[(prefix, k)])
         else:
             delattr(m, k)
+
+
+def _empty_again(module: nn.Module, empty: set[tuple[nn.Module, str]], named: dict[int, set[str]]) -> None:
+    for m in module.modules():
+        for slot in set(m._buffers) - named.get(id(m), set(m._buffers)):
+            del m._buffers[slot]
+            m._non_persistent_buffers_set.discard(slot)
+    for m, slot in empty:
+        m._buffers[slot] = None

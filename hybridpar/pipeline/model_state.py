@@ -44,6 +44,12 @@ class ModelKeys:
         # the model's own tensors: an optimizer over model.parameters() may still change them (decay)
         self.unheld = {g[0]: _detached(entries[g[0]]) for g in groups.values() if not any(held(k) for k in g)}
 
+    def ordered(self, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``entries`` in the model's key order; after them, those the model had no key for at the
+        build (a buffer registered empty, ``register_buffer("prev", None)``, that the forward fills)."""
+        return {**{k: entries[k] for k in self.keys if k in entries},
+                **{k: v for k, v in entries.items() if k not in self.names}}
+
     def complete(self, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``entries`` with every other name of each of their tensors."""
         return {a: v for k, v in entries.items() for a in self.names.get(k, [k])}
@@ -56,8 +62,7 @@ def local_state(layers: Layers, keys: ModelKeys | None = None, first: bool = Tru
            for k, v in m.state_dict().items()}
     if keys is None:
         return own
-    held = keys.complete({**own, **(keys.unheld if first else {})})
-    return {k: held[k] for k in keys.keys if k in held}  # in the model's order
+    return keys.ordered(keys.complete({**own, **(keys.unheld if first else {})}))
 
 
 def full_state(layers: Layers, grid: ProcessGrid, keys: ModelKeys) -> dict[str, torch.Tensor]:
@@ -68,8 +73,7 @@ def full_state(layers: Layers, grid: ProcessGrid, keys: ModelKeys) -> dict[str, 
         parts = [None] * grid.pipe
         dist.all_gather_object(parts, local, group=grid.pipe_group)
     unheld = {k: _on_cpu(v) for k, v in keys.unheld.items()}
-    merged = keys.complete({**unheld, **{k: v for p in parts for k, v in p.items()}})
-    return {k: merged[k] for k in keys.keys if k in merged}
+    return keys.ordered(keys.complete({**unheld, **{k: v for p in parts for k, v in p.items()}}))
 
 
 def _detached(v: Any) -> Any:

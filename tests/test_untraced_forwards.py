@@ -990,6 +990,8 @@ class _Keeps(nn.Module):
             self.named["w"] = self.conv.weight.abs().sum()
         elif self.how == "shapes":
             self.terms.append(tuple(x.shape))
+        elif self.how == "side outputs":  # rebound to a new list on every call, for the loss to read
+            self.terms = [h * 0.5]
         elif self.how == "scratch":  # read back within the call (MONAI DynUNet's deep-supervision heads)
             self.terms.clear()
             self.terms.append(h * 0.5)
@@ -1004,6 +1006,7 @@ class _Keeps(nn.Module):
     ("counter", r"changes self.calls on every call.*keep it in a buffer updated in place"),
     ("list", r"leaves tensors in self.terms \(a list\) after the call.*return them from the forward"),
     ("dict", r"leaves tensors in self.named \(a dict\) after the call"),
+    ("side outputs", r"leaves tensors in self.terms \(a list\) after the call"),
     ("within", None), ("size", None), ("shapes", None), ("scratch", None)])
 @pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
 def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):

@@ -164,11 +164,14 @@ def _refuse_filled(module: nn.Module, held: Held, read: WeakIdKeyDictionary) -> 
     filled = [key for key in put_back_contents(held) if left[key]]
     if filled:
         prefix, k = filled[0]
-        kind = type(held[filled[0]][0]).__name__
-        raise CarriedState(f"{_where(module, prefix)}: its forward leaves tensors in self.{k} (a {kind}) "
-                           f"after the call (auxiliary losses, a cache), "
-                           f"which the engine's split runs fill with their own: return them from the forward "
-                           f"(a tuple or dict of outputs reaches loss_fn), or keep them in local variables")
+        raise _left_in(module, prefix, k, held[filled[0]][0])
+
+
+def _left_in(module: nn.Module, prefix: str, k: str, value: object) -> CarriedState:
+    return CarriedState(f"{_where(module, prefix)}: its forward leaves tensors in self.{k} (a "
+                        f"{type(value).__name__}) after the call (auxiliary losses, side outputs, a cache), "
+                        f"which the engine's split runs fill with their own: return them from the forward "
+                        f"(a tuple or dict of outputs reaches loss_fn), or keep them in local variables")
 
 
 def _where(module: nn.Module, prefix: str) -> str:
@@ -213,6 +216,8 @@ def _refuse_moving(module: nn.Module, state: dict[str, torch.Tensor], args: tupl
                                    if key not in plain or not _same(v, plain[key])])
     if moving:
         prefix, k = moving[0]
+        if any(isinstance(t, torch.Tensor) for t in tree_leaves(first[moving[0]])):  # self.sides = [s]
+            raise _left_in(module, prefix, k, first[moving[0]])
         raise CarriedState(f"{_where(module, prefix)}: its forward changes self.{k} on every call, which a "
                            f"split run cannot follow as one process does (a traced graph keeps its value at "
                            f"the trace); keep it in a buffer updated in place (self.register_buffer('{k}', "

@@ -35,17 +35,17 @@ class Copies:
                value: object) -> list[str]:
         """What the call ``name`` on ``tensors`` (writing ``written`` in place, if any; ``value`` its
         third argument, what a ``__setitem__`` writes) breaks."""
-        line, unsafe = calls.caller(), []
+        unsafe: list[str] = []  # the caller's line is read only where needed: it walks the stack
         if (stale := [self.stale[t] for t in tensors if t in self.stale]) and name not in calls.SAFE:
             unsafe.append(f"{name} of {stale[0]}, written in place since (in one process a view, which "
-                          f"would see the write; here a copy) at {line}")
-        if name == "__setitem__" and id(value) in self.pending and self.pending[id(value)][2] == line \
-                and self.taken[value][1] == id(written):  # the box written back, as augmented assignment does
+                          f"would see the write; here a copy) at {calls.caller()}")
+        if name == "__setitem__" and id(value) in self.pending and self.taken[value][1] == id(written) \
+                and self.pending[id(value)][2] == calls.caller():  # written back, as augmented assignment
             del self.pending[id(value)]
         if read := [why for t in tensors for _, why, _ in self._reading(t)]:
             unsafe.append(read[0])  # the source read before the copy was written back
         if written is not None and written in self.taken:
-            what = self.taken[written][0]
+            what, line = self.taken[written][0], calls.caller()
             self.pending[id(written)] = (written, f"{name} (writes in place into {what}, which the split "
                                          f"activation does not share, and no write of it back follows; write "
                                          f"into it, h[:, :, a:b] += 2) at {line}", line)

@@ -273,31 +273,29 @@ class VolumeEma(nn.Module):
         self.register_buffer("ready", torch.zeros((), dtype=torch.bool))
         self.register_buffer("prev", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.c1(x))
         if not self.ready:
             mask = torch.ones(1, 1, *h.shape[2:], dtype=h.dtype)
             mask[:, :, :2] = 0.5
             self.mask = mask
             self.ready.fill_(True)
+        return h * self.mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.masked(x)
         if self.prev is not None:
             h = h + 0.1 * self.prev
         self.ema = 0.9 * self.ema + 0.1 * h.detach().mean((0, 1), keepdim=True)
         self.prev = h.detach().mean(1, keepdim=True)
-        return self.c2(h * self.mask - self.ema)
+        return self.c2(h - self.ema)
 
 
 class VolumeMask(VolumeEma):
     """VolumeEma's mask alone: alike on every data-parallel replica."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.c1(x))
-        if not self.ready:
-            mask = torch.ones(1, 1, *h.shape[2:], dtype=h.dtype)
-            mask[:, :, :2] = 0.5
-            self.mask = mask
-            self.ready.fill_(True)
-        return self.c2(h * self.mask)
+        return self.c2(self.masked(x))
 
 
 class KeptFeatures(VolumeEma):

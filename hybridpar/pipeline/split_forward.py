@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -45,11 +44,11 @@ from hybridpar.nn import slicing
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.pipeline.rebound_buffers import whole_buffers
 from hybridpar.planner import calls
 from hybridpar.planner.layout_watch import Extents, LayoutWatch, leave_whole
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
 from hybridpar.planner.swapped import leaves, unsafe_error
-from hybridpar.planner.terms import SpecError
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
 
@@ -362,7 +361,7 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
         try:
             with mode:
                 out = inner(x, *args, **kwargs)
-            _whole_buffers(swapped, mode)
+            whole_buffers(swapped, mode)
             if mode.unsafe:  # a path the plan's run did not take (a branch on the mode): never run unsplit
                 raise unsafe_error(swapped, mode)
             # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole, and every
@@ -379,34 +378,6 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
     swapped.forward = forward  # an attribute of this copy only: its class and state dict keys unchanged
     swapped._hybridpar_block = mode
     return mode
-
-
-def _whole_buffers(swapped: nn.Module, mode: SplitForward) -> None:
-    """A buffer the forward rebound to a split value (``self.ema_map = 0.9 * self.ema_map + 0.1 * h``,
-    a mask made at the input's extents) holds it whole, gathered, as one process's does: the next
-    call reads it at each shard's box, and the state dict holds the volume. With data parallelism the
-    replicas must hold the same value (a mask made from shapes); one made from each replica's own
-    samples is refused, naming it (found by value: one all-reduce over the replicas, in the steps that
-    rebind it)."""
-    for name, m in swapped.named_modules():
-        for slot, t in m._buffers.items():
-            if t is None or not (t in mode.split or t in mode.chains):
-                continue
-            whole = m._buffers[slot] = mode.whole(t)
-            if mode.grid.data > 1 and not _alike_over(whole.detach(), mode.grid.data_group):
-                where = f"{name}.{slot}" if name else slot
-                raise SpecError(f"model ({type(swapped).__name__}): its forward rebinds the buffer {where} "
-                                f"to a value of the split volume that each data-parallel replica computes "
-                                f"from its own samples; train it without data parallelism")
-
-
-def _alike_over(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether ``t`` is the same on every rank of ``group`` (its elementwise minimum and maximum over
-    the group agree), alike on every rank."""
-    lo, hi = t.clone(), t.clone()
-    dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
-    return torch.equal(lo, hi)
 
 
 def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) -> None:

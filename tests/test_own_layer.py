@@ -248,13 +248,15 @@ class _Untraceable(nn.Module):
 @pytest.mark.parametrize("mode", ["nearest", "volume"])
 def test_a_copy_checked_under_module_swapping(mode):
     """Module swapping plans with meta tensors in the layers' slots: the check runs the layer with drawn
-    weights; the nearest copy runs split, the one reading the volume's extents is refused by name."""
+    weights; the nearest copy runs split, the one reading the volume's extents runs whole on the
+    gathered volume, as a traced plan runs it, and ``strict`` refuses it by name."""
     from hybridpar.planner.terms import SpecError
 
     model = _Untraceable(_PerVolume() if mode == "volume" else _GainUp(mode))
-    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
-    if mode == "nearest":
-        assert next(r for r in spec.plan(model, (2, 1, 16, 8, 8), 2) if r.name == "layer").split == (2, 1, 1)
-    else:
+    spec = {"grid": {"spatial": [2, 1, 1]}}
+    plan = hp.ParallelSpec.from_dict(spec).plan(model, (2, 1, 16, 8, 8), 2)
+    rec = next(r for r in plan if r.name == "layer")
+    assert (rec.split, rec.gather) == (((2, 1, 1), False) if mode == "nearest" else ((1, 1, 1), True)), rec
+    if mode == "volume":
         with pytest.raises(SpecError, match=r"layer \(_PerVolume\).*reads across the shards' boundaries"):
-            spec.plan(model, (2, 1, 16, 8, 8), 2)
+            hp.ParallelSpec.from_dict({**spec, "strict": True}).plan(model, (2, 1, 16, 8, 8), 2)

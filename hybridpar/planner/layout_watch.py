@@ -144,16 +144,16 @@ class LayoutWatch(TorchFunctionMode):
 
     def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
         """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
-        where it works voxel by voxel on a split input (a softmax over channels); a split layer run whole
-        (too small to split) gives a whole value."""
+        where it works voxel by voxel on a split input (a softmax over channels); a layer that reads its
+        input whole (:meth:`needs_whole`: too small to split, or a copy that reads across the shards)
+        gives a whole value."""
         self.carry([x], out)
         if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
             return
         entry = registry.lookup(m)
         if split and not entry.replicated_output(m):
             self.mark(out, self.layer_extents(m, x, out))
-        elif not split and entry is not None and not entry.flattens and not entry.splittable \
-                and not dense_on_split(m, entry):
+        elif not split and entry is not None and not entry.flattens and not self.needs_whole(m, x):
             self.mark(out, self.split[x])
 
     def layer_extents(self, m: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Extents:

@@ -96,8 +96,10 @@ def calls_met(model: nn.Module, input_shape: Sequence[int], split: Split, micro:
 def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Split, micro: int) -> bool:
     """Check that ``block``, a node of a traced graph run by module swapping on a split input of global
     ``input_shape``, runs split (the :class:`SpecError` of :func:`swapped_plan` if not), and say whether
-    its output is split (a block ending in a reduction over the volume returns a replicated value)."""
-    return bool(_follow(block, input_shape, split, micro, nested=True)[3][1][:1] == [True])
+    its output is split (a block ending in a reduction over the volume returns a replicated value). A
+    layer in it too small to split is refused (:class:`~hybridpar.planner.analysis.TooSmallToSplit`):
+    the traced plan around the block then replicates the block, or refuses it where the spec is strict."""
+    return bool(_follow(block, input_shape, split, micro, nested=True, strict=True)[3][1][:1] == [True])
 
 
 def returned(model: nn.Module, input_shape: Sequence[int], split: Split

@@ -159,8 +159,9 @@ def _refuse_filled(module: nn.Module, held: Held, read: WeakIdKeyDictionary) -> 
     (on the meta device, on shards) would fill it, never one process's values. One the forward reads
     back within the call (MONAI DynUNet's deep-supervision heads, gathered into its output) is its
     scratch. Each container's contents are put back first."""
+    before = {key: set(_tensors_in(then)) for key, (_, then) in held.items()}
     left = {key: [t for t in tree_leaves(now) if isinstance(t, torch.Tensor) and t not in read
-                  and id(t) not in _tensors_in(then)] for key, (now, then) in held.items()}
+                  and id(t) not in before[key]] for key, (now, _) in held.items()}
     filled = [key for key in put_back_contents(held) if left[key]]
     if filled:
         prefix, k = filled[0]

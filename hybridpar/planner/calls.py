@@ -59,7 +59,7 @@ SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "i
         "dtype", "device", "ndim", "requires_grad", "is_cuda", "is_leaf", "layout", "is_sparse",
         "is_quantized", "is_meta", "grad_fn", "names",
         # a tensor made from sizes (global ones, read from the volume): replicated, narrowed to the shard
-        # where it meets one
+        # where it meets one; of one value at a split activation's extents, made split (planner/fills.py)
         "new_zeros", "new_ones", "new_full", "new_empty")
 LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float", "expand_as",
         "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",

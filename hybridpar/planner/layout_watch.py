@@ -396,9 +396,9 @@ class LayoutWatch(TorchFunctionMode):
         if x in self.chains:
             return True
         whole = self.original(m)
+        entry = registry.lookup(whole)
         return x in self.split and (dense_on_split(m, registry.lookup(m)) or (
-            registry.lookup(whole) is not None and registry.lookup(whole).splittable
-            and not self.module_fits(whole, x, key=id(whole))))
+            entry is not None and entry.splittable and not self.module_fits(whole, x, key=id(whole))))
 
     def hook(self, modules: Iterable[nn.Module],
              on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:

@@ -44,6 +44,24 @@ class Counter(Plain):
         return super().forward(x)
 
 
+class WarmCounter(Plain):
+    """A counter the forward starts moving once the user's script says the warm-up is over, and a
+    coordinate grid it rewrites alike on every call (its values never change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warm = False
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("grid", torch.arange(SHAPE[2], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] > 1:  # untraceable: run by module swapping, whose forward reads self.warm live
+            self.grid.copy_(torch.arange(x.shape[2], dtype=torch.float64))
+            if self.training and self.warm:
+                self.steps += 1
+        return super().forward(x)
+
+
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(SHAPE, dtype=torch.float64, generator=g),
@@ -120,6 +138,38 @@ def _refusal_body(rank: int, world: int, case: str) -> tuple[str, float, float]:
     full, own = engine.full_state_dict(), model.state_dict()
     return said, full["steps"].item() + own["steps"].item(), full["ema_w"].abs().max().item() + \
         own["ema_w"].abs().max().item()
+
+
+def _late_body(rank: int, world: int) -> tuple[list[str], float]:
+    """Three micro-batched steps, the warm-up ending after the second: what each step said, and the
+    counter afterwards."""
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    model = WarmCounter().double()
+    spec = {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}
+    engine = hp.parallelize(model, spec, loss_fn=F.mse_loss, input_shape=SHAPE)
+    said = []
+    for step in range(3):
+        model.warm = step == 2
+        try:
+            engine.train_step(*engine.shard_batch(*_batches()[0]))
+            said.append("")
+        except hp.SpecError as err:
+            said.append(str(err))
+    return said, engine.full_state_dict()["steps"].item()
+
+
+def test_a_buffer_the_forward_starts_moving_later_is_refused(pools):
+    """Found at the step it first moves (by version counter, no copy), not only at the first step; a
+    buffer written alike every step (the grid) is compared by value and passes."""
+    said = pools(2).run(_late_body, timeout=300)
+    assert said[0] == said[1], f"ranks said different things: {said}"
+    (first, second, third), steps = said[0]
+    assert first == second == "", said[0]
+    assert third.startswith("Engine.train_step: the forward changed buffer steps at this step, not at the "
+                            "first micro-batched one: it moved once per each of the 2 micro-batches"), third
+    assert steps == 2.0  # as the micro-batches left it, which the message says
 
 
 @pytest.mark.parametrize("case,start", [

@@ -485,8 +485,9 @@ class Writes(nn.Module):
 class Fills(nn.Module):
     """Tensors of one value made at the volume's extents (``h.new_zeros(h.shape)``, ``torch.zeros(n, 4,
     *h.shape[2:])``, a D, H, W mask) and written into: a valid conv's output put back into a padded
-    frame, channels placed into a wider tensor, planes of a mask set; boxes added to in place
-    (``h[:, :, a:b] += v``, a learnable per-channel value among them)."""
+    frame, channels placed into a wider tensor, planes of a mask set (by a constant index made in the
+    forward, on the model's device); boxes added to in place (``h[:, :, a:b] += v``, a learnable
+    per-channel value among them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -502,6 +503,7 @@ class Fills(nn.Module):
             mask = torch.zeros(h.shape[2:], dtype=h.dtype)
             mask[1:4] = 1.0
             mask[:, 2:] += 0.5
+            mask.index_fill_(0, torch.tensor([0, 5]), 0.25)
             h = framed + h * mask
             h[:, :, 1:-1, ::2] += self.shift
             h[:, :, :3] *= 2

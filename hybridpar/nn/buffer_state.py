@@ -9,7 +9,7 @@ three alike, and did so in three copies of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,12 +29,16 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class Snapshot:
     """Every buffer slot of ``named`` ((name, module) pairs; a module met twice recorded once), with a
-    copy of each tensor's values, taken once however many slots hold it."""
+    copy of each tensor's values, taken once however many slots hold it, and its version counter.
+    ``compare(module, slot)`` False: that slot's values are not copied (it is then followed by
+    :meth:`touched` alone, which costs no copy)."""
 
-    def __init__(self, named: Iterable[tuple[str, nn.Module]]) -> None:
+    def __init__(self, named: Iterable[tuple[str, nn.Module]],
+                 compare: Callable[[nn.Module, str], bool] | None = None) -> None:
         # module, slot, tensor (None: a slot registered empty, which a forward may fill), name
         self.slots: list[tuple[nn.Module, str, torch.Tensor | None, str]] = []
         self.copies: dict[int, torch.Tensor] = {}  # id(tensor) -> its values when taken
+        self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when taken
         seen: set[int] = set()
         with torch.no_grad():
             for prefix, m in named:
@@ -43,11 +47,15 @@ class Snapshot:
                 seen.add(id(m))
                 for slot, t in m._buffers.items():
                     self.slots.append((m, slot, t, f"{prefix}.{slot}" if prefix else slot))
-                    if t is not None and id(t) not in self.copies:
+                    if t is None:
+                        continue
+                    self.versions.setdefault(id(t), t._version)
+                    if id(t) not in self.copies and (compare is None or compare(m, slot)):
                         self.copies[id(t)] = t.detach().clone()
 
     def moved(self) -> list[str]:
-        """Names of the slots rebound since, or whose tensor's values changed (each tensor named once)."""
+        """Names of the slots rebound since, or whose tensor's values changed (each tensor named once), of
+        those whose values were copied."""
         named: set[int] = set()
         out = []
         for m, slot, t, name in self.slots:
@@ -55,10 +63,17 @@ class Snapshot:
             if t is None:
                 if now is not None:
                     out.append(name)
-            elif (now is not t or not same_values(t.detach(), self.copies[id(t)])) and id(t) not in named:
+            elif id(t) in self.copies and id(t) not in named and (
+                    now is not t or not same_values(t.detach(), self.copies[id(t)])):
                 named.add(id(t))
                 out.append(name)
         return out
+
+    def touched(self) -> list[tuple[nn.Module, str, str]]:
+        """The slots rebound since, or whose tensor was written in place (its version counter moved,
+        whatever it wrote): (module, slot, name)."""
+        return [(m, slot, name) for m, slot, t, name in self.slots if m._buffers.get(slot) is not t or (
+            t is not None and t._version != self.versions[id(t)])]
 
     def restore(self) -> None:
         """Each slot holds its own tensor again, with the values it had."""
@@ -66,7 +81,8 @@ class Snapshot:
             for m, slot, t, _ in self.slots:
                 if m._buffers.get(slot) is not t:
                     m._buffers[slot] = t
-            for t in {id(t): t for _, _, t, _ in self.slots if t is not None}.values():
+            held = {id(t): t for _, _, t, _ in self.slots if t is not None and id(t) in self.copies}
+            for t in held.values():
                 saved = self.copies[id(t)]
                 if not same_values(t, saved):
                     t.copy_(saved)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.families import BATCH_NORM
@@ -80,7 +80,24 @@ class OnMeta(TorchFunctionMode):
         if getattr(func, "__name__", "") in FACTORIES and kwargs.get("device") is None \
                 and not any(isinstance(a, torch.Tensor) for a in args) and _users_call():
             kwargs = {**kwargs, "device": "meta"}
+        with torch._C.DisableTorchFunction():  # its reads are not the forward's: modes below see none
+            args, kwargs = _beside_meta(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` with a constant the forward made on its own device (an index,
+    ``torch.tensor([0, 3, 12])``), given beside the forward's meta tensors, read on the meta device: on
+    the device the model runs on both are there. A tensor the call writes in place stays where it is."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not any(t.is_meta for t in leaves) or all(t.is_meta or t.dim() == 0 for t in leaves):
+        return args, kwargs
+    name = getattr(func, "__name__", "")
+    written = args[0] if args and (name.endswith("_") and not name.startswith("__")
+                                   or name.startswith("__i") or name == "__setitem__") else None
+    move = lambda t: t.to("meta") if isinstance(t, torch.Tensor) and t is not written and \
+        not t.is_meta and t.dim() > 0 else t  # noqa: E731
+    return tree_map(move, args), tree_map(move, kwargs)
 
 
 def _users_call() -> bool:

@@ -143,8 +143,8 @@ class Engine:
     def _check_batch_stats(self, training: bool) -> bool:
         """Refuse state that micro-batches would move more often than one process does
         (:mod:`~hybridpar.pipeline.step_state`): norms' statistics unless the spec accepts them, and,
-        on the first micro-batched training step, any other buffer the forward changes. True: that
-        step's buffers are being watched (``_buffer_watch.finish`` after it)."""
+        on every micro-batched training step, any other buffer the forward changes. True: that step's
+        buffers are being watched (``_buffer_watch.finish`` after it)."""
         pl = self.spec.pipeline
         if pl.microbatches == 1:
             return False
@@ -154,7 +154,7 @@ class Engine:
             model = self._mode.model()
             refuse_micro_batch_norms(micro_batch_norms([("", model)]) if model is not None else
                                      self._batch_norms, pl.microbatches, "Engine.train_step")
-        if self._buffer_watch.done or not training:
+        if not training:
             return False
         self._buffer_watch.start(self.layers, [s for _, s in self._batch_norms])
         return True

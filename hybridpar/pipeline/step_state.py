@@ -10,18 +10,19 @@ one line naming the layer or buffer, alike on every rank:
   also differ from its batch's) and any norm tracking running statistics (InstanceNorm with
   ``track_running_stats=True``), unless the spec accepts per-micro-batch statistics
   (``pipeline: {micro_batch_stats: true}``, GPipe's);
-* any other buffer the forward changes (:class:`BufferWatch`): found exactly by value, on the first
-  micro-batched step in training mode. Its buffers are cloned before it and compared after it; a
-  change restores the clones (the state is as before the step) and raises. It is checked once: a
-  comparison every step would cost a copy of every buffer per step, and a forward that updates a
-  buffer does so from its first training step in every model we know of (a buffer that only starts
-  moving later is not caught).
+* any other buffer the forward changes (:class:`BufferWatch`): found exactly by value on the first
+  micro-batched step in training mode, whose buffers are cloned before it and compared after it; a
+  change restores the clones (the state is as before the step) and raises. Every later such step
+  follows the slots and version counters (no copy): a buffer first written then (a warm-up's counter)
+  is refused too, its values as the micro-batches left them. Only the slots the first step wrote with
+  the values they held (a coordinate grid rewritten alike) are compared by value every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -64,33 +65,61 @@ def refuse_micro_batch_norms(norms: list[tuple[str, nn.Module]], microbatches: i
 
 
 class BufferWatch:
-    """Refuses, once, a forward that changes a buffer other than the norms' (see module doc)."""
+    """Refuses a forward that changes a buffer other than the norms' (see module doc)."""
 
     def __init__(self) -> None:
-        self.done = False
+        self.done = False  # the first micro-batched training step compared every buffer by value
         self._before: Snapshot | None = None
+        self._alike: set[tuple[int, str]] = set()  # (module, slot) that step wrote with the values it held
 
     def start(self, layers: Layers, skip: Sequence[nn.Module]) -> None:
-        """Record this stage's user buffers (the layers the model named; not those of ``skip``)."""
+        """Record this stage's user buffers (the layers the model named; not those of ``skip``): every
+        one's values at the first step, afterwards those of the slots that step wrote alike."""
         skipped = {id(m) for m in skip}
-        self._before = Snapshot((_join(n, mn), mod) for n, m in layers if n is not None
-                                for mn, mod in m.named_modules() if id(mod) not in skipped)
+        compare = (lambda m, slot: (id(m), slot) in self._alike) if self.done else None
+        self._before = Snapshot(((_join(n, mn), mod) for n, m in layers if n is not None
+                                 for mn, mod in m.named_modules() if id(mod) not in skipped), compare)
 
     def finish(self, what: str, microbatches: int) -> None:
-        """Compare, agree over the job (one exchange of names, once), restore and raise if any moved."""
-        before, self._before, self.done = self._before, None, True
-        changed = before.moved() if before is not None else []
-        if before is not None:
-            before.restore()
-            return_rebound()  # the model's own slots as restored
-        every: list[list[str]] = [changed]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(every, changed)
-        names = sorted({n for part in every for n in part})
-        if names:
-            plural = "s" * (len(names) > 1)
-            raise SpecError(f"{what}: the forward changes buffer{plural} {', '.join(names)}, which would "
-                            f"move once per each of the {microbatches} micro-batches, not once per batch "
-                            f"as in one process (the step's buffers are restored); use "
+        """Compare, agree over the job, restore and raise if any moved: at the first step by value (one
+        exchange of names), afterwards by version counter and slot (one all-reduce of a flag)."""
+        before, self._before = self._before, None
+        first, self.done = not self.done, True
+        if before is None:
+            return
+        changed, touched = before.moved(), before.touched()
+        if first:
+            self._alike = {(id(m), slot) for m, slot, _ in touched}
+        late = [name for m, slot, name in touched if (id(m), slot) not in self._alike]
+        before.restore()
+        return_rebound()  # the model's own slots as restored
+        names, late = _every(changed + late, first), set(_every(late, first))
+        if not names:
+            return
+        plural = "s" * (len(names) > 1)
+        if late:
+            it = "they" if plural else "it"
+            raise SpecError(f"{what}: the forward changed buffer{plural} {', '.join(names)} at this step, "
+                            f"not at the first micro-batched one: {it} moved once per "
+                            f"each of the {microbatches} micro-batches, not once per batch as in one process "
+                            f"(the values written in place are not restored: resume from a checkpoint); use "
                             f"pipeline.microbatches 1, or update it outside the forward (after train_step)")
+        raise SpecError(f"{what}: the forward changes buffer{plural} {', '.join(names)}, which would "
+                        f"move once per each of the {microbatches} micro-batches, not once per batch "
+                        f"as in one process (the step's buffers are restored); use "
+                        f"pipeline.microbatches 1, or update it outside the forward (after train_step)")
+
+
+def _every(names: list[str], exchange: bool) -> list[str]:
+    """``names`` found on any rank of the job, sorted: exchanged, or (``exchange`` False) exchanged only
+    where a flag all-reduced over the job (a CPU tensor: no device synchronisation) says any rank has one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return sorted(set(names))
+    if not exchange:
+        flag = torch.tensor([len(names)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag[0]) == 0:
+            return []
+    every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, names)
+    return sorted({n for part in every for n in part})

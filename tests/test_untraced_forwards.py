@@ -486,8 +486,8 @@ class Fills(nn.Module):
     """Tensors of one value made at the volume's extents (``h.new_zeros(h.shape)``, ``torch.zeros(n, 4,
     *h.shape[2:])``, a D, H, W mask) and written into: a valid conv's output put back into a padded
     frame, channels placed into a wider tensor, planes of a mask set (by a constant index made in the
-    forward, on the model's device); boxes added to in place (``h[:, :, a:b] += v``, a learnable
-    per-channel value among them)."""
+    forward, on the model's device); whole tensors a volume is written into (a pad by hand, a ramp);
+    boxes added to in place (``h[:, :, a:b] += v``, a learnable per-channel value among them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -505,6 +505,11 @@ class Fills(nn.Module):
             mask[:, 2:] += 0.5
             mask.index_fill_(0, torch.tensor([0, 5]), 0.25)
             h = framed + h * mask
+            padded = h.new_zeros(*h.shape[:2], *(s + 2 for s in h.shape[2:]))  # a pad by hand
+            padded[:, :, 1:-1, 1:-1, 1:-1] = h  # a whole tensor: written whole, alike on every rank
+            ramp = torch.linspace(0, 1, h.shape[-1], dtype=h.dtype).expand(h.shape).clone()
+            ramp.add_(h)
+            h = h + self.valid(padded) * ramp.mean(dim=(1, 2, 3, 4), keepdim=True)
             h[:, :, 1:-1, ::2] += self.shift
             h[:, :, :3] *= 2
         wide = torch.zeros(h.shape[0], 4, *h.shape[2:], dtype=h.dtype)
@@ -812,10 +817,11 @@ class _Refused(nn.Module):
                 h = h[:, :, 1:-1]
                 n, c, d, hh, w = h.shape
                 h = h.view(n, c, d // 2, 2, hh, w).permute(0, 1, 3, 2, 4, 5).reshape(n, c * 2, d // 2, hh, w)
-            elif self.what == "filled in place":
-                acc = torch.linspace(0, 1, h.shape[-1], dtype=h.dtype).expand(h.shape).clone()
-                acc.add_(h)
-                h = h * acc.mean()
+            elif self.what == "a flattened volume written in place":
+                f = h.flatten(2)
+                f[:, :, :3] = 0.0
+            elif self.what == "channels last scaled in place":
+                h.permute(0, 2, 3, 4, 1).mul_(2)
         return h
 
 
@@ -830,7 +836,9 @@ class _Refused(nn.Module):
                                     r"computed whole on a batch in parts, at test_untraced_forwards.py:\d+"),
     ("chunk along the batch", r"chunk \(across the samples of the batch, which data parallelism"),
     ("a sample picked", r"__getitem__ \(across the samples of the batch"),
-    ("filled in place", r"add_ \(writes a split activation into a whole tensor in place"),
+    ("a flattened volume written in place", r"__setitem__ \(writes in place into a reshape of a split "
+                                            r"activation, .* at test_untraced_forwards.py:\d+"),
+    ("channels last scaled in place", r"mul_ \(writes in place into a reshape of a split activation"),
     ("a narrowed view written in place", r"mul_ \(writes in place into a view of the volume gathered for"),
     ("a box written in place, not back",
      r"mul_ \(writes in place into a box of slices at test_untraced_forwards.py:\d+, which the split "

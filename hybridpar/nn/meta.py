@@ -90,7 +90,8 @@ def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
     ``torch.tensor([0, 3, 12])``), given beside the forward's meta tensors, read on the meta device: on
     the device the model runs on both are there. A tensor the call writes in place stays where it is."""
     leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if not any(t.is_meta for t in leaves) or all(t.is_meta or t.dim() == 0 for t in leaves):
+    if not any(t.is_meta for t in leaves) or all(t.is_meta or t.dim() == 0 for t in leaves) \
+            or not _users_call(3):  # the library's own (a module copied for a check) as it comes
         return args, kwargs
     name = getattr(func, "__name__", "")
     written = args[0] if args and (name.endswith("_") and not name.startswith("__")
@@ -100,10 +101,10 @@ def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
     return tree_map(move, args), tree_map(move, kwargs)
 
 
-def _users_call() -> bool:
-    """Whether the innermost frame outside torch is the user's (the library's own arithmetic, a halo
-    plan's taps, keeps the default device)."""
-    f = sys._getframe(2)
+def _users_call(depth: int = 2) -> bool:
+    """Whether the innermost frame outside torch, from ``depth`` frames up (a mode's caller), is the
+    user's (the library's own arithmetic, a halo plan's taps, keeps the default device)."""
+    f = sys._getframe(depth)
     while f is not None and f"{os.sep}torch{os.sep}" in f.f_code.co_filename:
         f = f.f_back
     return f is not None and f"{os.sep}hybridpar{os.sep}" not in f.f_code.co_filename

@@ -289,3 +289,13 @@ def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | No
     fwd, train, counted = _flop_costs(model, leaves, shape, shapes)
     return Analysis(model, shape, graph, leaves, shapes, fwd, train, counted, terse,
                     space_maps=find_space_maps(graph, values))
+
+
+def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
+    """Whether a registered layer that does not split (``nn.Linear``, ``nn.Softmax`` over a dim of the
+    volume) would read a split volume: it needs the whole volume, so the forward is refused (a
+    ``Flatten`` gathers its input first, a softmax over channels works voxel by voxel)."""
+    if entry is None or entry.splittable or entry.flattens:
+        return False
+    dim = getattr(m, "dim", None)  # a softmax's or a GLU's
+    return not (entry.op == "pointwise" and isinstance(dim, int) and dim % 5 < 2)

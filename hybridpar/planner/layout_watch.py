@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.planner import calls, per_sample
-from hybridpar.planner.analysis import REPLICATED, node_halos, splits_under
+from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.copies import Copies
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
@@ -47,16 +47,6 @@ def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
     split = [s for s in shapes if s is not None]
     return bool(split) and (len(split) != len(shapes) or len({s[-3:] for s in split}) > 1
                             or any(len(s) != 5 for s in split))
-
-
-def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
-    """Whether a registered layer that does not split (``nn.Linear``, ``nn.Softmax`` over a dim of the
-    volume) would read a split volume: it needs the whole volume, so the forward is refused (a
-    ``Flatten`` gathers its input first, a softmax over channels works voxel by voxel)."""
-    if entry is None or entry.splittable or entry.flattens:
-        return False
-    dim = getattr(m, "dim", None)  # a softmax's or a GLU's
-    return not (entry.op == "pointwise" and isinstance(dim, int) and dim % 5 < 2)
 
 
 class LayoutWatch(TorchFunctionMode):
@@ -187,12 +177,20 @@ class LayoutWatch(TorchFunctionMode):
                 args[1] in self.split or args[1] in self.chains):
             return self._shaped_as(args[0], args[1])
         split = [t for t in tensors if t in self.split]
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        copy_written = first is not None and (first in self.chains or first in self.copies.taken)
         if any(t in self.chains for t in tensors):
             if calls.name_of(func) in STEPS and len(tensors) == 1:
                 return self._run_step(func, args, kwargs, tensors[0])
             if calls.reads_shape(func):
                 return self._chain_shape(func, args, kwargs)
             if calls.name_of(func) in calls.SAFE:
+                return func(*args, **kwargs)
+            if calls.in_place(calls.name_of(func)) and args[0] in self.chains:
+                self.unsafe.append(f"{calls.name_of(func)} (writes in place into a reshape of a split "
+                                   f"activation, h.flatten(2) or h.permute(...), whose places on a rank are "
+                                   f"its shard's: write into the volume, h[:, :, a:b] = v, or reshape after "
+                                   f"the write) at {calls.caller()}")
                 return func(*args, **kwargs)
             # read as a value of its own (x.view(N, -1) into a sum): the whole value, gathered
             args, kwargs = self.wholes(args, kwargs)
@@ -211,9 +209,13 @@ class LayoutWatch(TorchFunctionMode):
             return out
         if calls.in_place(calls.name_of(func)) and args and isinstance(args[0], torch.Tensor) \
                 and args[0] not in self.split:
-            self.unsafe.append(f"{calls.name_of(func)} (writes a split activation into a whole tensor in "
-                               f"place: each rank would fill its own part only) at {calls.caller()}")
-            return func(*args, **kwargs)
+            if copy_written:  # the copy of a split volume, not the volume: the write would reach neither
+                self.unsafe.append(f"{calls.name_of(func)} (writes a split activation into a copy taken of "
+                                   f"one, which the split activation does not share) at {calls.caller()}")
+                return func(*args, **kwargs)
+            # a whole tensor (a zero frame a volume is padded into by hand, a buffer): written with the
+            # whole value, alike on every rank, as one process writes it
+            return self._run_whole(func, args, kwargs, calls.CallKind("whole"), split[0])
         kind = calls.classify(func, args, kwargs, split[0].dim(), self.split[split[0]])
         if kind.kind == "refuse" and (not calls.in_place(calls.name_of(func)) or split[0] is args[0]) or (
                 kind.kind == "module" and not self.module_fits(kind.module, split[0])):

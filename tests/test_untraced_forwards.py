@@ -822,6 +822,10 @@ class _Refused(nn.Module):
                 f[:, :, :3] = 0.0
             elif self.what == "channels last scaled in place":
                 h.permute(0, 2, 3, 4, 1).mul_(2)
+            elif self.what == "a copied reshape read after its volume is written":
+                flat = h.transpose(2, 4).reshape(h.shape[0], -1)  # a copy in one process
+                h.add_(1.0)
+                h = h + flat.sum(-1).view(-1, 1, 1, 1, 1)
         return h
 
 
@@ -839,6 +843,9 @@ class _Refused(nn.Module):
     ("a flattened volume written in place", r"__setitem__ \(writes in place into a reshape of a split "
                                             r"activation, .* at test_untraced_forwards.py:\d+"),
     ("channels last scaled in place", r"mul_ \(writes in place into a reshape of a split activation"),
+    ("a copied reshape read after its volume is written",
+     r"sum of a reshape of a split activation at test_untraced_forwards.py:\d+, written in place since \(in "
+     r"one process a copy, which keeps the values before the write; here made again from its source\)"),
     ("a narrowed view written in place", r"mul_ \(writes in place into a view of the volume gathered for"),
     ("a box written in place, not back",
      r"mul_ \(writes in place into a box of slices at test_untraced_forwards.py:\d+, which the split "

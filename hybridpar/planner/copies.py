@@ -17,6 +17,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import calls
 
+VIEW = "in one process a view, which would see the write; here a copy"
+# a reshape one process copies (h.permute(...).reshape(n, -1)), which a run makes again from its source
+REMADE = "in one process a copy, which keeps the values before the write; here made again from its source"
+
 
 class Copies:
     """The copies taken (-> what each is and its source's id), those whose source was written in place
@@ -24,21 +28,24 @@ class Copies:
     refusal, should none follow, and the line of the write)."""
 
     def __init__(self) -> None:
-        self.taken, self.stale = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self.taken, self.stale, self.why = WeakIdKeyDictionary(), WeakIdKeyDictionary(), WeakIdKeyDictionary()
         # held, not weakly: a copy written and dropped (h.narrow(2, 1, 3).mul_(2)) is refused at the end
         self.pending: dict[int, tuple[torch.Tensor, str, str]] = {}
 
-    def take(self, t: torch.Tensor, what: str, source: torch.Tensor | None) -> None:
+    def take(self, t: torch.Tensor, what: str, source: torch.Tensor | None, why: str = VIEW) -> None:
+        """``t`` is ``what``, taken of ``source``; ``why``: what a read of it after ``source`` is written in
+        place would get wrong."""
         self.taken[t] = (what, None if source is None else id(source))
+        if why != VIEW:
+            self.why[t] = why
 
     def before(self, name: str, tensors: list[torch.Tensor], written: torch.Tensor | None,
                value: object) -> list[str]:
         """What the call ``name`` on ``tensors`` (writing ``written`` in place, if any; ``value`` its
         third argument, what a ``__setitem__`` writes) breaks."""
         unsafe: list[str] = []  # the caller's line is read only where needed: it walks the stack
-        if (stale := [self.stale[t] for t in tensors if t in self.stale]) and name not in calls.SAFE:
-            unsafe.append(f"{name} of {stale[0]}, written in place since (in one process a view, which "
-                          f"would see the write; here a copy) at {calls.caller()}")
+        if (stale := [t for t in tensors if t in self.stale]) and name not in calls.SAFE:
+            unsafe.append(f"{name} of {self._stale(stale[0])} at {calls.caller()}")
         if name == "__setitem__" and id(value) in self.pending and self.taken[value][1] == id(written) \
                 and self.pending[id(value)][2] == calls.caller():  # written back, as augmented assignment
             del self.pending[id(value)]
@@ -64,9 +71,8 @@ class Copies:
         """What a layer reading ``inputs`` (writing the first in place: ``ReLU(inplace=True)``) breaks: a
         copy written in place since it was taken, a copy written, a source not yet written back."""
         unsafe = []
-        if stale := [self.stale[a] for a in inputs if a in self.stale]:
-            unsafe.append(f"{layer} on {stale[0]}, written in place since (in one process a view, which "
-                          f"would see the write; here a copy)")
+        if stale := [a for a in inputs if a in self.stale]:
+            unsafe.append(f"{layer} on {self._stale(stale[0])}")
         unsafe += [why for a in inputs for _, why, _ in self._reading(a)][:1]
         if in_place and inputs:
             if inputs[0] in self.taken:
@@ -75,6 +81,9 @@ class Copies:
             self.stale.update((c, what) for c, (what, source) in list(self.taken.items())
                               if source == id(inputs[0]))
         return unsafe
+
+    def _stale(self, t: torch.Tensor) -> str:
+        return f"{self.stale[t]}, written in place since ({self.why.get(t, VIEW)})"
 
     def _reading(self, t: torch.Tensor) -> list[tuple[torch.Tensor, str, str]]:
         """The copies written in place, not yet back, whose source ``t`` is."""

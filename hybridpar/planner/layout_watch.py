@@ -22,7 +22,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
-from hybridpar.planner.copies import Copies
+from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
@@ -36,6 +36,11 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 Extents = tuple[int, ...]
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` views (itself if it is not a view)."""
+    return t._base if t._base is not None else t
 
 
 def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
@@ -79,6 +84,7 @@ class LayoutWatch(TorchFunctionMode):
         # split activation -> global extents; tensors carrying a batch in parts; a reshape chain -> atoms;
         # what in one process would be views of split ones (:mod:`hybridpar.planner.copies`)
         self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
+        self.roots = WeakIdKeyDictionary()  # a reshape chain -> the split activation it starts from
         self.copies = Copies()
 
     def __exit__(self, *exc: object) -> None:
@@ -181,7 +187,7 @@ class LayoutWatch(TorchFunctionMode):
         copy_written = first is not None and (first in self.chains or first in self.copies.taken)
         if any(t in self.chains for t in tensors):
             if calls.name_of(func) in STEPS and len(tensors) == 1:
-                return self._run_step(func, args, kwargs, tensors[0])
+                return self._step(func, args, kwargs, tensors[0])
             if calls.reads_shape(func):
                 return self._chain_shape(func, args, kwargs)
             if calls.name_of(func) in calls.SAFE:
@@ -230,7 +236,7 @@ class LayoutWatch(TorchFunctionMode):
                             f"activation into Python; on each rank these are its shard's. Branch on "
                             f"configuration or on shapes (they answer the volume's extents)")
         if kind.kind == "step":
-            return self._run_step(func, args, kwargs, split[0])
+            return self._step(func, args, kwargs, split[0])
         batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)
         across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims
         if across and batch and self.batch_apart:
@@ -246,6 +252,17 @@ class LayoutWatch(TorchFunctionMode):
         out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
         if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
             self.copies.take(out, f"a box of slices at {calls.caller()}", args[0])
+        return out
+
+    def _step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:
+        """A reshape chain's step; a chain that one process holds as a copy of its split source (a
+        reshape of a permuted volume) is one of :class:`Copies`, since a run makes a chain read whole
+        again from its source: read after the source is written in place, it is refused."""
+        out = self._run_step(func, args, kwargs, src)
+        if isinstance(out, torch.Tensor) and out in self.chains:
+            root = self.roots[out] = src if src in self.split else self.roots.get(src)
+            if root is not None and _storage(out) is not _storage(root):
+                self.copies.take(out, f"a reshape of a split activation at {calls.caller()}", root, REMADE)
         return out
 
     def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:

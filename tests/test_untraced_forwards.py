@@ -758,6 +758,7 @@ class _Refused(nn.Module):
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(1, 1, 1), nn.Sigmoid())
+        self.flat = nn.Flatten()
         self.what = what
         self.register_buffer("seen", torch.zeros(()), persistent=False)
 
@@ -822,6 +823,10 @@ class _Refused(nn.Module):
                 f[:, :, :3] = 0.0
             elif self.what == "channels last scaled in place":
                 h.permute(0, 2, 3, 4, 1).mul_(2)
+            elif self.what == "a flattened head read after its volume is written":
+                flat = self.flat(h)  # read whole: in one process a view of h
+                h.mul_(2.0)
+                h = h + flat.sum(-1).view(-1, 1, 1, 1, 1)
             elif self.what == "a copied reshape read after its volume is written":
                 flat = h.transpose(2, 4).reshape(h.shape[0], -1)  # a copy in one process
                 h.add_(1.0)
@@ -843,6 +848,9 @@ class _Refused(nn.Module):
     ("a flattened volume written in place", r"__setitem__ \(writes in place into a reshape of a split "
                                             r"activation, .* at test_untraced_forwards.py:\d+"),
     ("channels last scaled in place", r"mul_ \(writes in place into a reshape of a split activation"),
+    ("a flattened head read after its volume is written",
+     r"sum of the output of Flatten, a view of its input read whole, written in place since \(in one process "
+     r"a view, which would see the write; here a copy\)"),
     ("a copied reshape read after its volume is written",
      r"sum of a reshape of a split activation at test_untraced_forwards.py:\d+, written in place since \(in "
      r"one process a copy, which keeps the values before the write; here made again from its source\)"),

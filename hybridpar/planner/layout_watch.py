@@ -144,6 +144,10 @@ class LayoutWatch(TorchFunctionMode):
         input whole (:meth:`needs_whole`: too small to split, or a copy that reads across the shards)
         gives a whole value."""
         self.carry([x], out)
+        source = x if x in self.split else self.roots.get(x)
+        if isinstance(out, torch.Tensor) and out._is_view() and source is not None and not split:
+            # a view of the input read whole (nn.Flatten's), in one process a view of the split activation
+            self.copies.take(out, f"the output of {type(m).__name__}, a view of its input read whole", source)
         if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
             return
         entry = registry.lookup(m)

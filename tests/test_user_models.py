@@ -287,6 +287,22 @@ class InPlaceNet(nn.Module):
         return g
 
 
+class ViewedNet(nn.Module):
+    """A view taken of a value that is then written in place and read after it (``f = h.flatten(2)``):
+    one process's view sees the write, which a traced graph's node for the view would not; the forward
+    runs by module swapping, on the shards themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        f = torch.flatten(h, 2)
+        h.mul_(2.0)
+        return self.c2(h + f.mean(-1)[..., None, None, None])
+
+
 class _StraightThrough(torch.autograd.Function):
     """A clamp whose backward passes the gradient through unchanged (a straight-through estimator)."""
 
@@ -477,6 +493,7 @@ CASES = [
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "in-place calls not assigned", "InPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "in-place calls not assigned, 2x2", "InPlaceNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "a view read after its base is written", "ViewedNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, data x spatial", "STENet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),

@@ -72,6 +72,27 @@ def _view_of(n: fx.Node) -> bool:
     return False
 
 
+# what may hand back its input itself in some mode (eval): an alias as much as a view
+_ALIASING_CALLS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+_ALIASING_MODULES = (nn.Flatten, nn.Unflatten, nn.Identity, nn.modules.dropout._DropoutNd)
+
+
+def _aliases(value: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
+    """The nodes whose value may share memory with ``value``'s: views of it, views of those, layers
+    that hand back a view of their input (``nn.Flatten``) or the input itself."""
+    found: list[fx.Node] = []
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        for u in node.users:
+            module = modules.get(str(u.target)) if u.op == "call_module" else None
+            if u not in found and u.args and u.args[0] is node and (
+                    _view_of(u) or _name(u) in _ALIASING_CALLS or isinstance(module, _ALIASING_MODULES)):
+                found.append(u)
+                todo.append(u)
+    return found
+
+
 def make_explicit(graph: fx.Graph, root: Any) -> None:
     """Rewire ``graph`` so that every read of a value after an in-place operation on it reads that
     operation's result (see module doc); raise :class:`ViewChanged` where the value changed is a
@@ -86,6 +107,11 @@ def make_explicit(graph: fx.Graph, root: Any) -> None:
             raise ViewChanged(f"the forward changes a view in place ({_name(n)} on {_name(value)} of "
                               f"{value.args[0] if value.args else value}), which a traced graph does not "
                               f"carry to the value it views")
+        for alias in _aliases(value, modules):
+            if order[alias] < order[n] and any(order[u] > order[n] for u in alias.users):
+                raise ViewChanged(f"the forward changes {value} in place ({_name(n)}) after a view of it was "
+                                  f"taken ({_name(alias)}) and reads that view after, which a traced graph "
+                                  f"does not carry to the view")
         for user in list(value.users):
             if user is not n and order[user] > order[n]:
                 user.replace_input_with(value, n)

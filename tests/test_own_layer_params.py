@@ -306,3 +306,86 @@ def test_roles_a_copy_never_runs_exactly_need_a_split_version(role, match):
         hp.nn.register(Blur, role=role, op="conv", window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
                        flops=_pointwise_flops)
     assert hp.nn.lookup(Blur) is None
+
+
+class NaiveDown(LearnDown):
+    """``LearnDown`` given a split version that runs the layer's own forward on each shard: on a shard
+    starting at an odd index it picks the volume's odd planes."""
+
+
+class DistNaiveDown(hp.nn.SpatialLayer, NaiveDown):
+    def __init__(self, ch: int, *, grid: hp.ProcessGrid) -> None:
+        NaiveDown.__init__(self, ch)
+        self.init_spatial(grid)
+
+
+class NaiveUp(LearnUp):
+    """``LearnUp`` with a split version that doubles its shard's planes and stops there: on odd splits
+    the extents differ from the plan's (the next layer's halos would not fit)."""
+
+
+class DistNaiveUp(hp.nn.SpatialLayer, NaiveUp):
+    def __init__(self, ch: int, *, grid: hp.ProcessGrid) -> None:
+        NaiveUp.__init__(self, ch)
+        self.init_spatial(grid)
+
+
+class Blur(nn.Module):
+    """A depthwise 3³ blur with a learnable kernel."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.1, 0.3, ch * 27).reshape(ch, 1, 3, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv3d(x, self.weight, None, 1, 1, groups=self.weight.shape[0])
+
+
+class DistBlurNoHalos(hp.nn.SpatialLayer, Blur):
+    """Its forward forgotten: the layer's own, zero-padding each shard where it needs the neighbours'."""
+
+    def __init__(self, ch: int, *, grid: hp.ProcessGrid) -> None:
+        Blur.__init__(self, ch)
+        self.init_spatial(grid)
+
+
+hp.nn.register(NaiveDown, role="resample", op="pointwise", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap: DistNaiveDown(len(m.gain), grid=grid))
+hp.nn.register(NaiveUp, role="resample", op="pointwise", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap: DistNaiveUp(len(m.gain), grid=grid))
+hp.nn.register(Blur, role="window", op="conv", flops=_pointwise_flops,
+               window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
+               to_dist=lambda m, grid, overlap: DistBlurNoHalos(m.weight.shape[0], grid=grid))
+
+
+def _wrong_split_body(rank: int, world: int) -> list[str]:
+    """Each model with a wrong split version of the user's layer, one step on an uneven split."""
+    said = []
+    for layer in (NaiveDown(2), NaiveUp(2), Blur(2)):
+        model = nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), layer, nn.Conv3d(2, 1, 3, padding=1)).double()
+        engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+        x = torch.randn(UNEVEN, dtype=torch.float64)
+        with torch.no_grad():
+            y = model(x)
+        try:
+            engine.train_step(*engine.shard_batch(x, y))
+            said.append(f"{type(layer).__name__}: trained")
+        except hp.SpecError as err:
+            said.append(str(err))
+    return said
+
+
+def test_a_split_version_that_gives_other_shards_is_refused(pools):
+    """A user's Dist class is checked on its first forward against the layer on the gathered volume:
+    values (a resample counting planes from its shard's origin, a window without halos) and extents
+    (which would leave the next layer's halo exchange waiting on one rank), one line on every rank."""
+    said = pools(2).run(_wrong_split_body, timeout=300)
+    assert said[0] == said[1], said
+    down, up, blur = said[0]
+    assert down.startswith("1 (NaiveDown): its split version DistNaiveDown (the registered to_dist) does not "
+                           "give the shards of the layer's output on the volume: on rank 1 its values "
+                           "differ"), down
+    assert up.startswith("1 (NaiveUp): its split version DistNaiveUp (the registered to_dist) does not give "
+                         "the shards of the layer's output on the volume: its output on rank 0 is 2x10x14x12 "
+                         "where the layer gives 2x9x14x12 of its 18x14x12 on the volume"), up
+    assert blur.startswith("1 (Blur): its split version DistBlurNoHalos"), blur

@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 from hybridpar.comm.reduce import grad_split, mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
+from hybridpar.nn.dist_check import watch_split_version
 from hybridpar.nn.param_uses import watch_first_forward
 from hybridpar.nn.sharing import share_state, sharing_copy
 from hybridpar.nn.spatial import SpatialLayer, stated
@@ -65,6 +66,9 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     check_reduce_params(entry, m, d, name)
     if entry.role == "reduce" and grid.spatial_size > 1:
         watch_first_forward(d, f"{name} ({type(m).__name__})" if name else type(m).__name__)
+    elif grid.spatial_size > 1 and isinstance(d, SpatialLayer) and not entry.torch_type.__module__.startswith(
+            ("torch.", "hybridpar.")):  # a user's layer's own split version
+        watch_split_version(d, m, f"{name} ({type(m).__name__})" if name else type(m).__name__)
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
         d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)

@@ -1,0 +1,128 @@
+"""A user's split version of a layer (``to_dist`` registered for a layer of the user's own) checked on
+its first forward against the layer it splits, with one verdict on every rank of the split.
+
+Why: ``hp.nn.register(..., to_dist=)`` trusts the user's Dist class to give this rank's shard of what
+the layer gives on the volume. A Dist class that runs the layer's own forward on each shard (a
+resample that picks every other plane of its shard, not of the volume: on odd splits another plane
+set) or that forgets ``with_halos`` gives an output of the right extents and other values, silently;
+one whose output extents differ from the plan's makes the next layer's halo exchange fail on one rank
+while the others wait. So its first forward is compared: the output's extents with this rank's box of
+the layer's output on the volume (a run on the meta device), and, where one sample of its input is
+small enough to gather (:data:`GATHER_LIMIT` elements), the values with the layer run on that sample
+gathered whole. The ranks agree on the verdict before any raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.comm.redistribute import gather
+from hybridpar.geometry import shard_box
+from hybridpar.nn.meta import meta_state, unwatched
+from hybridpar.planner.terms import SpecError
+
+__all__ = ["GATHER_LIMIT", "watch_split_version"]
+
+GATHER_LIMIT = 1 << 24
+"""Elements of one sample of the layer's input up to which the values are checked (64 MiB in float32,
+once); past it, the extents alone."""
+
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # any other dtype: 1e-2
+
+
+def watch_split_version(d: nn.Module, original: nn.Module, what: str) -> None:
+    """Check ``d``'s first forward on a split input against ``original`` (the layer it stands for). The
+    check wraps ``d.forward`` on the instance, so a caller that later runs the layer whole on a value
+    that is not split (module swapping's) calls around it."""
+    inner = d.forward
+    pending = [True]
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = inner(x, *args, **kwargs)
+        if pending and isinstance(x, torch.Tensor) and x.dim() == 5 and isinstance(out, torch.Tensor):
+            pending.clear()
+            with torch.no_grad():
+                _check(d, original, what, x, out)
+        return out
+
+    d.forward = forward
+
+
+def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    grid = d.grid
+    extents = tuple(d.global_shape(x))
+    why = ""
+    try:
+        whole_out = _whole_extents(original, x, extents)
+        box = shard_box(whole_out, grid.spatial_shape, grid.spatial_coord)
+        local = tuple(hi - lo for lo, hi in box)
+        channels = _channels(original, x, extents)
+        if tuple(out.shape[2:]) != local or out.shape[1] != channels:
+            why = (f"its output on rank {grid.rank} is {_dims(out.shape[1:])} where the layer gives "
+                   f"{_dims((channels, *local))} of its {_dims(whole_out)} on the volume")
+        elif x.shape[1] * math.prod(extents) <= GATHER_LIMIT:
+            why = _values(d, original, x, out, extents, box)
+    except Exception as err:  # noqa: BLE001 - the user's layer: agreed on below, then raised on every rank
+        why = f"checking it failed: {type(err).__name__}: {err}"
+    said = _agree(why, grid.spatial_group if grid.spatial_size > 1 else None)
+    if said:
+        raise SpecError(f"{what}: its split version {type(d).__name__} (the registered to_dist) does not "
+                        f"give the shards of the layer's output on the volume: {said}; its forward must give "
+                        f"this rank's box of that output (halos from self.with_halos(x) for a window, a "
+                        f"resample's planes counted from the volume's origin), or register the layer "
+                        f"without to_dist")
+
+
+def _whole_extents(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_meta_out(original, x, extents).shape[2:])
+
+
+def _channels(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> int:
+    return _meta_out(original, x, extents).shape[1]
+
+
+def _meta_out(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> torch.Tensor:
+    state, dtype = meta_state(original)
+    probe = torch.empty((1, x.shape[1], *extents), dtype=x.dtype if x.is_floating_point() else dtype,
+                        device="meta")
+    with unwatched(original):
+        return torch.func.functional_call(original, state, (probe,))
+
+
+def _values(d: nn.Module, original: nn.Module, x: torch.Tensor, out: torch.Tensor,
+            extents: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> str:
+    """Why this rank's output differs from its box of the layer's on the first sample gathered, or ""."""
+    whole = gather(x[:1].detach(), d.grid, extents)
+    layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
+    with unwatched(layer), torch.random.fork_rng(devices=[]):
+        want = layer(whole)[(..., *(slice(lo, hi) for lo, hi in box))]
+    got = out[:1].detach().to(want.dtype)
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    if err > _RTOL.get(want.dtype, 1e-2) * scale:
+        return (f"on rank {d.grid.rank} its values differ from the layer's on the volume by up to {err:.3g} "
+                f"(largest value {scale:.3g}), on the first sample of its first forward")
+    return ""
+
+
+def _agree(why: str, group: dist.ProcessGroup | None) -> str:
+    """The first rank's reason among the ranks of ``group`` that found one, on every rank ("" if none)."""
+    if group is None:
+        return why
+    flag = torch.tensor([int(bool(why))], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag[0]):
+        return ""
+    every: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(every, why, group=group)
+    return next(w for w in every if w)
+
+
+def _dims(shape: Any) -> str:
+    return "x".join(str(int(s)) for s in shape)

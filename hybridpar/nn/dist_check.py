@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.comm.redistribute import gather
+from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.nn.meta import meta_state, unwatched
 from hybridpar.planner.terms import SpecError
@@ -54,6 +55,7 @@ def watch_split_version(d: nn.Module, original: nn.Module, what: str) -> None:
     d.forward = forward
 
 
+@eager  # collectives and a copy of the layer, once: never part of a compiled graph
 def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor) -> None:
     grid = d.grid
     extents = tuple(d.global_shape(x))

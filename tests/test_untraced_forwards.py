@@ -827,6 +827,10 @@ class _Refused(nn.Module):
                 flat = self.flat(h)  # read whole: in one process a view of h
                 h.mul_(2.0)
                 h = h + flat.sum(-1).view(-1, 1, 1, 1, 1)
+            elif self.what == "a derivative taken in the forward":
+                with torch.enable_grad():
+                    g = h.detach().requires_grad_(True)
+                    h = h + torch.autograd.grad(g.square().sum(), g, create_graph=True)[0]
             elif self.what == "a copied reshape read after its volume is written":
                 flat = h.transpose(2, 4).reshape(h.shape[0], -1)  # a copy in one process
                 h.add_(1.0)
@@ -851,6 +855,8 @@ class _Refused(nn.Module):
     ("a flattened head read after its volume is written",
      r"sum of the output of Flatten, a view of its input read whole, written in place since \(in one process "
      r"a view, which would see the write; here a copy\)"),
+    ("a derivative taken in the forward", r"grad: a derivative taken inside the forward, of values on "
+                                          r"shards, .* at test_untraced_forwards.py:\d+"),
     ("a copied reshape read after its volume is written",
      r"sum of a reshape of a split activation at test_untraced_forwards.py:\d+, written in place since \(in "
      r"one process a copy, which keeps the values before the write; here made again from its source\)"),

@@ -46,9 +46,9 @@ from hybridpar.nn.layout import Gather
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.pipeline.rebound_buffers import whole_buffers
 from hybridpar.planner import calls
-from hybridpar.planner.layout_watch import Extents, LayoutWatch, leave_whole
+from hybridpar.planner.layout_watch import Extents, LayoutWatch
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
-from hybridpar.planner.swapped import leaves, unsafe_error
+from hybridpar.planner.swapped import leave_whole, leaves, unsafe_error
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
 

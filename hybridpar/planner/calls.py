@@ -38,7 +38,7 @@ class CallKind:
     ``pointwise`` (elementwise, broadcasting), ``join`` (``cat``/``stack`` along a leading dim),
     ``pieces`` (``chunk``/``split``/``unbind`` along a leading dim), ``assign`` (``h[box] = v``: each
     shard its part of a box of the volume), ``value`` (reads values into Python: a shard's, not the
-    volume's) or ``refuse``."""
+    volume's), ``refuse`` (gathered where it can be) or ``never`` (a derivative inside the forward)."""
 
     kind: str
     module: nn.Module | None = None  # ``module``: the layer the call stands for
@@ -51,6 +51,7 @@ class CallKind:
 
 
 SHAPE_READS = ("size", "numel", "nelement")
+DERIVATIVES = (torch.autograd.grad, torch.autograd.backward)  # taken inside a forward (a potential's)
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
 SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
@@ -231,6 +232,9 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, 
     arguments as the volume's forward gives them (sizes read from shapes are global), ``extents``
     the volume's (D, H, W) where known (an index's box is resolved against them)."""
     name = name_of(func).strip("_") if name_of(func) not in VALUE_READS else name_of(func)
+    if func in DERIVATIVES:
+        return CallKind("never", why="a derivative taken inside the forward, of values on shards, which "
+                        "the split backward does not follow")
     if reads_shape(func):
         return CallKind("shape")
     if name_of(func) in VALUE_READS:
@@ -354,7 +358,7 @@ ROLES = {"shape": "reads the volume's extents", "step": "reshapes shard by shard
          "pointwise": "elementwise, on shards", "join": "joins along channels or batch, on shards",
          "pieces": "cuts along channels or batch, on shards", "value": "reads values (refused)",
          "assign": "writes each shard's part of a box", "whole": "computed on the gathered volume",
-         "refuse": "refused"}
+         "refuse": "refused", "never": "refused"}
 """What each kind of call does to a split activation, as ``explain`` says it."""
 
 
@@ -371,8 +375,7 @@ def role_of(func: Any, kind: CallKind) -> str:
 
 def describe(func: Any, kind: CallKind) -> str:
     """The call's name and why it cannot run split, for a refusal."""
-    why = f": {kind.why}" if kind.why else ""
-    return f"{name_of(func)}{why}"
+    return f"{name_of(func)}: {kind.why}" if kind.why else name_of(func)
 
 
 def ours(filename: str) -> bool:
@@ -412,7 +415,7 @@ def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],
     otherwise than the engine (anything but work along leading dims or elementwise on split operands
     only: the engine cuts a whole operand to the shard's box and answers shape reads with the
     volume's extents, a recomputation would do neither)."""
-    if kind.kind == "refuse":
+    if kind.kind in ("refuse", "never"):
         return describe(func, kind)
     alike = kind.kind in ("keep", "join", "pieces") or (
         kind.kind == "pointwise" and len(split) == len(tensors)) or (

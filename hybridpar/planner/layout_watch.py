@@ -38,22 +38,6 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 Extents = tuple[int, ...]
 
 
-def _storage(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory ``t`` views (itself if it is not a view)."""
-    return t._base if t._base is not None else t
-
-
-def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
-    """Whether what a forward returns (per leaf, the global shape of a split tensor, None for any other
-    value) leaves whole, every split one gathered: split tensors of different extents, one that is
-    not N, C, D, H, W (a channel squeezed away), or split ones beside values that are not (deep
-    supervision's outputs at several scales). The loss then reads them whole, as a traced forward's
-    (whose graph gathers such outputs); one extent over every output stays split."""
-    split = [s for s in shapes if s is not None]
-    return bool(split) and (len(split) != len(shapes) or len({s[-3:] for s in split}) > 1
-                            or any(len(s) != 5 for s in split))
-
-
 class LayoutWatch(TorchFunctionMode):
     """Follows, through a forward run by module swapping, which tensors are split activations (the
     input, a split layer's output, what the calls of :mod:`hybridpar.planner.calls` make of them) and
@@ -265,7 +249,7 @@ class LayoutWatch(TorchFunctionMode):
         out = self._run_step(func, args, kwargs, src)
         if isinstance(out, torch.Tensor) and out in self.chains:
             root = self.roots[out] = src if src in self.split else self.roots.get(src)
-            if root is not None and _storage(out) is not _storage(root):
+            if root is not None and not torch._C._is_alias_of(out, root):
                 self.copies.take(out, f"a reshape of a split activation at {calls.caller()}", root, REMADE)
         return out
 

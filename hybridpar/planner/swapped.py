@@ -29,11 +29,22 @@ from hybridpar.nn.meta import CarriedState, meta_call, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
-from hybridpar.planner.layout_watch import LayoutWatch, leave_whole
+from hybridpar.planner.layout_watch import LayoutWatch
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.terms import SpecError, Split
 
 users = registry.users_own  # the user's own module: its calls followed one by one (planner.calls)
+
+
+def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
+    """Whether what a forward returns (per leaf, the global shape of a split tensor, None for any other
+    value) leaves whole, every split one gathered: split tensors of different extents, one that is
+    not N, C, D, H, W (a channel squeezed away), or split ones beside values that are not (deep
+    supervision's outputs at several scales). The loss then reads them whole, as a traced forward's
+    (whose graph gathers such outputs); one extent over every output stays split."""
+    split = [s for s in shapes if s is not None]
+    return bool(split) and (len(split) != len(shapes) or len({s[-3:] for s in split}) > 1
+                            or any(len(s) != 5 for s in split))
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

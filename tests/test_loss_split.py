@@ -265,11 +265,16 @@ def _parts(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
 
 # name: (model, loss, batch, the step refused (its batch the first with ignored voxels), what the line says;
 # None: no refusal, the loss evaluated on the gathered output from that step on)
+def _one_element(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(o, y).reshape(1, 1)  # a scalar kept in a (1, 1) tensor, summed over micro-batches
+
+
 LATER = {
     "ignore_index from the 2nd batch": ("Classes", _ignored, 4, None, None),
     "ignore_index in one replica's 2nd batch": ("Classes", _ignored, 4, 1, "every replica's and micro-"),
     "weighted CE, one sample per replica": ("Classes", _weighted, 2, 0, "its first half along D tiled"),
     "tuple returned": ("Plain", _parts, 4, 0, "returned a tuple of 2 items; "),
+    "one element": ("Plain", _one_element, 4, None, None),
 }
 
 
@@ -313,9 +318,9 @@ def _later_body(rank: int, world: int, case: str, spec: dict) -> tuple[str, int,
     (2, "ignore_index from the 2nd batch", S2),
     (4, "ignore_index in one replica's 2nd batch", DSM),
     (2, "weighted CE, one sample per replica", {"grid": {"data": 2}}),
-    (2, "tuple returned", S2), (2, "tuple returned", PIPE),
+    (2, "tuple returned", S2), (2, "tuple returned", PIPE), (4, "one element", DSM),
 ], ids=["ignore_index-later-spatial2", "ignore_index-later-data2xspatial2", "weighted_ce-data2",
-        "tuple-spatial2", "tuple-pipe2"])
+        "tuple-spatial2", "tuple-pipe2", "one_element-data2xspatial2"])
 def test_a_loss_is_checked_on_every_step_and_must_be_a_scalar(pools, world, case, spec):
     said = pools(world).run(_later_body, case, spec, timeout=60)  # a rank left waiting would time out
     desc, (_, _, _, step, part) = f"{case} {spec}", LATER[case]

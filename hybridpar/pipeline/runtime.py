@@ -154,7 +154,7 @@ class StepRuntime:
     def loss(self, m: int) -> None:
         inp, out = self.held[m]
         loss = self.ctx.loss(out, self.ys[m].to(self.device)) * (self.sizes[m] / self.batch)
-        self.loss_sum += loss.detach().double()
+        self.loss_sum += loss.detach().double().reshape(())  # 0-d or one element (loss_check)
         self.held[m] = (inp, loss)
 
     def keep(self, m: int) -> None:

@@ -1086,24 +1086,33 @@ def test_which_calls_move_the_samples(name, args, kwargs, moves):
 
 def test_per_sample_functions_pass_and_mixing_ones_do_not():
     """Per-sample work on a (N, C) value that carries the batch plans (calls along other dims: unfold,
-    index_select, repeat_interleave, gather with an index of every sample); what mixes its samples does
-    not."""
+    index_select, repeat_interleave, gather or scatter with an index of every sample, a triangle, an
+    FFT, an integral); what mixes its samples does not."""
     from hybridpar.planner.per_sample import across
 
-    s, w = torch.zeros(2, 4), torch.zeros(3, 4)
+    s, w, v = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 3, 3)
     top, first = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     keep = [(F.layer_norm, (s, (4,)), {}), (torch.einsum, ("nc,dc->nd", s, w), {}),
             (torch.einsum, ("nc,dc->nd", [s, w]), {}), (F.linear, (s, w), {}), (torch.matmul, (s, w.T), {}),
             (F.gelu, (s,), {}), (torch.Tensor.unfold, (s, 1, 2, 1), {}),
             (torch.index_select, (s, 1, top[:, 0]), {}),
             (torch.repeat_interleave, (s, 2), {"dim": 1}), (torch.gather, (s, 1, top), {}),
-            (torch.gather, (s,), {"dim": 1, "index": top}), (torch.take_along_dim, (s, top, 1), {})]
+            (torch.gather, (s,), {"dim": 1, "index": top}), (torch.take_along_dim, (s, top, 1), {}),
+            (torch.triu, (v,), {}), (torch.diagonal, (v,), {"dim1": 1, "dim2": 2}), (torch.fft.fft, (s,), {}),
+            (torch.fft.rfftn, (v,), {"dim": (1, 2)}), (torch.fft.fftshift, (s,), {"dim": 1}),
+            (torch.trapezoid, (s,), {"dim": 1}), (torch.cumulative_trapezoid, (s,), {}),
+            (torch.scatter_add, (s, 1, top, s[:, :1]), {}), (F.one_hot, (top[:, 0], 3), {}),
+            (F.local_response_norm, (v, 2), {})]
     mix = [(F.layer_norm, (s, (2, 4)), {}), (torch.einsum, ("nc,mc->nm", s, s), {}),
            (torch.matmul, (w, s.T), {}), (torch.Tensor.__getitem__, (s, 0), {}), (torch.roll, (s, 1), {}),
            (torch.Tensor.unfold, (s, 0, 1, 1), {}), (torch.index_select, (s, 0, top[:1, 0]), {}),
            (torch.repeat_interleave, (s, 2), {}), (torch.gather, (s, 1, first), {}),
-           (torch.gather, (s, 0, top), {})]
+           (torch.gather, (s, 0, top), {}), (torch.triu, (s,), {}), (torch.diagonal, (v,), {}),
+           (torch.fft.fft, (s, None, 0), {}), (torch.fft.rfftn, (v,), {}), (torch.fft.fftshift, (s,), {}),
+           (torch.trapezoid, (s,), {"dim": 0}), (torch.scatter_add, (s, 1, first, s[:1, :1]), {}),
+           (torch.scatter_add, (s, 0, top, s[:, :1]), {})]
     for mixes, (func, args, kwargs) in [(False, c) for c in keep] + [(True, c) for c in mix]:
-        said = across(func, args, kwargs, [s], func(*args, **kwargs))
+        carrier = v if any(a is v for a in args) else s
+        said = across(func, args, kwargs, [carrier], func(*args, **kwargs))
         assert bool(said) is mixes, (func, args, kwargs, said)
 

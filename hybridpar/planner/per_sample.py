@@ -36,14 +36,41 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     "transpose": (1, "dim0", None), "swapaxes": (1, "axis0", None), "movedim": (1, "source", None),
     "unfold": (1, "dimension", None), "index_select": (1, "dim", None), "repeat_interleave": (2, "dim", None),
     "gather": (1, "dim", None), "take_along_dim": (2, "dim", None),
+    **{name: (1, "dim", None) for name in (
+        "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "fft_fftshift",
+        "fft_ifftshift")},
+    **{name: (2, "dim", -1) for name in (
+        "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")},
+    **{name: (2, "dim", None) for name in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn")},
+    **{name: (-1, "dim", -1) for name in ("trapezoid", "cumulative_trapezoid")},  # dim= by keyword only
 }
-_INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices")}
+_LAST_TWO = ("triu", "tril")  # along the last two dims
+_PER_SAMPLE = ("one_hot", "local_response_norm")  # a sample's own values: a trailing class dim, channels
+_INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "scatter": (2, "index"),
+            "scatter_add": (2, "index"), "scatter_reduce": (2, "index")}
 """Calls along a dim that read an index tensor as wide as their input along every other dim: the samples
 stay apart where the index has as many as the input (one with fewer would pick the first samples)."""
+_ALONG_ANY = {*_ALONG, *_LAST_TWO, "diagonal"}
 _PAIRS = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1"), "movedim": (2, "destination")}
 _RESHAPES = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand", "repeat", "tile",
              "view_as", "reshape_as", "expand_as", "clone", "detach", "permute")
 _PRODUCTS = ("matmul", "mm", "__matmul__", "bmm", "linear")
+
+
+def _along(name: str, args: tuple, kwargs: dict, nd: int) -> set[int] | None:
+    """The dims of an ``nd``-dim input a call along given dims (``name`` in :data:`_ALONG`,
+    :data:`_LAST_TWO` or ``diagonal``) works along, or None where not given as numbers (or all)."""
+    if name in _LAST_TWO:
+        return {nd - 2, nd - 1} if nd >= 2 else None
+    if name == "diagonal":
+        return _dims([calls._arg(args, kwargs, 2, "dim1", 0), calls._arg(args, kwargs, 3, "dim2", 1)], nd)
+    pos, key, default = _ALONG[name]
+    arg = kwargs.get(key, default) if pos < 0 else calls._arg(args, kwargs, pos, key, default)
+    dims = _dims(arg, nd + 1 if name == "stack" else nd)
+    if name in _PAIRS:
+        other = _dims(calls._arg(args, kwargs, *_PAIRS[name]), nd)
+        dims = None if dims is None or other is None else dims | other
+    return dims
 
 
 def _dims(dim: Any, nd: int) -> set[int] | None:
@@ -131,13 +158,9 @@ def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
     if name in _RESHAPES:
         kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
         return None if kept else f"{name} (moves the samples' dim)"
-    if name not in _ALONG or (name in ("max", "min") and len(args) > 1 and not isinstance(args[1], int)):
+    if name not in _ALONG_ANY or (name in ("max", "min") and len(args) > 1 and not isinstance(args[1], int)):
         return None  # torch.max(a, b): elementwise
-    pos, key, default = _ALONG[name]
-    dims = _dims(calls._arg(args, kwargs, pos, key, default), nd + 1 if name == "stack" else nd)
-    if name in _PAIRS:
-        other = _dims(calls._arg(args, kwargs, *_PAIRS[name]), nd)
-        dims = None if dims is None or other is None else dims | other
+    dims = _along(name, args, kwargs, nd)
     if dims is None or 0 in dims:
         return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
     return None
@@ -154,22 +177,21 @@ def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: i
     if name in TRANSPOSES:
         to = transposed(name, args, kwargs, nd, at)
         return f"{name} (of dims not given as numbers)" if to is None else to
-    if name in ("contiguous", "clone", "detach") or registry.function_role(name) == "pointwise":
-        return out_nd - (nd - at)
+    if name in ("contiguous", "clone", "detach", *_PER_SAMPLE) or registry.function_role(name) == "pointwise":
+        return at if name in _PER_SAMPLE else out_nd - (nd - at)
     if name == "unsqueeze" or name == "stack":
         pos, key = (1, "dim") if name == "unsqueeze" else _ALONG[name][:2]
         new = _dims(calls._arg(args, kwargs, pos, key, 0), nd + 1)
         return f"{name} (along a dim not given as a number)" if new is None else \
             at + 1 if min(new) <= at else at
-    if name not in _ALONG or name in _RESHAPES or name in _INDEXED:  # an index's samples: not seen here
+    if name not in _ALONG_ANY or name in _RESHAPES or name in _INDEXED:  # an index's samples: not seen here
         return f"{name} (not known to keep the samples apart)"
-    pos, key, default = _ALONG[name]
-    dims = _dims(calls._arg(args, kwargs, pos, key, default), nd)
+    dims = _along(name, args, kwargs, nd)
     if dims is None or at in dims:
         return f"{name} ({'over' if name in calls.REDUCTIONS else 'along'} the samples' dim)"
     if out_nd == nd:  # along the dims, or reduced keeping them
         return at
-    if out_nd == nd - len(dims):
+    if out_nd == nd - len(dims) or name == "diagonal" and out_nd == nd - 1:  # its diagonal put last
         return at - sum(d < at for d in dims)
     return f"{name} (not known to keep the samples apart)"
 
@@ -198,7 +220,9 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     if name in _INDEXED and (first is not batched or getattr(calls._arg(args, kwargs, *_INDEXED[name]),
                                                              "shape", (0,))[:1] != batched.shape[:1]):
         return f"{name} (with an index of other samples than its input's)"
-    if name in _RESHAPES or name in _ALONG or name in TRANSPOSES:
+    if name in _PER_SAMPLE:
+        return None
+    if name in _RESHAPES or name in _ALONG_ANY or name in TRANSPOSES:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,
                              tuple(out.shape) if isinstance(out, torch.Tensor) else None)

@@ -36,6 +36,15 @@ from hybridpar.planner.terms import SpecError, Split
 users = registry.users_own  # the user's own module: its calls followed one by one (planner.calls)
 
 
+def _meta_hint(err: str) -> str:
+    """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
+    if "meta tensors" in err or "out of meta tensor" in err:  # a value read: item(), a branch, a copy
+        return "branch on configuration or on shapes, not on tensor values"
+    if "Meta kernel" in err or "fake impl" in err:
+        return "that call has no meta implementation: write it with other torch calls"
+    return "the plan's run on meta tensors (no values, no gradients) cannot make that call"
+
+
 def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
     """Whether what a forward returns (per leaf, the global shape of a split tensor, None for any other
     value) leaves whole, every split one gathered: split tensors of different extents, one that is
@@ -205,7 +214,7 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
         where = records[-1].name if records else "its first layer"
         sized = next((op for op in ("nonzero", "masked_select", "unique") if f"torch.{op}()" in str(err)),
                      None)
-        why, hint = (f"{type(err).__name__}: {err}", "branch on configuration, not on tensor values") \
+        why, hint = (f"{type(err).__name__}: {err}", _meta_hint(str(err))) \
             if sized is None else (f"{sized} makes a tensor whose size its values set (h[h > 0])",
                                    "use a masked sum, (h * m).sum() / m.sum(), or torch.where")
         raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "

@@ -303,6 +303,22 @@ class ViewedNet(nn.Module):
         return self.c2(h + f.mean(-1)[..., None, None, None])
 
 
+class AugAliasNet(nn.Module):
+    """An augmented assignment on a value a view was taken of, the view read after (``v = h[:, :1];
+    h *= 2``): in one process the view sees the write; fx records ``h *= 2`` as ``h * 2``, so the traced
+    graph is not the forward (planner/faithful.py) and it runs by module swapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        first = h[:, :1]
+        h *= 2.0
+        return self.c2(torch.cat([first, h[:, 1:]], 1))
+
+
 class _StraightThrough(torch.autograd.Function):
     """A clamp whose backward passes the gradient through unchanged (a straight-through estimator)."""
 
@@ -494,6 +510,7 @@ CASES = [
     (2, "in-place calls not assigned", "InPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "in-place calls not assigned, 2x2", "InPlaceNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a view read after its base is written", "ViewedNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "an augmented assignment seen through a view", "AugAliasNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, data x spatial", "STENet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
@@ -591,6 +608,16 @@ def test_unfaithful_trace_is_found_and_never_planned():
     with pytest.raises(hp.SpecError, match="computes something other than its forward.*pipeline"):
         hp.ParallelSpec.from_dict({"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}}).plan(
             IsInstanceNet(), SHAPE, 2)
+
+
+def test_a_write_fx_records_as_a_new_value_is_found():
+    """``h *= 2`` with a view of ``h`` read after it: the graph's ``h * 2`` leaves the view unchanged."""
+    from hybridpar.planner.analysis import analyse
+    from hybridpar.planner.graph import UntraceableError
+
+    with pytest.raises(UntraceableError, match=r"the forward writes aten.mul.Tensor in place into a tensor "
+                                               r"that shares memory with another"):
+        analyse(AugAliasNet(), SHAPE)
 
 
 def test_faithful_graphs_pass_the_check():

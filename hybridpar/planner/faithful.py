@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.meta import CarriedState, meta_call, meta_state
 from hybridpar.planner.graph import OUTPUT, GraphRunError, ModelGraph, UntraceableError, trace_values
@@ -37,19 +38,38 @@ def _summary(v: Any) -> Any:
 
 
 class _Ops(TorchDispatchMode):
-    """Records ``(operation, where)`` for each ATen call; ``where()`` says which node is running."""
+    """Records ``(operation, where)`` for each ATen call; ``where()`` says which node is running. Also,
+    by the operation's index: which write in place (``written``), and which write a tensor that shares
+    memory with another one read after the write (``aliased``: a view, or a value a view was taken of)."""
 
     def __init__(self, where: Callable[[], str]) -> None:
         super().__init__()
         self.where = where
         self.ops: list[tuple[tuple, str]] = []
+        self.written: set[int] = set()
+        self.aliased: set[int] = set()
+        self._made = WeakIdKeyDictionary()  # every tensor made, still alive
+        self._shared = WeakIdKeyDictionary()  # a tensor sharing memory with one written -> that write
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t in self._shared]
+        self.aliased.update(self._shared[t] for t in read)
+        if target is not None and _writes(func):
+            self.written.add(len(self.ops))
+            self._shared.update((t, len(self.ops)) for t in self._made.keys()
+                                if t is not target and torch._C._is_alias_of(t, target))
         out = func(*args, **kwargs)
+        self._made.update((t, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         self.ops.append(((_name(func), tree_map(_summary, (args, kwargs)), tree_map(_summary, out)),
                          self.where()))
         return out
+
+
+def _writes(func: Any) -> bool:
+    packet = func.overloadpacket.__name__
+    return packet.endswith("_") and not packet.endswith("__")
 
 
 def _name(func: Any) -> str:
@@ -61,14 +81,14 @@ def _name(func: Any) -> str:
     return f"{func.namespace}.{packet}.{func._overloadname}"
 
 
-def _eager_ops(model: nn.Module, x: torch.Tensor, state: dict[str, torch.Tensor]) -> list[tuple[tuple, str]]:
+def _eager_ops(model: nn.Module, x: torch.Tensor, state: dict[str, torch.Tensor]) -> _Ops:
     mode = _Ops(lambda: "")
     with mode:
         meta_call(model, state, x)
-    return mode.ops
+    return mode
 
 
-def _graph_ops(graph: ModelGraph, input_shape: tuple[int, ...], kind: str) -> list[tuple[tuple, str]]:
+def _graph_ops(graph: ModelGraph, input_shape: tuple[int, ...], kind: str) -> _Ops:
     modes: list[_Ops] = []
 
     def watch(where: Callable[[], str]) -> _Ops:
@@ -81,7 +101,7 @@ def _graph_ops(graph: ModelGraph, input_shape: tuple[int, ...], kind: str) -> li
         raise UntraceableError(f"model ({kind}): torch.fx traced a graph that computes something other than "
                                f"its forward: the forward runs on this input, the graph fails at node "
                                f"{err.node} ({err.cause}; {_WHY})") from None
-    return modes[0].ops
+    return modes[0]
 
 
 def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, ...]) -> None:
@@ -92,19 +112,26 @@ def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, 
     state, dtype = meta_state(model)
     x = torch.empty(input_shape, device="meta", dtype=dtype)
     try:
-        eager = _eager_ops(model, x, state)
+        eager_run = _eager_ops(model, x, state)
     except CarriedState as err:  # state no graph keeps (a counter bumped, a tensor left on the model)
         raise SpecError(str(err)) from None
     except Exception:  # the forward itself fails on this shape: the trace of values says where
         return
     kind = type(model).__name__
-    traced = _graph_ops(graph, input_shape, kind)
+    graph_run = _graph_ops(graph, input_shape, kind)
+    eager, traced = eager_run.ops, graph_run.ops
     for i, (want, got) in enumerate(zip(eager, traced)):
         if want[0] != got[0]:
             raise UntraceableError(
                 f"model ({kind}): torch.fx traced a graph that computes something other than its forward: "
                 f"at node {got[1]} the forward's operation {i + 1} is {want[0][0]} where the graph's is "
                 f"{got[0][0]} ({_WHY})")
+        if i in eager_run.aliased and i not in graph_run.written:
+            raise UntraceableError(
+                f"model ({kind}): torch.fx traced a graph that computes something other than its forward: "
+                f"at node {got[1]} the forward writes {want[0][0]} in place into a tensor that shares memory "
+                f"with another (w = h[:, :, a:b]; w += 1), where the graph computes a new value (fx records "
+                f"w += 1 as w + 1), so the other never sees the write")
     if len(eager) != len(traced):
         more = len(eager) > len(traced)
         longer, node = ("forward", "the graph's end") if more else ("graph", traced[len(eager)][1])

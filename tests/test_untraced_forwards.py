@@ -827,6 +827,8 @@ class _Refused(nn.Module):
                 flat = self.flat(h)  # read whole: in one process a view of h
                 h.mul_(2.0)
                 h = h + flat.sum(-1).view(-1, 1, 1, 1, 1)
+            elif self.what == "a flattened volume unflattened and written in place":
+                h.flatten(2).unflatten(2, (8, 8, 8)).mul_(2.0)
             elif self.what == "a derivative taken in the forward":
                 with torch.enable_grad():
                     g = h.detach().requires_grad_(True)
@@ -855,6 +857,8 @@ class _Refused(nn.Module):
     ("a flattened head read after its volume is written",
      r"sum of the output of Flatten, a view of its input read whole, written in place since \(in one process "
      r"a view, which would see the write; here a copy\)"),
+    ("a flattened volume unflattened and written in place",
+     r"mul_ \(writes in place into a view of a reshape of a split activation read whole at "),
     ("a derivative taken in the forward", r"grad: a derivative taken inside the forward, of values on "
                                           r"shards, .* at test_untraced_forwards.py:\d+"),
     ("a copied reshape read after its volume is written",

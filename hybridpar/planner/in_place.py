@@ -85,33 +85,37 @@ def _aliases(value: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
     while todo:
         node = todo.pop()
         for u in node.users:
-            module = modules.get(str(u.target)) if u.op == "call_module" else None
-            if u not in found and u.args and u.args[0] is node and (
-                    _view_of(u) or _name(u) in _ALIASING_CALLS or isinstance(module, _ALIASING_MODULES)):
+            if u not in found and u.args and u.args[0] is node and _aliasing(u, modules):
                 found.append(u)
                 todo.append(u)
     return found
 
 
+def _aliasing(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``n``'s value may share memory with its first argument's: a view, or a layer or call that
+    hands back a view of its input or the input itself."""
+    module = modules.get(str(n.target)) if n.op == "call_module" else None
+    return _view_of(n) or _name(n) in _ALIASING_CALLS or isinstance(module, _ALIASING_MODULES)
+
+
 def make_explicit(graph: fx.Graph, root: Any) -> None:
     """Rewire ``graph`` so that every read of a value after an in-place operation on it reads that
-    operation's result (see module doc); raise :class:`ViewChanged` where the value changed is a
-    view."""
+    operation's result (see module doc); raise :class:`ViewChanged` where another value sharing its
+    memory (its base, a view of it) is read after the operation."""
     modules = dict(root.named_modules()) if isinstance(root, nn.Module) else {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in list(graph.nodes):
         if not changes_first(n, modules):
             continue
-        value = n.args[0]
-        if _view_of(value):
-            raise ViewChanged(f"the forward changes a view in place ({_name(n)} on {_name(value)} of "
-                              f"{value.args[0] if value.args else value}), which a traced graph does not "
-                              f"carry to the value it views")
-        for alias in _aliases(value, modules):
-            if order[alias] < order[n] and any(order[u] > order[n] for u in alias.users):
-                raise ViewChanged(f"the forward changes {value} in place ({_name(n)}) after a view of it was "
-                                  f"taken ({_name(alias)}) and reads that view after, which a traced graph "
-                                  f"does not carry to the view")
+        value = base = n.args[0]
+        while _aliasing(base, modules) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]  # the value whose memory ``value`` is part of
+        for other in (base, *_aliases(base, modules)):
+            later = any(order[u] > order[n] for u in other.users)
+            if other is not value and order[other] < order[n] and later:
+                raise ViewChanged(f"the forward changes {value} in place ({_name(n)}) and reads {other}, "
+                                  f"which shares its memory ({_name(other)}), after it: a traced graph does "
+                                  f"not carry the change from one to the other")
         for user in list(value.users):
             if user is not n and order[user] > order[n]:
                 user.replace_input_with(value, n)

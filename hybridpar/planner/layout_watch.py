@@ -132,6 +132,8 @@ class LayoutWatch(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out._is_view() and source is not None and not split:
             # a view of the input read whole (nn.Flatten's), in one process a view of the split activation
             self.copies.take(out, f"the output of {type(m).__name__}, a view of its input read whole", source)
+        elif x in self.copies.taken:  # a view of a copy (nn.Unflatten after nn.Flatten) is one too
+            self.copies.after([self.copies.taken[x]], out)
         if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
             return
         entry = registry.lookup(m)
@@ -159,8 +161,13 @@ class LayoutWatch(TorchFunctionMode):
         written = args[0] if args and isinstance(args[0], torch.Tensor) and (
             calls.in_place(name) or kwargs.get("inplace") is True) else None  # F.relu(h, inplace=True) too
         self.unsafe += self.copies.before(name, tensors, written, args[2] if len(args) > 2 else None)
+        chained = [t for t in tensors if t in self.chains]  # read whole, gathered (unless a step)
         out = self._dispatch(func, args, kwargs, tensors)
         self.copies.after(copied, out)
+        if chained and isinstance(out, torch.Tensor) and out._is_view() and out not in self.chains \
+                and out not in self.split and (root := self.roots.get(chained[0])) is not None:
+            self.copies.take(out, f"a view of a reshape of a split activation read whole at {calls.caller()}",
+                             root)
         self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
         return out
 

@@ -753,12 +753,23 @@ def test_a_forward_that_differs_between_modes_runs_in_both(pools):
     pools(2).run(_mode_body, timeout=120)
 
 
+class _GateIn(nn.Module):
+    """A user's block with a parameter that gates its input in place and hands it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([0.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(torch.sigmoid(self.s))
+
+
 class _Refused(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(1, 1, 1), nn.Sigmoid())
-        self.flat = nn.Flatten()
+        self.flat, self.gate_in = nn.Flatten(), _GateIn()
         self.what = what
         self.register_buffer("seen", torch.zeros(()), persistent=False)
 
@@ -829,6 +840,13 @@ class _Refused(nn.Module):
                 h = h + flat.sum(-1).view(-1, 1, 1, 1, 1)
             elif self.what == "a flattened volume unflattened and written in place":
                 h.flatten(2).unflatten(2, (8, 8, 8)).mul_(2.0)
+            elif self.what == "a box read after a layer wrote its volume":
+                box = h[:, :, 1:3]
+                h = self.gate_in(h) + box.mean(dim=(1, 2, 3, 4), keepdim=True)
+            elif self.what == "an out= into a box":
+                buf = torch.zeros_like(h)
+                torch.tanh(h.detach()[:, :, 1:3], out=buf[:, :, 1:3])
+                h = h + buf
             elif self.what == "a derivative taken in the forward":
                 with torch.enable_grad():
                     g = h.detach().requires_grad_(True)
@@ -859,6 +877,10 @@ class _Refused(nn.Module):
      r"a view, which would see the write; here a copy\)"),
     ("a flattened volume unflattened and written in place",
      r"mul_ \(writes in place into a view of a reshape of a split activation read whole at "),
+    ("a box read after a layer wrote its volume",
+     r"mean of a box of slices at test_untraced_forwards.py:\d+, written in place since"),
+    ("an out= into a box", r"tanh \(writes in place into a box of slices at test_untraced_forwards.py:\d+, "
+                           r"which the split activation does not share, and no write of it back follows"),
     ("a derivative taken in the forward", r"grad: a derivative taken inside the forward, of values on "
                                           r"shards, .* at test_untraced_forwards.py:\d+"),
     ("a copied reshape read after its volume is written",

@@ -75,11 +75,15 @@ class Copies:
             unsafe.append(f"{layer} on {self._stale(stale[0])}")
         unsafe += [why for a in inputs for _, why, _ in self._reading(a)][:1]
         if in_place and inputs:
-            if inputs[0] in self.taken:
-                unsafe.append(f"{layer}(inplace=True) writing {self.taken[inputs[0]][0]}, which the split "
-                              f"activation does not share")
-            self.stale.update((c, what) for c, (what, source) in list(self.taken.items())
-                              if source == id(inputs[0]))
+            unsafe += self.layer_wrote(f"{layer}(inplace=True)", inputs[0])
+        return unsafe
+
+    def layer_wrote(self, layer: str, t: torch.Tensor) -> list[str]:
+        """What a layer writing its input ``t`` in place (said, or seen by its version counter) breaks: a
+        copy written; and what was taken of ``t`` no longer matches it."""
+        unsafe = [f"{layer} writing {self.taken[t][0]}, which the split activation does not share"] \
+            if t in self.taken else []
+        self.stale.update((c, what) for c, (what, source) in list(self.taken.items()) if source == id(t))
         return unsafe
 
     def _stale(self, t: torch.Tensor) -> str:

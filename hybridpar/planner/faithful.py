@@ -39,8 +39,10 @@ def _summary(v: Any) -> Any:
 
 class _Ops(TorchDispatchMode):
     """Records ``(operation, where)`` for each ATen call; ``where()`` says which node is running. Also,
-    by the operation's index: which write in place (``written``), and which write a tensor that shares
-    memory with another one read after the write (``aliased``: a view, or a value a view was taken of)."""
+    by the operation's index: which write in place (``written``), which write a tensor that shares
+    memory with another read after the write (``aliased``: a view, or a value a view was taken of), and
+    of those which share it with a tensor made before the node that writes began (``outside``: a layer
+    writing its input, not a scratch tensor of its own)."""
 
     def __init__(self, where: Callable[[], str]) -> None:
         super().__init__()
@@ -48,22 +50,32 @@ class _Ops(TorchDispatchMode):
         self.ops: list[tuple[tuple, str]] = []
         self.written: set[int] = set()
         self.aliased: set[int] = set()
-        self._made = WeakIdKeyDictionary()  # every tensor made, still alive
-        self._shared = WeakIdKeyDictionary()  # a tensor sharing memory with one written -> that write
+        self.outside: set[int] = set()
+        self._made = WeakIdKeyDictionary()  # every tensor made, still alive -> the operation that made it
+        self._shared = WeakIdKeyDictionary()  # one sharing memory with a written one -> (the write, outside)
+        self._node, self._start = "", 0  # the node running, and its first operation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        i, here = len(self.ops), self.where()
+        if here != self._node:
+            self._node, self._start = here, i
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t in self._shared:
+                write, outside = self._shared[t]
+                self.aliased.add(write)
+                if outside:
+                    self.outside.add(write)
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t in self._shared]
-        self.aliased.update(self._shared[t] for t in read)
         if target is not None and _writes(func):
-            self.written.add(len(self.ops))
-            self._shared.update((t, len(self.ops)) for t in self._made.keys()
+            self.written.add(i)
+            self._shared.update((t, (i, made < self._start)) for t, made in self._made.items()
                                 if t is not target and torch._C._is_alias_of(t, target))
         out = func(*args, **kwargs)
-        self._made.update((t, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        self.ops.append(((_name(func), tree_map(_summary, (args, kwargs)), tree_map(_summary, out)),
-                         self.where()))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t not in self._made:
+                self._made[t] = i
+        self.ops.append(((_name(func), tree_map(_summary, (args, kwargs)), tree_map(_summary, out)), here))
         return out
 
 
@@ -120,18 +132,20 @@ def check_faithful(graph: ModelGraph, model: nn.Module, input_shape: tuple[int, 
     kind = type(model).__name__
     graph_run = _graph_ops(graph, input_shape, kind)
     eager, traced = eager_run.ops, graph_run.ops
+    layers = {n.name for n in graph.nodes if n.op == "module"}  # a layer's write of its input: not a node
     for i, (want, got) in enumerate(zip(eager, traced)):
         if want[0] != got[0]:
             raise UntraceableError(
                 f"model ({kind}): torch.fx traced a graph that computes something other than its forward: "
                 f"at node {got[1]} the forward's operation {i + 1} is {want[0][0]} where the graph's is "
                 f"{got[0][0]} ({_WHY})")
-        if i in eager_run.aliased and i not in graph_run.written:
+        dropped = i in eager_run.aliased and i not in graph_run.written  # fx made a write a new value
+        if dropped or i in graph_run.outside and got[1] in layers:
             raise UntraceableError(
                 f"model ({kind}): torch.fx traced a graph that computes something other than its forward: "
                 f"at node {got[1]} the forward writes {want[0][0]} in place into a tensor that shares memory "
-                f"with another (w = h[:, :, a:b]; w += 1), where the graph computes a new value (fx records "
-                f"w += 1 as w + 1), so the other never sees the write")
+                f"with another read after it (w = h[:, :, a:b]; w += 1, or a layer writing its input), where "
+                f"the graph computes a new value (fx records w += 1 as w + 1), so the other misses the write")
     if len(eager) != len(traced):
         more = len(eager) > len(traced)
         longer, node = ("forward", "the graph's end") if more else ("graph", traced[len(eager)][1])

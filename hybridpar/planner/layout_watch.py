@@ -9,7 +9,7 @@ consults is :mod:`hybridpar.planner.calls`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.fills import FILLS, born_split
+from hybridpar.planner.layer_hooks import LayerHooks
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 
@@ -38,7 +39,7 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 Extents = tuple[int, ...]
 
 
-class LayoutWatch(TorchFunctionMode):
+class LayoutWatch(LayerHooks, TorchFunctionMode):
     """Follows, through a forward run by module swapping, which tensors are split activations (the
     input, a split layer's output, what the calls of :mod:`hybridpar.planner.calls` make of them) and
     their global extents, and meets every torch function the forward calls outside its layers as
@@ -70,6 +71,7 @@ class LayoutWatch(TorchFunctionMode):
         self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
         self.roots = WeakIdKeyDictionary()  # a reshape chain -> the split activation it starts from
         self.copies = Copies()
+        self._versions: list[tuple[torch.Tensor, int]] = []  # the layer running: its inputs' versions
 
     def __exit__(self, *exc: object) -> None:
         self.unsafe += self.copies.unsettled()
@@ -160,6 +162,8 @@ class LayoutWatch(TorchFunctionMode):
         name = calls.name_of(func)
         written = args[0] if args and isinstance(args[0], torch.Tensor) and (
             calls.in_place(name) or kwargs.get("inplace") is True) else None  # F.relu(h, inplace=True) too
+        if isinstance(kwargs.get("out"), torch.Tensor):  # torch.tanh(a, out=b[:, :, 3:8]) writes b's box
+            written = kwargs["out"]
         self.unsafe += self.copies.before(name, tensors, written, args[2] if len(args) > 2 else None)
         chained = [t for t in tensors if t in self.chains]  # read whole, gathered (unless a step)
         out = self._dispatch(func, args, kwargs, tensors)
@@ -413,44 +417,3 @@ class LayoutWatch(TorchFunctionMode):
         entry = registry.lookup(whole)
         return x in self.split and (dense_on_split(m, registry.lookup(m)) or (
             entry is not None and entry.splittable and not self.module_fits(whole, x, key=id(whole))))
-
-    def hook(self, modules: Iterable[nn.Module],
-             on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:
-        """Hooks that follow ``modules`` (the model's leaves): inside one, functions are the layer's and
-        this mode lets them pass (its ``depth``). ``on_leave(m, args, out)`` runs as a layer ends, still
-        inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
-        outermost layer). The one place this mode is paused inside layers."""
-        def enter(m: nn.Module, args: tuple) -> tuple | None:  # before_layer's own calls pass too
-            if self.depth == 0:
-                self._layer_reads(m, [a for a in args if isinstance(a, torch.Tensor)])
-            self.depth += 1
-            return self.before_layer(m, args) if self.depth == 1 else None
-
-        def leave(m: nn.Module, args: tuple, out: object) -> object:
-            # a layer that hands back its input tensor (a crop whose shard is its input's) gives a new
-            # tensor object of it, so that marking its output's extents leaves the input's as they were
-            fresh = out.view_as(out) if self.depth == 1 and isinstance(out, torch.Tensor) and any(
-                out is a for a in args) else None
-            try:
-                (on_leave or self._left)(m, args, out if fresh is None else fresh)
-            finally:
-                self.depth -= 1
-            return fresh
-
-        modules = list(modules)
-        return [m.register_forward_pre_hook(enter) for m in modules] + \
-            [m.register_forward_hook(leave, always_call=True) for m in modules]
-
-    def _layer_reads(self, m: nn.Module, inputs: list[torch.Tensor]) -> None:
-        """What a layer's inputs say about copies (:meth:`Copies.layer_reads`)."""
-        self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
-
-    def _left(self, m: nn.Module, args: tuple, out: object) -> None:
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is not None and self.depth == 1:
-            self.after_layer(m, x, out, self.runs_split(m, x))
-
-    def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
-        """Called as layer ``m`` starts on ``args``; new arguments, or None (the plan needs nothing
-        here; a run sets extents and gathers what a layer reads whole)."""
-        return None

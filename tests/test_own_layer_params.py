@@ -349,6 +349,26 @@ class DistBlurNoHalos(hp.nn.SpatialLayer, Blur):
         self.init_spatial(grid)
 
 
+class ChannelMean(nn.Module):
+    """The volume's mean per sample and channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3, 4))
+
+
+class DistChannelMeanLocal(hp.nn.SpatialLayer, ChannelMean):
+    """Its split version dividing the volume's sum by the shard's voxels."""
+
+    def __init__(self, *, grid: hp.ProcessGrid) -> None:
+        ChannelMean.__init__(self)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.volume_sum(x.sum((2, 3, 4))) / x[0, 0].numel()
+
+
+hp.nn.register(ChannelMean, role="reduce", op="pool", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap: DistChannelMeanLocal(grid=grid))
 hp.nn.register(NaiveDown, role="resample", op="pointwise", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap: DistNaiveDown(len(m.gain), grid=grid))
 hp.nn.register(NaiveUp, role="resample", op="pointwise", flops=_pointwise_flops,
@@ -361,8 +381,9 @@ hp.nn.register(Blur, role="window", op="conv", flops=_pointwise_flops,
 def _wrong_split_body(rank: int, world: int) -> list[str]:
     """Each model with a wrong split version of the user's layer, one step on an uneven split."""
     said = []
-    for layer in (NaiveDown(2), NaiveUp(2), Blur(2)):
-        model = nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), layer, nn.Conv3d(2, 1, 3, padding=1)).double()
+    for layer in (NaiveDown(2), NaiveUp(2), Blur(2), ChannelMean()):
+        head = nn.Linear(2, 1) if isinstance(layer, ChannelMean) else nn.Conv3d(2, 1, 3, padding=1)
+        model = nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), layer, head).double()
         engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
         x = torch.randn(UNEVEN, dtype=torch.float64)
         with torch.no_grad():
@@ -377,11 +398,12 @@ def _wrong_split_body(rank: int, world: int) -> list[str]:
 
 def test_a_split_version_that_gives_other_shards_is_refused(pools):
     """A user's Dist class is checked on its first forward against the layer on the gathered volume:
-    values (a resample counting planes from its shard's origin, a window without halos) and extents
+    values (a resample counting planes from its shard's origin, a window without halos, a mean over the
+    shard's voxels of the volume's sum) and extents
     (which would leave the next layer's halo exchange waiting on one rank), one line on every rank."""
     said = pools(2).run(_wrong_split_body, timeout=300)
     assert said[0] == said[1], said
-    down, up, blur = said[0]
+    down, up, blur, mean = said[0]
     assert down.startswith("1 (NaiveDown): its split version DistNaiveDown (the registered to_dist) does not "
                            "give the shards of the layer's output on the volume: on rank 1 its values "
                            "differ"), down
@@ -389,3 +411,6 @@ def test_a_split_version_that_gives_other_shards_is_refused(pools):
                          "the shards of the layer's output on the volume: its output on rank 0 is 2x10x14x12 "
                          "where the layer gives 2x9x14x12 of its 18x14x12 on the volume"), up
     assert blur.startswith("1 (Blur): its split version DistBlurNoHalos"), blur
+    assert mean.startswith("1 (ChannelMean): its split version DistChannelMeanLocal (the registered to_dist) "
+                           "does not give the shards of the layer's output on the volume: on rank 0 its "
+                           "values differ"), mean

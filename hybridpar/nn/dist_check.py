@@ -37,10 +37,11 @@ once); past it, the extents alone."""
 _RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # any other dtype: 1e-2
 
 
-def watch_split_version(d: nn.Module, original: nn.Module, what: str) -> None:
-    """Check ``d``'s first forward on a split input against ``original`` (the layer it stands for). The
-    check wraps ``d.forward`` on the instance, so a caller that later runs the layer whole on a value
-    that is not split (module swapping's) calls around it."""
+def watch_split_version(d: nn.Module, original: nn.Module, what: str, replicated: bool = False) -> None:
+    """Check ``d``'s first forward on a split input against ``original`` (the layer it stands for; its
+    output whole on every rank where ``replicated``: a reduction over the volume). The check wraps
+    ``d.forward`` on the instance, so a caller that later runs the layer whole on a value that is not
+    split (module swapping's) calls around it."""
     inner = d.forward
     pending = [True]
 
@@ -49,25 +50,25 @@ def watch_split_version(d: nn.Module, original: nn.Module, what: str) -> None:
         if pending and isinstance(x, torch.Tensor) and x.dim() == 5 and isinstance(out, torch.Tensor):
             pending.clear()
             with torch.no_grad():
-                _check(d, original, what, x, out)
+                _check(d, original, what, x, out, replicated)
         return out
 
     d.forward = forward
 
 
 @eager  # collectives and a copy of the layer, once: never part of a compiled graph
-def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor) -> None:
+def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor,
+           replicated: bool) -> None:
     grid = d.grid
     extents = tuple(d.global_shape(x))
     why = ""
     try:
-        whole_out = _whole_extents(original, x, extents)
-        box = shard_box(whole_out, grid.spatial_shape, grid.spatial_coord)
-        local = tuple(hi - lo for lo, hi in box)
-        channels = _channels(original, x, extents)
-        if tuple(out.shape[2:]) != local or out.shape[1] != channels:
+        whole = tuple(_meta_out(original, x, extents).shape[1:])
+        box = None if replicated else shard_box(whole[1:], grid.spatial_shape, grid.spatial_coord)
+        local = whole if box is None else (whole[0], *(hi - lo for lo, hi in box))
+        if tuple(out.shape[1:]) != local:
             why = (f"its output on rank {grid.rank} is {_dims(out.shape[1:])} where the layer gives "
-                   f"{_dims((channels, *local))} of its {_dims(whole_out)} on the volume")
+                   f"{_dims(local)}{'' if box is None else f' of its {_dims(whole[1:])}'} on the volume")
         elif x.shape[1] * math.prod(extents) <= GATHER_LIMIT:
             why = _values(d, original, x, out, extents, box)
     except Exception as err:  # noqa: BLE001 - the user's layer: agreed on below, then raised on every rank
@@ -81,14 +82,6 @@ def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: t
                         f"without to_dist")
 
 
-def _whole_extents(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_meta_out(original, x, extents).shape[2:])
-
-
-def _channels(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> int:
-    return _meta_out(original, x, extents).shape[1]
-
-
 def _meta_out(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> torch.Tensor:
     state, dtype = meta_state(original)
     probe = torch.empty((1, x.shape[1], *extents), dtype=x.dtype if x.is_floating_point() else dtype,
@@ -98,12 +91,15 @@ def _meta_out(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) ->
 
 
 def _values(d: nn.Module, original: nn.Module, x: torch.Tensor, out: torch.Tensor,
-            extents: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> str:
-    """Why this rank's output differs from its box of the layer's on the first sample gathered, or ""."""
+            extents: tuple[int, ...], box: tuple[tuple[int, int], ...] | None) -> str:
+    """Why this rank's output differs from its box (None: all) of the layer's on the first sample
+    gathered, or ""."""
     whole = gather(x[:1].detach(), d.grid, extents)
     layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
     with unwatched(layer), torch.random.fork_rng(devices=[]):
-        want = layer(whole)[(..., *(slice(lo, hi) for lo, hi in box))]
+        want = layer(whole)
+    if box is not None:
+        want = want[(..., *(slice(lo, hi) for lo, hi in box))]
     got = out[:1].detach().to(want.dtype)
     scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
     err = float((got - want).abs().max()) if want.numel() else 0.0

@@ -64,11 +64,12 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     registry.note_split(d, entry)
     check_window(entry, m, d, name)
     check_reduce_params(entry, m, d, name)
+    what = f"{name} ({type(m).__name__})" if name else type(m).__name__
     if entry.role == "reduce" and grid.spatial_size > 1:
-        watch_first_forward(d, f"{name} ({type(m).__name__})" if name else type(m).__name__)
-    elif grid.spatial_size > 1 and isinstance(d, SpatialLayer) and not entry.torch_type.__module__.startswith(
+        watch_first_forward(d, what)
+    if grid.spatial_size > 1 and isinstance(d, SpatialLayer) and not entry.torch_type.__module__.startswith(
             ("torch.", "hybridpar.")):  # a user's layer's own split version
-        watch_split_version(d, m, f"{name} ({type(m).__name__})" if name else type(m).__name__)
+        watch_split_version(d, m, what, replicated=entry.replicated_output(m))
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
         d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)

@@ -847,6 +847,11 @@ class _Refused(nn.Module):
                 buf = torch.zeros_like(h)
                 torch.tanh(h.detach()[:, :, 1:3], out=buf[:, :, 1:3])
                 h = h + buf
+            elif self.what == "a mean spread over the volume, then written":
+                g = h.mean((2, 3, 4), keepdim=True)
+                spread = g.expand_as(h)
+                g.mul_(2.0)
+                h = h * spread
             elif self.what == "a derivative taken in the forward":
                 with torch.enable_grad():
                     g = h.detach().requires_grad_(True)
@@ -881,6 +886,8 @@ class _Refused(nn.Module):
      r"mean of a box of slices at test_untraced_forwards.py:\d+, written in place since"),
     ("an out= into a box", r"tanh \(writes in place into a box of slices at test_untraced_forwards.py:\d+, "
                            r"which the split activation does not share, and no write of it back follows"),
+    ("a mean spread over the volume, then written",
+     r"mul of a view of a whole value at test_untraced_forwards.py:\d+, written in place since"),
     ("a derivative taken in the forward", r"grad: a derivative taken inside the forward, of values on "
                                           r"shards, .* at test_untraced_forwards.py:\d+"),
     ("a copied reshape read after its volume is written",

@@ -168,12 +168,25 @@ class LayoutWatch(LayerHooks, TorchFunctionMode):
         chained = [t for t in tensors if t in self.chains]  # read whole, gathered (unless a step)
         out = self._dispatch(func, args, kwargs, tensors)
         self.copies.after(copied, out)
-        if chained and isinstance(out, torch.Tensor) and out._is_view() and out not in self.chains \
-                and out not in self.split and (root := self.roots.get(chained[0])) is not None:
-            self.copies.take(out, f"a view of a reshape of a split activation read whole at {calls.caller()}",
-                             root)
+        if isinstance(out, torch.Tensor) and out._is_view():
+            self._views_made(out, tensors, chained)
         self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
         return out
+
+    def _views_made(self, out: torch.Tensor, tensors: list[torch.Tensor], chained: list[torch.Tensor]
+                    ) -> None:
+        """A view a call made that a run makes of another tensor than one process does: of a reshape read
+        whole (gathered), or of a replicated value laid out as a split one (``g.expand_as(h)``, read in a
+        run through the value entered into the shards). Either is a copy, which a write into its source
+        since does not reach."""
+        if chained and out not in self.chains and out not in self.split:
+            if (root := self.roots.get(chained[0])) is not None:
+                self.copies.take(out, f"a view of a reshape of a split activation read whole at "
+                                 f"{calls.caller()}", root)
+        elif out in self.split:
+            whole = next((t for t in tensors if t not in self.split and torch._C._is_alias_of(out, t)), None)
+            if whole is not None:
+                self.copies.take(out, f"a view of a whole value at {calls.caller()}", whole)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         if calls.name_of(func) in FILLS and (made := born_split(self, func, args, kwargs)) is not None:

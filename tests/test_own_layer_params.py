@@ -349,6 +349,19 @@ class DistBlurNoHalos(hp.nn.SpatialLayer, Blur):
         self.init_spatial(grid)
 
 
+class KeptBlur(Blur):
+    """``Blur`` with a split version that reads its weight detached (kept from another call)."""
+
+
+class DistKeptBlur(hp.nn.SpatialLayer, KeptBlur):
+    def __init__(self, ch: int, *, grid: hp.ProcessGrid) -> None:
+        KeptBlur.__init__(self, ch)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv3d(self.with_halos(x), self.weight.detach(), None, 1, 0, groups=self.weight.shape[0])
+
+
 class ChannelMean(nn.Module):
     """The volume's mean per sample and channel."""
 
@@ -369,6 +382,9 @@ class DistChannelMeanLocal(hp.nn.SpatialLayer, ChannelMean):
 
 hp.nn.register(ChannelMean, role="reduce", op="pool", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap: DistChannelMeanLocal(grid=grid))
+hp.nn.register(KeptBlur, role="window", op="conv", flops=_pointwise_flops,
+               window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
+               to_dist=lambda m, grid, overlap: DistKeptBlur(m.weight.shape[0], grid=grid))
 hp.nn.register(NaiveDown, role="resample", op="pointwise", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap: DistNaiveDown(len(m.gain), grid=grid))
 hp.nn.register(NaiveUp, role="resample", op="pointwise", flops=_pointwise_flops,
@@ -381,7 +397,7 @@ hp.nn.register(Blur, role="window", op="conv", flops=_pointwise_flops,
 def _wrong_split_body(rank: int, world: int) -> list[str]:
     """Each model with a wrong split version of the user's layer, one step on an uneven split."""
     said = []
-    for layer in (NaiveDown(2), NaiveUp(2), Blur(2), ChannelMean()):
+    for layer in (NaiveDown(2), NaiveUp(2), Blur(2), ChannelMean(), KeptBlur(2)):
         head = nn.Linear(2, 1) if isinstance(layer, ChannelMean) else nn.Conv3d(2, 1, 3, padding=1)
         model = nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), layer, head).double()
         engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
@@ -399,11 +415,11 @@ def _wrong_split_body(rank: int, world: int) -> list[str]:
 def test_a_split_version_that_gives_other_shards_is_refused(pools):
     """A user's Dist class is checked on its first forward against the layer on the gathered volume:
     values (a resample counting planes from its shard's origin, a window without halos, a mean over the
-    shard's voxels of the volume's sum) and extents
+    shard's voxels of the volume's sum), the parameters it depends on (a weight read detached) and extents
     (which would leave the next layer's halo exchange waiting on one rank), one line on every rank."""
     said = pools(2).run(_wrong_split_body, timeout=300)
     assert said[0] == said[1], said
-    down, up, blur, mean = said[0]
+    down, up, blur, mean, kept = said[0]
     assert down.startswith("1 (NaiveDown): its split version DistNaiveDown (the registered to_dist) does not "
                            "give the shards of the layer's output on the volume: on rank 1 its values "
                            "differ"), down
@@ -414,3 +430,4 @@ def test_a_split_version_that_gives_other_shards_is_refused(pools):
     assert mean.startswith("1 (ChannelMean): its split version DistChannelMeanLocal (the registered to_dist) "
                            "does not give the shards of the layer's output on the volume: on rank 0 its "
                            "values differ"), mean
+    assert "its output does not depend on its parameter weight, where the layer's does" in kept, kept

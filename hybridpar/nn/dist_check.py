@@ -9,7 +9,8 @@ one whose output extents differ from the plan's makes the next layer's halo exch
 while the others wait. So its first forward is compared: the output's extents with this rank's box of
 the layer's output on the volume (a run on the meta device), and, where one sample of its input is
 small enough to gather (:data:`GATHER_LIMIT` elements), the values with the layer run on that sample
-gathered whole. The ranks agree on the verdict before any raises.
+gathered whole; in training, also that its output depends on every parameter the layer's does (a weight
+kept detached would get no gradient). The ranks agree on the verdict before any raises.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def watch_split_version(d: nn.Module, original: nn.Module, what: str, replicated
         out = inner(x, *args, **kwargs)
         if pending and isinstance(x, torch.Tensor) and x.dim() == 5 and isinstance(out, torch.Tensor):
             pending.clear()
+            reached = _reached(out) if out.grad_fn is not None else None  # its parameters, in training
             with torch.no_grad():
-                _check(d, original, what, x, out, replicated)
+                _check(d, original, what, x, out, replicated, reached)
         return out
 
     d.forward = forward
@@ -58,7 +60,7 @@ def watch_split_version(d: nn.Module, original: nn.Module, what: str, replicated
 
 @eager  # collectives and a copy of the layer, once: never part of a compiled graph
 def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor,
-           replicated: bool) -> None:
+           replicated: bool, reached: set[int] | None) -> None:
     grid = d.grid
     extents = tuple(d.global_shape(x))
     why = ""
@@ -66,7 +68,10 @@ def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: t
         whole = tuple(_meta_out(original, x, extents).shape[1:])
         box = None if replicated else shard_box(whole[1:], grid.spatial_shape, grid.spatial_coord)
         local = whole if box is None else (whole[0], *(hi - lo for lo, hi in box))
-        if tuple(out.shape[1:]) != local:
+        if reached is not None and (lost := _unused(d, original, x, extents, reached)):
+            why = (f"its output does not depend on its parameter {lost[0]}, where the layer's does (a copy "
+                   f"detached or kept from another call?): it would get no gradient")
+        elif tuple(out.shape[1:]) != local:
             why = (f"its output on rank {grid.rank} is {_dims(out.shape[1:])} where the layer gives "
                    f"{_dims(local)}{'' if box is None else f' of its {_dims(whole[1:])}'} on the volume")
         elif x.shape[1] * math.prod(extents) <= GATHER_LIMIT:
@@ -80,6 +85,37 @@ def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: t
                         f"this rank's box of that output (halos from self.with_halos(x) for a window, a "
                         f"resample's planes counted from the volume's origin), or register the layer "
                         f"without to_dist")
+
+
+def _reached(out: torch.Tensor) -> set[int]:
+    """The leaf tensors (by id) ``out``'s autograd graph reaches."""
+    found, seen, todo = set(), set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            found.add(id(fn.variable))
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def _unused(d: nn.Module, original: nn.Module, x: torch.Tensor, extents: tuple[int, ...],
+            reached: set[int]) -> list[str]:
+    """The names of the parameters ``d``'s output (its graph reached ``reached``) does not depend on
+    while ``original``'s output on the volume does (run on the meta device, with gradients)."""
+    lost = [n for n, p in original.named_parameters() if p.requires_grad and id(p) not in reached
+            and id(p) in {id(q) for q in d.parameters()}]
+    if not lost:
+        return []
+    state, dtype = meta_state(original)
+    for name in lost:
+        state[name].requires_grad_(True)
+    probe = torch.empty((1, x.shape[1], *extents), dtype=dtype, device="meta")
+    with unwatched(original), torch.enable_grad():
+        used = _reached(torch.func.functional_call(original, state, (probe,)))
+    return [n for n in lost if id(state[n]) in used]
 
 
 def _meta_out(original: nn.Module, x: torch.Tensor, extents: tuple[int, ...]) -> torch.Tensor:

@@ -176,7 +176,8 @@ class Idioms(nn.Module):
     """More of what users write between layers: a tensor made from the volume's shape without a device,
     tensors made from its shape, dtype and device (``arange``, ``new_ones``), functional group and
     instance norms without weights, a position parameter the size of the volume, a max, a repeat, an
-    expand and a normalisation along channels, a downsampling interpolate, and attention over the
+    expand, a channel selected and clamped in place, and a normalisation along channels, a downsampling
+    interpolate, and attention over the
     flattened voxels (gathered)."""
 
     def __init__(self) -> None:
@@ -193,6 +194,7 @@ class Idioms(nn.Module):
         h = F.group_norm(h, 2) + 0.5 * F.instance_norm(h)  # statistics over the volume, no weights
         h = F.normalize(h * h.max(dim=1, keepdim=True).values, dim=1)
         h = h[:, :2].repeat(1, 2, 1, 1, 1) + h.expand(-1, -1, -1, -1, -1)
+        h.select(1, 0).clamp_(min=-0.5)  # a channel's plane, written in place through the view
         h = F.interpolate(F.interpolate(h, scale_factor=0.5, mode="trilinear"), size=h.shape[2:])
         n, c, d, hh, w = h.shape
         t = h.flatten(2).transpose(1, 2)  # (n, voxels, c)

@@ -81,7 +81,7 @@ REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin":
 JOINS = ("cat", "concat", "concatenate", "stack")
 PIECES = ("chunk", "split", "tensor_split", "unbind")
 KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp", "glu",
-        "narrow")
+        "narrow", "select")
 """Along one dim, given: kept split where it is a leading dim."""
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.comm.flags import any_rank
 from hybridpar.comm.redistribute import gather
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
@@ -105,8 +106,9 @@ def _unused(d: nn.Module, original: nn.Module, x: torch.Tensor, extents: tuple[i
             reached: set[int]) -> list[str]:
     """The names of the parameters ``d``'s output (its graph reached ``reached``) does not depend on
     while ``original``'s output on the volume does (run on the meta device, with gradients)."""
-    lost = [n for n, p in original.named_parameters() if p.requires_grad and id(p) not in reached
-            and id(p) in {id(q) for q in d.parameters()}]
+    own = {id(q) for q in d.parameters()}
+    lost = [n for n, p in original.named_parameters()
+            if p.requires_grad and id(p) not in reached and id(p) in own]
     if not lost:
         return []
     state, dtype = meta_state(original)
@@ -149,9 +151,7 @@ def _agree(why: str, group: dist.ProcessGroup | None) -> str:
     """The first rank's reason among the ranks of ``group`` that found one, on every rank ("" if none)."""
     if group is None:
         return why
-    flag = torch.tensor([int(bool(why))], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag[0]):
+    if not any_rank(bool(why), group):
         return ""
     every: list[str] = [""] * dist.get_world_size(group)
     dist.all_gather_object(every, why, group=group)

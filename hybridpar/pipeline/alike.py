@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from hybridpar.comm.flags import any_rank
 from hybridpar.planner.graph import UntraceableError
 from hybridpar.planner.terms import SpecError
 
@@ -38,9 +39,7 @@ def raised_alike() -> Iterator[None]:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0.0 if error is None else 1.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
+    if not any_rank(error is not None):
         return
     mine = torch.zeros(_BYTES + 1, dtype=torch.uint8)
     if error is not None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.comm.flags import any_rank
 from hybridpar.nn.buffer_state import Snapshot
 from hybridpar.nn.families import moves_per_forward, uses_batch_statistics
 from hybridpar.nn.sharing import return_rebound
@@ -112,14 +112,11 @@ class BufferWatch:
 
 def _every(names: list[str], exchange: bool) -> list[str]:
     """``names`` found on any rank of the job, sorted: exchanged, or (``exchange`` False) exchanged only
-    where a flag all-reduced over the job (a CPU tensor: no device synchronisation) says any rank has one."""
+    where any rank has one (:func:`~hybridpar.comm.flags.any_rank`)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return sorted(set(names))
-    if not exchange:
-        flag = torch.tensor([len(names)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag[0]) == 0:
-            return []
+    if not exchange and not any_rank(bool(names)):
+        return []
     every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, names)
     return sorted({n for part in every for n in part})

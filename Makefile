@@ -38,7 +38,7 @@ $(APP_STAMP): $(STAMP)
 # the end-to-end tests leave a core idle while one rank starts or waits. TEST_WORKERS=0 runs them in turn.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # 640 + 160 synthetic 64^3 universes (~0.05 s each; smoothing 0.5 Mpc/h, no linear field: the demo regresses); files already there are kept.
 demo-data: $(STAMP)

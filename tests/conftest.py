@@ -12,11 +12,15 @@ import torch
 from distributed import Pools
 
 # The longest files (seconds on 2 cores), run first: ``make test`` hands whole files to two workers
-# as each gets free (xdist's loadfile), and a long file taken last leaves the other worker idle.
-LONGEST_FIRST = ("test_perf_suite.py", "test_model_zoo.py", "test_user_models.py", "test_failures.py",
-                 "test_fault_soak.py", "test_dist_layers.py", "test_new_layers.py", "test_examples.py",
-                 "test_loss_split.py", "test_launch_grid.py", "test_periodic.py", "test_gpu_check.py",
-                 "test_engine.py", "test_volume_study.py")
+# as each gets free (xdist's loadfile, in collection order with --no-loadscope-reorder; by default it
+# orders files by their number of tests), and a long file taken last leaves the other worker idle.
+LONGEST_FIRST = ("test_perf_suite.py", "test_model_zoo.py", "test_failures.py", "test_fault_soak.py",
+                 "test_loss_split.py", "test_user_models.py", "test_launch_grid.py", "test_examples.py",
+                 "test_dist_layers.py", "test_gpu_check.py", "test_train_app.py", "test_engine.py",
+                 "test_periodic.py", "test_volume_study.py", "test_compile.py", "test_new_layers.py",
+                 "test_graph_engine.py", "test_untraced_forwards.py", "test_blocks.py", "test_fft.py",
+                 "test_mpi_transport.py", "test_predict_any_size.py", "test_lppool.py",
+                 "test_checkpoint_kill.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -150,3 +150,48 @@ def test_a_pipeline_refuses_a_loss_that_reads_parameters(pools):
     line = said.pop()
     assert line.startswith("Engine.train_step: loss_fn reads parameter(s) 0.weight, 0.bias, 2.weight, "
                            "2.bias itself") and "pipeline" in line and "\n" not in line, line
+
+
+class _Normed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g / g.norm()
+
+
+def _hooked_loss_body(rank: int, world: int, how: str) -> str:
+    import hybridpar as hp
+
+    x, y = _data("Gate")
+    torch.manual_seed(0)
+    mine = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1)).double()
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if how == "hook":
+            out.register_hook(lambda g: g / g.norm())  # a norm over what this rank holds of the output
+        else:
+            out = _Normed.apply(out)
+        return F.mse_loss(out, target)
+
+    engine = hp.parallelize(mine, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=loss)
+    try:
+        engine.train_step(*engine.shard_batch(x, y))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("how,says", [
+    ("hook", "registers a gradient hook"),
+    ("function", "applies an autograd.Function of its own (_Normed.apply)")])
+def test_backward_code_in_the_loss_is_refused(pools, how, says):
+    """The loss is evaluated on each rank's part of the output: a gradient hook or a Function's backward
+    there would see that part's gradient alone."""
+    said = set(pools(2).run(_hooked_loss_body, how, timeout=60))
+    assert len(said) == 1, f"ranks said different things: {said}"
+    line = said.pop()
+    assert line.startswith(f"loss_fn {says} at test_loss_params.py:"), line
+    assert "\n" not in line, line

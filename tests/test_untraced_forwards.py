@@ -766,6 +766,27 @@ class _GateIn(nn.Module):
         return x.mul_(torch.sigmoid(self.s))
 
 
+class _Halved(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g * 0.5
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        ctx.mark_dirty(x)
+        return x.mul_(2.0)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g * 2.0
+
+
 class _Refused(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()
@@ -858,6 +879,14 @@ class _Refused(nn.Module):
                 with torch.enable_grad():
                     g = h.detach().requires_grad_(True)
                     h = h + torch.autograd.grad(g.square().sum(), g, create_graph=True)[0]
+            elif self.what == "a Function of its own":
+                h = _Halved.apply(h)
+            elif self.what == "a gradient hook":
+                h.register_hook(lambda g: g / g.norm())
+            elif self.what == "a hook on a flattened volume":
+                h.flatten(2).register_hook(lambda g: g / g.norm())
+            elif self.what == "a Function writing its input":
+                h = _Doubled.apply(h * 1.0)
             elif self.what == "a copied reshape read after its volume is written":
                 flat = h.transpose(2, 4).reshape(h.shape[0], -1)  # a copy in one process
                 h.add_(1.0)
@@ -907,6 +936,10 @@ class _Refused(nn.Module):
     ("a depth unshuffled on odd shards",
      r"view \(a reshape no shard makes of its own\) at test_untraced_forwards.py:\d+"),
     ("a gate inside a checkpoint", r"gate.1 \(Conv3d\) runs on a value that is not split inside torch.utils"),
+    ("a Function of its own", r"_Halved.apply \(an autograd.Function of the model's own on values that "
+                              r"carry the batch, .* at test_untraced_forwards.py:\d+"),
+    ("a gradient hook", r"register_hook \(on a value that carries the batch, .* the hook would see each "
+                        r"part's gradient\) at test_untraced_forwards.py:\d+"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""
@@ -916,6 +949,22 @@ def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": [2, 1, 1]}})
     with pytest.raises(SpecError, match=match):
         spec.plan(_Refused(what), (2, 1, 8, 8, 8), 4)
+
+
+@pytest.mark.parametrize("what,match", [
+    ("a hook on a flattened volume", r"register_hook \(on a reshape of a split activation part way"),
+    ("a Function writing its input", r"_Doubled.apply \(writes its input in place, which runs on the "
+                                     r"volume gathered for it, not on the shards\) at test_untraced_fo"),
+])
+def test_backward_code_that_cannot_see_the_whole_gradient_is_refused(what, match):
+    """A Function or a gradient hook on split activations runs on the gathered volume and gradient;
+    where that cannot stand for one process, the plan says so before any step."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.raises(SpecError, match=match):
+        spec.plan(_Refused(what), (2, 1, 8, 8, 8), 2)
 
 
 @pytest.mark.parametrize("what,match", [

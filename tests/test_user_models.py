@@ -343,6 +343,48 @@ class STENet(nn.Module):
         return self.c2(_StraightThrough.apply(self.c1(x)))
 
 
+class _GradNormed(torch.autograd.Function):
+    """Identity forward; backward: the gradient over its norm, a reduction over the whole volume that a
+    shard's gradient alone would get wrong."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g / g.norm()
+
+
+class GlobalBackwardNet(nn.Module):
+    """A Function whose backward reduces over the volume, then a gradient hook that does too (and one
+    that works voxel by voxel): each run on the whole gradient, gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _GradNormed.apply(torch.relu(self.c1(x)))
+        if h.requires_grad:
+            h.register_hook(lambda g: g - g.mean())
+            h.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        return self.c2(h)
+
+
+class RecomputeNet(nn.Module):
+    """A traced ``F.interpolate`` by a scale whose output extent rounds down (0.6), with
+    ``recompute_scale_factor=True``: the kernel then uses the scale the extents give, not 0.6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.interpolate(self.c1(x), scale_factor=0.6, mode="trilinear", recompute_scale_factor=True)
+        return F.interpolate(self.c2(h), size=x.shape[2:], mode="trilinear")
+
+
 class StackNet(nn.Module):
     """Features stacked along a new dim 0 and averaged over it (MONAI's registration blocks), and a
     per-sample vector transposed and back: the samples leave dim 0 and return, across a pipeline cut
@@ -512,8 +554,12 @@ CASES = [
     (2, "a view read after its base is written", "ViewedNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "an augmented assignment seen through a view", "AugAliasNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
-    (4, "an autograd.Function of the user's, data x spatial", "STENet",
-     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "an autograd.Function of the user's, 2x2", "STENet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "a traced interpolate that recomputes its scale", "RecomputeNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "a Function and hooks reducing the gradient over the volume", "GlobalBackwardNet",
+     {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "a Function and hooks reducing the gradient over the volume, 2x2", "GlobalBackwardNet",
+     {"grid": {"spatial": [2, 2, 1]}}),
     (4, "features stacked and averaged, data x spatial", "StackNet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (4, "samples along dim 1 across a pipeline cut, pipe x spatial", "StackNet",

@@ -47,10 +47,9 @@ def register_functions() -> None:
 
     def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None,
                     recompute_scale_factor=None, antialias=False) -> nn.Module:
-        if recompute_scale_factor or antialias:
-            raise NotImplementedError("F.interpolate: recompute_scale_factor and antialias are not "
-                                      "supported on a split volume")
-        return nn.Upsample(size, scale_factor, mode, align_corners)
+        if antialias:
+            raise NotImplementedError("F.interpolate: antialias is not supported on a split volume")
+        return nn.Upsample(size, scale_factor, mode, align_corners, recompute_scale_factor)
 
     def pad(x, pad, mode="constant", value=None) -> nn.Module | None:
         if len(pad) > 6 or len(pad) % 2 or any(not isinstance(p, int) for p in pad) or (

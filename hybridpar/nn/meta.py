@@ -31,9 +31,11 @@ from hybridpar.nn.families import BATCH_NORM
 from hybridpar.nn.sharing import TORCH_OWN
 
 
-def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
     """``module``'s parameters and buffers as meta tensors, one entry per slot (see the module doc),
-    and the floating dtype its input should have."""
+    and the floating dtype its input should have. ``grads``: each parameter's requires a gradient
+    where the module's does, so that a forward followed on them meets autograd as a training step
+    does (``h.requires_grad``, ``h.register_hook``, an autograd.Function's ``grad_fn``)."""
     metas: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for prefix, m in module.named_modules():
@@ -41,7 +43,8 @@ def meta_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], torch.dtype]
             if t is not None:
                 key = f"{prefix}.{name}" if prefix else name
                 state[key] = metas.setdefault(id(t), t.detach().clone() if keeps_value(t) else
-                                              torch.empty_like(t, device="meta"))
+                                              torch.empty_like(t, device="meta").requires_grad_(
+                                                  grads and t.requires_grad and name in m._parameters))
     floats = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     return state, floats[0].dtype if floats else torch.get_default_dtype()
 

@@ -8,6 +8,9 @@ so each rank holds a part of such a parameter's gradient; the gradient reduction
 layer applies a parameter in the forward, averaged those parts: 0.5x on two ranks, the ranks' copies of a
 parameter no layer uses drifting apart, and silently.
 
+A gradient hook the loss registers (``p.register_hook``), or an autograd.Function of its own it applies
+to the output, would see a part's gradient: either is refused as the loss makes it.
+
 How: while ``loss_fn`` runs (:meth:`LossReads.watch`), a ``TorchFunctionMode`` hands every operation that
 takes one of the model's parameters itself an alias of it whose gradient goes aside, not into ``.grad``.
 After the step (:meth:`LossReads.finish`) the ranks agree on which parameters were read (one all-reduce
@@ -30,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+from hybridpar.planner import applied, calls
 
 
 class _Aside(torch.autograd.Function):
@@ -54,8 +59,23 @@ class _Watch(TorchFunctionMode):
         self.reads = reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "register_hook":
+            raise ValueError(f"loss_fn registers a gradient hook at {calls.caller()}: the engine evaluates "
+                             f"the loss on each rank's part of the output (of a volume split, of a batch in "
+                             f"parts), whose gradient alone the hook would see; register it in the model's "
+                             f"forward, where a hook on a split activation is given the whole gradient")
         swap = self.reads.alias
         return func(*tree_map(swap, args), **tree_map(swap, kwargs or {}))
+
+
+def _refuse_function(cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
+    if cls.__module__.startswith("torch.") or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+        return applied.PASS
+    raise ValueError(f"loss_fn applies an autograd.Function of its own ({cls.__qualname__}.apply) at "
+                     f"{calls.caller()}: the engine evaluates the loss on each rank's part of the output "
+                     f"(of a volume split, of a batch in parts), whose gradient alone its backward would "
+                     f"see; apply it in the model's forward, where it runs on the gathered volume")
 
 
 class LossReads:
@@ -102,9 +122,11 @@ class LossReads:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        """Around a ``loss_fn`` call: parameters it reads take the alias."""
-        with _Watch(self):
+        """Around a ``loss_fn`` call: parameters it reads take the alias; a gradient hook it registers,
+        or an autograd.Function of its own it applies to what has a gradient, is refused."""
+        with _Watch(self), applied.watching(_refuse_function):
             yield
+
 
     def finish(self, stage: dist.ProcessGroup | None, shards: int, device: torch.device, pipeline: bool,
                what: str) -> None:

@@ -189,6 +189,19 @@ class SplitForward(LayoutWatch):
     def _run_reduce(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         return reduce_over_volume(kind, x, self.split[x], self.group)
 
+    def _run_hook(self, func, args: tuple, kwargs: dict) -> Any:
+        """``h.register_hook(fn)``: ``fn`` given the volume's gradient, gathered on every rank of the
+        split (each reaches the hook at the same place of the same backward), and its result's shard
+        box handed back."""
+        hook = args[1] if len(args) > 1 else kwargs["hook"]
+        extents = self.split[args[0]]
+
+        def whole_grad(grad: torch.Tensor) -> torch.Tensor | None:
+            out = hook(gather(grad, self.grid, extents))
+            return None if out is None else self._fit(out, extents)
+
+        return func(args[0], whole_grad)
+
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         m = kind.module
         key = calls.module_key(m)

@@ -358,6 +358,7 @@ ROLES = {"shape": "reads the volume's extents", "step": "reshapes shard by shard
          "pointwise": "elementwise, on shards", "join": "joins along channels or batch, on shards",
          "pieces": "cuts along channels or batch, on shards", "value": "reads values (refused)",
          "assign": "writes each shard's part of a box", "whole": "computed on the gathered volume",
+         "hook": "given the gathered gradient",
          "refuse": "refused", "never": "refused"}
 """What each kind of call does to a split activation, as ``explain`` says it."""
 

@@ -318,7 +318,7 @@ def _stand_in_of(n: fx.Node | Node, args: tuple, kwargs: dict) -> nn.Module | No
     target = n.target
     try:
         return registry.function_module(target, args, kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, NotImplementedError) as err:
         raise SpecError(f"{n.name}: {getattr(target, '__name__', target)}{tuple(args[1:])}: {err}") from None
 
 

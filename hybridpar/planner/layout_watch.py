@@ -22,6 +22,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
+from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
@@ -39,7 +40,7 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 Extents = tuple[int, ...]
 
 
-class LayoutWatch(LayerHooks, TorchFunctionMode):
+class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
     """Follows, through a forward run by module swapping, which tensors are split activations (the
     input, a split layer's output, what the calls of :mod:`hybridpar.planner.calls` make of them) and
     their global extents, and meets every torch function the forward calls outside its layers as
@@ -61,6 +62,7 @@ class LayoutWatch(LayerHooks, TorchFunctionMode):
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
         self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size
         self._fits: dict[tuple, bool] = {}  # (a call's layer, input shape) -> module_fits
+        self._offers: list[Any] = []  # while entered: the Functions applied on this thread offered to it
         self.reset()
 
     def reset(self) -> None:
@@ -73,8 +75,14 @@ class LayoutWatch(LayerHooks, TorchFunctionMode):
         self.copies = Copies()
         self._versions: list[tuple[torch.Tensor, int]] = []  # the layer running: its inputs' versions
 
+    def __enter__(self) -> LayoutWatch:
+        self._offers.append(self.applications())  # a Function of the user's: BackwardCalls._applied
+        self._offers[-1].__enter__()
+        return super().__enter__()
+
     def __exit__(self, *exc: object) -> None:
         self.unsafe += self.copies.unsettled()
+        self._offers.pop().__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
@@ -189,6 +197,8 @@ class LayoutWatch(LayerHooks, TorchFunctionMode):
                 self.copies.take(out, f"a view of a whole value at {calls.caller()}", whole)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
+        if calls.name_of(func) == "register_hook" and args and isinstance(args[0], torch.Tensor):
+            return self._hooked(func, args, kwargs)
         if calls.name_of(func) in FILLS and (made := born_split(self, func, args, kwargs)) is not None:
             return made
         if calls.name_of(func) in ("view_as", "reshape_as") and len(args) == 2 and (

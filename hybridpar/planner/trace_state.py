@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from hybridpar.nn.sharing import TORCH_OWN  # torch's bookkeeping; ``training`` is graph.mode_dependent's
+from hybridpar.planner import applied
 from hybridpar.planner.terms import SpecError
 
 _GRAD_MODE = {  # (namespace, name): what a grad-mode context or check calls, and the name a user knows
@@ -95,28 +96,24 @@ def _watching(name: str, original: Any) -> Any:
     return call
 
 
-def _applying(original: classmethod) -> classmethod:
-    """``Function.apply`` that, applied by a forward being traced on this thread to a traced value,
-    refuses (:class:`FunctionInTrace`): the forward then runs by module swapping, the Function's own
-    backward with it. hybridpar's own Functions (halo exchanges) are applied by leaf layers fx does
-    not enter, and pass."""
+def _function_watcher(seen: _Seen) -> applied.Watcher:
+    """A watcher (:mod:`hybridpar.planner.applied`) that refuses a Function of the user's applied to a
+    traced value (:class:`FunctionInTrace`): the forward then runs by module swapping, the Function's
+    own backward with it."""
 
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        traces = getattr(_local, "traces", None)
-        if traces and not cls.__module__.startswith("hybridpar.") and any(
-                isinstance(a, torch.fx.Proxy) for a in tree_leaves((args, kwargs))):
+    def watcher(cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
+        if any(isinstance(a, torch.fx.Proxy) for a in tree_leaves((args, kwargs))):
             name = f"{cls.__qualname__}.apply"
-            traces[-1].functions.append(name)
+            seen.functions.append(name)
             raise FunctionInTrace(_why_function(name))
-        return original.__func__(cls, *args, **kwargs)
+        return applied.PASS
 
-    return classmethod(apply)
+    return watcher
 
 
 @contextlib.contextmanager
 def _grad_mode_wrapped() -> Iterator[None]:
-    """The grad-mode functions (:func:`_watching`) and ``autograd.Function.apply`` (:func:`_applying`)
-    wrapped while any trace is open on any thread."""
+    """The grad-mode functions (:func:`_watching`) wrapped while any trace is open on any thread."""
     global _open
     with _lock:
         if _open == 0:
@@ -125,9 +122,6 @@ def _grad_mode_wrapped() -> Iterator[None]:
                 original = getattr(space, name)
                 _originals.append((space, name, original))
                 setattr(space, name, _watching(known, original))
-            apply = torch.autograd.Function.__dict__["apply"]
-            _originals.append((torch.autograd.Function, "apply", apply))
-            torch.autograd.Function.apply = _applying(apply)
         _open += 1
     try:
         yield
@@ -147,7 +141,7 @@ def watched_trace() -> Iterator[_Seen]:
     forward touched grad mode (:func:`refuse_grad_mode`): the forward may have caught the error."""
     seen = _Seen([])
     traces = _traces()
-    with _grad_mode_wrapped():
+    with _grad_mode_wrapped(), applied.watching(_function_watcher(seen)):
         traces.append(seen)
         try:
             yield seen

@@ -828,6 +828,9 @@ class _Refused(nn.Module):
                 h = h - h.mean(dim=(2, 3, 4), keepdim=True)[:1]
             elif self.what == "volume means summed over the batch":
                 h = h - h.mean(dim=(2, 3, 4), keepdim=True).sum()
+            elif self.what == "attention across the samples' means":
+                m = h.mean(dim=(2, 3, 4))  # (N, C): a 2-d input attends across its rows
+                h = h + F.scaled_dot_product_attention(m, m, m).view(-1, 1, 1, 1, 1)
             elif self.what == "volume means swapped between samples":
                 a, b = h.mean(dim=(2, 3, 4), keepdim=True).chunk(2, 0)
                 h = h - torch.cat([b, a])
@@ -970,6 +973,8 @@ def test_backward_code_that_cannot_see_the_whole_gradient_is_refused(what, match
 @pytest.mark.parametrize("what,match", [
     ("a sample of a volume mean picked", r"indexing \(picks among the samples\)"),
     ("volume means summed over the batch", r"sum \(over the samples' dim\)"),
+    ("attention across the samples' means", r"scaled_dot_product_attention \(a 2-d input attends across its "
+                                            r"rows, the samples\)"),
     ("volume means swapped between samples", r"chunk \(along the samples' dim\)"),
     ("volume means flipped over the batch", r"flip \(along the samples' dim\)"),
     ("features mixed by a product", r"transpose \(along the samples' dim\)"),

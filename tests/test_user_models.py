@@ -385,6 +385,23 @@ class RecomputeNet(nn.Module):
         return F.interpolate(self.c2(h), size=x.shape[2:], mode="trilinear")
 
 
+class AttentionNet(nn.Module):
+    """Self-attention over the voxels of a pooled bottleneck, as a 3D transformer block writes it:
+    flattened to (N, L, C) tokens, ``F.scaled_dot_product_attention``, reshaped back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.qkv = nn.Conv3d(1, 4, 3, padding=1), nn.Linear(4, 12)
+        self.c2 = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool3d(self.c1(x), 2)
+        n, c, d, hh, w = h.shape
+        q, k, v = self.qkv(h.flatten(2).transpose(1, 2)).chunk(3, -1)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, c, d, hh, w)
+        return self.c2(F.interpolate(h + a, size=x.shape[2:]))
+
+
 class StackNet(nn.Module):
     """Features stacked along a new dim 0 and averaged over it (MONAI's registration blocks), and a
     per-sample vector transposed and back: the samples leave dim 0 and return, across a pipeline cut
@@ -556,6 +573,8 @@ CASES = [
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, 2x2", "STENet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a traced interpolate that recomputes its scale", "RecomputeNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "attention over a bottleneck's voxels, data x spatial", "AttentionNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "a Function and hooks reducing the gradient over the volume", "GlobalBackwardNet",
      {"grid": {"spatial": [2, 1, 1]}}),
     (4, "a Function and hooks reducing the gradient over the volume, 2x2", "GlobalBackwardNet",

@@ -222,6 +222,9 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return f"{name} (with an index of other samples than its input's)"
     if name in _PER_SAMPLE:
         return None
+    if name == "scaled_dot_product_attention":  # within each sample: every dim but the last two is a batch's
+        return None if all(t.dim() >= 3 for t in carriers) else \
+            "scaled_dot_product_attention (a 2-d input attends across its rows, the samples)"
     if name in _RESHAPES or name in _ALONG_ANY or name in TRANSPOSES:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,

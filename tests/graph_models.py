@@ -129,3 +129,16 @@ class Untraceable(nn.Module):
         if m.dim() == 5:  # a Python branch on a tensor: torch.fx refuses it
             m = torch.relu(m) + m
         return self.dec(torch.cat([e, self.up(m)], dim=1))
+
+
+class GradNormed(torch.autograd.Function):
+    """Identity forward; backward: the gradient over its norm, a reduction over the whole volume that a
+    shard's gradient alone would get wrong."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g / g.norm()

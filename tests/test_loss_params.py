@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graph_models import GradNormed
 from layer_cases import Failures
 
 
@@ -152,16 +153,6 @@ def test_a_pipeline_refuses_a_loss_that_reads_parameters(pools):
                            "2.bias itself") and "pipeline" in line and "\n" not in line, line
 
 
-class _Normed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return g / g.norm()
-
-
 def _hooked_loss_body(rank: int, world: int, how: str) -> str:
     import hybridpar as hp
 
@@ -173,7 +164,7 @@ def _hooked_loss_body(rank: int, world: int, how: str) -> str:
         if how == "hook":
             out.register_hook(lambda g: g / g.norm())  # a norm over what this rank holds of the output
         else:
-            out = _Normed.apply(out)
+            out = GradNormed.apply(out)
         return F.mse_loss(out, target)
 
     engine = hp.parallelize(mine, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=loss)
@@ -186,7 +177,7 @@ def _hooked_loss_body(rank: int, world: int, how: str) -> str:
 
 @pytest.mark.parametrize("how,says", [
     ("hook", "registers a gradient hook"),
-    ("function", "applies an autograd.Function of its own (_Normed.apply)")])
+    ("function", "applies an autograd.Function of its own (GradNormed.apply)")])
 def test_backward_code_in_the_loss_is_refused(pools, how, says):
     """The loss is evaluated on each rank's part of the output: a gradient hook or a Function's backward
     there would see that part's gradient alone."""

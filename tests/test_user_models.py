@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from graph_models import GradNormed
 from layer_cases import Failures, steps_match
 
 SHAPE = (4, 1, 8, 6, 6)
@@ -343,19 +344,6 @@ class STENet(nn.Module):
         return self.c2(_StraightThrough.apply(self.c1(x)))
 
 
-class _GradNormed(torch.autograd.Function):
-    """Identity forward; backward: the gradient over its norm, a reduction over the whole volume that a
-    shard's gradient alone would get wrong."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return g / g.norm()
-
-
 class GlobalBackwardNet(nn.Module):
     """A Function whose backward reduces over the volume, then a gradient hook that does too (and one
     that works voxel by voxel): each run on the whole gradient, gathered."""
@@ -365,7 +353,7 @@ class GlobalBackwardNet(nn.Module):
         self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _GradNormed.apply(torch.relu(self.c1(x)))
+        h = GradNormed.apply(torch.relu(self.c1(x)))
         if h.requires_grad:
             h.register_hook(lambda g: g - g.mean())
             h.register_hook(lambda g: g.clamp(-1e-3, 1e-3))

@@ -390,6 +390,30 @@ class AttentionNet(nn.Module):
         return self.c2(F.interpolate(h + a, size=x.shape[2:]))
 
 
+class _GainInPlace(nn.Module):
+    """A block of the user's with a parameter of its own that scales its input in place, behind a branch
+    on a shape (untraceable): kept whole in the traced graph, run by module swapping inside."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(-0.5, 0.5, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] > 1:
+            x.mul_(torch.sigmoid(self.s).view(1, -1, 1, 1, 1))
+        return x
+
+
+class NestedInPlaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.gain = nn.Conv3d(1, 3, 3, padding=1), _GainInPlace(3)
+        self.c2 = nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(torch.relu(self.gain(self.c1(x))))
+
+
 class StackNet(nn.Module):
     """Features stacked along a new dim 0 and averaged over it (MONAI's registration blocks), and a
     per-sample vector transposed and back: the samples leave dim 0 and return, across a pipeline cut
@@ -561,6 +585,7 @@ CASES = [
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, 2x2", "STENet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a traced interpolate that recomputes its scale", "RecomputeNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "a nested block writing its input in place", "NestedInPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "attention over a bottleneck's voxels, data x spatial", "AttentionNet",
      {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "a Function and hooks reducing the gradient over the volume", "GlobalBackwardNet",

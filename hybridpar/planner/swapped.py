@@ -197,7 +197,9 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     watch.on_function = function
     handles = watch.hook(names, on_leave=record)
     state, dtype = meta_state(model, grads=True)  # as a training step: hooks, grad_fn, requires_grad
-    x = torch.empty(tuple(input_shape), dtype=dtype, device="meta", requires_grad=nested)
+    x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
+    if nested:  # a block's input is a layer's output in training: it has a gradient, and is no leaf
+        x = x.requires_grad_().clone()
     if split != REPLICATED:
         watch.mark(x, tuple(input_shape[2:]))
     if watch.batch_apart:

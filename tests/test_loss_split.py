@@ -106,6 +106,11 @@ LOSSES = {
     "batch-normalised": lambda o, y: F.mse_loss(o, y) / y.var(),
     "nearly a mean": lambda o, y: F.mse_loss(o, y) + 1e-7 * F.mse_loss(o, y) ** 2,  # 1e-6 off the mean's
     "plus the extreme": lambda o, y: F.mse_loss(o, y) + 0.1 * o.abs().amax(),
+    # a mean in value, not in gradient: a scale read off the values (detached) multiplies the gradient
+    "spread-scaled gradient": lambda o, y: F.mse_loss(
+        o.detach() + (o - o.detach()) / (o.detach().std() + 0.1), y),
+    "a zero term of the extreme": lambda o, y: F.mse_loss(o, y)
+    + ((o - o.detach()) * o.detach().amax()).mean(),
     # class-index targets (N, D, H, W), as torch's segmentation losses take them
     "CE": F.cross_entropy,
     "CE sum": lambda o, y: F.cross_entropy(o, y, reduction="sum"),
@@ -136,6 +141,7 @@ WHOLE = [
     (2, "Plain", "TV along D", S2), (2, "Plain", "nearly a mean", S2), (4, "Plain", "TV along H", S4),
     (2, "Classes", "weighted CE", S2), (4, "Classes", "weighted CE", S4), (4, "Plain", "sample dice", DS),
     (4, "Plain", "sample dice", DSM), (4, "Deep", "deep dice", S4),
+    (2, "Plain", "spread-scaled gradient", S2), (4, "Plain", "a zero term of the extreme", S4),
 ]
 # (world, model, loss, spec, what the line says was cut): refused alike on every rank
 REFUSED = [
@@ -144,6 +150,7 @@ REFUSED = [
     (4, "Head", "batch-normalised", DS, "(samples)"),
     (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
     (4, "Plain", "dice", DS, "(samples)"), (4, "Classes", "weighted CE", DSM, "a sample paired"),
+    (4, "Plain", "spread-scaled gradient", DS, "its gradient differs from its value's"),
 ]
 
 

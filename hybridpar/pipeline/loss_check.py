@@ -13,8 +13,11 @@ How: on the first micro-batch's output and target of every step (under no_grad, 
 step, as a masked or ``ignore_index`` loss may mask nothing in its first batches), each rank cuts what
 it holds in two along every dim the engine cuts: each split spatial dim the shard has two voxels
 along, and the batch where replicas or micro-batches cut it. It compares the loss of the whole (the
-step's own value) with the parts' size-weighted mean and with their sum. The parts are views
-(``narrow``) of tensors the step holds: no copy of the volume, two loss evaluations per cut dim. A
+step's own value) with the parts' size-weighted mean and with their sum, and the same of the loss's
+slope along a fixed random direction (its gradient in one number, where the value cannot tell: a scale
+read off the values and detached, ``p.detach().std()``, multiplies the gradient and not the value).
+The parts are views (``narrow``) of tensors the step holds: no copy of the volume, two loss
+evaluations (and two of its gradient) per cut dim. A
 part of one sample has no second sample to cut from: it is paired with a second one made of its first
 half (along the first spatial dim it has two voxels along) tiled, then of its second, which counts its
 labels, masked voxels, weights and extremes differently (a copy of one sample; :func:`pair`); without
@@ -36,13 +39,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 MEAN, SUM = "mean", "sum"
 SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
 DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
 PAIRED = 5  # + the spatial dim (0-2), + 3 for the second half: a sample paired with a half of it tiled
 ACROSS = 11  # pieces of several ranks or micro-batches taken together (:mod:`.loss_across`)
+SLOPE = 20  # + a cut's dim: that cut of the loss's slope along a fixed direction, not of its value
 # per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
 _NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
 
@@ -121,6 +125,48 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
         return Finding(-1, math.nan, math.nan, math.nan)
 
 
+def _directions(out: Any, pick: Callable[[torch.Tensor], bool]) -> list[torch.Tensor | None]:
+    """Per leaf of ``out``: a fixed random tensor of its shape where ``pick`` accepts a floating one."""
+    def one(t: Any) -> torch.Tensor | None:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and pick(t)):
+            return None
+        g = torch.Generator(device=t.device).manual_seed(0)
+        return torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float64)
+    return [one(t) for t in tree_leaves(out)]
+
+
+def slope(loss_fn: Callable, out: Any, y: Any, directions: list[torch.Tensor | None]) -> float:
+    """The loss's derivative at ``out`` along ``directions`` (:func:`_directions`, cut as ``out`` is):
+    one number that combines over parts as the value does where the gradient does, which a term read
+    off the values but not differentiated (``p.detach().std()`` scaling a gradient, ``(p - p.detach())
+    * m``) does not, though its value does."""
+    leaves, spec = tree_flatten(out)
+    xs = [t.detach().requires_grad_() if r is not None else t
+          for t, r in zip(leaves, directions, strict=True)]
+    ins = [(x, r) for x, r in zip(xs, directions, strict=True) if r is not None]
+    with torch.enable_grad():
+        value = loss_fn(tree_unflatten(xs, spec), y)
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return 0.0
+        grads = torch.autograd.grad(value.reshape(()), [x for x, _ in ins], allow_unused=True)
+    return float(sum(((g.double() * r).sum() for g, (_, r) in zip(grads, ins, strict=True) if g is not None),
+                     torch.zeros((), dtype=torch.float64)))
+
+
+def slope_probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
+                pick: Callable[[torch.Tensor], bool], extent: int, directions: list) -> Finding:
+    """:func:`probe` of the loss's slope (:func:`slope`), ``whole`` the whole's, on a cut of two parts."""
+    at, k = (dim - 5 if dim >= 2 else dim), extent // 2
+    cut = lambda lo, n: [r if r is None else r.narrow(at, lo, n) for r in directions]  # noqa: E731
+    try:
+        a = slope(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k), cut(0, k))
+        b = slope(loss_fn, _cut(out, at, pick, k, extent - k), _cut(y, at, pick, k, extent - k),
+                  cut(k, extent - k))
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return Finding(-1, math.nan, math.nan, math.nan)
+    return Finding(SLOPE + dim, whole, (k * a + (extent - k) * b) / extent, a + b)
+
+
 def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -> Finding:
     """A batch of one sample, ``out`` and ``y``, paired with a second sample made of its first
     (``half`` 0) or second half along spatial dim ``d`` tiled to its extent (its labels, masked voxels
@@ -175,7 +221,13 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
         if volume is not None:
             box = tuple(volume.shape[2:])
             split = lambda t: t.dim() in (4, 5) and tuple(t.shape[-3:]) == box  # noqa: E731
-            space = [probe(loss_fn, out, y, whole, 2 + d, split, box[d]) for d in split_dims if box[d] >= 2]
+            cuts = [d for d in split_dims if box[d] >= 2]
+            space = [probe(loss_fn, out, y, whole, 2 + d, split, box[d]) for d in cuts]
+            if cuts:  # the gradient, too: a term of values read but not differentiated splits otherwise
+                ways = _directions(out, split)
+                at = _slope_or_none(loss_fn, out, y, ways)
+                space += [] if at is None else [slope_probe(loss_fn, out, y, at, 2 + d, split, box[d], ways)
+                                                for d in cuts]
         samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() > 0 else None
         if batch_cut and samples:
             per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
@@ -184,7 +236,17 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
                 batch = [pair(loss_fn, out, y, whole, long[0], half) for half in (0, 1)]
             else:
                 batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
+                ways = _directions(out, per_sample)
+                if samples >= 2 and (at := _slope_or_none(loss_fn, out, y, ways)) is not None:
+                    batch.append(slope_probe(loss_fn, out, y, at, 0, per_sample, samples, ways))
     return space, batch
+
+
+def _slope_or_none(loss_fn: Callable, out: Any, y: Any, directions: list) -> float | None:
+    try:
+        return slope(loss_fn, out, y, directions)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
 
 
 def agree(space: list[Finding], batch: list[Finding], rtol: float, group: dist.ProcessGroup | None,
@@ -236,6 +298,9 @@ def name_of(fn: Callable) -> str:
 
 def described(axis: int, found: Finding) -> str:
     """What a cut found, in words: the loss of the whole against its parts' mean and sum."""
+    if found.dim >= SLOPE:
+        inner = described(axis, Finding(found.dim - SLOPE, found.whole, found.mean, found.sum))
+        return f"its gradient differs from its value's: the loss's slope along a fixed direction, {inner}"
     if found.dim == ACROSS:
         whole, parts = (("a few voxels of every output shard taken together", "each shard's")
                         if axis == SPACE else

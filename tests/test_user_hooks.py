@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,3 +95,14 @@ def test_hooks_are_refused_naming_them(pools):
     for name, start in want.items():
         assert said[name].startswith(start), (name, said[name])
     assert said["removed before"] == "ran", said["removed before"]
+
+
+def test_a_scripted_module_is_refused_naming_it():
+    """A torch.jit module's compiled forward calls nothing the engine could follow or swap."""
+    from hybridpar.pipeline.user_hooks import refuse_scripted
+    from hybridpar.planner.terms import SpecError
+
+    model = nn.Sequential(nn.Conv3d(1, 2, 3), torch.jit.script(nn.Sequential(nn.Conv3d(2, 2, 3), nn.ReLU())))
+    with pytest.raises(SpecError, match=r"^hp.parallelize: 1 \(Sequential\) is a torch.jit.ScriptModule"):
+        refuse_scripted(model, "hp.parallelize")
+    refuse_scripted(nn.Sequential(nn.Conv3d(1, 2, 3)), "hp.parallelize")  # none: nothing said

@@ -8,7 +8,8 @@ would see a shard's gradient. A hook on a parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) sees each shard's part of its gradient, before the engine sums
 them over the shards and averages them over the replicas: a clamp or a norm of it differs from one
 process's. Hooks the library registers itself (its own layers', its gradient reducer's) are its own
-business and pass.
+business and pass. A ``torch.jit`` scripted or traced module is refused alike: its compiled forward
+calls nothing the engine could follow or swap.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
@@ -73,6 +75,17 @@ def refuse_hooks(model: nn.Module, what: str) -> None:
                 raise SpecError(f"{what}: parameter {name} has a {kind} ({_name(found[0])}): it would see "
                                 f"each shard's part of the gradient, not the whole; remove it and change "
                                 f"the gradients after engine.train_step, where they are whole")
+
+
+def refuse_scripted(model: nn.Module, what: str) -> None:
+    """Raise :class:`SpecError` naming the first ``torch.jit`` scripted or traced module in ``model``: its
+    compiled forward calls no Python the engine can follow or swap (its layers would run on shards as
+    on whole volumes), and its state is not a module's (``_buffers`` is a compiled dict)."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            where = f"{name} ({m.original_name})" if name else f"the model ({m.original_name})"
+            raise SpecError(f"{what}: {where} is a torch.jit.ScriptModule, whose compiled forward the engine "
+                            f"cannot split; give parallelize the module before torch.jit.script or trace")
 
 
 class HookWatch:

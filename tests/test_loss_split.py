@@ -109,6 +109,10 @@ LOSSES = {
     # a mean in value, not in gradient: a scale read off the values (detached) multiplies the gradient
     "spread-scaled gradient": lambda o, y: F.mse_loss(
         o.detach() + (o - o.detach()) / (o.detach().std() + 0.1), y),
+    # on a coarser grid (a shard at an odd offset pools other pairs), or over windows wider than a part
+    "pooled sum": lambda o, y: F.mse_loss(F.avg_pool3d(o, 2), F.avg_pool3d(y, 2), reduction="sum"),
+    "windowed mean": lambda o, y: F.mse_loss(F.avg_pool3d(o, (3, 1, 1), stride=1),
+                                             F.avg_pool3d(y, (3, 1, 1), stride=1)),
     "a zero term of the extreme": lambda o, y: F.mse_loss(o, y)
     + ((o - o.detach()) * o.detach().amax()).mean(),
     # class-index targets (N, D, H, W), as torch's segmentation losses take them
@@ -142,6 +146,7 @@ WHOLE = [
     (2, "Classes", "weighted CE", S2), (4, "Classes", "weighted CE", S4), (4, "Plain", "sample dice", DS),
     (4, "Plain", "sample dice", DSM), (4, "Deep", "deep dice", S4),
     (2, "Plain", "spread-scaled gradient", S2), (4, "Plain", "a zero term of the extreme", S4),
+    (4, "Plain", "pooled sum", S4), (2, "Plain", "windowed mean", S2),
 ]
 # (world, model, loss, spec, what the line says was cut): refused alike on every rank
 REFUSED = [
@@ -468,3 +473,18 @@ def test_a_loss_normalised_by_what_differs_between_ranks_is_found(pools, case):
     assert line.startswith("Engine.train_step: loss_fn ") and "\n" not in line, f"{case}: {line}"
     assert part in line, f"{case}: the line does not say {part!r}: {line}"
     assert all(ok for _, ok, _ in said), f"{case}: a gradient was applied or left before the refusal"
+
+
+def test_a_loss_that_raises_on_a_part_fits_no_combination_of_them():
+    """A window wider than a part (SSIM, a local correlation) raises there: that is no mean or sum of
+    the parts, so the loss is evaluated on the gathered output, never assumed to split."""
+    from hybridpar.pipeline.loss_check import probe, rtol_of
+
+    g = torch.Generator().manual_seed(0)
+    o, y = (torch.randn((1, 1, 6, 4, 4), dtype=torch.float64, generator=g) for _ in range(2))
+
+    def windowed(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(F.avg_pool3d(o, (5, 1, 1), stride=1), F.avg_pool3d(y, (5, 1, 1), stride=1))
+
+    found = probe(windowed, o, y, float(windowed(o, y)), 2, lambda t: t.dim() == 5, 6)
+    assert found.fits(rtol_of(torch.float64)) == (False, False), found

@@ -105,24 +105,32 @@ def evaluate(loss_fn: Callable, out: Any, y: Any) -> float:
     return float(value.detach().double().reshape(()))
 
 
+def cut_at(extent: int) -> int:
+    """Where a part of ``extent`` is cut in two: near the middle, at an offset that is odd and no multiple
+    of 3, so that a loss on a coarser grid of the output (pooled 2x2x2, every second or third voxel), which
+    a shard starting at such an offset would see shifted, fits no mean or sum of its parts either."""
+    fits = [k for k in range(1, extent) if k % 2 and k % 3]
+    return min(fits, key=lambda k: abs(k - extent // 2)) if fits else extent // 2
+
+
 def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
           pick: Callable[[torch.Tensor], bool], extent: int) -> Finding:
     """Cut every tensor of ``out`` and ``y`` that ``pick`` accepts in two along ``dim`` (of
     ``extent``; an extent of one doubled instead, the whole then being the doubled tensors) and
-    compare the loss of the whole, ``whole``, with its parts'. A loss that raises on the parts, or
-    is no scalar, tells nothing."""
+    compare the loss of the whole, ``whole``, with its parts' (cut where :func:`cut_at` says). A loss
+    that raises on the parts (a window wider than a part) fits neither a mean nor a sum of them."""
     at = dim - 5 if dim >= 2 else dim  # a spatial dim counted from the end: a class-index target has no C
     try:
         if extent >= 2:
-            k = extent // 2
+            k = cut_at(extent)
             a = evaluate(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k))
             b = evaluate(loss_fn, _cut(out, at, pick, k, extent - k), _cut(y, at, pick, k, extent - k))
             return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
         double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
                                    if isinstance(t, torch.Tensor) and pick(t) else t)
         return Finding(DOUBLED, evaluate(loss_fn, double(out), double(y)), whole, 2 * whole)
-    except (RuntimeError, ValueError, TypeError, IndexError):
-        return Finding(-1, math.nan, math.nan, math.nan)
+    except (RuntimeError, ValueError, TypeError, IndexError):  # it takes the whole, not its parts (a window
+        return Finding(dim if extent >= 2 else DOUBLED, whole, math.nan, math.nan)  # wider than a part)
 
 
 def _directions(out: Any, pick: Callable[[torch.Tensor], bool]) -> list[torch.Tensor | None]:
@@ -156,7 +164,7 @@ def slope(loss_fn: Callable, out: Any, y: Any, directions: list[torch.Tensor | N
 def slope_probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
                 pick: Callable[[torch.Tensor], bool], extent: int, directions: list) -> Finding:
     """:func:`probe` of the loss's slope (:func:`slope`), ``whole`` the whole's, on a cut of two parts."""
-    at, k = (dim - 5 if dim >= 2 else dim), extent // 2
+    at, k = (dim - 5 if dim >= 2 else dim), cut_at(extent)
     cut = lambda lo, n: [r if r is None else r.narrow(at, lo, n) for r in directions]  # noqa: E731
     try:
         a = slope(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k), cut(0, k))
@@ -311,9 +319,11 @@ def described(axis: int, found: Finding) -> str:
         whole, parts = (f"a sample paired with its {('first', 'second')[half]} half along {'DHW'[d]} tiled",
                         "the two samples")
     else:
-        whole, parts = {0: ("a micro-batch", "its two halves (samples)"),
+        whole, parts = {0: ("a micro-batch", "its two parts (samples)"),
                         DOUBLED: ("a sample taken twice", "each copy")}.get(
-            found.dim, ("an output shard", f"its two halves along {'DHW'[found.dim - 2]}"))
+            found.dim, ("an output shard", f"its two parts along {'DHW'[found.dim - 2]}"))
+    if not (math.isfinite(found.mean) or math.isfinite(found.sum)):
+        return f"on {whole} it is {found.whole:.6g}, on {parts} it raises or is not finite"
     p = next((p for p in (6, 9, 12) if f"{found.whole:.{p}g}" != f"{found.mean:.{p}g}"), 15)  # shown apart
     return (f"on {whole} it is {found.whole:.{p}g}, on {parts} {found.mean:.{p}g} as their size-weighted "
             f"mean and {found.sum:.{p}g} as their sum")

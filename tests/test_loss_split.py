@@ -110,6 +110,7 @@ LOSSES = {
     "spread-scaled gradient": lambda o, y: F.mse_loss(
         o.detach() + (o - o.detach()) / (o.detach().std() + 0.1), y),
     # on a coarser grid (a shard at an odd offset pools other pairs), or over windows wider than a part
+    "self-normalised": lambda o, y: F.mse_loss(o, y) / F.mse_loss(o, y).detach(),  # 1, gradient / value
     "pooled sum": lambda o, y: F.mse_loss(F.avg_pool3d(o, 2), F.avg_pool3d(y, 2), reduction="sum"),
     "windowed mean": lambda o, y: F.mse_loss(F.avg_pool3d(o, (3, 1, 1), stride=1),
                                              F.avg_pool3d(y, (3, 1, 1), stride=1)),
@@ -156,6 +157,8 @@ REFUSED = [
     (4, "Head", "batch-normalised", DSM, "a sample taken twice"),
     (4, "Plain", "dice", DS, "(samples)"), (4, "Classes", "weighted CE", DSM, "a sample paired"),
     (4, "Plain", "spread-scaled gradient", DS, "its gradient differs from its value's"),
+    (4, "Plain", "self-normalised", DSM, "its gradient differs from its value's: the loss's slope along a "
+                                         "fixed direction, on a sample paired"),
 ]
 
 

@@ -175,7 +175,7 @@ def slope_probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
     return Finding(SLOPE + dim, whole, (k * a + (extent - k) * b) / extent, a + b)
 
 
-def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -> Finding:
+def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -> list[Finding]:
     """A batch of one sample, ``out`` and ``y``, paired with a second sample made of its first
     (``half`` 0) or second half along spatial dim ``d`` tiled to its extent (its labels, masked voxels
     and class weights counted otherwise), compared with the two samples' losses: a loss that averages (or
@@ -202,9 +202,15 @@ def pair(loss_fn: Callable, out: Any, y: Any, whole: float, d: int, half: int) -
         other_out, other_y = tree_map(second, out), tree_map(second, y)
         other = evaluate(loss_fn, other_out, other_y)
         together = evaluate(loss_fn, both(out, other_out), both(y, other_y))
+        ways = _directions(out, sample)  # and the slopes, the same direction on each sample
+        one, two = slope(loss_fn, out, y, ways), slope(loss_fn, other_out, other_y, ways)
+        paired = slope(loss_fn, both(out, other_out), both(y, other_y),
+                       [r if r is None else torch.cat([r, r]) for r in ways])
     except (RuntimeError, ValueError, TypeError, IndexError):
-        return Finding(-1, math.nan, math.nan, math.nan)
-    return Finding(PAIRED + d + 3 * half, together, (whole + other) / 2, whole + other)
+        return [Finding(-1, math.nan, math.nan, math.nan)]
+    dim = PAIRED + d + 3 * half
+    return [Finding(dim, together, (whole + other) / 2, whole + other),
+            Finding(SLOPE + dim, paired, (one + two) / 2, one + two)]
 
 
 def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims: list[int],
@@ -241,7 +247,7 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
             per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
             long = [d for d in range(3) if volume is not None and volume.shape[2 + d] >= 2]
             if samples == 1 and long:  # a one-sample part: paired (a sample doubled passes any count)
-                batch = [pair(loss_fn, out, y, whole, long[0], half) for half in (0, 1)]
+                batch = [f for half in (0, 1) for f in pair(loss_fn, out, y, whole, long[0], half)]
             else:
                 batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
                 ways = _directions(out, per_sample)

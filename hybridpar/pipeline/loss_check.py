@@ -247,7 +247,8 @@ def findings(loss_fn: Callable, out: Any, y: Any, loss: torch.Tensor, split_dims
             per_sample = lambda t: t.dim() > 0 and t.shape[0] == samples  # noqa: E731
             long = [d for d in range(3) if volume is not None and volume.shape[2 + d] >= 2]
             if samples == 1 and long:  # a one-sample part: paired (a sample doubled passes any count)
-                batch = [f for half in (0, 1) for f in pair(loss_fn, out, y, whole, long[0], half)]
+                found = [pair(loss_fn, out, y, whole, long[0], half) for half in (0, 1)]
+                batch = [f[0] for f in found] + [f[1] for f in found if len(f) > 1]  # values named first
             else:
                 batch = [probe(loss_fn, out, y, whole, 0, per_sample, samples)]
                 ways = _directions(out, per_sample)

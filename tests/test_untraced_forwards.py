@@ -1043,6 +1043,8 @@ class _TracedMix(nn.Module):
             g = g + torch.randn(g.shape)
         elif self.what == "transposed and summed":  # (C, N) summed over N: the batch, silently
             g = g.flatten(1).t().sum(1)[None, :, None, None, None]
+        elif self.what == "a histogram of the batch":
+            g = g * torch.histc(h, bins=4, min=-1.0, max=1.0)[:1].view(1, 1, 1, 1, 1)
         elif self.what == "a Gram matrix over the batch":
             m = g.flatten(1)
             g = (m.T @ m).sum()
@@ -1061,7 +1063,8 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
     ("noise drawn from the shape",  # torch.fx cannot trace a draw of a traced shape: module swapping refuses
      r"randn \(draws random numbers per sample of the batch"),
     ("transposed and summed", r"sum_1: sum \(over the samples' dim\)" + AT),
-    ("a Gram matrix over the batch", r"matmul: matmul \(reads the samples along different dims\)" + AT)])
+    ("a Gram matrix over the batch", r"matmul: matmul \(reads the samples along different dims\)" + AT),
+    ("a histogram of the batch", r"histc \(histc\)" + AT + "works across the samples of the batch")])
 def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError

@@ -433,14 +433,6 @@ def line_of(err: BaseException) -> str:
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
 
 
-def mixes_samples(func: Any, args: tuple, kwargs: dict, nd: int) -> bool:
-    """Whether a call on an ``nd``-dim tensor whose dim 0 is the batch works across its samples (a mean
-    over every dim, ``h[:1]``, a ``cat`` along the batch): on a batch that data parallelism or
-    micro-batches hold apart, each part would give its own answer."""
-    kind = classify(func, args, canonical(dict(kwargs)), nd)
-    return kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims
-
-
 def volume_reduction(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind | None:
     """The reduction a call makes over the whole volume of an ``nd``-dim split input, per sample (its
     dims hold D, H, W and not the batch, which data parallelism may split), or None: what a traced

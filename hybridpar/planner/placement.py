@@ -132,7 +132,7 @@ class Walk:
                                ) -> None:
         """Refuse a call across the samples of a batch that data parallelism or micro-batches split
         (each part would give its own answer, unlike one process), as a forward run by module swapping
-        refuses it (:func:`hybridpar.planner.calls.mixes_samples`)."""
+        refuses it (:func:`hybridpar.planner.per_sample.mixes_samples`)."""
         batch = self.a.input_shape[0]
         if self.micro >= batch:
             return
@@ -155,7 +155,7 @@ class Walk:
                             f"draw them outside the forward, or run without splitting the batch")
         if nd < 2 or in_shape[0] != batch:
             return
-        mixes = calls.mixes_samples(node.target, args, kwargs, len(in_shape))
+        mixes = per_sample.mixes_samples(node.target, args, kwargs, len(in_shape))
         moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
                                                             out_shape)
         if mixes or moved:

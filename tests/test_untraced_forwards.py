@@ -626,6 +626,32 @@ class ToSkipSize(nn.Module):
         return skip + self.up(d, output_size=skip.shape[2:])
 
 
+class PerSampleCalls(nn.Module):
+    """Elementwise calls no list names (torch tags them: ``atan2``, ``frac``), conversions and integer
+    division (``.long()``, ``//``), a complex tensor's parts (``.real`` of an FFT) and max pooling with
+    indices undone by ``max_unpool3d``: each keeps the samples apart, so a batch in parts runs them, with
+    a shape check (module swapping) and without (a traced graph)."""
+
+    def __init__(self, check: bool = True) -> None:
+        super().__init__()
+        self.check = check
+        self.c1, self.c2 = nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check:
+            assert x.shape[2] > 4
+        h = torch.tanh(self.c1(x))
+        level = (h * 4 // 1).long().to(h.dtype) / 4  # a quantised copy: no gradient through it
+        spec = torch.fft.fftn(h, dim=(2, 3, 4)).real.mean((2, 3, 4), keepdim=True)
+        pooled, where = F.max_pool3d(h, 2, ceil_mode=True, return_indices=True)
+        back = F.max_unpool3d(pooled, where, 2, output_size=h.shape[2:])
+        return self.c2(torch.atan2(h, 1 + h.frac().abs()) + level.detach() * 0.1 + spec * 0.01 + back)
+
+
+def TracedPerSampleCalls() -> PerSampleCalls:  # noqa: N802 (a model's name, as the cases spell them)
+    return PerSampleCalls(check=False)
+
+
 def reused_loss(out: tuple[torch.Tensor, torch.Tensor | None], y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out[0], y) + 0.1 * out[1]
 
@@ -695,7 +721,10 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("tensors of one value at the volume's extents, data x spatial", "Fills",
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("layers called on the volume and on pooled values, 2x2", "Reused", {"grid": {"spatial": [2, 2, 1]}}),
-        ("a transposed conv to the skip's size, 2x2", "ToSkipSize", {"grid": {"spatial": [2, 2, 1]}})]
+        ("a transposed conv to the skip's size, 2x2", "ToSkipSize", {"grid": {"spatial": [2, 2, 1]}}),
+        ("per-sample calls, data x spatial", "PerSampleCalls", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+        ("per-sample calls traced, data x spatial", "TracedPerSampleCalls",
+         {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -1182,7 +1211,7 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
     FFT, an integral); what mixes its samples does not."""
     from hybridpar.planner.per_sample import across
 
-    s, w, v = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 3, 3)
+    s, w, v, v5 = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 3, 3), torch.randn(2, 1, 4, 4, 4)
     top, first = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     keep = [(F.layer_norm, (s, (4,)), {}), (torch.einsum, ("nc,dc->nd", s, w), {}),
             (torch.einsum, ("nc,dc->nd", [s, w]), {}), (F.linear, (s, w), {}), (torch.matmul, (s, w.T), {}),
@@ -1194,7 +1223,11 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
             (torch.fft.rfftn, (v,), {"dim": (1, 2)}), (torch.fft.fftshift, (s,), {"dim": 1}),
             (torch.trapezoid, (s,), {"dim": 1}), (torch.cumulative_trapezoid, (s,), {}),
             (torch.scatter_add, (s, 1, top, s[:, :1]), {}), (F.one_hot, (top[:, 0], 3), {}),
-            (F.local_response_norm, (v, 2), {})]
+            (F.local_response_norm, (v, 2), {}), (torch.atan2, (s, s), {}), (torch.Tensor.long, (s,), {}),
+            (torch.Tensor.__floordiv__, (s, 2), {}), (torch.remainder, (s, 3), {}), (torch.frac, (s,), {}),
+            (torch.Tensor.real.__get__, (s.to(torch.complex64),), {}),
+            (F.max_pool3d_with_indices, (v5, 2), {}),
+            (F.max_unpool3d, (*F.max_pool3d_with_indices(v5, 2), 2), {})]
     mix = [(F.layer_norm, (s, (2, 4)), {}), (torch.einsum, ("nc,mc->nm", s, s), {}),
            (torch.matmul, (w, s.T), {}), (torch.Tensor.__getitem__, (s, 0), {}), (torch.roll, (s, 1), {}),
            (torch.Tensor.unfold, (s, 0, 1, 1), {}), (torch.index_select, (s, 0, top[:1, 0]), {}),
@@ -1204,7 +1237,7 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
            (torch.trapezoid, (s,), {"dim": 0}), (torch.scatter_add, (s, 1, first, s[:1, :1]), {}),
            (torch.scatter_add, (s, 0, top, s[:, :1]), {})]
     for mixes, (func, args, kwargs) in [(False, c) for c in keep] + [(True, c) for c in mix]:
-        carrier = v if any(a is v for a in args) else s
+        carrier = args[0] if isinstance(args[0], torch.Tensor) and args[0].dim() >= 3 else s
         said = across(func, args, kwargs, [carrier], func(*args, **kwargs))
         assert bool(said) is mixes, (func, args, kwargs, said)
 

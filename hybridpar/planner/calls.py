@@ -26,6 +26,7 @@ from torch import nn
 
 from hybridpar.nn import registry, slicing
 from hybridpar.nn.functions import WEIGHTED, weighted_module
+from hybridpar.planner.elementwise import elementwise, name_of
 from hybridpar.planner.space_maps import STEPS
 
 
@@ -62,16 +63,6 @@ SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "i
         # a tensor made from sizes (global ones, read from the volume): replicated, narrowed to the shard
         # where it meets one; of one value at a split activation's extents, made split (planner/fills.py)
         "new_zeros", "new_ones", "new_full", "new_empty")
-LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone", "to", "float", "expand_as",
-        "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "__neg__", "__pos__", "__abs__",
-        "__invert__", "pow", "__pow__", "__rpow__", "where", "masked_fill", "lerp", "addcmul", "addcdiv",
-        "maximum", "minimum", "sqrt", "rsqrt", "log", "sin", "cos", "sign",
-        "reciprocal", "exp2", "expm1", "floor", "ceil", "round", "erf", "hardsigmoid", "logsigmoid",
-        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-        "__gt__", "__lt__", "__ge__", "__le__", "__ne__", "gt", "lt", "ge", "le", "ne", "eq",
-        "__and__", "__or__", "__xor__", "logical_and", "logical_or", "logical_not", "clamp_min",
-        "clamp_max", "nan_to_num", "__iadd__", "__isub__", "__imul__", "__itruediv__", "sub_", "div_",
-        "clamp_", "sigmoid_", "tanh_", "fill_", "zero_", "copy_", "leaky_relu", "leaky_relu_")
 LIKE_OF = ("to", "type_as")
 """Calls whose other tensor lends only its dtype and device: the result is laid out as ``self``."""
 # Along which dims (``None``: all): how each reduction names them.
@@ -83,16 +74,6 @@ PIECES = ("chunk", "split", "tensor_split", "unbind")
 KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp", "glu",
         "narrow", "select")
 """Along one dim, given: kept split where it is a leading dim."""
-
-
-def name_of(func: Any) -> str:
-    """A function's name as it is called (``torch.mean``, ``Tensor.mean`` and ``F.softmax`` alike); an
-    attribute's getter (``x.dtype``, whose function is named ``__get__``) by the attribute's name."""
-    name = getattr(func, "__name__", None)
-    owner = getattr(func, "__self__", None)
-    if name in (None, "__get__") and owner is not None:
-        return getattr(owner, "__name__", str(func))
-    return str(func) if name is None else name
 
 
 def reads_shape(func: Any) -> bool:
@@ -284,7 +265,7 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, 
     role = registry.function_role(func) or registry.function_role(name)
     if role == "concat":
         return _along("cat", _arg(args, kwargs, 1, "dim", 0), nd)
-    if role == "pointwise" or name in LIKE or name_of(func) in LIKE:
+    if role == "pointwise" or elementwise(func):
         return CallKind("pointwise")
     if name_of(func) in SAFE or name in SAFE or role == "shape":
         return CallKind("shape")

@@ -17,6 +17,7 @@ import torch
 
 from hybridpar.nn import registry
 from hybridpar.planner import calls
+from hybridpar.planner.elementwise import elementwise
 
 # Calls along given dims: the argument (position after the tensor, keyword) that names them, and what
 # its absence means (None: the whole tensor, flattened; an int: that dim).
@@ -45,7 +46,9 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     **{name: (-1, "dim", -1) for name in ("trapezoid", "cumulative_trapezoid")},  # dim= by keyword only
 }
 _LAST_TWO = ("triu", "tril")  # along the last two dims
-_PER_SAMPLE = ("one_hot", "local_response_norm")  # a sample's own values: a trailing class dim, channels
+_PER_SAMPLE = ("one_hot", "local_response_norm",  # a sample's own values: a trailing class dim, channels,
+               *(f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_") for n in (1, 2, 3)),
+               *(f"max_unpool{n}d" for n in (1, 2, 3)))  # each plane's own maxima and their places
 _INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "scatter": (2, "index"),
             "scatter_add": (2, "index"), "scatter_reduce": (2, "index")}
 """Calls along a dim that read an index tensor as wide as their input along every other dim: the samples
@@ -177,7 +180,7 @@ def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: i
     if name in TRANSPOSES:
         to = transposed(name, args, kwargs, nd, at)
         return f"{name} (of dims not given as numbers)" if to is None else to
-    if name in ("contiguous", "clone", "detach", *_PER_SAMPLE) or registry.function_role(name) == "pointwise":
+    if name in ("contiguous", "clone", "detach", *_PER_SAMPLE) or elementwise(name):
         return at if name in _PER_SAMPLE else out_nd - (nd - at)
     if name == "unsqueeze" or name == "stack":
         pos, key = (1, "dim") if name == "unsqueeze" else _ALONG[name][:2]
@@ -241,8 +244,8 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "einsum":
         return _einsum(args, carriers)
-    role = registry.function_role(func) or registry.function_role(name)
-    if role in ("pointwise", "shape") or name in calls.LIKE or calls.name_of(func) in calls.LIKE:
+    if registry.function_role(func) == "shape" or registry.function_role(name) == "shape" or \
+            elementwise(func) or elementwise(name):
         return None
     if _module(func, args, kwargs) is not None:
         return None

@@ -18,6 +18,7 @@ import torch
 from hybridpar.nn import registry
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
+from hybridpar.planner.elementwise import elementwise
 from hybridpar.planner.graph import INPUT, OUTPUT, Node
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.spec_view import RuleView, SpecView
@@ -52,7 +53,7 @@ def _role(node: Node, in_shape: tuple[int, ...], values: set[str]) -> tuple[str,
         return "output", None
     if calls.volume_reduction(node.target, node.fx_node.args, dict(node.fx_node.kwargs), len(in_shape)):
         return "volume_reduction", None  # over D, H, W per sample: split, its value replicated
-    role = registry.function_role(node.target)
+    role = registry.function_role(node.target) or ("pointwise" if elementwise(node.target) else None)
     if role == "shape" and node.name not in values:
         role = "dense"
     if node.target in ("repeat", "expand", "tile", torch.tile) and len(in_shape) == 5:

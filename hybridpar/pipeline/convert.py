@@ -44,12 +44,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     entry = registry.lookup(m)
     whole = entry is not None and grid.spatial_size == 1 and parametrize.is_parametrized(m)
     if entry is not None and entry.to_dist is not None and parametrize.is_parametrized(m) and not whole:
-        what = f"{name} ({type(m).__name__})" if name else type(m).__name__
-        raise SpecError(f"{what}: a parametrized layer (weight_norm, spectral_norm, orthogonal: "
-                        f"torch.nn.utils.parametrize) computes its weight on each call, which its split "
-                        f"counterpart does not; remove the parametrization (parametrize."
-                        f"remove_parametrizations) or run the layer whole (layers: {{{name or '<layer>'}: "
-                        f"{{spatial: replicate}}}})")
+        _refuse_stateful(m, name)
     if entry is None or entry.to_dist is None or whole:  # a parametrized layer run whole: itself
         d = sharing_copy(m)
         mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
@@ -73,6 +68,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
         d = d.to(device=ref.device)._apply(lambda t: t.to(ref.dtype) if t.is_floating_point() else t)
+    _share_parametrizations(m, d)
     share_state(m, d)
     for s in d.modules():  # parameters a Dist layer made after init_spatial, or kept in plain submodules
         if isinstance(s, SpatialLayer):
@@ -80,6 +76,36 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     d.train(m.training)
     _note(m, grid, name)
     return d
+
+
+def _refuse_stateful(m: nn.Module, name: str | None) -> None:
+    """Refuse a parametrization that keeps state of its own (spectral_norm's power iteration updates
+    its vectors on every read of the weight): a split layer may read its weight more than once a
+    forward (the overlapped convolution's interior and faces), each read another iteration."""
+    for tensor, plist in m.parametrizations.items():
+        held = [f"parametrizations.{tensor}.{k}" for k, _ in plist.named_buffers()]
+        if held:
+            what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+            raise SpecError(f"{what}: its parametrization of {tensor} keeps state ({', '.join(held)}) "
+                            f"that each computation of the weight updates (spectral_norm's power iteration), "
+                            f"which a split layer would update once per read; run the layer whole (layers: "
+                            f"{{{name or '<layer>'}: {{spatial: replicate}}}}) or remove the parametrization "
+                            f"(torch.nn.utils.parametrize.remove_parametrizations)")
+
+
+def _share_parametrizations(m: nn.Module, d: nn.Module) -> None:
+    """Give the split layer ``d`` the parametrizations of ``m`` (weight_norm: its weight computed from
+    ``g`` and ``v`` on each call), the same modules: ``d`` then computes the weight from ``m``'s own
+    tensors as ``m`` does, and their gradients flow through it (a shard's partial weight gradient, a
+    linear function of the parametrization's, sums over the shards as the weight's would)."""
+    if not parametrize.is_parametrized(m):
+        return
+    for tensor, plist in m.parametrizations.items():
+        if tensor not in d._parameters:
+            raise SpecError(f"{type(m).__name__}: its split version {type(d).__name__} holds no parameter "
+                            f"{tensor} of its own to compute from the parametrization; run the layer whole")
+        parametrize.register_parametrization(d, tensor, nn.Identity(), unsafe=True)
+        d.parametrizations[tensor] = plist
 
 
 def check_window(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, name: str | None = None) -> None:

@@ -34,14 +34,14 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import containers, meta_call, meta_state, put_back_contents
-from hybridpar.planner import in_place, trace_state
+from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
 
 INPUT = "(input)"
 OUTPUT = "(output)"  # the node that puts together a forward's tuple, list or dict of outputs
 SUPPORTED = ("supported: a forward that torch.fx can trace (no branches or loops on tensor values), one "
-             "tensor in, and a tensor or a tuple, list or dict of tensors out; modules whose forward cannot "
-             "be traced run whole as one layer")
+             "tensor in (other arguments left at their defaults), and a tensor or a tuple, list or dict of "
+             "tensors out; modules whose forward cannot be traced run whole as one layer")
 
 
 def out_node(graph: ModelGraph) -> Node:
@@ -211,13 +211,15 @@ def trace(model: nn.Module) -> ModelGraph:
                             f"module): run the model once on a small input of its channels first, e.g. "
                             f"model(torch.zeros(1, C, 8, 8, 8)), which makes it a {becomes}")
     tracer = _Tracer()
+    fixed = root_args.defaults(model)
     try:
         with trace_state.attribute_reads(model) as reads:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, fixed or None)
     except Exception as err:
         where = tracer.stack[-1] if tracer.stack else "the model's own forward"
         raise UntraceableError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
                         f"{type(err).__name__}: {err}; {SUPPORTED}") from None
+    root_args.strip(graph, fixed)
     gm = fx.GraphModule(model, graph)
     nodes: list[Node] = []
     produced: dict[fx.Node, str] = {}
@@ -298,7 +300,9 @@ def _mode_dependent(model: nn.Module, graph: fx.Graph) -> bool:
     try:
         for m, t in flags:
             m.training = not t
-        other = _Tracer().trace(model)
+        fixed = root_args.defaults(model)
+        other = _Tracer().trace(model, fixed or None)
+        root_args.strip(other, fixed)
     except Exception:  # the other mode does not trace: it cannot be the traced graph's
         return True
     finally:

@@ -13,6 +13,7 @@ Three SGD steps in float64 against the same model in one process, on 2 and 4 ran
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import pytest
@@ -729,6 +730,38 @@ def test_a_write_fx_records_as_a_new_value_is_found():
     with pytest.raises(UntraceableError, match=r"the forward writes aten.mul.Tensor in place into a tensor "
                                                r"that shares memory with another"):
         analyse(AugAliasNet(), SHAPE)
+
+
+class OutNet(nn.Module):
+    """``out=`` writes: into a box of a tensor made like a split activation (its base read after it), or
+    into the whole of one (its readers read the write)."""
+
+    def __init__(self, box: bool) -> None:
+        super().__init__()
+        self.box = box
+        self.c1, self.c2 = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        buf = torch.zeros_like(h)
+        if self.box:
+            torch.tanh(h.detach()[:, :, 2:5], out=buf[:, :, 2:5])
+        else:
+            torch.tanh(h.detach(), out=buf)
+        return self.c2(h + buf)
+
+
+def test_an_out_write_is_followed_as_an_in_place_one():
+    """A split ``buf``'s box is a copy on each shard, where one process writes through a view: the graph
+    that reads ``buf`` after the write into its box is not run (module swapping follows the write, or
+    refuses it); a write into the whole of ``buf`` is read by ``buf``'s later readers."""
+    from hybridpar.planner.graph import UntraceableError, trace
+
+    with pytest.raises(UntraceableError, match=r"changes getitem_1 in place \(tanh\) and reads zeros_like"):
+        trace(OutNet(box=True))
+    graph = trace(OutNet(box=False)).gm.graph
+    add = next(n for n in graph.nodes if n.target is operator.add)
+    assert [a.name for a in add.args] == ["c1", "tanh"], add.args
 
 
 def test_faithful_graphs_pass_the_check():

@@ -65,6 +65,19 @@ def changes_first(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return False
 
 
+def _written(n: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The value ``n`` writes into: its ``out=`` tensor (``torch.tanh(h, out=buf[:, :, 3:8])``, whose
+    result is that tensor), or its first argument where it changes it; None where it writes nothing.
+    Several ``out=`` tensors (``torch.max(h, 1, out=(v, i))``) are not followed: refused."""
+    out = n.kwargs.get("out") if n.op in ("call_method", "call_function") else None
+    if isinstance(out, fx.Node):
+        return out
+    if isinstance(out, list | tuple) and any(isinstance(o, fx.Node) for o in out):
+        raise ViewChanged(f"{_name(n)} writes into several tensors (out={out}), which a traced graph "
+                          f"does not follow")
+    return n.args[0] if changes_first(n, modules) else None
+
+
 def _view_of(n: fx.Node) -> bool:
     """Whether ``n``'s value may share memory with another value of the graph."""
     if n.op in ("call_method", "call_function"):
@@ -105,9 +118,10 @@ def make_explicit(graph: fx.Graph, root: Any) -> None:
     modules = dict(root.named_modules()) if isinstance(root, nn.Module) else {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in list(graph.nodes):
-        if not changes_first(n, modules):
+        value = _written(n, modules)
+        if value is None:
             continue
-        value = base = n.args[0]
+        base = value
         while _aliasing(base, modules) and base.args and isinstance(base.args[0], fx.Node):
             base = base.args[0]  # the value whose memory ``value`` is part of
         for other in (base, *_aliases(base, modules)):

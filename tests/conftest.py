@@ -26,12 +26,27 @@ LONGEST_FIRST = ("test_perf_suite.py", "test_model_zoo.py", "test_failures.py", 
 def pytest_collection_modifyitems(config, items):
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
+    items[:] = _cases_by_world(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _cases_by_world(items: list) -> list:
+    """Each file's cases that name a ``world`` put in order of it (stable; the others first, as written).
+    Why: the ``pools`` fixture keeps one group of ranks, of the size last asked for, so cases listed
+    2, 4, 2, 4 started a group of ranks (and imported the test module in each) for every one of them."""
+    def world(item) -> int:
+        w = getattr(getattr(item, "callspec", None), "params", {}).get("world", 0)
+        return w if isinstance(w, int) else 0
+
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    return [item for same in files.values() for item in sorted(same, key=world)]
 
 
 @pytest.fixture(scope="module")

@@ -222,7 +222,7 @@ def least_elements(size: int, parts: int) -> int:
     return 2 * math.ceil(modes / parts * (parts - 1) / parts)
 
 
-TINY = {"size": 16, "rounds": 1, "steps": 1, "warmup": 1}
+TINY = {"size": 16, "rounds": 1, "steps": 1, "warmup": 1, "ranks": "2"}  # --tiny: one split, seconds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,14 +230,16 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = common.parser("fft", __doc__, rounds=3, steps=5, warmup=1, max_load=0.5, pin=True)
     ap.add_argument("--size", type=int, default=128, help="edge S of the cubic field (default 128)")
+    ap.add_argument("--ranks", default="2,4", help="rank counts to run, of 2 and 4 (default 2,4)")
     args = common.parse(ap, argv, TINY)
+    configs = {p: CONFIGS[p] for p in map(int, args.ranks.split(","))}
     cfg = {"size": args.size, "warmup": args.warmup, "steps": args.steps}
     compare, m4f = comparison_status()
     print(m4f, flush=True)
     load = common.wait(args)
     t0 = time.monotonic()
     jobs = []
-    for p in CONFIGS:
+    for p in configs:
         jobs.append(lambda r, p=p: {f"1 proc x {p} threads": common.launch(
             whole_job, 1, cfg, threads=p, group=False, pin=args.pin)["times"]})
         jobs.append(lambda r, p=p: {f"{p} ranks": _split(p, cfg, args.pin)})
@@ -246,10 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     samples, rounds = common.alternate(args.rounds, jobs)
     load_end, run_s = common.loadavg(), round(time.monotonic() - t0, 1)
     round_loads = [rd["load"][0] for rd in rounds]
-    noisy = common.disturbed(round_loads, max(CONFIGS))
+    noisy = common.disturbed(round_loads, max(configs))
     stats = {n: common.summarize(v) for n, v in samples.items()}
     s, rows, rows_m4f, result = args.size, [], [], {}
-    for p, split in CONFIGS.items():
+    for p, split in configs.items():
         base, ours = stats[f"1 proc x {p} threads"]["median_ms"], stats[f"{p} ranks"]["median_ms"]
         moved = transpose_elements((s, s, s), split, CHANNELS, CHANNELS)
         least = least_elements(s, p)
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         table += f"\n\n{m4f}"
     common.write_json(args, {
         "config": {**cfg, "rounds": args.rounds, "channels": CHANNELS, "dtype": "float32", "batch": 1,
-                   "splits": {str(p): list(v) for p, v in CONFIGS.items()}, "threads_per_rank": 1},
+                   "splits": {str(p): list(v) for p, v in configs.items()}, "threads_per_rank": 1},
         "mpi4py_fft": m4f,
         **({"mpi4py_fft_config": M4F_CONFIG, "mpi_library": _mpi_library()} if compare else {}),
         **common.round_record(load, load_end, run_s, round_loads, noisy),

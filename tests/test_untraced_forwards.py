@@ -1103,6 +1103,26 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
         spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
 
 
+class _Unique(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c(x)
+        return h * torch.unique(h.round()).numel()
+
+
+def test_a_call_without_a_meta_implementation_is_said_to_be_the_plans_limit():
+    """torch.unique runs on values, not on the meta device the plan follows shapes on: the line says
+    the plan cannot follow the model, not that the model does not run."""
+    from hybridpar.planner.graph import GraphRunError, trace, trace_values
+
+    with pytest.raises(GraphRunError, match=r"^the plan's run on the meta device \(shapes, no values\) "
+                                            r"cannot follow it at \[1, 1, 6, 6, 6\]: at layer unique: "):
+        trace_values(trace(_Unique()), (1, 1, 6, 6, 6))
+
+
 class _Keeps(nn.Module):
     """State kept in plain attributes by the forward: a tensor read in the next call, one left after
     the call (an auxiliary loss for ``loss_fn`` to read), terms collected in a list or a dict, one

@@ -419,8 +419,15 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where
-        raise GraphRunError(f"the model does not run on input shape {list(shape)}: at layer "
-                            f"{rec.current}: {type(err).__name__}: {err}", rec.current,
+        head = f"the model does not run on input shape {list(shape)}" if not _no_meta(err) else \
+            f"the plan's run on the meta device (shapes, no values) cannot follow it at {list(shape)}"
+        raise GraphRunError(f"{head}: at layer {rec.current}: {type(err).__name__}: {err}", rec.current,
                             f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
     graph.traced[shape] = rec.values
     return rec.values
+
+
+def _no_meta(err: BaseException) -> bool:
+    """Whether ``err`` says torch has no meta implementation of a call (``torch.unique``,
+    ``torch.histogram``): the model runs, the plan cannot follow it."""
+    return isinstance(err, NotImplementedError) and ("Meta kernel" in str(err) or "fake impl" in str(err))

@@ -61,9 +61,29 @@ def context(library: str | None = None) -> Any:
     return mp.get_context(START_METHOD)
 
 
+FORK_ENV = "HYBRIDPAR_RANKS_FORK"
+"""Set to 1 (the test suite does, for benchmarks' ``--tiny`` runs), ranks are forked from the launching
+process itself while it has one thread: no server to start (seconds of CPU, most of a tiny run), at the
+cost of what a fresh process guarantees (its heap, no state before the fork), which figures need and a
+tiny run's are not. A process with a second thread (a pool, a compiler's workers) is never forked: a
+lock that thread held would be held forever in the child."""
+
+
+def _one_thread() -> bool:
+    """Whether this process runs one OS thread (native ones counted: /proc, not ``threading``)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:")) == 1
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
 def start_method(library: str | None) -> str:
     """How ranks needing ``library`` (``LD_PRELOAD``) start: forked from the server where it runs with
-    that library, else as fresh interpreters."""
+    that library, else as fresh interpreters; under :data:`FORK_ENV`, forked from this process where it
+    runs with that library and one thread."""
+    if os.environ.get(FORK_ENV) == "1" and library == os.environ.get("LD_PRELOAD") and _one_thread():
+        return "fork"
     context(library)
     return START_METHOD if _SERVER_LIBRARY[0] == library else "spawn"
 

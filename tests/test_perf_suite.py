@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from perf.__main__ import BENCHMARKS
-from perf.ranks import mpiexec
+from perf.ranks import FORK_ENV, mpiexec
 
 from distributed import ROOT
 from forked import run_python
@@ -58,7 +58,7 @@ SKIP = {
 
 def _perf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m perf ARGS`` (forked, :mod:`forked`); on a timeout its ranks go with it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", FORK_ENV: "1"}
     try:
         return run_python(["-m", "perf", *args], env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:

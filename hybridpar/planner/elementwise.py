@@ -51,7 +51,10 @@ def _tagged(name: str) -> bool:
     ``.Tensor``); an in-place form or one that draws random numbers is not taken from the tag."""
     if not name or name.endswith("_") or name.startswith("_"):
         return False
-    packet = getattr(torch.ops.aten, name, None)
+    try:
+        packet = getattr(torch.ops.aten, name, None)
+    except RuntimeError:  # a name the operator registry cannot look up
+        return False
     overload = getattr(packet, "default", None) or getattr(packet, "Tensor", None)
     tags = getattr(overload, "tags", ())
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags

@@ -102,11 +102,23 @@ class WSConv3d(nn.Conv3d):
         return self._conv_forward(x, w, self.bias)
 
 
+class _ScaledForward:
+    """A mixin whose forward shadows the conv's (MONAI's DepthwiseFFTConv3d takes its FFT forward so):
+    the subclass defines no forward of its own, the class before its registered base in the MRO does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * self._conv_forward(x, self.weight, self.bias) + 1.0
+
+
+class MixinConv3d(_ScaledForward, nn.Conv3d):
+    pass
+
+
 class WSNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, conv: type = WSConv3d) -> None:
         super().__init__()
         self.stem = nn.Conv3d(1, 2, 3, padding=1)
-        self.ws = WSConv3d(2, 1, 3, padding=1)
+        self.ws = conv(2, 1, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ws(torch.tanh(self.stem(x)))
@@ -251,6 +263,10 @@ class WNNet(nn.Module):
         if self.branch and x.shape[2] > 4:
             h = h * 2
         return self.wn(h)
+
+
+def MixinNet() -> WSNet:  # noqa: N802 (a model's name, as CASES spell them)
+    return WSNet(MixinConv3d)
 
 
 def SwappedWNNet() -> WNNet:  # noqa: N802 (a model's name, as CASES spell them)
@@ -601,6 +617,7 @@ CASES = [
     (4, "a conv subclass with its own forward, run split by that forward", "WSNet",
      {"grid": {"spatial": [2, 2, 1]}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (4, "a conv whose forward a mixin gives, 2x2", "MixinNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "unused split heads by module swapping", "SwappedUnusedNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
@@ -833,6 +850,7 @@ def test_a_subclass_with_its_own_forward_is_not_split_as_its_base():
     rows = {r.name: r for r in swapped_plan(WSNet(), SHAPE, (2, 1, 1), 1)}
     assert rows["conv3d"].kind == "Conv3d" and rows["conv3d"].split == (2, 1, 1)
     assert registry.lookup(WSConv3d) is None and registry.lookup(nn.Conv3d) is not None
+    assert registry.lookup(MixinConv3d) is None and registry.overriding_forward(MixinConv3d) is _ScaledForward
     assert registry.lookup(nn.Conv1d) is not None and registry.lookup(nn.SyncBatchNorm) is not None
     assert registry.lookup(hp.nn.DistConv3d) is registry.lookup(nn.Conv3d)
 

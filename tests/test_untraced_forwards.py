@@ -1245,7 +1245,8 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
             (torch.scatter_add, (s, 1, top, s[:, :1]), {}), (F.one_hot, (top[:, 0], 3), {}),
             (F.local_response_norm, (v, 2), {}), (torch.atan2, (s, s), {}), (torch.Tensor.long, (s,), {}),
             (torch.Tensor.__floordiv__, (s, 2), {}), (torch.remainder, (s, 3), {}), (torch.frac, (s,), {}),
-            (torch.Tensor.real.__get__, (s.to(torch.complex64),), {}),
+            (torch.Tensor.real.__get__, (s.to(torch.complex64),), {}), (torch.Tensor.data.__get__, (s,), {}),
+            (torch.as_tensor, (s,), {"dtype": torch.float64}),
             (F.max_pool3d_with_indices, (v5, 2), {}),
             (F.max_unpool3d, (*F.max_pool3d_with_indices(v5, 2), 2), {})]
     mix = [(F.layer_norm, (s, (2, 4)), {}), (torch.einsum, ("nc,mc->nm", s, s), {}),

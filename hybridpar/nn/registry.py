@@ -223,9 +223,9 @@ def mark_split(cls: type) -> None:
 def overriding_forward(m: nn.Module | type) -> type | None:
     """The class of ``m``'s MRO that defines its ``forward``, when that class, written elsewhere than
     torch.nn or hybridpar, comes before a registered type in the MRO (a user's ``WSConv3d(nn.Conv3d)``
-    standardising its weight, or a mixin's forward); None otherwise. Such a layer computes something its base's entry does
-    not describe, so it is not that entry's layer: splitting it as its base would silently drop what
-    its forward adds."""
+    standardising its weight, or a mixin's forward); None otherwise. Such a layer computes something
+    its base's entry does not describe, so it is not that entry's layer: splitting it as its base would
+    silently drop what its forward adds."""
     cls = m if isinstance(m, type) else type(m)
     mro = cls.__mro__
     definer = next((c for c in mro if "forward" in c.__dict__), None)

@@ -30,7 +30,8 @@ LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "detach", "clone",
         "__and__", "__or__", "__xor__", "logical_and", "logical_or", "logical_not", "clamp_min",
         "clamp_max", "nan_to_num", "__iadd__", "__isub__", "__imul__", "__itruediv__", "sub_", "div_",
         "clamp_", "sigmoid_", "tanh_", "fill_", "zero_", "copy_", "leaky_relu", "leaky_relu_",
-        "long", "int", "short", "bool", "byte", "char", "real", "imag", "conj", "resolve_conj")
+        "long", "int", "short", "bool", "byte", "char", "real", "imag", "conj", "resolve_conj", "as_tensor",
+        "data")
 """Elementwise calls by name, beyond torch's tag: in-place forms only where listed (the planners follow
 these writes)."""
 

@@ -114,6 +114,14 @@ class MixinConv3d(_ScaledForward, nn.Conv3d):
     pass
 
 
+class WSConvForward3d(nn.Conv3d):
+    """Weight standardisation written in ``_conv_forward``, which ``nn.Conv3d.forward`` calls."""
+
+    def _conv_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        w = (w - w.mean((1, 2, 3, 4), keepdim=True)) / (w.std((1, 2, 3, 4), keepdim=True) + 1e-5)
+        return super()._conv_forward(x, w, b)
+
+
 class WSNet(nn.Module):
     def __init__(self, conv: type = WSConv3d) -> None:
         super().__init__()
@@ -267,6 +275,10 @@ class WNNet(nn.Module):
 
 def MixinNet() -> WSNet:  # noqa: N802 (a model's name, as CASES spell them)
     return WSNet(MixinConv3d)
+
+
+def WSConvForwardNet() -> WSNet:  # noqa: N802
+    return WSNet(WSConvForward3d)
 
 
 def SwappedWNNet() -> WNNet:  # noqa: N802 (a model's name, as CASES spell them)
@@ -618,6 +630,7 @@ CASES = [
      {"grid": {"spatial": [2, 2, 1]}}),
     (4, "aliased modules, 2x2", "AliasNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "a conv whose forward a mixin gives, 2x2", "MixinNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "a conv subclass overriding _conv_forward", "WSConvForwardNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "unused split heads by module swapping", "SwappedUnusedNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
@@ -851,6 +864,8 @@ def test_a_subclass_with_its_own_forward_is_not_split_as_its_base():
     assert rows["conv3d"].kind == "Conv3d" and rows["conv3d"].split == (2, 1, 1)
     assert registry.lookup(WSConv3d) is None and registry.lookup(nn.Conv3d) is not None
     assert registry.lookup(MixinConv3d) is None and registry.overriding_forward(MixinConv3d) is _ScaledForward
+    assert registry.lookup(WSConvForward3d) is None and "(WSConvForward3d._conv_forward)" in \
+        registry.unregistered(WSConvForward3d(1, 1, 3))
     assert registry.lookup(nn.Conv1d) is not None and registry.lookup(nn.SyncBatchNorm) is not None
     assert registry.lookup(hp.nn.DistConv3d) is registry.lookup(nn.Conv3d)
 

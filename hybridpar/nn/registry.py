@@ -220,27 +220,29 @@ def mark_split(cls: type) -> None:
     _SPLIT_CLASSES.add(cls)
 
 
+FORWARDS = ("forward", "_conv_forward")  # what torch's layers compute with (Conv3d.forward: _conv_forward)
+
+
 def overriding_forward(m: nn.Module | type) -> type | None:
-    """The class of ``m``'s MRO that defines its ``forward``, when that class, written elsewhere than
-    torch.nn or hybridpar, comes before a registered type in the MRO (a user's ``WSConv3d(nn.Conv3d)``
-    standardising its weight, or a mixin's forward); None otherwise. Such a layer computes something
-    its base's entry does not describe, so it is not that entry's layer: splitting it as its base would
-    silently drop what its forward adds."""
+    """The class that defines the forward (:data:`FORWARDS`) of ``m``, when that class, written
+    elsewhere than torch.nn or hybridpar, comes before a registered type in the MRO (a user's
+    ``WSConv3d(nn.Conv3d)`` standardising its weight, or a mixin's forward); None otherwise (a forward
+    set on an instance is :mod:`hybridpar.pipeline.user_hooks`'s to refuse).
+    Such a layer computes something its base's entry does not describe, so it is not that entry's
+    layer: splitting it as its base would silently drop what its forward adds."""
     cls = m if isinstance(m, type) else type(m)
     mro = cls.__mro__
-    definer = next((c for c in mro if "forward" in c.__dict__), None)
     registered = next((c for c in mro if c in _REGISTRY), None)
-    if definer is None or registered is None or definer in _REGISTRY or definer in _SPLIT_CLASSES or \
-            definer.__module__.startswith(_TRUSTED_FORWARDS):
+    if registered is None:
         return None
-    # before the registered base in the MRO: a subclass's own forward, or a mixin's placed before the
-    # base (MONAI's DepthwiseFFTConv3d(_DepthwiseFFTForward, nn.Conv3d)), which subclasses nothing
-    return definer if mro.index(definer) < mro.index(registered) else None
-
-
-def registered_base(m: nn.Module | type) -> type | None:
-    """The nearest registered class in the MRO of ``m``'s type, or None."""
-    return next((c for c in (m if isinstance(m, type) else type(m)).__mro__ if c in _REGISTRY), None)
+    for name in FORWARDS:
+        definer = next((c for c in mro if name in c.__dict__), None)
+        if definer is None or definer in _REGISTRY or definer in _SPLIT_CLASSES or \
+                definer.__module__.startswith(_TRUSTED_FORWARDS):
+            continue
+        if mro.index(definer) < mro.index(registered):  # a mixin's too: DepthwiseFFTConv3d(_Fwd, Conv3d)
+            return definer
+    return None
 
 
 def users_own(m: nn.Module) -> bool:
@@ -255,8 +257,9 @@ def unregistered(m: nn.Module) -> str:
     definer = overriding_forward(m)
     if definer is None:
         return "this layer type is not registered"
-    base = registered_base(m).__name__
-    return (f"a {base} subclass with its own forward ({definer.__name__}.forward), which {base}'s split "
+    base = next(c for c in (m if isinstance(m, type) else type(m)).__mro__ if c in _REGISTRY).__name__
+    name = next(n for n in FORWARDS if n in definer.__dict__)
+    return (f"a {base} subclass with its own forward ({definer.__name__}.{name}), which {base}'s split "
             f"version would not run, so the type is not registered")
 
 

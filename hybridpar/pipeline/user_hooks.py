@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
+from hybridpar.nn import registry
 from hybridpar.planner.terms import SpecError
 
 _MODULE_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
@@ -80,12 +81,20 @@ def refuse_hooks(model: nn.Module, what: str) -> None:
 def refuse_scripted(model: nn.Module, what: str) -> None:
     """Raise :class:`SpecError` naming the first ``torch.jit`` scripted or traced module in ``model``: its
     compiled forward calls no Python the engine can follow or swap (its layers would run on shards as
-    on whole volumes), and its state is not a module's (``_buffers`` is a compiled dict)."""
+    on whole volumes), and its state is not a module's (``_buffers`` is a compiled dict); or the first
+    registered layer whose forward is set on the layer itself (``conv.forward = MethodType(f, conv)``),
+    which its type's split version would replace silently."""
     for name, m in model.named_modules():
         if isinstance(m, torch.jit.ScriptModule):
             where = f"{name} ({m.original_name})" if name else f"the model ({m.original_name})"
             raise SpecError(f"{what}: {where} is a torch.jit.ScriptModule, whose compiled forward the engine "
                             f"cannot split; give parallelize the module before torch.jit.script or trace")
+        if registry.lookup(m) is not None and any(f in vars(m) for f in registry.FORWARDS):
+            where = f"{name} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+            raise SpecError(f"{what}: {where} has a forward set on the layer itself, which the split "
+                            f"{type(m).__name__} would not run; define it in a subclass (class "
+                            f"My{type(m).__name__}(nn.{type(m).__name__}): def forward(...)), which runs as "
+                            f"written")
 
 
 class HookWatch:

@@ -99,13 +99,13 @@ def test_hooks_are_refused_naming_them(pools):
 
 def test_a_scripted_module_is_refused_naming_it():
     """A torch.jit module's compiled forward calls nothing the engine could follow or swap."""
-    from hybridpar.pipeline.user_hooks import refuse_scripted
+    from hybridpar.pipeline.user_hooks import refuse_unfollowed_forwards
     from hybridpar.planner.terms import SpecError
 
     model = nn.Sequential(nn.Conv3d(1, 2, 3), torch.jit.script(nn.Sequential(nn.Conv3d(2, 2, 3), nn.ReLU())))
     with pytest.raises(SpecError, match=r"^hp.parallelize: 1 \(Sequential\) is a torch.jit.ScriptModule"):
-        refuse_scripted(model, "hp.parallelize")
-    refuse_scripted(nn.Sequential(nn.Conv3d(1, 2, 3)), "hp.parallelize")  # none: nothing said
+        refuse_unfollowed_forwards(model, "hp.parallelize")
+    refuse_unfollowed_forwards(nn.Sequential(nn.Conv3d(1, 2, 3)), "hp.parallelize")  # none: nothing said
 
 
 def _doubled(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,10 +116,10 @@ def test_a_forward_set_on_a_layer_itself_is_refused_naming_it():
     """``conv.forward = MethodType(f, conv)``: the split Conv3d would run its class's forward instead."""
     from types import MethodType
 
-    from hybridpar.pipeline.user_hooks import refuse_scripted
+    from hybridpar.pipeline.user_hooks import refuse_unfollowed_forwards
     from hybridpar.planner.terms import SpecError
 
     model = nn.Sequential(nn.Conv3d(1, 2, 3), nn.Conv3d(2, 2, 3))
     model[1].forward = MethodType(_doubled, model[1])
     with pytest.raises(SpecError, match=r"^hp.parallelize: 1 \(Conv3d\) has a forward set on the layer "):
-        refuse_scripted(model, "hp.parallelize")
+        refuse_unfollowed_forwards(model, "hp.parallelize")

@@ -304,3 +304,9 @@ def _empty_again(module: nn.Module, empty: set[tuple[nn.Module, str]], named: di
             m._non_persistent_buffers_set.discard(slot)
     for m, slot in empty:
         m._buffers[slot] = None
+
+
+def no_meta_kernel(message: str) -> bool:
+    """Whether torch's ``message`` says a call has no implementation on the meta device
+    (``torch.unique``, ``torch.bincount``): the model runs on values, a plan's run on shapes cannot."""
+    return "Meta kernel" in message or "fake impl" in message

@@ -73,7 +73,7 @@ from hybridpar.pipeline.sizes import agree_size
 from hybridpar.pipeline.stage_transport import BWD_TAG, FWD_TAG, LOSS_TAG
 from hybridpar.pipeline.step_state import BufferWatch, micro_batch_norms, refuse_micro_batch_norms
 from hybridpar.pipeline.stepping import Stepper
-from hybridpar.pipeline.user_hooks import HookWatch, refuse_scripted
+from hybridpar.pipeline.user_hooks import HookWatch, refuse_unfollowed_forwards
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.explain import banner, format_plan
 from hybridpar.planner.records import LayerPlan
@@ -95,7 +95,7 @@ class Engine:
                  bucket_bytes: int = 25 << 20, defer_weight_grads: bool = True,
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
         require_group("parallelize")
-        refuse_scripted(model, "hp.parallelize")
+        refuse_unfollowed_forwards(model, "hp.parallelize")
         self._hooks = HookWatch(model)
         self._hooks.check("hp.parallelize")
         self.memory_format = memory_format

@@ -113,6 +113,14 @@ def cut_at(extent: int) -> int:
     return min(fits, key=lambda k: abs(k - extent // 2)) if fits else extent // 2
 
 
+def _halves(out: Any, y: Any, at: int, pick: Callable[[torch.Tensor], bool], extent: int) -> list[tuple]:
+    """``out`` and ``y`` cut in two along dim ``at`` where :func:`cut_at` says: per part, its ``out``,
+    its ``y`` and its (start, length)."""
+    k = cut_at(extent)
+    return [(_cut(out, at, pick, lo, n), _cut(y, at, pick, lo, n), (lo, n))
+            for lo, n in ((0, k), (k, extent - k))]
+
+
 def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
           pick: Callable[[torch.Tensor], bool], extent: int) -> Finding:
     """Cut every tensor of ``out`` and ``y`` that ``pick`` accepts in two along ``dim`` (of
@@ -123,8 +131,7 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
     try:
         if extent >= 2:
             k = cut_at(extent)
-            a = evaluate(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k))
-            b = evaluate(loss_fn, _cut(out, at, pick, k, extent - k), _cut(y, at, pick, k, extent - k))
+            a, b = (evaluate(loss_fn, o, t) for o, t, _ in _halves(out, y, at, pick, extent))
             return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
         double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
                                    if isinstance(t, torch.Tensor) and pick(t) else t)
@@ -165,11 +172,9 @@ def slope_probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
                 pick: Callable[[torch.Tensor], bool], extent: int, directions: list) -> Finding:
     """:func:`probe` of the loss's slope (:func:`slope`), ``whole`` the whole's, on a cut of two parts."""
     at, k = (dim - 5 if dim >= 2 else dim), cut_at(extent)
-    cut = lambda lo, n: [r if r is None else r.narrow(at, lo, n) for r in directions]  # noqa: E731
     try:
-        a = slope(loss_fn, _cut(out, at, pick, 0, k), _cut(y, at, pick, 0, k), cut(0, k))
-        b = slope(loss_fn, _cut(out, at, pick, k, extent - k), _cut(y, at, pick, k, extent - k),
-                  cut(k, extent - k))
+        a, b = (slope(loss_fn, o, t, [r if r is None else r.narrow(at, lo, n) for r in directions])
+                for o, t, (lo, n) in _halves(out, y, at, pick, extent))
     except (RuntimeError, ValueError, TypeError, IndexError):
         return Finding(-1, math.nan, math.nan, math.nan)
     return Finding(SLOPE + dim, whole, (k * a + (extent - k) * b) / extent, a + b)

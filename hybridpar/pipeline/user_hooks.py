@@ -78,7 +78,7 @@ def refuse_hooks(model: nn.Module, what: str) -> None:
                                 f"the gradients after engine.train_step, where they are whole")
 
 
-def refuse_scripted(model: nn.Module, what: str) -> None:
+def refuse_unfollowed_forwards(model: nn.Module, what: str) -> None:
     """Raise :class:`SpecError` naming the first ``torch.jit`` scripted or traced module in ``model``: its
     compiled forward calls no Python the engine can follow or swap (its layers would run on shards as
     on whole volumes), and its state is not a module's (``_buffers`` is a compiled dict); or the first

@@ -33,7 +33,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import containers, meta_call, meta_state, put_back_contents
+from hybridpar.nn.meta import containers, meta_call, meta_state, no_meta_kernel, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
 
@@ -419,15 +419,11 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where
-        head = f"the model does not run on input shape {list(shape)}" if not _no_meta(err) else \
+        no_meta = isinstance(err, NotImplementedError) and no_meta_kernel(str(err))
+        head = f"the model does not run on input shape {list(shape)}" if not no_meta else \
             f"the plan's run on the meta device (shapes, no values) cannot follow it at {list(shape)}"
         raise GraphRunError(f"{head}: at layer {rec.current}: {type(err).__name__}: {err}", rec.current,
                             f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
     graph.traced[shape] = rec.values
     return rec.values
 
-
-def _no_meta(err: BaseException) -> bool:
-    """Whether ``err`` says torch has no meta implementation of a call (``torch.unique``,
-    ``torch.histogram``): the model runs, the plan cannot follow it."""
-    return isinstance(err, NotImplementedError) and ("Meta kernel" in str(err) or "fake impl" in str(err))

@@ -25,7 +25,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import CarriedState, meta_call, meta_state
+from hybridpar.nn.meta import CarriedState, meta_call, meta_state, no_meta_kernel
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
@@ -40,7 +40,7 @@ def _meta_hint(err: str) -> str:
     """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
     if "meta tensors" in err or "out of meta tensor" in err:  # a value read: item(), a branch, a copy
         return "branch on configuration or on shapes, not on tensor values"
-    if "Meta kernel" in err or "fake impl" in err:
+    if no_meta_kernel(err):
         return "that call has no meta implementation: write it with other torch calls"
     return "the plan's run on meta tensors (no values, no gradients) cannot make that call"
 

@@ -244,6 +244,14 @@ class ProcessGrid:
         return self.group_of(lambda r: self._pos(r)[1])
 
     @cached_property
+    def batch_group(self) -> dist.ProcessGroup:
+        """Ranks that hold the stage's global batch once under this layout: this layout replica's
+        spatial ranks in every data-parallel replica (the stage group where the layout has no
+        replicas). Global-batch statistics reduce over it: a layout replica holds copies of the same
+        values, which the stage group would count again."""
+        return self.group_of(lambda r: self._pos(r)[1:3])
+
+    @cached_property
     def data_group(self) -> dist.ProcessGroup:
         """Ranks at the same stage and spatial position in every data-parallel replica."""
         return self.group_of(lambda r: (r % self.stage_size, self._pos(r)[1]))

@@ -35,6 +35,8 @@ class JobLayout:
             layout = layouts[split] = grid.with_spatial(split)
             if layout.spatial_size > 1:
                 layout.spatial_group, layout.halo_group  # noqa: B018 (creates the groups)
+            if grid.data > 1:
+                layout.batch_group  # noqa: B018 (global-batch statistics: DistBatchNorm3d(stats="stage"))
         for size, name in ((grid.data * grid.stage_size, "stage_group"), (grid.data, "data_group"),
                            (grid.pipe, "pipe_group")):
             if size > 1:

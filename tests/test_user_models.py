@@ -539,7 +539,33 @@ def SyncBNNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return nn.SyncBatchNorm.convert_sync_batchnorm(BNNet())
 
 
-REFERENCE = {"SyncBNNet": BNNet}  # SyncBatchNorm in one process is the BatchNorm it converts
+class BNBlockNet(nn.Module):
+    """A BatchNorm inside a block torch.fx cannot trace into (``range`` of a shape): run whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.out = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+        self.block = _ChannelLoopBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.stem(x)))
+
+
+class _ChannelLoopBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv3d(3, 3, 3, padding=1), nn.BatchNorm3d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x))
+        return torch.cat([torch.relu(h[:, i:i + 1]) for i in range(h.shape[1])], 1) + x
+
+
+def SyncBNBlockNet() -> nn.Module:  # noqa: N802
+    return nn.SyncBatchNorm.convert_sync_batchnorm(BNBlockNet())
+
+
+REFERENCE = {"SyncBNNet": BNNet, "SyncBNBlockNet": BNBlockNet}  # SyncBatchNorm in one process: a BatchNorm
 
 
 def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor, y: torch.Tensor,
@@ -635,6 +661,10 @@ CASES = [
     (4, "unused split heads by module swapping, data x spatial", "SwappedUnusedNet",
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "SyncBatchNorm, data x spatial", "SyncBNNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "SyncBatchNorm run replicated, data x spatial", "SyncBNNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}, "layers": {"body.1": {"spatial": "replicate"}}}),
+    (4, "SyncBatchNorm inside a block run whole, data x spatial", "SyncBNBlockNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}, "layers": {"block": {"spatial": "replicate"}}}),
     (2, "in-place calls not assigned", "InPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "in-place calls not assigned, 2x2", "InPlaceNet", {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a view read after its base is written", "ViewedNet", {"grid": {"spatial": [2, 1, 1]}}),

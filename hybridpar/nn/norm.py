@@ -199,8 +199,7 @@ class DistBatchNorm3d(SpatialLayer, nn.BatchNorm3d):
 
     def _group(self):
         if self.stats == "stage" and self.grid.data > 1:
-            return self.grid.stage_group if self.grid.spatial_size == self.grid.stage_size \
-                else _error(self.layer_name)
+            return self.grid.batch_group
         return self.grid.spatial_group if self.grid.spatial_size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -378,11 +377,6 @@ class DistInstanceNorm3d(_PerSampleNorm, nn.InstanceNorm3d):
                 self.running_mean.mul_(1 - factor).add_(mean.mean(0), alpha=factor)
                 self.running_var.mul_(1 - factor).add_((var * volume / (volume - 1)).mean(0), alpha=factor)
         return y
-
-
-def _error(layer: str):
-    raise NotImplementedError(f"{layer}: stats='stage' needs the layer's split to use every rank of the "
-                              f"stage (no layout replicas)")
 
 
 def _has_bias(m: nn.Module) -> bool:

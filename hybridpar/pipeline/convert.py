@@ -48,6 +48,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     if entry is None or entry.to_dist is None or whole:  # a parametrized layer run whole: itself
         d = sharing_copy(m)
         mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
+        _sync_norms(d, grid, overlap, name)
         _note(m, grid, name)
         return d
     try:
@@ -76,6 +77,23 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     d.train(m.training)
     _note(m, grid, name)
     return d
+
+
+def _sync_norms(d: nn.Module, grid: ProcessGrid, overlap: bool, name: str | None) -> None:
+    """The ``SyncBatchNorm`` layers inside a block copied whole, as their split version on its grid.
+
+    Why: torch's own reduces over the default group, every rank of the job: the copies of one value
+    that the block's layout replicas hold are counted again (the running variance's correction is
+    off), a pipeline's other stages never join, and on the CPU it raises. Its split version reduces
+    over the ranks that hold the global batch once (:attr:`ProcessGrid.batch_group`)."""
+    made: dict[int, nn.Module] = {}
+    for path, sub in d.named_modules(remove_duplicate=False):
+        for slot, child in list(sub._modules.items()):
+            if isinstance(child, nn.SyncBatchNorm):
+                if id(child) not in made:
+                    where = ".".join(p for p in (name, path, slot) if p)
+                    made[id(child)] = to_distributed(child, grid, overlap, where)
+                sub._modules[slot] = made[id(child)]
 
 
 def _refuse_stateful(m: nn.Module, name: str | None) -> None:

@@ -27,6 +27,12 @@ def uses_batch_statistics(m: nn.Module) -> bool:
     return isinstance(m, BATCH_NORM)
 
 
+def reduces_over_job(m: nn.Module) -> bool:
+    """Whether ``m``'s own forward reduces over the job's ranks (torch's ``SyncBatchNorm``, over the
+    default group unless it was given one): never to run as it is on a rank's copy of a block."""
+    return isinstance(m, nn.SyncBatchNorm)
+
+
 def tracks_replica_statistics(m: nn.Module) -> bool:
     """Whether ``m`` is a norm layer whose running statistics each data-parallel replica tracks from
     its own batch: not ``SyncBatchNorm`` nor a layer reducing over the stage (``stats="stage"``),

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn.families import BATCH_NORM
+from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.sharing import TORCH_OWN
 
 
@@ -273,7 +273,7 @@ def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: 
         stack.callback(_empty_again, module, empty, named)
         stack.enter_context(mode)
         for m in module.modules():
-            if isinstance(m, nn.SyncBatchNorm):
+            if reduces_over_job(m):
                 m.forward = BATCH_NORM.forward.__get__(m)  # type: ignore[method-assign]
                 stack.callback(vars(m).pop, "forward", None)
         return torch.func.functional_call(module, state, args, tie_weights=False)

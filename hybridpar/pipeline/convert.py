@@ -22,6 +22,7 @@ from hybridpar.comm.reduce import grad_split, mark_grad_split
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.dist_check import watch_split_version
+from hybridpar.nn.families import reduces_over_job
 from hybridpar.nn.param_uses import watch_first_forward
 from hybridpar.nn.sharing import share_state, sharing_copy
 from hybridpar.nn.spatial import SpatialLayer, stated
@@ -89,7 +90,7 @@ def _sync_norms(d: nn.Module, grid: ProcessGrid, overlap: bool, name: str | None
     made: dict[int, nn.Module] = {}
     for path, sub in d.named_modules(remove_duplicate=False):
         for slot, child in list(sub._modules.items()):
-            if isinstance(child, nn.SyncBatchNorm):
+            if reduces_over_job(child):
                 if id(child) not in made:
                     where = ".".join(p for p in (name, path, slot) if p)
                     made[id(child)] = to_distributed(child, grid, overlap, where)

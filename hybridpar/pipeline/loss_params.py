@@ -36,7 +36,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.planner import applied, calls
+from hybridpar.planner import applied
+from hybridpar.planner.user_lines import caller
 
 
 class _Aside(torch.autograd.Function):
@@ -60,7 +61,7 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", None) == "register_hook":
-            raise ValueError(f"loss_fn registers a gradient hook at {calls.caller()}: the engine evaluates "
+            raise ValueError(f"loss_fn registers a gradient hook at {caller()}: the engine evaluates "
                              f"the loss on each rank's part of the output (of a volume split, of a batch in "
                              f"parts), whose gradient alone the hook would see; register it in the model's "
                              f"forward, where a hook on a split activation is given the whole gradient")
@@ -73,7 +74,7 @@ def _refuse_function(cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
         return applied.PASS
     raise ValueError(f"loss_fn applies an autograd.Function of its own ({cls.__qualname__}.apply) at "
-                     f"{calls.caller()}: the engine evaluates the loss on each rank's part of the output "
+                     f"{caller()}: the engine evaluates the loss on each rank's part of the output "
                      f"(of a volume split, of a batch in parts), whose gradient alone its backward would "
                      f"see; apply it in the model's forward, where it runs on the gathered volume")
 

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import applied, calls
+from hybridpar.planner.user_lines import caller
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -64,7 +65,7 @@ class BackwardCalls:
                                f"that carry the batch, which data parallelism or micro-batches hold apart: "
                                f"its backward would see each part's gradient; one that works voxel by voxel "
                                f"can be a module of its own, registered with role 'pointwise') at "
-                               f"{calls.caller()}")
+                               f"{caller()}")
             return apply(*args, **kwargs)
         wrote: list[torch.Tensor] = []
 
@@ -83,7 +84,7 @@ class BackwardCalls:
         out = run(*args, **kwargs)  # met by the watch as a call
         if wrote:
             self.unsafe.append(f"{run.__name__} (writes its input in place, which runs on the volume "
-                               f"gathered for it, not on the shards) at {calls.caller()}")
+                               f"gathered for it, not on the shards) at {caller()}")
         return out
 
     def _hooked(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -92,13 +93,13 @@ class BackwardCalls:
         if self.batch_apart and self._carries(t):
             self.unsafe.append(f"register_hook (on a value that carries the batch, which data parallelism "
                                f"or micro-batches hold apart: the hook would see each part's gradient) at "
-                               f"{calls.caller()}")
+                               f"{caller()}")
         elif t in self.chains:
             self.unsafe.append(f"register_hook (on a reshape of a split activation part way, whose gradient "
                                f"on a rank is its shard's: hook the volume before the reshape) at "
-                               f"{calls.caller()}")
+                               f"{caller()}")
         elif t in self.split:
-            key = (f"register_hook: {calls.ROLES['hook']}", calls.caller())
+            key = (f"register_hook: {calls.ROLES['hook']}", caller())
             self.met[key] = self.met.get(key, 0) + 1
             return self._run_hook(func, args, kwargs)
         return func(*args, **kwargs)

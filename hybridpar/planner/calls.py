@@ -28,6 +28,7 @@ from hybridpar.nn import registry, slicing
 from hybridpar.nn.functions import WEIGHTED, weighted_module
 from hybridpar.planner.elementwise import elementwise, name_of
 from hybridpar.planner.space_maps import STEPS
+from hybridpar.planner.user_lines import ours
 
 
 @dataclass(frozen=True)
@@ -358,18 +359,6 @@ def role_of(func: Any, kind: CallKind) -> str:
 def describe(func: Any, kind: CallKind) -> str:
     """The call's name and why it cannot run split, for a refusal."""
     return f"{name_of(func)}: {kind.why}" if kind.why else name_of(func)
-
-
-def ours(filename: str) -> bool:
-    return f"{os.sep}torch{os.sep}" in filename or f"{os.sep}hybridpar{os.sep}" in filename
-
-
-def caller() -> str:
-    """``file:line`` of the innermost frame outside torch and this package: the forward's line."""
-    f = sys._getframe(1)
-    while f is not None and ours(f.f_code.co_filename):
-        f = f.f_back
-    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
 def in_checkpoint() -> bool:

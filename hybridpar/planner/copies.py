@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import calls
+from hybridpar.planner.user_lines import caller
 
 VIEW = "in one process a view, which would see the write; here a copy"
 # a reshape one process copies (h.permute(...).reshape(n, -1)), which a run makes again from its source
@@ -45,14 +46,14 @@ class Copies:
         third argument, what a ``__setitem__`` writes) breaks."""
         unsafe: list[str] = []  # the caller's line is read only where needed: it walks the stack
         if (stale := [t for t in tensors if t in self.stale]) and name not in calls.SAFE:
-            unsafe.append(f"{name} of {self._stale(stale[0])} at {calls.caller()}")
+            unsafe.append(f"{name} of {self._stale(stale[0])} at {caller()}")
         if name == "__setitem__" and id(value) in self.pending and self.taken[value][1] == id(written) \
-                and self.pending[id(value)][2] == calls.caller():  # written back, as augmented assignment
+                and self.pending[id(value)][2] == caller():  # written back, as augmented assignment
             del self.pending[id(value)]
         if read := [why for t in tensors for _, why, _ in self._reading(t)]:
             unsafe.append(read[0])  # the source read before the copy was written back
         if written is not None and written in self.taken:
-            what, line = self.taken[written][0], calls.caller()
+            what, line = self.taken[written][0], caller()
             self.pending[id(written)] = (written, f"{name} (writes in place into {what}, which the split "
                                          f"activation does not share, and no write of it back follows; write "
                                          f"into it, h[:, :, a:b] += 2) at {line}", line)

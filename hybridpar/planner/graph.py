@@ -36,6 +36,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import containers, meta_call, meta_state, no_meta_kernel, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
+from hybridpar.planner.user_lines import caller
 
 INPUT = "(input)"
 OUTPUT = "(output)"  # the node that puts together a forward's tuple, list or dict of outputs
@@ -135,7 +136,15 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.stack: list[str] = []
         self._traceable: dict[int, bool] = {}
-        self.record_stack_traces = True  # each node's line, for what the planner refuses there
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """fx's node, with the user's line that made it (``meta["line"]``, for what the planner
+        refuses there): the innermost frame outside torch and this package, read off the live stack.
+        fx's own ``record_stack_traces`` formats and symbolises the whole stack for every node, which
+        took longer than the trace itself."""
+        node = super().create_node(*args, **kwargs)
+        node.meta["line"] = caller()
+        return node
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict):

@@ -28,6 +28,7 @@ from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
+from hybridpar.planner.user_lines import caller
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -190,11 +191,11 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         if chained and out not in self.chains and out not in self.split:
             if (root := self.roots.get(chained[0])) is not None:
                 self.copies.take(out, f"a view of a reshape of a split activation read whole at "
-                                 f"{calls.caller()}", root)
+                                 f"{caller()}", root)
         elif out in self.split:
             whole = next((t for t in tensors if t not in self.split and torch._C._is_alias_of(out, t)), None)
             if whole is not None:
-                self.copies.take(out, f"a view of a whole value at {calls.caller()}", whole)
+                self.copies.take(out, f"a view of a whole value at {caller()}", whole)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         if calls.name_of(func) == "register_hook" and args and isinstance(args[0], torch.Tensor):
@@ -218,7 +219,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                 self.unsafe.append(f"{calls.name_of(func)} (writes in place into a reshape of a split "
                                    f"activation, h.flatten(2) or h.permute(...), whose places on a rank are "
                                    f"its shard's: write into the volume, h[:, :, a:b] = v, or reshape after "
-                                   f"the write) at {calls.caller()}")
+                                   f"the write) at {caller()}")
                 return func(*args, **kwargs)
             # read as a value of its own (x.view(N, -1) into a sum): the whole value, gathered
             args, kwargs = self.wholes(args, kwargs)
@@ -229,17 +230,17 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             out = self._run_replicated(func, args, kwargs)
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
             if carriers and (why := per_sample.across(func, args, kwargs, carriers, out)):
-                self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {calls.caller()}")
+                self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
             elif self.batch_apart and isinstance(out, torch.Tensor) and per_sample.draws_per_sample(
                     calls.name_of(func), tuple(out.shape), self.batch):
                 self.unsafe.append(f"{calls.name_of(func)} (draws random numbers per sample of the batch, "
-                                   f"which each part would draw alike) at {calls.caller()}")
+                                   f"which each part would draw alike) at {caller()}")
             return out
         if calls.in_place(calls.name_of(func)) and args and isinstance(args[0], torch.Tensor) \
                 and args[0] not in self.split:
             if copy_written:  # the copy of a split volume, not the volume: the write would reach neither
                 self.unsafe.append(f"{calls.name_of(func)} (writes a split activation into a copy taken of "
-                                   f"one, which the split activation does not share) at {calls.caller()}")
+                                   f"one, which the split activation does not share) at {caller()}")
                 return func(*args, **kwargs)
             # a whole tensor (a zero frame a volume is padded into by hand, a buffer): written with the
             # whole value, alike on every rank, as one process writes it
@@ -248,13 +249,13 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         if kind.kind == "refuse" and (not calls.in_place(calls.name_of(func)) or split[0] is args[0]) or (
                 kind.kind == "module" and not self.module_fits(kind.module, split[0])):
             kind = calls.CallKind("whole", why=kind.why)  # computed on the gathered volume
-        key = (calls.role_of(func, kind), calls.caller())
+        key = (calls.role_of(func, kind), caller())
         self.met[key] = self.met.get(key, 0) + 1
         if (why := calls.refusal_of(func, kind, tensors, split)) is not None:
-            self.unsafe.append(f"{why} at {calls.caller()}")
+            self.unsafe.append(f"{why} at {caller()}")
             return func(*args, **kwargs)
         if kind.kind == "value":
-            raise SpecError(f"{calls.name_of(func)} at {calls.caller()} reads the values of a split "
+            raise SpecError(f"{calls.name_of(func)} at {caller()} reads the values of a split "
                             f"activation into Python; on each rank these are its shard's. Branch on "
                             f"configuration or on shapes (they answer the volume's extents)")
         if kind.kind == "step":
@@ -265,15 +266,15 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             what = "over" if calls.name_of(func).strip("_") in calls.REDUCTIONS else "across the samples of"
             self.unsafe.append(f"{calls.name_of(func)} ({what} the batch, which data parallelism or "
                                f"micro-batches hold apart: work on each sample, e.g. reduce over "
-                               f"dim=(1, 2, 3, 4)) at {calls.caller()}")
+                               f"dim=(1, 2, 3, 4)) at {caller()}")
             return func(*args, **kwargs)
         if len({self.split[t] for t in split}) > 1 and kind.kind != "whole":
             self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
-                               f"{calls.caller()}")
+                               f"{caller()}")
             return func(*args, **kwargs)
         out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
         if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
-            self.copies.take(out, f"a box of slices at {calls.caller()}", args[0])
+            self.copies.take(out, f"a box of slices at {caller()}", args[0])
         return out
 
     def _step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:
@@ -284,7 +285,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out in self.chains:
             root = self.roots[out] = src if src in self.split else self.roots.get(src)
             if root is not None and not torch._C._is_alias_of(out, root):
-                self.copies.take(out, f"a reshape of a split activation at {calls.caller()}", root, REMADE)
+                self.copies.take(out, f"a reshape of a split activation at {caller()}", root, REMADE)
         return out
 
     def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:
@@ -318,14 +319,14 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
                 name) else per_sample.across(func, args, kwargs, carriers, out) if carriers else None
             if why:
-                self.unsafe.append(f"{why}, computed whole on a batch in parts, at {calls.caller()}")
-        self.gathered.append(f"{name} at {calls.caller()}")
+                self.unsafe.append(f"{why}, computed whole on a batch in parts, at {caller()}")
+        self.gathered.append(f"{name} at {caller()}")
         if target is not None:  # written into the gathered volume: the shard's box of it, back into the shard
             self._write_back(target, args[0])
             return target if out is args[0] else out
         views = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t._is_view()}
         out = self._resplit(out, extents, views)
-        what = f"a view of the volume gathered for {name} at {calls.caller()}"
+        what = f"a view of the volume gathered for {name} at {caller()}"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (id(t) in views or t in self.copies.taken):
                 self.copies.take(t, what, first)
@@ -398,7 +399,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                 self.mark(out, tuple(out.shape[-3:]))
         else:
             self.unsafe.append(f"{name} (its layer {type(m).__name__} needs the whole volume) at "
-                               f"{calls.caller()}")
+                               f"{caller()}")
         if self.on_function is not None:
             self.on_function(name, m, x, out, split)
         return out
@@ -421,7 +422,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             else:
                 self.chains[out] = (start, steps, tuple(out.shape))
         except NotLocal:
-            self.unsafe.append(f"{name} (a reshape no shard makes of its own) at {calls.caller()}")
+            self.unsafe.append(f"{name} (a reshape no shard makes of its own) at {caller()}")
         return out
 
     def wholes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

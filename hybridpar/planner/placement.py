@@ -8,8 +8,6 @@ stages and records what the walk decided.
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -349,8 +347,5 @@ def broadcasts(split: Split, shape: Sequence[int], reader: Split) -> bool:
 
 
 def _line(node: Node) -> str:
-    """``file:line`` of the user's code that made ``node``: the innermost frame outside torch and this
-    package of the stack the tracer records for each node (outermost first)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.fx_node.meta.get("stack_trace") or "")
-    theirs = [f"{os.path.basename(file)}:{line}" for file, line in frames if not calls.ours(file)]
-    return theirs[-1] if theirs else "?"
+    """``file:line`` of the user's code that made ``node`` (the tracer's ``meta["line"]``)."""
+    return node.fx_node.meta.get("line", "?")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,6 +63,7 @@ def test_cpu_smoke_runs_every_section_and_writes_table_and_json(smoke):
     assert sections["scaling"]["reason"] == "off unless --scaling"
     assert all(s["seconds"] >= 0 and s["estimate_s"] > 0 for s in sections.values() if s["status"] == "ran")
     assert "cuda" in out["tests"]["command"] and out["tests"]["returncode"] == 0
+    assert re.search(r"\b\d+ skipped", out["tests"]["summary"]), out["tests"]  # found, and skipped here
     rows = {r["variant"]: r for r in out["cosmoflow"]}
     assert set(rows) == {"torch bf16+cl", "fp32", "bf16", "bf16+cl", "bf16+cl+compile"}
     assert all(r["samples_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in rows.values())

@@ -17,10 +17,17 @@ from perf.gpu import ROOT
 from perf.gpu.budget import Overrun, Run, Sizes
 
 
+def cuda_files() -> list[str]:
+    """The test files that mark a test ``cuda`` (``pytest.mark.cuda`` in their text): collecting only
+    them spares the session importing every other test module."""
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").glob("test_*.py"))
+            if "mark.cuda" in p.read_text()]
+
+
 def run_tests(timeout: float, log: Path) -> dict[str, Any]:
     """The ``cuda``-marked pytest tests in a subprocess of their own session, killed (with every rank
     it started) after ``timeout`` seconds; their summary line, failures and status; the log to ``log``."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *cuda_files()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     timed_out = False

@@ -31,6 +31,7 @@ from hybridpar.planner.graph import ModelGraph, UntraceableError, refuse_in_pipe
 from hybridpar.planner.graph import trace as trace_graph
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.swapped import one_plan
 from hybridpar.planner.untouched import left_as_found
 
 
@@ -95,14 +96,16 @@ def build(source: Source, spec: ParallelSpec, grid: ProcessGrid, world: int, inp
     stage, its split layers' weights marked agreed (they are the first rank's, broadcast before)."""
     source.checked(spec, input_shape)
     model, graph = source.model, source.graph
-    plan = build_plan(spec, model, input_shape, world, graph)
-    layout = JobLayout.resolve(grid, [lp.split for lp in plan])
-    transport = StageTransport(grid, memory_format)
-    with raised_alike(), one_build():  # a stage's refusal is every stage's; so is a parameter two
-        # layers apply with gradients counted apart
-        stage = StageBuilder(model, graph, spec, layout, overlap, source.untraced).build(plan, input_shape)
-    # the plans at other sizes (predict, shard_batch), from the model's structure kept on the meta device
-    sizes = SizePlans(model, graph is not None, spec, world, plan, input_shape)
+    with one_plan():  # the forward run by module swapping followed once for the plan and the stage
+        plan = build_plan(spec, model, input_shape, world, graph)
+        layout = JobLayout.resolve(grid, [lp.split for lp in plan])
+        transport = StageTransport(grid, memory_format)
+        with raised_alike(), one_build():  # a stage's refusal is every stage's; so is a parameter two
+            # layers apply with gradients counted apart
+            stage = StageBuilder(model, graph, spec, layout, overlap, source.untraced).build(plan,
+                                                                                             input_shape)
+        # the plans at other sizes (predict, shard_batch), from the model's structure on the meta device
+        sizes = SizePlans(model, graph is not None, spec, world, plan, input_shape)
     for _, layer in stage.layers:
         for m in layer.modules():
             if isinstance(m, SpatialLayer):

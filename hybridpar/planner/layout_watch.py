@@ -112,8 +112,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return False
         extents, key = self.split[x], calls.module_key(m) if key is None else key
         memo = (key, tuple(x.shape[:2]), extents)
-        if memo not in self._fits:
-            out = self._out_extents(m, x.shape[:-3], extents, x.dtype, name=key)
+        if memo not in self._fits:  # a pointwise layer keeps its input's extents: no run needed
+            out = extents if entry.role == "pointwise" else self._out_extents(m, x.shape[:-3], extents,
+                                                                               x.dtype, name=key)
             self._fits[memo] = splits_under(m, entry, (*x.shape[:2], *extents), (*x.shape[:2], *out),
                                             self.grid_split)
         return self._fits[memo]

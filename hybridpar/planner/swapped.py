@@ -11,10 +11,11 @@ met as :mod:`hybridpar.planner.calls` says, followed by the same
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -130,12 +131,41 @@ def returned(model: nn.Module, input_shape: Sequence[int], split: Split
     return _follow(model, input_shape, split, input_shape[0])[3]
 
 
+Followed = tuple[  # the records, their modules, the watch, what the forward returns
+    list[LayerPlan], list[nn.Module], LayoutWatch, tuple[list[Any], list[bool], TreeSpec]]
+_FOLLOWED: list[dict] = []  # within one_plan: each forward followed, by its arguments
+
+
+@contextlib.contextmanager
+def one_plan() -> Iterator[None]:
+    """Within it, a forward is followed once for each set of arguments: a build asks of one forward
+    what it calls (the plan), then what it returns (the stage) and whether a block's output is split
+    (each node of the graph that holds it), and the model does not change while it is built."""
+    _FOLLOWED.append({})
+    try:
+        yield
+    finally:
+        _FOLLOWED.pop()
+
+
 def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool = False,
             strict: bool = False
-            ) -> tuple[list[LayerPlan], list[nn.Module], LayoutWatch, tuple[list[Any], list[bool], TreeSpec]]:
+            ) -> Followed:
     """The records of :func:`swapped_plan` (FLOPs not counted), their modules, the watch that
     followed the forward, and what it returns (:func:`returned`); raises what the forward does that
     cannot run split. ``nested``: a node of a traced graph, which may call no layer at all."""
+    key = (id(model), tuple(input_shape), tuple(split), micro, nested, strict)
+    if _FOLLOWED and key in _FOLLOWED[-1]:
+        return _FOLLOWED[-1][key][1]
+    found = _follow_once(model, input_shape, split, micro, nested, strict)
+    if _FOLLOWED:  # the model kept with it: no other object takes its id while the plan is made
+        _FOLLOWED[-1][key] = (model, found)
+    return found
+
+
+def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, micro: int, nested: bool,
+                 strict: bool
+                 ) -> Followed:
     records: list[LayerPlan] = []
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))

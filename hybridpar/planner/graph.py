@@ -132,10 +132,12 @@ class ModelGraph:
 class _Tracer(fx.Tracer):
     """fx tracer with the node rule of the module doc; remembers where tracing was when it failed."""
 
-    def __init__(self) -> None:
+    def __init__(self, traceable: dict[int, bool] | None = None) -> None:
         super().__init__()
         self.stack: list[str] = []
-        self._traceable: dict[int, bool] = {}
+        # whether each block of the user's traces, shared with the trial traces of blocks it holds:
+        # each block tried once, not once more for every block around it
+        self._traceable: dict[int, bool] = {} if traceable is None else traceable
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         """fx's node, with the user's line that made it (``meta["line"]``, for what the planner
@@ -157,7 +159,7 @@ class _Tracer(fx.Tracer):
             return super().is_leaf_module(m, qualname)
         if id(m) not in self._traceable:
             try:
-                _Tracer().trace(m)
+                _Tracer(self._traceable).trace(m)
                 self._traceable[id(m)] = True
             except Exception:  # a forward fx cannot trace: the module runs whole
                 self._traceable[id(m)] = False

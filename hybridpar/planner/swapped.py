@@ -154,7 +154,8 @@ def _follow(model: nn.Module, input_shape: Sequence[int], split: Split, micro: i
     """The records of :func:`swapped_plan` (FLOPs not counted), their modules, the watch that
     followed the forward, and what it returns (:func:`returned`); raises what the forward does that
     cannot run split. ``nested``: a node of a traced graph, which may call no layer at all."""
-    key = (id(model), tuple(input_shape), tuple(split), micro, nested, strict)
+    key = (id(model), tuple(input_shape), tuple(split), micro, nested, strict,
+           tuple(m.training for m in model.modules()))  # a forward may branch on self.training
     if _FOLLOWED and key in _FOLLOWED[-1]:
         return _FOLLOWED[-1][key][1]
     found = _follow_once(model, input_shape, split, micro, nested, strict)

@@ -108,11 +108,14 @@ def report(line: str, code: int = RUNTIME_FAULT) -> int:
         print(root_line, file=sys.stderr, flush=True)
         _error_file(root_line, stamp)
     else:
-        _error_file(f"stopped because rank {root} failed (the root cause below)", max(stamp, root_stamp + 1))
         if store is None and dist.is_available() and not dist.is_initialized():
             # Before any group: rank 0 meets the same error and speaks; a quiet rank that left at once
-            # would have the launcher stop rank 0 (torchrun's SIGTERM) before it printed the line.
+            # would have the launcher stop rank 0 (torchrun's SIGTERM) before it printed the line. Its
+            # own time is all it knows of rank 0's: dated after the wait, it stays the later of the two
+            # however much later rank 0 started (within the wait).
             time.sleep(_QUIET_GRACE_S)
+            root_stamp = int(time.time())
+        _error_file(f"stopped because rank {root} failed (the root cause below)", max(stamp, root_stamp + 1))
     if code == CONFIG_ERROR and store is not None and _hosts_store(rank):
         _wait_for_peers(store)
     return code

@@ -226,13 +226,10 @@ FORWARDS = ("forward", "_conv_forward")  # what torch's layers compute with (Con
 def overriding_forward(m: nn.Module | type) -> type | None:
     """The class that defines the forward (:data:`FORWARDS`) of ``m``, when that class, written
     elsewhere than torch.nn or hybridpar, comes before a registered type in the MRO (a user's
-    ``WSConv3d(nn.Conv3d)`` standardising its weight, or a mixin's forward); None otherwise (a forward
-    set on an instance is :mod:`hybridpar.pipeline.user_hooks`'s to refuse).
-    Such a layer computes something its base's entry does not describe, so it is not that entry's
-    layer: splitting it as its base would silently drop what its forward adds."""
-    cls = m if isinstance(m, type) else type(m)
-    mro = cls.__mro__
-    registered = next((c for c in mro if c in _REGISTRY), None)
+    ``WSConv3d(nn.Conv3d)``, a mixin's forward); else None (one set on an instance: ``user_hooks``).
+    Such a layer is not its base's entry's: split as its base, what its forward adds would be lost."""
+    mro = (m if isinstance(m, type) else type(m)).__mro__
+    registered = _registered_base(m)
     if registered is None:
         return None
     for name in FORWARDS:
@@ -243,6 +240,10 @@ def overriding_forward(m: nn.Module | type) -> type | None:
         if mro.index(definer) < mro.index(registered):  # a mixin's too: DepthwiseFFTConv3d(_Fwd, Conv3d)
             return definer
     return None
+
+
+def _registered_base(m: nn.Module | type) -> type | None:  # the nearest registered class in its MRO
+    return next((c for c in (m if isinstance(m, type) else type(m)).__mro__ if c in _REGISTRY), None)
 
 
 def users_own(m: nn.Module) -> bool:
@@ -257,7 +258,7 @@ def unregistered(m: nn.Module) -> str:
     definer = overriding_forward(m)
     if definer is None:
         return "this layer type is not registered"
-    base = next(c for c in (m if isinstance(m, type) else type(m)).__mro__ if c in _REGISTRY).__name__
+    base = _registered_base(m).__name__
     name = next(n for n in FORWARDS if n in definer.__dict__)
     return (f"a {base} subclass with its own forward ({definer.__name__}.{name}), which {base}'s split "
             f"version would not run, so the type is not registered")

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,16 +47,37 @@ class Finished(subprocess.CompletedProcess):
 
 
 def run_python(args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT,
-               timeout: float = 300.0, ranks: int | None = None) -> Finished:
+               timeout: float = 300.0, ranks: int | None = None, restarts: int = 0,
+               on_start: Callable[[int, list[int]], None] | None = None) -> Finished:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` in forked
     processes: ``args`` is ``["-m", module, ...]`` or ``[script, ...]``. ``ranks=N``: N workers, as
     ``torchrun --standalone --nproc-per-node N`` would start them; the output is theirs in rank order
-    and the status is 1 if any failed (torchrun's). Raises ``subprocess.TimeoutExpired`` after
-    ``timeout`` seconds, every process killed."""
+    and the status is 1 if any failed (torchrun's). ``restarts=K``: as ``torchrun --max-restarts K``,
+    after a failure every worker is stopped and a new set started, ``TORCHELASTIC_RESTART_COUNT`` one
+    higher (each attempt a fresh rendezvous); the output is every attempt's, the status the last's.
+    ``on_start(attempt, pids)`` is told each attempt's worker pids, in rank order. Raises
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds in all, every process killed."""
+    assert ranks or not restarts, "restarts are torchrun's: they need ranks"
+    deadline, stdout, stderr = time.monotonic() + timeout, "", ""
+    for attempt in range(restarts + 1):
+        try:
+            codes, out, err = _attempt(args, env, cwd, deadline, ranks, attempt, on_start)
+        except subprocess.TimeoutExpired as expired:
+            expired.timeout, expired.output = timeout, stdout + expired.output
+            raise
+        stdout, stderr = stdout + out, stderr + err
+        if not any(codes):
+            break
+    return Finished([sys.executable, *args], codes, stdout, stderr, ranks is not None)
+
+
+def _attempt(args: list[str], env: dict[str, str] | None, cwd: Path, deadline: float, ranks: int | None,
+             attempt: int, on_start: Callable[[int, list[int]], None] | None) -> tuple[list[int], str, str]:
+    """One start of :func:`run_python`'s processes, until they end: their codes and output."""
     env = dict(os.environ if env is None else env)
     world = ranks or 1
     port = free_port()
-    envs = [env] if ranks is None else [_worker_env(env, r, world, port) for r in range(world)]
+    envs = [env] if ranks is None else [_worker_env(env, r, world, port, attempt) for r in range(world)]
     ctx = context()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [(os.path.join(tmp, f"out.{r}"), os.path.join(tmp, f"err.{r}")) for r in range(world)]
@@ -63,30 +85,31 @@ def run_python(args: list[str], env: dict[str, str] | None = None, cwd: Path = R
                  for e, o in zip(envs, outs)]
         for p in procs:
             p.start()
+        if on_start is not None:
+            on_start(attempt, [p.pid for p in procs])
         try:
-            _wait(procs, timeout, stop_on_failure=ranks is not None)
+            _wait(procs, deadline, stop_on_failure=ranks is not None)
         except subprocess.TimeoutExpired as err:
             err.cmd, err.output, err.stderr = [sys.executable, *args], *_read(outs)
             raise
-        stdout, stderr = _read(outs)
-    return Finished([sys.executable, *args], [p.exitcode for p in procs], stdout, stderr, ranks is not None)
+        return [p.exitcode for p in procs], *_read(outs)
 
 
-def _worker_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
+def _worker_env(env: dict[str, str], rank: int, world: int, port: int, attempt: int) -> dict[str, str]:
     """What torchrun's agent sets for worker ``rank`` of a one-node job (what hybridpar reads)."""
     return {"OMP_NUM_THREADS": "1", **env, **rendezvous_env(rank, world, port),
-            "LOCAL_WORLD_SIZE": str(world)}
+            "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RESTART_COUNT": str(attempt)}
 
 
-def _wait(procs: list, timeout: float, stop_on_failure: bool) -> None:
-    """Until every process has ended; after a failure (``stop_on_failure``) the others get SIGTERM,
-    then SIGKILL after :data:`STOP_GRACE_S`."""
-    deadline, kill_at = time.monotonic() + timeout, None
+def _wait(procs: list, deadline: float, stop_on_failure: bool) -> None:
+    """Until every process has ended (or SIGKILL at ``deadline``, a ``time.monotonic()``); after a
+    failure (``stop_on_failure``) the others get SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`."""
+    kill_at = None
     while any(p.exitcode is None for p in procs):
         now = time.monotonic()
         if now > deadline:
             _signal(procs, signal.SIGKILL)
-            raise subprocess.TimeoutExpired([], timeout)
+            raise subprocess.TimeoutExpired([], 0.0)
         if kill_at is None and stop_on_failure and any(p.exitcode for p in procs):
             _signal(procs, signal.SIGTERM)
             kill_at = now + STOP_GRACE_S

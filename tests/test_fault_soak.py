@@ -1,10 +1,12 @@
 """Fault soak: the training application on 4 ranks (2 data-parallel replicas x a 2-way spatial split,
-BatchNorm on, no precise-BN re-estimation to hide drift) under ``torchrun --max-restarts``, killed at
-random moments — after an optimizer step, while a checkpoint is being written, in the middle of
-validation, and once by an outside SIGKILL at a random time — resumes by itself each time. Checked
-against an uninterrupted run of the same config: every tensor of every rank's final checkpoint
-(weights, optimizer state, BatchNorm running statistics, RNG and loader state) and the final
-validation metrics are equal bit for bit. The kill moments are drawn from a seed printed on failure."""
+BatchNorm on, no precise-BN re-estimation to hide drift), restarted as ``torchrun --max-restarts``
+restarts it (:func:`forked.run_python`'s ``restarts``), killed at random moments — after an optimizer
+step, while a checkpoint is being written, in the middle of validation, and once by an outside SIGKILL
+at a random time — resumes by itself each time. Checked against an uninterrupted run of the same config:
+every tensor of every rank's final checkpoint (weights, optimizer state, BatchNorm running statistics,
+RNG and loader state) and the final validation metrics are equal bit for bit. The kill moments are drawn
+from a seed printed on failure. (torchrun's own restart, its agent's store and a fresh group, is
+test_launch_grid's.)"""
 
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -52,37 +52,12 @@ def _args(data: Path, run: Path) -> list[str]:
     return ["--config", str(ROOT / "launch/configs/demo.yaml"), *[a for s in sets for a in ("--set", s)]]
 
 
-def _command(data: Path, run: Path, restarts: int) -> list[str]:
-    """The faulted run: torchrun restarts the workers after each fault."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-            f"--max-restarts={restarts}", "--monitor-interval=0.1", str(ROOT / "launch/train.py"),
-            *_args(data, run)]
-
-
 def _env(faults: str = "") -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop(ENV, None)
     if faults:
         env[ENV] = faults
     return env
-
-
-def _workers(agent: int) -> dict[int, int]:
-    """The training processes torchrun's agent ``agent`` runs now (its children): pid -> restart count."""
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent:
-                continue
-            env = (d / "environ").read_bytes().split(b"\0")
-            count = [e for e in env if e.startswith(b"TORCHELASTIC_RESTART_COUNT=")]
-            if count:
-                found[int(d.name)] = int(count[0].split(b"=")[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def _final_state(run: Path) -> dict[str, torch.Tensor | object]:
@@ -138,39 +113,36 @@ def test_killed_and_restarted_run_equals_uninterrupted(universes, tmp_path):
     context = (f"soak seed {seed} (SOAK_SEED={seed} repeats it): faults {faults}, "
                f"outside kill after {delay:.2f} s")
     run = tmp_path / "faulted"
-    proc = subprocess.Popen(_command(universes, run, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=_env(faults), cwd=ROOT)
+    started: dict[int, list[int]] = {}  # attempt -> its workers' pids
     killed: list[int] = []
-    attempts: set[int] = set()
+    done = threading.Event()
 
-    def watch() -> None:  # notes every attempt; in attempt 3 (after the injected faults) kills a worker
-        armed = started = None
-        while proc.poll() is None:
-            now = _workers(proc.pid)
-            attempts.update(now.values())
-            if armed is None and 3 in now.values():  # armed once attempt 3 has logged a step
-                csv = run / "metrics_steps.csv"
-                started = started or time.time()
-                if csv.exists() and csv.stat().st_mtime > started:
-                    armed = time.monotonic() + delay
-            if armed is not None and not killed and time.monotonic() > armed:
-                mine = sorted(p for p, a in now.items() if a == 3)
-                if mine:
-                    victim = random.Random(seed).choice(mine)
-                    os.kill(victim, signal.SIGKILL)
-                    killed.append(victim)
+    def watch() -> None:  # in attempt 3 (after the injected faults), once it has logged a step: a kill
+        while not done.is_set() and 3 not in started:
             time.sleep(0.02)
+        since, csv = time.time(), run / "metrics_steps.csv"
+        while not done.is_set() and not (csv.exists() and csv.stat().st_mtime > since):
+            time.sleep(0.02)
+        if not done.wait(delay) and started.keys() == {0, 1, 2, 3}:
+            victim = random.Random(seed).choice(started[3])
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    log, _ = proc.communicate(timeout=240)
-    watcher.join(timeout=10)
+    try:
+        res = train_script(_args(universes, run), nproc=4, env=_env(faults), restarts=4,
+                           on_start=started.__setitem__)
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    log = res.stdout + res.stderr
     (tmp_path / "faulted.log").write_text(log)
     context += f"; its output: {tmp_path / 'faulted.log'}"
-    assert proc.returncode == 0, f"{context}\n{log[-4000:]}"
+    assert res.returncode == 0, f"{context}\n{log[-4000:]}"
     expected = set(range(4 + len(killed)))  # one attempt per fault, and the one that finished
     assert killed, f"{context}: the run ended before the outside kill"
-    assert attempts == expected, f"{context}: attempts {sorted(attempts)}, expected {sorted(expected)}\n" \
+    assert set(started) == expected, f"{context}: attempts {sorted(started)}, expected {sorted(expected)}\n" \
         f"{log[-3000:]}"
 
     want, got = _final_state(tmp_path / "reference"), _final_state(run)

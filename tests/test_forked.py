@@ -1,6 +1,6 @@
 """tests/forked.py's ``run_python`` behaves as ``python ARGS`` (and as torchrun with ``ranks``) does
 for what the end-to-end tests read: output, exit status, ``atexit``, the environment, a failed rank
-stopping the others, and a timeout."""
+stopping the others, torchrun's restarts, and a timeout."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ if mode == "rank1-fails" and rank == 1:
     os._exit(2)
 if mode in ("rank1-fails", "hang"):
     time.sleep(60)
+if mode == "fail-twice":
+    sys.exit(5 if rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < 2 else 0)
 """
 
 
@@ -65,3 +67,13 @@ def test_timeout_kills_and_keeps_the_output(script):
     with pytest.raises(subprocess.TimeoutExpired) as err:
         run_python([str(script), "hang"], timeout=3)
     assert "argv ['hang']" in err.value.output and "to stderr" in err.value.stderr
+
+
+def test_restarts_start_every_rank_again_with_the_next_count(script):
+    started: list[tuple[int, list[int]]] = []
+    res = run_python([str(script), "fail-twice"], ranks=2, restarts=3, on_start=lambda *a: started.append(a))
+    assert res.returncode == 0 and [a for a, _ in started] == [0, 1, 2], (res.codes, started)
+    assert len({p for _, pids in started for p in pids}) == 6          # fresh processes every attempt
+    assert res.stdout.count("rank 0 of 2") == 3                       # every attempt's output, in order
+    failed = run_python([str(script), "fail-twice"], ranks=2, restarts=1)
+    assert failed.returncode == 1 and failed.codes[1] == 5, failed.codes   # out of restarts: the last's

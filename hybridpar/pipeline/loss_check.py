@@ -130,8 +130,8 @@ def probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
     at = dim - 5 if dim >= 2 else dim  # a spatial dim counted from the end: a class-index target has no C
     try:
         if extent >= 2:
-            k = cut_at(extent)
-            a, b = (evaluate(loss_fn, o, t) for o, t, _ in _halves(out, y, at, pick, extent))
+            (a, (_, k)), (b, _) = ((evaluate(loss_fn, o, t), part)
+                                   for o, t, part in _halves(out, y, at, pick, extent))
             return Finding(dim, whole, (k * a + (extent - k) * b) / extent, a + b)
         double = functools.partial(tree_map, lambda t: t.expand(2, *t.shape[1:])
                                    if isinstance(t, torch.Tensor) and pick(t) else t)
@@ -171,10 +171,11 @@ def slope(loss_fn: Callable, out: Any, y: Any, directions: list[torch.Tensor | N
 def slope_probe(loss_fn: Callable, out: Any, y: Any, whole: float, dim: int,
                 pick: Callable[[torch.Tensor], bool], extent: int, directions: list) -> Finding:
     """:func:`probe` of the loss's slope (:func:`slope`), ``whole`` the whole's, on a cut of two parts."""
-    at, k = (dim - 5 if dim >= 2 else dim), cut_at(extent)
+    at = dim - 5 if dim >= 2 else dim
     try:
-        a, b = (slope(loss_fn, o, t, [r if r is None else r.narrow(at, lo, n) for r in directions])
-                for o, t, (lo, n) in _halves(out, y, at, pick, extent))
+        (a, (_, k)), (b, _) = ((slope(loss_fn, o, t, [r if r is None else r.narrow(at, lo, n)
+                                                      for r in directions]), (lo, n))
+                               for o, t, (lo, n) in _halves(out, y, at, pick, extent))
     except (RuntimeError, ValueError, TypeError, IndexError):
         return Finding(-1, math.nan, math.nan, math.nan)
     return Finding(SLOPE + dim, whole, (k * a + (extent - k) * b) / extent, a + b)

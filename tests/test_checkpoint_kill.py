@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ckpt_train_script
@@ -19,6 +18,8 @@ import torch
 from hybridpar.checkpoint import Checkpointer
 from hybridpar.checkpoint import manifest as mf
 from hybridpar.checkpoint.faults import ENV
+
+from forked import run_python
 
 SCRIPT = Path(__file__).with_name("ckpt_train_script.py")
 
@@ -39,15 +40,14 @@ KILLED_RUN_STEPS = {"mid-L3-flush": ["--steps", "10"]}
 def test_killed_runs_resume_bit_identical(tmp_path):
     reference = ckpt_train_script.main([str(tmp_path / "reference")])
     runs = {}
-    for name, (fault, flags, _) in CASES.items():
-        flags = [f.format(local=tmp_path / name / "local") for f in flags]
-        env = {**os.environ, ENV: fault}
-        cmd = [sys.executable, str(SCRIPT), str(tmp_path / name / "root"), *flags,
-               *KILLED_RUN_STEPS.get(name, [])]
-        runs[name] = (subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True), flags)
-    for name, (proc, flags) in runs.items():
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL, f"{name}: exit {proc.returncode}\n{err}"
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        for name, (fault, flags, _) in CASES.items():
+            flags = [f.format(local=tmp_path / name / "local") for f in flags]
+            args = [str(SCRIPT), str(tmp_path / name / "root"), *flags, *KILLED_RUN_STEPS.get(name, [])]
+            runs[name] = (pool.submit(run_python, args, env={**os.environ, ENV: fault}, timeout=60), flags)
+    for name, (killed_run, flags) in runs.items():
+        proc = killed_run.result()
+        assert proc.returncode == -signal.SIGKILL, f"{name}: exit {proc.returncode}\n{proc.stderr}"
         root = tmp_path / name / "root"
         local = flags[1] if "--local" in flags else None
         ck = Checkpointer(root, local_dir=local)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -21,6 +19,8 @@ from hybridpar.checkpoint import Checkpointer, CheckpointError, faults, keys_of
 from hybridpar.checkpoint import manifest as mf
 from hybridpar.checkpoint.__main__ import main as cli
 from hybridpar.checkpoint.faults import ENV
+
+from forked import run_python
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -277,8 +277,7 @@ def test_cli_ls_verify_export_diff(tmp_path, capsys):
     assert cli(["verify", str(tmp_path)]) == 1
     assert "UNUSABLE" in capsys.readouterr().out
     # and as a module, the way users run it
-    res = subprocess.run([sys.executable, "-m", "hybridpar.checkpoint", "ls", "--full", str(tmp_path)],
-                         capture_output=True, text=True, timeout=30)
+    res = run_python(["-m", "hybridpar.checkpoint", "ls", "--full", str(tmp_path)], timeout=30)
     assert res.returncode == 0 and "BAD" in res.stdout, res.stderr
 
 

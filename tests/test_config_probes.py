@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import pytest
 
 from cosmoflow import trainer
 from cosmoflow.config import AT_LEAST, BELOW, Config, ConfigError, load_config
+
+from forked import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,7 @@ def test_python_tag_is_one_line_and_runs_nothing(tmp_path, capsys):
 def test_python_tag_exits_2_from_the_entry_point(tmp_path):
     """The real ``launch/train.py``: exit 2, so that slurm does not requeue a job that cannot start."""
     cfg = _write(tmp_path, "x: !!python/object/apply:os.system ['true']\n")
-    out = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--config", cfg],
-                         capture_output=True, text=True, timeout=60)
+    out = run_python([str(ROOT / "launch/train.py"), "--config", cfg], timeout=60)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         f"error: {cfg}: line 1, column 4: the tag !!python/object/apply:os.system is not allowed: a config "

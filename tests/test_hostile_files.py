@@ -24,7 +24,6 @@ import os
 import pickle
 import random
 import subprocess
-import sys
 import tracemalloc
 import zlib
 from collections import OrderedDict
@@ -43,6 +42,8 @@ from hybridpar.checkpoint.format import END, FOOTER, MAGIC, MAGIC_V1, RankFile, 
 from hybridpar.checkpoint.header import TensorEntry
 from hybridpar.checkpoint.levels import remove_version
 from hybridpar.checkpoint.tree import flatten
+
+from forked import run_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,8 +219,7 @@ def test_the_cli_as_users_run_it_reports_one_line(tmp_path):
     root, sentinel = tmp_path / "root", tmp_path / "SENTINEL"
     ckpt_train_script.main([str(root), "--steps", "6"])
     craft(versions(root)[-1], "pickle-forged-crc", sentinel)
-    res = subprocess.run([sys.executable, "-m", "hybridpar.checkpoint", "export", str(root),
-                          str(tmp_path / "m.pt")], capture_output=True, text=True, timeout=60)
+    res = run_python(["-m", "hybridpar.checkpoint", "export", str(root), str(tmp_path / "m.pt")], timeout=60)
     assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "refused (a checkpoint is data)" in res.stderr and "subprocess.Popen" in res.stderr
     assert not sentinel.exists()

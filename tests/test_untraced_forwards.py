@@ -652,6 +652,39 @@ def TracedPerSampleCalls() -> PerSampleCalls:  # noqa: N802 (a model's name, as 
     return PerSampleCalls(check=False)
 
 
+class FiniteChecks(nn.Module):
+    """Checks of finiteness as users write them, which a plan on meta tensors answers as a sound run
+    does (hybridpar/nn/sound_values.py): any, all, counts, logic and an assert, over the volume, per
+    sample and over the batch (the data-parallel parts agree on them while they hold)."""
+
+    def __init__(self, nested: bool = False) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 2, 3, padding=1)
+        self.nested = nested
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        if torch.isnan(h).any():
+            raise ValueError("NaN in the features")
+        assert torch.isfinite(h).all(), "non-finite features"
+        if (torch.isnan(h).sum() > 0) | torch.isinf(h).flatten(1).any(1).any():
+            raise ValueError("NaN or inf")
+        if not bool(h.isfinite().all(dim=(2, 3, 4)).all()) or h.sum(dim=(2, 3, 4)).isnan().any().item():
+            h = torch.nan_to_num(h)
+        return self.out(h)
+
+
+class NestedChecks(nn.Module):
+    """A traced model around a block with finiteness checks (run by module swapping inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block = nn.Conv3d(2, 2, 1), FiniteChecks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.tanh(self.stem(x)))
+
+
 def reused_loss(out: tuple[torch.Tensor, torch.Tensor | None], y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out[0], y) + 0.1 * out[1]
 
@@ -699,7 +732,9 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("tensors of one value at the volume's extents, boxes added to", "Fills",
         {"grid": {"spatial": [2, 1, 1]}}),
        ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}}),
-       ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}})]
+       ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}}),
+       ("checks of finiteness", "FiniteChecks", {"grid": {"spatial": [2, 1, 1]}}),
+       ("checks of finiteness in a block", "NestedChecks", {"grid": {"spatial": [1, 2, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -724,7 +759,11 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("a transposed conv to the skip's size, 2x2", "ToSkipSize", {"grid": {"spatial": [2, 2, 1]}}),
         ("per-sample calls, data x spatial", "PerSampleCalls", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("per-sample calls traced, data x spatial", "TracedPerSampleCalls",
-         {"grid": {"data": 2, "spatial": [1, 2, 1]}})]
+         {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+        ("checks of finiteness, 2x2", "FiniteChecks", {"grid": {"spatial": [2, 2, 1]}}),
+        ("checks of finiteness, data x spatial", "FiniteChecks", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+        ("checks of finiteness in a block, data x spatial", "NestedChecks",
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -782,6 +821,38 @@ def _mode_body(rank: int, world: int) -> None:
 
 def test_a_forward_that_differs_between_modes_runs_in_both(pools):
     pools(2).run(_mode_body, timeout=120)
+
+
+def _unsound_body(rank: int, world: int) -> None:
+    """A NaN where the plan took the checks to find none: the forward's own raise, as in one process,
+    on every rank; a check whose branch does not raise stops the forward at its end, naming it."""
+    from hybridpar.planner.terms import SpecError
+
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[1, 0, 7, 2, 3] = float("nan")  # in the second shard of D only
+    engine = hp.parallelize(FiniteChecks().double(), {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    x_local, y_local = engine.shard_batch(x, x)
+    with pytest.raises(ValueError, match="NaN in the features"):
+        FiniteChecks().double()(x)
+    with pytest.raises(ValueError, match="NaN in the features"):
+        engine.train_step(x_local, y_local)
+
+    class Mended(FiniteChecks):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            if x.shape[2] > 0 and torch.isnan(h).any():  # mended in place of raising: the planned path left
+                h = torch.nan_to_num(h)
+            return self.out(h)
+
+    mended = hp.parallelize(Mended().double(), {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    with pytest.raises(SpecError, match=r"left the path it was planned on: __bool__ at "
+                                        r"test_untraced_forwards.py:\d+ came out True where a run without "
+                                        r"NaN or infinity gives False"):
+        mended.train_step(*mended.shard_batch(x, x))
+
+
+def test_a_check_of_finiteness_that_finds_a_nan_raises_on_every_rank(pools):
+    pools(2).run(_unsound_body, timeout=120)
 
 
 class _GateIn(nn.Module):

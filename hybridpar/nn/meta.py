@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.sharing import TORCH_OWN
+from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 
 
 def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -73,6 +74,7 @@ class OnMeta(TorchFunctionMode):
         super().__init__()
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
+        self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,7 +87,11 @@ class OnMeta(TorchFunctionMode):
             kwargs = {**kwargs, "device": "meta"}
         with torch._C.DisableTorchFunction():  # its reads are not the forward's: modes below see none
             args, kwargs = _beside_meta(func, args, kwargs)
-        return func(*args, **kwargs)
+        if (known := self.sound.read(func, args)) is not UNKNOWN:  # a check of finiteness: as if sound
+            return known
+        out = func(*args, **kwargs)
+        self.sound.after(func, args, out)
+        return out
 
 
 def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:

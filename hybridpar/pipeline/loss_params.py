@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import applied
-from hybridpar.planner.user_lines import caller
+from hybridpar.user_lines import caller
 
 
 class _Aside(torch.autograd.Function):

@@ -49,6 +49,7 @@ from hybridpar.planner import calls
 from hybridpar.planner.layout_watch import Extents, LayoutWatch
 from hybridpar.planner.space_maps import form_of, form_shape, source_dims, step
 from hybridpar.planner.swapped import leave_whole, leaves, unsafe_error
+from hybridpar.planner.terms import SpecError
 
 ToDist = Callable[[nn.Module, ProcessGrid], nn.Module]
 
@@ -295,6 +296,11 @@ def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
         if not keep:
             local, ties = local.squeeze(dims), ties.squeeze(dims)
         return sign * max_to_replicated(local, group, ties)
+    if kind.reduce in ("any", "all"):  # all: no element false anywhere
+        flip = kind.reduce == "all"
+        found = (x.logical_not() if flip else x).any(dim=dims, keepdim=keep).to(torch.uint8)
+        found = max_to_replicated(found, group).bool()
+        return found.logical_not() if flip else found
     if kind.reduce == "norm":
         part = x.abs().pow(kind.ord).sum(dim=dims, keepdim=keep)
         return sum_to_replicated(part, group).pow(1 / kind.ord)
@@ -377,6 +383,9 @@ def follow(swapped: nn.Module, grid: ProcessGrid, whole: dict[nn.Module, nn.Modu
             whole_buffers(swapped, mode)
             if mode.unsafe:  # a path the plan's run did not take (a branch on the mode): never run unsplit
                 raise unsafe_error(swapped, mode)
+            if mode.sound.left:  # a check on values that the plan took to come out as in a sound run
+                raise SpecError(f"model ({type(swapped).__name__}): its forward left the path it was planned "
+                                f"on: {'; '.join(mode.sound.left)}")
             # a value returned part way through reshapes (torch.flatten(h, 1)) leaves whole, and every
             # split one where they are not alike (leave_whole: the plan's rule)
             shapes = [mode.global_shape(t) if isinstance(t, torch.Tensor) and t in mode.split else None

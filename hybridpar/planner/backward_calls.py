@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import applied, calls
-from hybridpar.planner.user_lines import caller
+from hybridpar.user_lines import caller
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from hybridpar.nn import registry, slicing
 from hybridpar.nn.functions import WEIGHTED, weighted_module
 from hybridpar.planner.elementwise import elementwise, name_of
 from hybridpar.planner.space_maps import STEPS
-from hybridpar.planner.user_lines import ours
+from hybridpar.user_lines import ours
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class CallKind:
 
     kind: str
     module: nn.Module | None = None  # ``module``: the layer the call stands for
-    reduce: str = ""  # ``reduce``: sum, mean, amax, amin, norm, var, std or logsumexp
+    reduce: str = ""  # ``reduce``: sum, mean, amax, amin, norm, var, std, logsumexp, any or all
     dims: tuple[int, ...] = ()  # ``reduce``: the dims reduced; ``keep``: the dims worked along
     keepdim: bool = False
     ord: float = 2.0  # ``reduce`` ``norm``: its order
@@ -69,7 +69,7 @@ LIKE_OF = ("to", "type_as")
 # Along which dims (``None``: all): how each reduction names them.
 REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
               "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2),
-              "var": ("dim", 1), "std": ("dim", 1)}
+              "var": ("dim", 1), "std": ("dim", 1), "any": ("dim", 1), "all": ("dim", 1)}
 JOINS = ("cat", "concat", "concatenate", "stack")
 PIECES = ("chunk", "split", "tensor_split", "unbind")
 KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "argmin", "logsumexp", "glu",

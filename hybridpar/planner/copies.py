@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.planner import calls
-from hybridpar.planner.user_lines import caller
+from hybridpar.user_lines import caller
 
 VIEW = "in one process a view, which would see the write; here a copy"
 # a reshape one process copies (h.permute(...).reshape(n, -1)), which a run makes again from its source

@@ -36,7 +36,7 @@ from hybridpar.nn import registry
 from hybridpar.nn.meta import containers, meta_call, meta_state, no_meta_kernel, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
-from hybridpar.planner.user_lines import caller
+from hybridpar.user_lines import caller
 
 INPUT = "(input)"
 OUTPUT = "(output)"  # the node that puts together a forward's tuple, list or dict of outputs

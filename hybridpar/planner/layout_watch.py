@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn import registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
+from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
@@ -28,7 +29,7 @@ from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
-from hybridpar.planner.user_lines import caller
+from hybridpar.user_lines import caller
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -73,7 +74,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         # what in one process would be views of split ones (:mod:`hybridpar.planner.copies`)
         self.split, self.batched, self.chains = (WeakIdKeyDictionary() for _ in range(3))
         self.roots = WeakIdKeyDictionary()  # a reshape chain -> the split activation it starts from
-        self.copies = Copies()
+        self.copies, self.sound = Copies(), SoundValues()  # sound: constants of a run without NaN or inf
         self._versions: list[tuple[torch.Tensor, int]] = []  # the layer running: its inputs' versions
 
     def __enter__(self) -> LayoutWatch:
@@ -176,7 +177,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             written = kwargs["out"]
         self.unsafe += self.copies.before(name, tensors, written, args[2] if len(args) > 2 else None)
         chained = [t for t in tensors if t in self.chains]  # read whole, gathered (unless a step)
+        if (known := self.sound.read(func, args)) is not UNKNOWN:  # a check of finiteness, planned
+            return known
         out = self._dispatch(func, args, kwargs, tensors)
+        self.sound.after(func, args, out)
         self.copies.after(copied, out)
         if isinstance(out, torch.Tensor) and out._is_view():
             self._views_made(out, tensors, chained)
@@ -230,7 +234,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             # takes the split one's dtype and device, not its layout
             out = self._run_replicated(func, args, kwargs)
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
-            if carriers and (why := per_sample.across(func, args, kwargs, carriers, out)):
+            if carriers and not self.sound.known(carriers) and (
+                    why := per_sample.across(func, args, kwargs, carriers, out)):
                 self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
             elif self.batch_apart and isinstance(out, torch.Tensor) and per_sample.draws_per_sample(
                     calls.name_of(func), tuple(out.shape), self.batch):
@@ -263,7 +268,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return self._step(func, args, kwargs, split[0])
         batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)
         across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims
-        if across and batch and self.batch_apart:
+        if across and batch and self.batch_apart and not self.sound.known(split):
             what = "over" if calls.name_of(func).strip("_") in calls.REDUCTIONS else "across the samples of"
             self.unsafe.append(f"{calls.name_of(func)} ({what} the batch, which data parallelism or "
                                f"micro-batches hold apart: work on each sample, e.g. reduce over "

@@ -614,6 +614,22 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
         fails.check(f"{desc} predict output {k}", g, w[rows] if w.dim() else w)
 
 
+class CoordsNet(nn.Module):
+    """Coordinates made from the volume's extents on the activation's device, of fewer dims than it
+    (D x 1 x 1, H x W, W), which broadcasting lines up with its last dims: each cut to the shard's box."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 4, 3, padding=1), nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        d = torch.arange(h.shape[2], device=h.device).view(-1, 1, 1)
+        hw = torch.arange(h.shape[3], device=h.device).view(-1, 1) * torch.arange(h.shape[4], device=h.device)
+        w = torch.linspace(-1, 1, h.shape[4], device=h.device)
+        return self.b(h * d + hw - w * h)
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(5)
@@ -694,6 +710,8 @@ CASES = [
     (2, "a second forward argument left at its default", "CondNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "a second forward argument left at its default, data x spatial", "CondNet",
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+    (2, "coordinates of fewer dims than the volume", "CoordsNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "coordinates of fewer dims than the volume, 2x1x2", "CoordsNet", {"grid": {"spatial": [2, 1, 2]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

@@ -28,6 +28,7 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn.layout import Redistribute
 from hybridpar.pipeline.split_forward import reduce_over_volume
 from hybridpar.planner import calls
+from hybridpar.planner.elementwise import elementwise
 from hybridpar.planner.graph import INPUT, ModelGraph, trace_values
 from hybridpar.planner.placement import broadcasts
 from hybridpar.planner.records import LayerPlan
@@ -232,21 +233,24 @@ class StageGraph(nn.Module):
             return size
         return out  # x.dim(), x.dtype: the same on every shard
 
-    def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...]) -> Any:
-        """``value`` (layout ``src``) in the layout ``dst`` its reader computes in."""
+    def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...], pointwise: bool) -> Any:
+        """``value`` (layout ``src``) in the layout ``dst`` its reader computes in (``pointwise``: an
+        elementwise call, which broadcasts its operands against each other from their last dims)."""
         if not isinstance(value, torch.Tensor) or src == dst:
             return value
         if src == REPLICATED and (value.dim() != 5 or broadcasts(src, shape, dst)):
             # a whole value read by a split computation (a mean over every dim, a pooled gate, one slice):
-            # its gradient the shards' parts summed; a volume cut to the shard's box where it spans it
+            # its gradient the shards' parts summed; a volume cut to the shard's box where it spans it, as
+            # is an operand of fewer dims an elementwise call lines up with D, H, W (a (D, 1, 1) coordinate)
             layout = self.layout(dst)
             value = replicated_into_shards(value, layout.spatial_group if layout.spatial_size > 1 else None)
-            if value.dim() != 5:
+            if value.dim() != 5 and not (pointwise and value.dim() > 0):
                 return value
-            box = local_box(tuple(shape[2:]), layout)
-            for k, ((lo, hi), extent, parts) in enumerate(zip(box, shape[2:], dst, strict=True)):
+            extents = (1, 1, 1, *shape)[-3:]  # those of the dims lined up with D, H, W, 1 where it has none
+            box = local_box(extents, layout)
+            for k, ((lo, hi), extent, parts) in enumerate(zip(box, extents, dst, strict=True)):
                 if parts > 1 and extent != 1 and hi - lo != extent:
-                    value = value.narrow(2 + k, lo, hi - lo)
+                    value = value.narrow(value.dim() - 3 + k, lo, hi - lo)
             return value
         if value.dim() != 5:
             return value
@@ -264,9 +268,9 @@ class StageGraph(nn.Module):
             env = self._unpack(x.reshape(-1), batch)
         for i, ((name, op, target, inputs, args_t, kwargs_t), rec) in enumerate(
                 zip(self.calls, self.records, strict=True)):
-            def arg(ref: _Ref, rec: LayerPlan = rec) -> Any:
+            def arg(ref: _Ref, rec: LayerPlan = rec, target: Any = target) -> Any:
                 return self._convert(env[ref.name], self.value_split[ref.name], rec.split,
-                                     self.value_shape[ref.name])
+                                     self.value_shape[ref.name], elementwise(target))
 
             args, kwargs = _fill(args_t, arg), _fill(kwargs_t, arg)
             if op == "module":

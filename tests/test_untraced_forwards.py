@@ -628,9 +628,10 @@ class ToSkipSize(nn.Module):
 
 class PerSampleCalls(nn.Module):
     """Elementwise calls no list names (torch tags them: ``atan2``, ``frac``), conversions and integer
-    division (``.long()``, ``//``), a complex tensor's parts (``.real`` of an FFT) and max pooling with
-    indices undone by ``max_unpool3d``: each keeps the samples apart, so a batch in parts runs them, with
-    a shape check (module swapping) and without (a traced graph)."""
+    division (``.long()``, ``//``), a complex tensor's parts (``.real`` of an FFT), max pooling with
+    indices undone by ``max_unpool3d``, calls along the volume's dims, a warp by a grid per sample, a
+    product of two batches alike and a tensor of shape values: each keeps the samples apart, so a batch
+    in parts runs them, with a shape check (module swapping) and without (a traced graph)."""
 
     def __init__(self, check: bool = True) -> None:
         super().__init__()
@@ -645,7 +646,15 @@ class PerSampleCalls(nn.Module):
         spec = torch.fft.fftn(h, dim=(2, 3, 4)).real.mean((2, 3, 4), keepdim=True)
         pooled, where = F.max_pool3d(h, 2, ceil_mode=True, return_indices=True)
         back = F.max_unpool3d(pooled, where, 2, output_size=h.shape[2:])
-        return self.c2(torch.atan2(h, 1 + h.frac().abs()) + level.detach() * 0.1 + spec * 0.01 + back)
+        h = self.c2(torch.atan2(h, 1 + h.frac().abs()) + level.detach() * 0.1 + spec * 0.01 + back)
+        # along the volume's dims only: a rotation, a similarity, finite differences, a warp, q @ k
+        h = h + torch.rot90(h, 2, dims=(3, 4)) + F.cosine_similarity(h, h.flip(2), dim=2).unsqueeze(2)
+        h = h + sum(torch.gradient(h, dim=(2, 3, 4)))
+        theta = torch.eye(3, 4, dtype=h.dtype).expand(h.shape[0], 3, 4) * 0.9
+        h = F.grid_sample(h, F.affine_grid(theta, list(h.shape), align_corners=False), align_corners=False)
+        t = h.flatten(2)  # tokens (N, C, V): the samples' gram matrices, each its own
+        gram = torch.softmax(t @ t.transpose(1, 2) / t.shape[2], dim=-1)
+        return h + (gram @ t).view_as(h) * h.new_tensor(h.shape[2:]).sum() / 32
 
 
 def TracedPerSampleCalls() -> PerSampleCalls:  # noqa: N802 (a model's name, as the cases spell them)

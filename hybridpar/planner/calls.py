@@ -60,12 +60,23 @@ SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "i
         "__repr__", "__hash__",
         # attributes the same on every shard (``torch.zeros(..., dtype=x.dtype, device=x.device)``)
         "dtype", "device", "ndim", "requires_grad", "is_cuda", "is_leaf", "layout", "is_sparse",
-        "is_quantized", "is_meta", "grad_fn", "names",
+        "is_quantized", "is_meta", "is_nested", "grad_fn", "names",
         # a tensor made from sizes (global ones, read from the volume): replicated, narrowed to the shard
         # where it meets one; of one value at a split activation's extents, made split (planner/fills.py)
         "new_zeros", "new_ones", "new_full", "new_empty")
 LIKE_OF = ("to", "type_as")
 """Calls whose other tensor lends only its dtype and device: the result is laid out as ``self``."""
+
+
+FROM_DATA = ("new_tensor",)
+"""Calls whose tensor lends only its dtype and device to values given as data (``h.new_tensor(sizes)``)."""
+
+
+def carriers_of(func: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Of a call's ``tensors``, those whose samples its result holds: ``p.to(x)`` holds ``p``'s, and
+    ``h.new_tensor(data)`` none of ``h``'s."""
+    name = name_of(func)
+    return tensors[:1] if name in LIKE_OF else [] if name in FROM_DATA else tensors
 # Along which dims (``None``: all): how each reduction names them.
 REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
               "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2),

@@ -184,7 +184,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         self.copies.after(copied, out)
         if isinstance(out, torch.Tensor) and out._is_view():
             self._views_made(out, tensors, chained)
-        self.carry(tensors[:1] if calls.name_of(func) in calls.LIKE_OF else tensors, out)  # p.to(x): p's
+        self.carry(calls.carriers_of(func, tensors), out)
         return out
 
     def _views_made(self, out: torch.Tensor, tensors: list[torch.Tensor], chained: list[torch.Tensor]

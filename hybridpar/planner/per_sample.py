@@ -36,7 +36,8 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     "flip": (1, "dims", None), "chunk": (2, "dim", 0), "split": (2, "dim", 0), "tensor_split": (2, "dim", 0),
     "transpose": (1, "dim0", None), "swapaxes": (1, "axis0", None), "movedim": (1, "source", None),
     "unfold": (1, "dimension", None), "index_select": (1, "dim", None), "repeat_interleave": (2, "dim", None),
-    "gather": (1, "dim", None), "take_along_dim": (2, "dim", None),
+    "gather": (1, "dim", None), "take_along_dim": (2, "dim", None), "rot90": (2, "dims", (0, 1)),
+    "cosine_similarity": (2, "dim", 1), "gradient": (-1, "dim", None),
     **{name: (1, "dim", None) for name in (
         "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "fft_fftshift",
         "fft_ifftshift")},
@@ -46,7 +47,8 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     **{name: (-1, "dim", -1) for name in ("trapezoid", "cumulative_trapezoid")},  # dim= by keyword only
 }
 _LAST_TWO = ("triu", "tril")  # along the last two dims
-_PER_SAMPLE = ("one_hot", "local_response_norm",  # a sample's own values: a trailing class dim, channels,
+_PER_SAMPLE = ("one_hot", "local_response_norm", "grid_sample", "affine_grid",  # a sample's own values: a
+               # trailing class dim, channels, a sample's grid of its own (affine_grid: its theta's),
                *(f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_") for n in (1, 2, 3)),
                *(f"max_unpool{n}d" for n in (1, 2, 3)))  # each plane's own maxima and their places
 _INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "scatter": (2, "index"),
@@ -209,7 +211,7 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     first = args[0] if args else None
     if calls.in_place(calls.name_of(func)) and not any(first is t for t in carriers):
         return f"{calls.name_of(func)} (writes per-sample values into a tensor the replicas share)"
-    if calls.reads_shape(func) or calls.name_of(func) in calls.SAFE or name in calls.SAFE:
+    if calls.reads_shape(func) or {name, calls.name_of(func)} & {*calls.SAFE, *calls.FROM_DATA}:
         return None
     if name == "getitem":
         return None if not calls.indexes_batch(args[1]) else "indexing (picks among the samples)"
@@ -232,9 +234,13 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,
                              tuple(out.shape) if isinstance(out, torch.Tensor) else None)
-    if name in _PRODUCTS:
-        return None if first is batched and batched.dim() >= 2 and others == 0 else \
-            f"{name} (mixes samples: only a per-sample product, x @ W, keeps them apart)"
+    if name in _PRODUCTS:  # x @ W; or q @ k of two alike that hold the samples along dim 0 (bmm's batch)
+        operands = [a for a in args if isinstance(a, torch.Tensor)]
+        paired = len(operands) == len(carriers) == 2 and all(
+            t.dim() == batched.dim() >= 3 and t.shape[0] == batched.shape[0] for t in carriers)
+        return None if first is batched and batched.dim() >= 2 and others == 0 or paired else \
+            f"{name} (mixes samples: only a per-sample product, x @ W or q @ k of batches alike, keeps " \
+            f"them apart)"
     if name == "batch_norm" and calls._arg(args, kwargs, 5, "training", False):
         return "batch_norm (statistics over the samples)"
     if name == "layer_norm":  # over its last len(normalized_shape) dims

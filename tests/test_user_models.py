@@ -630,6 +630,18 @@ class CoordsNet(nn.Module):
         return self.b(h * d + hw - w * h)
 
 
+class AreaNet(nn.Module):
+    """``F.interpolate(mode="area")``, which no split layer computes: the plan runs it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 4, 3, padding=1), nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.interpolate(torch.relu(self.a(x)), scale_factor=0.5, mode="area")
+        return self.b(F.interpolate(h, size=x.shape[2:], mode="nearest"))
+
+
 def _body(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> None:
     fails = Failures()
     g = torch.Generator().manual_seed(5)
@@ -712,6 +724,7 @@ CASES = [
      {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (2, "coordinates of fewer dims than the volume", "CoordsNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "coordinates of fewer dims than the volume, 2x1x2", "CoordsNet", {"grid": {"spatial": [2, 1, 2]}}),
+    (2, "an interpolation of area mode, run whole", "AreaNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

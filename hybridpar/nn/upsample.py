@@ -261,7 +261,7 @@ class DistUpsample(SpatialLayer, nn.Upsample):
                  transport: str | None = None) -> None:
         nn.Upsample.__init__(self, size, scale_factor, mode, align_corners, recompute_scale_factor)
         self.init_spatial(grid, transport)
-        if mode not in MODES:
+        if mode not in MODES and self.grid.spatial_size > 1:  # a layout that splits nothing runs any mode
             raise NotImplementedError(f"DistUpsample: mode={mode!r} is not supported on split volumes; use "
                                       f"one of {MODES}")
         self._taps: dict[tuple, list[LocalTaps]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 
 def ours(filename: str) -> bool:
@@ -22,3 +23,9 @@ def caller() -> str:
     while f is not None and ours(f.f_code.co_filename):
         f = f.f_back
     return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+def line_of(err: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not ours(f.filename)]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"

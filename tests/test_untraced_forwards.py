@@ -1193,13 +1193,35 @@ class _Unique(nn.Module):
         return h * torch.unique(h.round()).numel()
 
 
+class _ValueBranchBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.conv(h) * 2 if h.mean() > 0 else self.conv(h)
+
+
+def test_a_branch_on_a_value_inside_a_block_is_refused_naming_its_line():
+    """A traced model around a block that branches on a tensor's value: the refusal names the block,
+    the block's line and what to do, as at the top level."""
+    model = nn.Sequential(nn.Conv3d(1, 1, 1), _ValueBranchBlock())
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    with pytest.raises(Exception, match=r"at layer 1 \(test_untraced_forwards.py:\d+\): RuntimeError: "
+                                        r"Tensor.item\(\) cannot be called on meta tensors; branch on "
+                                        r"configuration or on shapes, not on tensor values"):
+        spec.plan(model, (1, 1, 8, 8, 8), 2)
+
+
 def test_a_call_without_a_meta_implementation_is_said_to_be_the_plans_limit():
     """torch.unique runs on values, not on the meta device the plan follows shapes on: the line says
     the plan cannot follow the model, not that the model does not run."""
     from hybridpar.planner.graph import GraphRunError, trace, trace_values
 
     with pytest.raises(GraphRunError, match=r"^the plan's run on the meta device \(shapes, no values\) "
-                                            r"cannot follow it at \[1, 1, 6, 6, 6\]: at layer unique: "):
+                                            r"cannot follow it at \[1, 1, 6, 6, 6\]: at layer unique "
+                                            r"\(test_untraced_forwards.py:\d+\): NotImplementedError(?s:.*)"
+                                            r"; that call has no meta implementation"):
         trace_values(trace(_Unique()), (1, 1, 6, 6, 6))
 
 

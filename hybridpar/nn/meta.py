@@ -316,3 +316,12 @@ def no_meta_kernel(message: str) -> bool:
     """Whether torch's ``message`` says a call has no implementation on the meta device
     (``torch.unique``, ``torch.bincount``): the model runs on values, a plan's run on shapes cannot."""
     return "Meta kernel" in message or "fake impl" in message
+
+
+def meta_hint(err: str) -> str:
+    """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
+    if "meta tensors" in err or "out of meta tensor" in err:  # a value read: item(), a branch, a copy
+        return "branch on configuration or on shapes, not on tensor values"
+    if no_meta_kernel(err):
+        return "that call has no meta implementation: write it with other torch calls"
+    return "the plan's run on meta tensors (no values, no gradients) cannot make that call"

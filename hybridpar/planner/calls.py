@@ -15,9 +15,7 @@ grid (its leading dims, batch and channels, are whole on every rank).
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +26,6 @@ from hybridpar.nn import registry, slicing
 from hybridpar.nn.functions import WEIGHTED, weighted_module
 from hybridpar.planner.elementwise import elementwise, name_of
 from hybridpar.planner.space_maps import STEPS
-from hybridpar.user_lines import ours
 
 
 @dataclass(frozen=True)
@@ -406,12 +403,6 @@ def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],
         return (f"{name_of(func)} inside torch.utils.checkpoint, whose recomputation in the backward runs "
                 f"on the bare shards (checkpoint layers only, or use pipeline.recompute)")
     return None
-
-
-def line_of(err: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not ours(f.filename)]
-    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
 
 
 def volume_reduction(func: Any, args: tuple, kwargs: dict, nd: int) -> CallKind | None:

@@ -26,24 +26,16 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import CarriedState, meta_call, meta_state, no_meta_kernel
+from hybridpar.nn.meta import CarriedState, meta_call, meta_hint, meta_state
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
 from hybridpar.planner.layout_watch import LayoutWatch
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.terms import SpecError, Split
+from hybridpar.user_lines import line_of
 
 users = registry.users_own  # the user's own module: its calls followed one by one (planner.calls)
-
-
-def _meta_hint(err: str) -> str:
-    """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
-    if "meta tensors" in err or "out of meta tensor" in err:  # a value read: item(), a branch, a copy
-        return "branch on configuration or on shapes, not on tensor values"
-    if no_meta_kernel(err):
-        return "that call has no meta implementation: write it with other torch calls"
-    return "the plan's run on meta tensors (no values, no gradients) cannot make that call"
 
 
 def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
@@ -247,11 +239,11 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
         where = records[-1].name if records else "its first layer"
         sized = next((op for op in ("nonzero", "masked_select", "unique") if f"torch.{op}()" in str(err)),
                      None)
-        why, hint = (f"{type(err).__name__}: {err}", _meta_hint(str(err))) \
+        why, hint = (f"{type(err).__name__}: {err}", meta_hint(str(err))) \
             if sized is None else (f"{sized} makes a tensor whose size its values set (h[h > 0])",
                                    "use a masked sum, (h * m).sum() / m.sum(), or torch.where")
         raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "
-                        f"follow its forward (after {where}, at {calls.line_of(err)}: {why}); {hint}"
+                        f"follow its forward (after {where}, at {line_of(err)}: {why}); {hint}"
                         ) from err
     finally:
         for h in handles:

@@ -318,9 +318,15 @@ def no_meta_kernel(message: str) -> bool:
     return "Meta kernel" in message or "fake impl" in message
 
 
+def reads_values(message: str) -> bool:
+    """Whether torch's ``message`` says a forward read a meta tensor's values (``item()``, a branch on
+    one, a copy out of one), which hold none."""
+    return "meta tensors" in message or "out of meta tensor" in message
+
+
 def meta_hint(err: str) -> str:
     """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
-    if "meta tensors" in err or "out of meta tensor" in err:  # a value read: item(), a branch, a copy
+    if reads_values(err):
         return "branch on configuration or on shapes, not on tensor values"
     if no_meta_kernel(err):
         return "that call has no meta implementation: write it with other torch calls"

@@ -63,8 +63,6 @@ SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "i
         "new_zeros", "new_ones", "new_full", "new_empty")
 LIKE_OF = ("to", "type_as")
 """Calls whose other tensor lends only its dtype and device: the result is laid out as ``self``."""
-
-
 FROM_DATA = ("new_tensor",)
 """Calls whose tensor lends only its dtype and device to values given as data (``h.new_tensor(sizes)``)."""
 
@@ -74,6 +72,8 @@ def carriers_of(func: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     ``h.new_tensor(data)`` none of ``h``'s."""
     name = name_of(func)
     return tensors[:1] if name in LIKE_OF else [] if name in FROM_DATA else tensors
+
+
 # Along which dims (``None``: all): how each reduction names them.
 REDUCTIONS = {"sum": ("dim", 1), "mean": ("dim", 1), "amax": ("dim", 1), "amin": ("dim", 1),
               "max": (None, 1), "min": (None, 1), "norm": ("dim", 2), "linalg_vector_norm": ("dim", 2),

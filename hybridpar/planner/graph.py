@@ -33,7 +33,15 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import containers, meta_call, meta_hint, meta_state, no_meta_kernel, put_back_contents
+from hybridpar.nn.meta import (
+    containers,
+    meta_call,
+    meta_hint,
+    meta_state,
+    no_meta_kernel,
+    put_back_contents,
+    reads_values,
+)
 from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
 from hybridpar.user_lines import caller, line_of
@@ -431,7 +439,7 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
         raise
     except Exception as err:  # the user's model failed on this shape: say where
         no_meta = isinstance(err, NotImplementedError) and no_meta_kernel(str(err))
-        value = "meta tensors" in str(err) or "out of meta tensor" in str(err)  # a value read
+        value = reads_values(str(err))
         head = f"the model does not run on input shape {list(shape)}" if not (no_meta or value) else \
             f"the plan's run on the meta device (shapes, no values) cannot follow it at {list(shape)}"
         hint = f"; {meta_hint(str(err))}" if no_meta or value else ""

@@ -1213,6 +1213,20 @@ def test_a_branch_on_a_value_inside_a_block_is_refused_naming_its_line():
         spec.plan(model, (1, 1, 8, 8, 8), 2)
 
 
+class _MaskedSum(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * (1 + h[h > 0.2].sum())
+
+
+def test_a_mask_picking_voxels_in_a_traced_forward_says_what_to_write_instead():
+    from hybridpar.planner.graph import GraphRunError, trace, trace_values
+
+    with pytest.raises(GraphRunError, match=r"cannot follow it at \[1, 1, 6, 6, 6\]: at layer getitem "
+                                            r"\(test_untraced_forwards.py:\d+\): nonzero makes a tensor "
+                                            r"whose size its values set \(h\[h > 0\]\); use a masked sum"):
+        trace_values(trace(_MaskedSum()), (1, 1, 6, 6, 6))
+
+
 def test_a_call_without_a_meta_implementation_is_said_to_be_the_plans_limit():
     """torch.unique runs on values, not on the meta device the plan follows shapes on: the line says
     the plan cannot follow the model, not that the model does not run."""

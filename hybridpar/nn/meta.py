@@ -324,6 +324,25 @@ def reads_values(message: str) -> bool:
     return "meta tensors" in message or "out of meta tensor" in message
 
 
+def message(err: BaseException) -> str:
+    """``err``'s message without the note fx adds of the graph node that ran (its caller names it)."""
+    return str(err).split("\n\nWhile executing")[0]
+
+
+def meta_stop(err: BaseException) -> tuple[str, str] | None:
+    """Why a plan's run on the meta device stopped in a forward, and what to do, where torch's error
+    says the plan cannot follow a call the model itself can make (a read of values, a tensor whose
+    size its values set, a call without a meta kernel); None for any other error (the model's own)."""
+    said = message(err)
+    sized = next((op for op in ("nonzero", "masked_select", "unique") if f"torch.{op}()" in said), None)
+    if sized is not None:
+        return (f"{sized} makes a tensor whose size its values set (h[h > 0])",
+                "use a masked sum, (h * m).sum() / m.sum(), or torch.where")
+    if reads_values(said) or no_meta_kernel(said):
+        return f"{type(err).__name__}: {said}", meta_hint(said)
+    return None
+
+
 def meta_hint(err: str) -> str:
     """What to do about a forward the plan's run on the meta device stopped in, from torch's message."""
     if reads_values(err):

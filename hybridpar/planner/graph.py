@@ -33,15 +33,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import (
-    containers,
-    meta_call,
-    meta_hint,
-    meta_state,
-    no_meta_kernel,
-    put_back_contents,
-    reads_values,
-)
+from hybridpar.nn.meta import containers, message, meta_call, meta_state, meta_stop, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
 from hybridpar.planner.terms import SpecError
 from hybridpar.user_lines import caller, line_of
@@ -438,17 +430,14 @@ def trace_values(graph: ModelGraph, input_shape: tuple[int, ...],
     except SpecError:
         raise
     except Exception as err:  # the user's model failed on this shape: say where
-        no_meta = isinstance(err, NotImplementedError) and no_meta_kernel(str(err))
-        value = reads_values(str(err))
-        head = f"the model does not run on input shape {list(shape)}" if not (no_meta or value) else \
+        stop = meta_stop(err)  # the plan's limit, not the model's: why, and what to do
+        head = f"the model does not run on input shape {list(shape)}" if stop is None else \
             f"the plan's run on the meta device (shapes, no values) cannot follow it at {list(shape)}"
-        hint = f"; {meta_hint(str(err))}" if no_meta or value else ""
         line = line_of(err)  # in the user's code the node ran (a block's forward), else the node's own
         line = next((n.fx_node.meta.get("line", "?") for n in graph.nodes if n.name == rec.current), line) \
             if line == "?" else line
-        where = f"at layer {rec.current} ({line})"
-        said = str(err).split("\n\nWhile executing")[0]  # fx's note of the node: named here already
-        raise GraphRunError(f"{head}: {where}: {type(err).__name__}: {said}{hint}", rec.current,
+        why = f"{type(err).__name__}: {message(err)}" if stop is None else f"{stop[0]}; {stop[1]}"
+        raise GraphRunError(f"{head}: at layer {rec.current} ({line}): {why}", rec.current,
                             f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
     graph.traced[shape] = rec.values
     return rec.values

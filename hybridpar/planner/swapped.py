@@ -26,7 +26,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
-from hybridpar.nn.meta import CarriedState, meta_call, meta_hint, meta_state
+from hybridpar.nn.meta import CarriedState, meta_call, meta_hint, meta_state, meta_stop
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
@@ -237,11 +237,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
         raise err if isinstance(err, SpecError) else SpecError(str(err)) from None
     except Exception as err:
         where = records[-1].name if records else "its first layer"
-        sized = next((op for op in ("nonzero", "masked_select", "unique") if f"torch.{op}()" in str(err)),
-                     None)
-        why, hint = (f"{type(err).__name__}: {err}", meta_hint(str(err))) \
-            if sized is None else (f"{sized} makes a tensor whose size its values set (h[h > 0])",
-                                   "use a masked sum, (h * m).sum() / m.sum(), or torch.where")
+        why, hint = meta_stop(err) or (f"{type(err).__name__}: {err}", meta_hint(str(err)))
         raise SpecError(f"model ({type(model).__name__}): neither torch.fx nor a run on the meta device can "
                         f"follow its forward (after {where}, at {line_of(err)}: {why}); {hint}"
                         ) from err

@@ -160,7 +160,7 @@ class Pools:
 
 def train_script(args: list[str], nproc: int = 2, timeout: float = 240,
                  env: dict[str, str] | None = None, torchrun: bool = False,
-                 **restarts: Any) -> subprocess.CompletedProcess:
+                 **forked: Any) -> subprocess.CompletedProcess:
     """``launch/train.py`` on ``nproc`` local ranks, one thread each, started as torchrun starts them
     (:func:`forked.run_python`, which takes ``restarts`` and ``on_start``); output captured. ``env``:
     extra environment variables (a checkpoint fault to inject, say). ``torchrun``: under torchrun
@@ -168,7 +168,7 @@ def train_script(args: list[str], nproc: int = 2, timeout: float = 240,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     script = [str(ROOT / "launch/train.py"), *args]
     if not torchrun:
-        return run_python(script, env=env, timeout=timeout, ranks=nproc, **restarts)
+        return run_python(script, env=env, timeout=timeout, ranks=nproc, **forked)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *script]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -566,6 +566,30 @@ def test_auto_stages_balance_training_flops():
     assert [r.stage for r in plan] == [0, 0, 1]
 
 
+class _SizeCarried(nn.Module):
+    """A depth read first and used after the third conv: no stage may begin while it is live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 8, 3, padding=1), nn.Conv3d(8, 8, 3, padding=1)
+        self.c, self.d = nn.Conv3d(8, 8, 3, padding=1), nn.Conv3d(8, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[2]
+        return self.d(self.c(self.b(self.a(x))) * (n / 8))
+
+
+def test_auto_stages_never_cut_where_a_shape_value_would_cross():
+    """The balanced cut (a, b | c, d) would carry the depth read at the start: auto cuts where it may,
+    before d; no cut at all is refused with the reason of one."""
+    plan = spec_of({"pipe": 2}, {"microbatches": 2}).plan(_SizeCarried(), (2, 1, 8, 8, 8))
+    assert [r.name for r in plan if r.stage == 1] == ["d"]
+    assert balance_stages([1, 5, 5, 1], 2, blocked={1, 2}) == [0, 3]
+    with pytest.raises(SpecError, match=r"every way to cut the model into 3 stages cuts where no cut may "
+                                        r"fall; e.g. the cut after .* would carry"):
+        spec_of({"pipe": 3}, {"microbatches": 3}).plan(_SizeCarried(), (3, 1, 8, 8, 8))
+
+
 def test_auto_and_named_stages_on_cosmoflow():
     """Auto: conv1+conv2 (43.5 GFLOP per rank) against the rest (25.4), cut after the pool where the
     activation is 8x smaller. Named: container names start at their first leaf."""

@@ -137,36 +137,53 @@ def _sizes(a: Analysis, walk: Walk) -> _Sizes:
 
 
 def _stage_of(spec: SpecView, a: Analysis, walk: Walk, sizes: _Sizes) -> list[int]:
-    """Each node's pipeline stage: balanced by the most loaded rank's work (``stages: auto``), or
-    begun at the named layers."""
+    """Each node's pipeline stage: balanced by the most loaded rank's work (``stages: auto``, never at
+    a cut :func:`_cut_faults` refuses), or begun at the named layers."""
     if spec.pipeline.stages == "auto":
         in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, walk.micro, walk.input_layout))
         sends = live_bytes(a.graph, sizes.act, in_bytes)
         work = [f * sh for f, sh in zip(a.train_flops, sizes.shares, strict=True)]
-        starts = auto_stages(work, sizes.act, spec.grid.pipe, sends)
+        blocked = _cut_faults(a, walk) if spec.grid.pipe > 1 else {}
+        try:
+            starts = auto_stages(work, sizes.act, spec.grid.pipe, sends, blocked=set(blocked))
+        except SpecError as err:  # no cut left: say why the first refused one is
+            raise SpecError(f"{err}; e.g. {next(iter(blocked.values()))}" if blocked else str(err)) from None
     else:
         starts = named_stages(spec.pipeline.stages, a.leaves, a.containers)  # count checked by ParallelSpec
     return [sum(1 for s in starts if s <= i) - 1 for i in range(len(a.graph.nodes))]
 
 
-def _check_cuts(a: Analysis, walk: Walk, stage_of: list[int], pipe: int) -> None:
-    """Refuse a stage cut inside a reshape chain run on each shard, or one that would carry a value
-    computed from shapes (what crosses a cut is a tensor)."""
+def _cut_faults(a: Analysis, walk: Walk) -> dict[int, str]:
+    """Per node index ``j``, why a stage may not begin there: the cut before it falls inside a reshape
+    chain run on each shard, or would carry a value computed from shapes (what crosses a cut is a
+    tensor)."""
+    faults: dict[int, str] = {}
     for first, split in walk.chain_split.items():
         names = a.space_maps[first].nodes
-        if split is not None and len({stage_of[walk.index[n]] for n in names}) > 1:
-            raise SpecError(f"pipeline: a stage cut falls inside the reshapes {', '.join(names)}, which run "
-                            f"on each shard between channels and space; name stages (pipeline.stages) that "
-                            f"begin before {names[0]} or after {names[-1]}")
-    if pipe > 1:
-        _check_shared(a, stage_of)
-    if pipe > 1 and a.graph.values:  # a size read before a cut is read again after it
+        why = (f"a stage cut falls inside the reshapes {', '.join(names)}, which run on each shard between "
+               f"channels and space; name stages (pipeline.stages) that begin before {names[0]} or after "
+               f"{names[-1]}")
+        faults.update({walk.index[n]: why for n in names[1:]} if split is not None else {})
+    if a.graph.values:  # a size read before a cut is read again after it
         for i, live in enumerate(live_across(a.graph)[:-1]):
-            crossing = [v for v in live if v in a.graph.values] if stage_of[i] != stage_of[i + 1] else []
+            crossing = [v for v in live if v in a.graph.values]
             if crossing:
-                raise SpecError(f"pipeline: the cut after {a.graph.nodes[i].name} would carry {crossing[0]}, "
-                                f"a value computed from shapes, not a tensor; name stages (pipeline.stages) "
-                                f"that begin before the shape is read or after its last use")
+                faults.setdefault(i + 1, f"the cut after {a.graph.nodes[i].name} would carry {crossing[0]}, "
+                                         f"a value computed from shapes, not a tensor; name stages "
+                                         f"(pipeline.stages) that begin before the shape is read or after "
+                                         f"its last use")
+    return faults
+
+
+def _check_cuts(a: Analysis, walk: Walk, stage_of: list[int], pipe: int) -> None:
+    """Refuse a stage cut :func:`_cut_faults` names, or one that parts tied weights."""
+    if pipe == 1:
+        return
+    faults = _cut_faults(a, walk)
+    for j in range(1, len(stage_of)):
+        if stage_of[j] != stage_of[j - 1] and j in faults:
+            raise SpecError(f"pipeline: {faults[j]}")
+    _check_shared(a, stage_of)
 
 
 def _check_shared(a: Analysis, stage_of: list[int]) -> None:

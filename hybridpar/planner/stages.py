@@ -9,7 +9,7 @@ model (to cost the sends). All of it is arithmetic on node names, inputs and siz
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -25,8 +25,9 @@ def _prefix(values: Sequence[int]) -> list[int]:
 
 
 def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | None = None,
-                   memory: Sequence[int] | None = None) -> list[int]:
-    """Start index of each of ``stages`` contiguous, non-empty stages, minimising the costliest stage.
+                   memory: Sequence[int] | None = None, blocked: Collection[int] = ()) -> list[int]:
+    """Start index of each of ``stages`` contiguous, non-empty stages, minimising the costliest stage;
+    no stage but the first starts at an index in ``blocked``.
 
     Among partitions with that minimum, the one sending the fewest bytes across boundaries wins
     (``sends[i]``: bytes layer ``i`` would send if a stage ended after it), so that a boundary falls
@@ -45,15 +46,19 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
     best[0][0] = 0
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
-            best[k][i] = min(max(best[k - 1][j], pre_c[i] - pre_c[j]) for j in range(k - 1, i))
+            best[k][i] = min((max(best[k - 1][j], pre_c[i] - pre_c[j]) for j in range(k - 1, i)
+                              if j == 0 or j not in blocked), default=inf)
     bound = best[stages][n]
+    if bound == inf:
+        raise SpecError(f"grid.pipe: every way to cut the model into {stages} stages cuts where no cut "
+                        f"may fall")
     key: list[list[tuple[float, float]]] = [[(inf, inf)] * (n + 1) for _ in range(stages + 1)]
     back = [[0] * (n + 1) for _ in range(stages + 1)]
     key[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                if pre_c[i] - pre_c[j] > bound or key[k - 1][j][0] == inf:
+                if pre_c[i] - pre_c[j] > bound or key[k - 1][j][0] == inf or (j and j in blocked):
                     continue
                 sent, mem = key[k - 1][j]
                 cand = (sent + (sends[j - 1] if j else 0), max(mem, pre_m[i] - pre_m[j]))
@@ -67,13 +72,14 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
 
 
 def auto_stages(rank_flops: Sequence[float], activation_bytes: Sequence[int], stages: int,
-                sends: Sequence[int] | None = None) -> list[int]:
+                sends: Sequence[int] | None = None, blocked: Collection[int] = ()) -> list[int]:
     """``pipeline.stages: auto``: balance the training FLOPs the most loaded rank of a stage runs
     per micro-batch (``rank_flops``, per layer: its FLOPs times ``LayerPlan.rank_share``), then the
-    bytes sent between stages, then the activation memory each rank keeps (:func:`balance_stages`)."""
+    bytes sent between stages, then the activation memory each rank keeps (:func:`balance_stages`);
+    no stage starts at a node in ``blocked``."""
     per_rank = [round(f) for f in rank_flops]
     return balance_stages(per_rank, stages, sends=activation_bytes if sends is None else sends,
-                          memory=activation_bytes)
+                          memory=activation_bytes, blocked=blocked)
 
 
 def named_stages(names: Sequence[str], leaves: Sequence[tuple[str, nn.Module | None]],

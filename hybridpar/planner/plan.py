@@ -163,7 +163,8 @@ def _cut_faults(a: Analysis, walk: Walk) -> dict[int, str]:
         why = (f"a stage cut falls inside the reshapes {', '.join(names)}, which run on each shard between "
                f"channels and space; name stages (pipeline.stages) that begin before {names[0]} or after "
                f"{names[-1]}")
-        faults.update({walk.index[n]: why for n in names[1:]} if split is not None else {})
+        at = sorted(walk.index[n] for n in names)  # every start from its second node to its last
+        faults.update(dict.fromkeys(range(at[0] + 1, at[-1] + 1), why) if split is not None else {})
     if a.graph.values:  # a size read before a cut is read again after it
         for i, live in enumerate(live_across(a.graph)[:-1]):
             crossing = [v for v in live if v in a.graph.values]

@@ -131,6 +131,7 @@ class StageGraph(nn.Module):
         ref = lambda a: _Ref(name_of[a])  # noqa: E731
         self.calls = [(n.name, n.op, n.target, n.inputs, fx.node.map_arg(n.fx_node.args, ref),
                        fx.node.map_arg(n.fx_node.kwargs, ref)) for n in self.nodes]
+        self.pointwise = {n.name for n in self.nodes if elementwise(n.target)}  # operands broadcast
         # shape reads of split values answer with global extents (plan role "shape")
         self.shape_reads = {r.name for r in self.records if r.name in graph.values}
         maps = find_space_maps(graph, trace_values(graph, tuple(input_shape)))
@@ -268,9 +269,9 @@ class StageGraph(nn.Module):
             env = self._unpack(x.reshape(-1), batch)
         for i, ((name, op, target, inputs, args_t, kwargs_t), rec) in enumerate(
                 zip(self.calls, self.records, strict=True)):
-            def arg(ref: _Ref, rec: LayerPlan = rec, target: Any = target) -> Any:
+            def arg(ref: _Ref, rec: LayerPlan = rec, pointwise: bool = name in self.pointwise) -> Any:
                 return self._convert(env[ref.name], self.value_split[ref.name], rec.split,
-                                     self.value_shape[ref.name], elementwise(target))
+                                     self.value_shape[ref.name], pointwise)
 
             args, kwargs = _fill(args_t, arg), _fill(kwargs_t, arg)
             if op == "module":

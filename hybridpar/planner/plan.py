@@ -136,14 +136,13 @@ def _sizes(a: Analysis, walk: Walk) -> _Sizes:
     return _Sizes(local_in, local_out, act, shares)
 
 
-def _stage_of(spec: SpecView, a: Analysis, walk: Walk, sizes: _Sizes) -> list[int]:
+def _stage_of(spec: SpecView, a: Analysis, walk: Walk, sizes: _Sizes, blocked: dict[int, str]) -> list[int]:
     """Each node's pipeline stage: balanced by the most loaded rank's work (``stages: auto``, never at
-    a cut :func:`_cut_faults` refuses), or begun at the named layers."""
+    a cut in ``blocked``, :func:`_cut_faults`), or begun at the named layers."""
     if spec.pipeline.stages == "auto":
         in_bytes = BYTES_PER_ELEMENT * math.prod(local_shape(a.input_shape, walk.micro, walk.input_layout))
         sends = live_bytes(a.graph, sizes.act, in_bytes)
         work = [f * sh for f, sh in zip(a.train_flops, sizes.shares, strict=True)]
-        blocked = _cut_faults(a, walk) if spec.grid.pipe > 1 else {}
         try:
             starts = auto_stages(work, sizes.act, spec.grid.pipe, sends, blocked=set(blocked))
         except SpecError as err:  # no cut left: say why the first refused one is
@@ -176,11 +175,10 @@ def _cut_faults(a: Analysis, walk: Walk) -> dict[int, str]:
     return faults
 
 
-def _check_cuts(a: Analysis, walk: Walk, stage_of: list[int], pipe: int) -> None:
-    """Refuse a stage cut :func:`_cut_faults` names, or one that parts tied weights."""
+def _check_cuts(a: Analysis, faults: dict[int, str], stage_of: list[int], pipe: int) -> None:
+    """Refuse a stage cut ``faults`` names (:func:`_cut_faults`), or one that parts tied weights."""
     if pipe == 1:
         return
-    faults = _cut_faults(a, walk)
     for j in range(1, len(stage_of)):
         if stage_of[j] != stage_of[j - 1] and j in faults:
             raise SpecError(f"pipeline: {faults[j]}")
@@ -228,8 +226,9 @@ def resolve(spec: SpecView, a: Analysis, world_size: int | None = None) -> list[
     for i, node in enumerate(a.graph.nodes):
         walk.place(i, node)
     sizes = _sizes(a, walk)
-    stage_of = _stage_of(spec, a, walk, sizes)
-    _check_cuts(a, walk, stage_of, spec.grid.pipe)
+    faults = _cut_faults(a, walk) if spec.grid.pipe > 1 else {}
+    stage_of = _stage_of(spec, a, walk, sizes, faults)
+    _check_cuts(a, faults, stage_of, spec.grid.pipe)
     return _rows(a, walk, stage_of, sizes)
 
 

@@ -13,6 +13,8 @@ import contextlib
 import importlib
 import random
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,19 +47,59 @@ class Failures(list):
             raise AssertionError(f"rank {rank}: {len(self)} failures:\n" + "\n".join(self[:40]))
 
 
-def steps_match(fails: Failures, desc: str, engine, opt, ref: nn.Module, ref_opt, local: tuple, whole: tuple,
-                loss_fn, steps: int = 3) -> None:
+def steps_match(fails: Failures, desc: str, engine, opt, ref: nn.Module | list[torch.Tensor], ref_opt,
+                local: tuple, whole: tuple, loss_fn, steps: int = 3) -> None:
     """``steps`` optimizer steps of ``engine`` on this rank's ``local`` (x, y) beside ``ref`` on the
-    ``whole`` (x, y) in one process; each step's loss must agree."""
+    ``whole`` (x, y) in one process; each step's loss must agree. ``ref`` may instead be the losses
+    one process gave, in order (:func:`on_one_rank` of :func:`reference_steps`)."""
     for step in range(steps):
         opt.zero_grad()
         loss = engine.train_step(*local)
         opt.step()
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref(whole[0]), whole[1])
-        ref_loss.backward()
-        ref_opt.step()
+        if isinstance(ref, list):
+            ref_loss = ref[step]
+        else:
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref(whole[0]), whole[1])
+            ref_loss.backward()
+            ref_opt.step()
         fails.check(f"{desc} step {step} loss", loss.detach().reshape(()), ref_loss.detach())
+
+
+def reference_steps(ref: nn.Module, ref_opt, whole: tuple, loss_fn, steps: int) -> list[torch.Tensor]:
+    """The losses of ``steps`` optimizer steps of ``ref`` on the ``whole`` (x, y), in one process."""
+    losses = []
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        loss = loss_fn(ref(whole[0]), whole[1])
+        loss.backward()
+        ref_opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+_turns = iter(range(1 << 62))  # the cases this process has computed on one rank, in order (alike on all)
+
+
+def on_one_rank(compute: Callable[[], Any]) -> Any:
+    """``compute()`` (the one-process reference of a case, the same on every rank) made on one rank,
+    taking turns case by case, and given to every rank: the others need not spend the cores a whole
+    volume's forward and backward costs, which a 2-core suite has too few of. An error it raises is
+    raised on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    owner = next(_turns) % dist.get_world_size()
+    box: list[Any] = [None]
+    if dist.get_rank() == owner:
+        try:
+            box[0] = (True, compute())
+        except Exception as err:  # every rank raises it, so that the case fails alike everywhere
+            box[0] = (False, f"{type(err).__name__}: {err}")
+    dist.broadcast_object_list(box, src=owner)
+    ok, value = box[0]
+    if not ok:
+        raise RuntimeError(f"the one-process reference failed: {value}")
+    return value
 
 
 def _same_on_all(shape, seed: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from graph_models import GradNormed
-from layer_cases import Failures, steps_match
+from layer_cases import Failures, on_one_rank, reference_steps, steps_match
 
 SHAPE = (4, 1, 8, 6, 6)
 
@@ -578,12 +578,20 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
     ref = REFERENCE.get(make.__name__, make)().double()
     model = make().double()
     model.load_state_dict(ref.state_dict())
+
+    def reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], object]:
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        losses = reference_steps(ref, ref_opt, (x, y), loss_fn, steps)
+        ref.eval()
+        with torch.no_grad():
+            return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}, ref(x)
+
+    ref_losses, want, want_out = on_one_rank(reference)
     engine = hp.parallelize(model, spec, loss_fn=loss_fn)
     x_local, y_local = engine.shard_batch(x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    steps_match(fails, desc, engine, opt, ref, ref_opt, (x_local, y_local), (x, y), loss_fn, steps)
-    state, want = engine.full_state_dict(), ref.state_dict()
+    steps_match(fails, desc, engine, opt, ref_losses, None, (x_local, y_local), (x, y), loss_fn, steps)
+    state = engine.full_state_dict()
     if list(state) != list(want):
         fails.append(f"{desc}: full_state_dict keys {list(state)} != the model's {list(want)}")
         return
@@ -600,9 +608,6 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
                 fails.check(f"{desc} model.state_dict() {k}", model.state_dict()[k], v, 1e-9)
     engine.load_full_state_dict(state)  # a full state dict, aliases included, loads back
     engine.eval()
-    ref.eval()
-    with torch.no_grad():
-        want_out = ref(x)
     rows = slice(engine.grid.data_index * (x.shape[0] // engine.grid.data),
                  (engine.grid.data_index + 1) * (x.shape[0] // engine.grid.data))
     got, want = tree_leaves(engine.predict(x_local)), tree_leaves(want_out)

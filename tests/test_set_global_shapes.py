@@ -54,3 +54,32 @@ def test_shapes_recorded_and_forward_restored(grid):
 def test_bad_shape_is_refused(grid):
     with pytest.raises(ValueError, match="5 positive ints N, C, D, H, W"):
         set_global_shapes(nn.Sequential(DistMaxPool3d(2, grid=grid)), (2, 13, 10, 9))
+
+
+class _Resample(nn.Module):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.interpolate(x, *self.args, **self.kwargs)
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((None, 1.7), {"mode": "trilinear", "align_corners": True}),
+    (((5, 4, 9),), {"mode": "trilinear"}),
+    ((None, (0.5, 2.0, 1.3)), {"mode": "area"}),
+    ((None, 2.5, "trilinear", False, True), {}),  # the mode and recompute_scale_factor given by position
+    ((None, 0.6), {"mode": "nearest-exact"}),
+])
+def test_a_meta_run_of_interpolate_gives_the_shape_a_run_gives(args, kwargs):
+    """A meta run makes every mode as nearest (nn/meta._shape_only: the linear modes' meta kernels are
+    slow decompositions); the extents must be those the mode itself gives."""
+    from hybridpar.nn.meta import exact_operations, meta_call, meta_state
+
+    x, m = torch.randn(1, 2, 7, 5, 6), _Resample(*args, **kwargs)
+    state, _ = meta_state(m)
+    shape = meta_call(m, state, x.to("meta")).shape
+    assert shape == m(x).shape
+    with exact_operations():
+        assert meta_call(m, state, x.to("meta")).shape == shape

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import sys
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -89,9 +91,39 @@ class OnMeta(TorchFunctionMode):
             args, kwargs = _beside_meta(func, args, kwargs)
         if (known := self.sound.read(func, args)) is not UNKNOWN:  # a check of finiteness: as if sound
             return known
-        out = func(*args, **kwargs)
+        *args_, kwargs_ = _shape_only(func, args, kwargs)
+        out = func(*args_, **kwargs_)
         self.sound.after(func, args, out)
         return out
+
+
+_INTERPOLATE = inspect.signature(F.interpolate)
+_EXACT: list[bool] = []  # within exact_operations(): each call runs as written
+
+
+@contextlib.contextmanager
+def exact_operations() -> Iterator[None]:
+    """Meta runs within make every call as written (:func:`_shape_only` stands aside): for a check that
+    compares the operations two runs make, not only their shapes."""
+    _EXACT.append(True)
+    try:
+        yield
+    finally:
+        _EXACT.pop()
+
+
+def _shape_only(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``(*args, kwargs)`` for a call on meta tensors, where only its result's shape counts:
+    ``F.interpolate`` by any mode runs as nearest. Why: torch's meta kernels of the linear modes run
+    their Python decomposition (tens of milliseconds a call, most of a small U-Net's plan), and every
+    mode takes its output's extents from the same ``size`` or ``scale_factor`` arithmetic."""
+    if func is F.interpolate and not _EXACT and args and isinstance(args[0], torch.Tensor) \
+            and args[0].is_meta:
+        bound = dict(_INTERPOLATE.bind(*args, **kwargs).arguments)
+        if bound.get("mode", "nearest") not in ("nearest", "nearest-exact"):
+            bound.update(mode="nearest", align_corners=None, antialias=False)
+            return (bound.pop("input"), bound)
+    return (*args, kwargs)
 
 
 def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn.meta import CarriedState, meta_call, meta_state
+from hybridpar.nn.meta import CarriedState, exact_operations, meta_call, meta_state
 from hybridpar.planner.graph import OUTPUT, GraphRunError, ModelGraph, UntraceableError, trace_values
 from hybridpar.planner.terms import SpecError
 
@@ -95,7 +95,7 @@ def _name(func: Any) -> str:
 
 def _eager_ops(model: nn.Module, x: torch.Tensor, state: dict[str, torch.Tensor]) -> _Ops:
     mode = _Ops(lambda: "")
-    with mode:
+    with mode, exact_operations():
         meta_call(model, state, x)
     return mode
 
@@ -108,7 +108,8 @@ def _graph_ops(graph: ModelGraph, input_shape: tuple[int, ...], kind: str) -> _O
         return modes[-1]
 
     try:  # the run that also gives the plan its traced values (trace_values keeps them)
-        trace_values(graph, input_shape, watch)
+        with exact_operations():
+            trace_values(graph, input_shape, watch)
     except GraphRunError as err:  # the forward ran: the graph is not the forward
         raise UntraceableError(f"model ({kind}): torch.fx traced a graph that computes something other than "
                                f"its forward: the forward runs on this input, the graph fails at node "

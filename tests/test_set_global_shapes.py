@@ -73,13 +73,15 @@ class _Resample(nn.Module):
     ((None, 0.6), {"mode": "nearest-exact"}),
 ])
 def test_a_meta_run_of_interpolate_gives_the_shape_a_run_gives(args, kwargs):
-    """A meta run makes every mode as nearest (nn/meta._shape_only: the linear modes' meta kernels are
-    slow decompositions); the extents must be those the mode itself gives."""
+    """A meta run makes the linear modes' upsampling as nearest (nn/meta_kernels: their meta kernels are
+    slow decompositions); the extents and layout must be those the mode itself gives, and the graph
+    autograd records the mode's own."""
     from hybridpar.nn.meta import exact_operations, meta_call, meta_state
 
     x, m = torch.randn(1, 2, 7, 5, 6), _Resample(*args, **kwargs)
     state, _ = meta_state(m)
-    shape = meta_call(m, state, x.to("meta")).shape
-    assert shape == m(x).shape
-    with exact_operations():
-        assert meta_call(m, state, x.to("meta")).shape == shape
+    for xs in (x, x.to(memory_format=torch.channels_last_3d)):
+        out, want = meta_call(m, state, xs.to("meta").requires_grad_()), m(xs.requires_grad_())
+        assert (out.shape, out.stride(), type(out.grad_fn)) == (want.shape, want.stride(), type(want.grad_fn))
+        with exact_operations():
+            assert meta_call(m, state, xs.to("meta")).shape == want.shape

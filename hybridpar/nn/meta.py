@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import os
 import sys
 from collections import OrderedDict
@@ -23,13 +22,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.families import BATCH_NORM, reduces_over_job
+from hybridpar.nn.meta_kernels import ShapeOnlyResampling
 from hybridpar.nn.sharing import TORCH_OWN
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 
@@ -78,6 +77,19 @@ class OnMeta(TorchFunctionMode):
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
         self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
 
+    def __enter__(self) -> OnMeta:
+        self._kernels = None if _EXACT else ShapeOnlyResampling()  # interpolation at the cost of its shape
+        if self._kernels is not None:
+            self._kernels.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._kernels is not None:
+                self._kernels.__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls.append(getattr(func, "__name__", ""))
@@ -91,39 +103,23 @@ class OnMeta(TorchFunctionMode):
             args, kwargs = _beside_meta(func, args, kwargs)
         if (known := self.sound.read(func, args)) is not UNKNOWN:  # a check of finiteness: as if sound
             return known
-        *args_, kwargs_ = _shape_only(func, args, kwargs)
-        out = func(*args_, **kwargs_)
+        out = func(*args, **kwargs)
         self.sound.after(func, args, out)
         return out
 
 
-_INTERPOLATE = inspect.signature(F.interpolate)
-_EXACT: list[bool] = []  # within exact_operations(): each call runs as written
+_EXACT: list[bool] = []  # within exact_operations(): each operation runs as written
 
 
 @contextlib.contextmanager
 def exact_operations() -> Iterator[None]:
-    """Meta runs within make every call as written (:func:`_shape_only` stands aside): for a check that
-    compares the operations two runs make, not only their shapes."""
+    """Meta runs within run every ATen operation as written (none swapped by
+    :mod:`hybridpar.nn.meta_kernels`): for a check that watches the operations a run makes."""
     _EXACT.append(True)
     try:
         yield
     finally:
         _EXACT.pop()
-
-
-def _shape_only(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """``(*args, kwargs)`` for a call on meta tensors, where only its result's shape counts:
-    ``F.interpolate`` by any mode runs as nearest. Why: torch's meta kernels of the linear modes run
-    their Python decomposition (tens of milliseconds a call, most of a small U-Net's plan), and every
-    mode takes its output's extents from the same ``size`` or ``scale_factor`` arithmetic."""
-    if func is F.interpolate and not _EXACT and args and isinstance(args[0], torch.Tensor) \
-            and args[0].is_meta:
-        bound = dict(_INTERPOLATE.bind(*args, **kwargs).arguments)
-        if bound.get("mode", "nearest") not in ("nearest", "nearest-exact"):
-            bound.update(mode="nearest", align_corners=None, antialias=False)
-            return (bound.pop("input"), bound)
-    return (*args, kwargs)
 
 
 def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:

@@ -36,9 +36,11 @@ $(APP_STAMP): $(STAMP)
 
 # Two test files at a time (pytest-xdist, whole files: their process groups are shared within a file):
 # the end-to-end tests leave a core idle while one rank starts or waits. TEST_WORKERS=0 runs them in turn.
+# Bytecode is written (__pycache__, ignored by git) even where the environment says not to: the suite
+# starts a few hundred interpreters, each of which would compile the project's modules again (~1 s).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # 640 + 160 synthetic 64^3 universes (~0.05 s each; smoothing 0.5 Mpc/h, no linear field: the demo regresses); files already there are kept.
 demo-data: $(STAMP)

@@ -65,14 +65,12 @@ def conv_output_extent(extent: int, kernel: int, stride: int = 1, pad_lo: int = 
     """
     span = dilation * (kernel - 1) + 1
     room = extent + pad_lo + pad_hi - span
-    if room < 0:
-        return 0
     if not ceil_mode:
-        return room // stride + 1
-    out = -(-room // stride) + 1
-    if (out - 1) * stride >= extent + pad_lo:
+        return 0 if room < 0 else room // stride + 1
+    out = (room + stride - 1) // stride + 1  # a window may overhang: an extent 1 pooled by 2 gives 1
+    if out > 0 and (out - 1) * stride >= extent + pad_lo:
         out -= 1
-    return out
+    return max(out, 0)
 
 
 def transposed_output_extent(extent: int, kernel: int, stride: int = 1, padding: int = 0,

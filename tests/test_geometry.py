@@ -52,6 +52,19 @@ def test_output_extent_matches_torch(n, k, s, p, d, ceil):
     assert conv_output_extent(n, k, s, p, p, d, ceil) == F.max_pool1d(x, k, s, p, d, ceil_mode=ceil).shape[-1]
 
 
+def test_a_pool_in_ceil_mode_over_an_extent_below_its_window_matches_torch():
+    """With ``ceil_mode`` a window may overhang the input: an extent of 1 pooled by 2 gives 1 voxel (a
+    volume's last level at odd sizes); torch's count, or 0 where torch refuses the pool."""
+    for n, k, s, p, d in itertools.product(range(1, 5), range(1, 6), range(1, 5), range(3), (1, 2)):
+        if p > k // 2:
+            continue
+        try:
+            want = F.max_pool1d(torch.zeros(1, 1, n), k, s, p, d, ceil_mode=True).shape[-1]
+        except RuntimeError:  # "output size is too small"
+            want = 0
+        assert conv_output_extent(n, k, s, p, p, d, True) == want, (n, k, s, p, d)
+
+
 @pytest.mark.parametrize("n,k,s,p,d,op", [
     (n, k, s, p, d, op) for n in (3, 7) for k in (1, 2, 3) for s in (1, 2, 3) for p in (0, 1) for d in (1, 2)
     for op in (0, 1) if op < max(s, d) and (n - 1) * s - 2 * p + d * (k - 1) + op + 1 > 0])

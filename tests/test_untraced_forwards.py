@@ -177,8 +177,8 @@ class Idioms(nn.Module):
     tensors made from its shape, dtype and device (``arange``, ``new_ones``), functional group and
     instance norms without weights, a position parameter the size of the volume, a max, a repeat, an
     expand, a channel selected and clamped in place, and a normalisation along channels, a downsampling
-    interpolate, and attention over the
-    flattened voxels (gathered)."""
+    interpolate, a channel mean viewed back to N, C, D, H, W, and attention over the flattened voxels
+    (both gathered)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -197,6 +197,7 @@ class Idioms(nn.Module):
         h.select(1, 0).clamp_(min=-0.5)  # a channel's plane, written in place through the view
         h = F.interpolate(F.interpolate(h, scale_factor=0.5, mode="trilinear"), size=h.shape[2:])
         n, c, d, hh, w = h.shape
+        h = h + h.mean(1).view(n, 1, d, hh, w)  # a channel reduced, viewed back to a volume (gathered)
         t = h.flatten(2).transpose(1, 2)  # (n, voxels, c)
         t = torch.softmax(t @ t.transpose(1, 2) / c, dim=-1) @ t
         return t.transpose(1, 2).reshape(n, c, d, hh, w)[:, :1]

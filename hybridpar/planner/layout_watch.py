@@ -253,7 +253,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return self._run_whole(func, args, kwargs, calls.CallKind("whole"), split[0])
         kind = calls.classify(func, args, kwargs, split[0].dim(), self.split[split[0]])
         if kind.kind == "refuse" and (not calls.in_place(calls.name_of(func)) or split[0] is args[0]) or (
-                kind.kind == "module" and not self.module_fits(kind.module, split[0])):
+                kind.kind == "module" and not self.module_fits(kind.module, split[0])) or (
+                kind.kind == "step" and split[0].dim() != 5):  # a reshape of h.mean(1), not N, C, D, H, W
             kind = calls.CallKind("whole", why=kind.why)  # computed on the gathered volume
         key = (calls.role_of(func, kind), caller())
         self.met[key] = self.met.get(key, 0) + 1

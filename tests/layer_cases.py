@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import random
 import zlib
 from collections.abc import Callable
@@ -78,7 +79,7 @@ def reference_steps(ref: nn.Module, ref_opt, whole: tuple, loss_fn, steps: int) 
     return losses
 
 
-_turns = iter(range(1 << 62))  # the cases this process has computed on one rank, in order (alike on all)
+_turns = itertools.count()  # the cases this process has computed on one rank, in order (alike on all)
 
 
 def on_one_rank(compute: Callable[[], Any]) -> Any:

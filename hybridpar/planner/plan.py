@@ -158,12 +158,14 @@ def _cut_faults(a: Analysis, walk: Walk) -> dict[int, str]:
     tensor)."""
     faults: dict[int, str] = {}
     for first, split in walk.chain_split.items():
+        if split is None:
+            continue
         names = a.space_maps[first].nodes
         why = (f"a stage cut falls inside the reshapes {', '.join(names)}, which run on each shard between "
                f"channels and space; name stages (pipeline.stages) that begin before {names[0]} or after "
                f"{names[-1]}")
         at = sorted(walk.index[n] for n in names)  # every start from its second node to its last
-        faults.update(dict.fromkeys(range(at[0] + 1, at[-1] + 1), why) if split is not None else {})
+        faults.update(dict.fromkeys(range(at[0] + 1, at[-1] + 1), why))
     if a.graph.values:  # a size read before a cut is read again after it
         for i, live in enumerate(live_across(a.graph)[:-1]):
             crossing = [v for v in live if v in a.graph.values]

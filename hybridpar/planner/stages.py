@@ -44,10 +44,10 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0
+    starts = lambda k, i: [j for j in range(k - 1, i) if j == 0 or j not in blocked]  # noqa: E731
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
-            best[k][i] = min((max(best[k - 1][j], pre_c[i] - pre_c[j]) for j in range(k - 1, i)
-                              if j == 0 or j not in blocked), default=inf)
+            best[k][i] = min((max(best[k - 1][j], pre_c[i] - pre_c[j]) for j in starts(k, i)), default=inf)
     bound = best[stages][n]
     if bound == inf:
         raise SpecError(f"grid.pipe: every way to cut the model into {stages} stages cuts where no cut "
@@ -57,8 +57,8 @@ def balance_stages(costs: Sequence[int], stages: int, sends: Sequence[int] | Non
     key[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                if pre_c[i] - pre_c[j] > bound or key[k - 1][j][0] == inf or (j and j in blocked):
+            for j in starts(k, i):
+                if pre_c[i] - pre_c[j] > bound or key[k - 1][j][0] == inf:
                     continue
                 sent, mem = key[k - 1][j]
                 cand = (sent + (sends[j - 1] if j else 0), max(mem, pre_m[i] - pre_m[j]))

@@ -45,7 +45,7 @@ def _samples() -> list[nn.Module]:
             nn.Upsample(scale_factor=2, mode="trilinear"), nn.GroupNorm(1, 2),
             nn.InstanceNorm3d(2, affine=True),
             nn.ConstantPad3d(1, 0.5), nn.ReplicationPad3d(1), nn.ReflectionPad3d(1),
-            nn.CircularPad3d(1), nn.LPPool3d(2, 2), nn.Dropout(0.2), nn.AlphaDropout(0.2)]
+            nn.CircularPad3d(1), nn.LPPool3d(2, 2), nn.Dropout(0.2), nn.AlphaDropout(0.2), nn.RReLU()]
 
 
 def _complete_entries(rank: int, world: int) -> None:

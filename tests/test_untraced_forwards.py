@@ -203,6 +203,32 @@ class Idioms(nn.Module):
         return t.transpose(1, 2).reshape(n, c, d, hh, w)[:, :1]
 
 
+class Planes(nn.Module):
+    """Layers and calls on split activations that are not volumes (``h.mean(1)``: the depth become the
+    channels of 2-d planes): a bilinear upsampling layer and its function, a 2-d pool, a PReLU of a
+    weight per depth, a group norm and a softmax along the split depth, a 2-d pad, each run on the
+    gathered planes; an activation runs on the shard's planes, and a mean per sample over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        depth = SHAPE[2]
+        self.c1, self.c2 = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 2, 3, padding=1)
+        self.act, self.up = nn.Tanh(), nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.pool, self.prelu = nn.AvgPool2d(2), nn.PReLU(depth, init=0.1)
+        self.norm, self.soft = nn.GroupNorm(3, depth), nn.Softmax(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        if h.shape[2] % 2:  # a branch on a shape: module swapping
+            h = h * 1.5
+        a = self.act(h.mean(1))  # (N, D, H, W)
+        b = self.norm(self.prelu(self.pool(self.up(a)))) + self.soft(a)
+        b = F.pad(b, (1, 1, 0, 0), mode="replicate")[..., 1:-1] + \
+            F.interpolate(a, scale_factor=2, mode="bilinear")[..., ::2, ::2]
+        g = b.square().mean(dim=(1, 2, 3)).view(-1, 1, 1, 1, 1)
+        return self.c2(h * (1 + g) + b.unsqueeze(1))
+
+
 class Mixer(nn.Module):
     """A registered layer of the user's own whose weight lives in a module of its own."""
 
@@ -725,6 +751,7 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("own unregistered layers", "OwnLayersNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}}),
        ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}}),
+       ("layers on planes of the split depth", "Planes", {"grid": {"spatial": [2, 1, 1]}}),
        ("a split layer holding a module, no subclass of its layer", "HeldWeights",
         {"grid": {"spatial": [1, 2, 1]}}),
        ("call settings, a layer's weights again, .to(h), NumPy names", "CallSettings",
@@ -755,6 +782,9 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("own unregistered layers, data x spatial", "OwnLayersNet",
          {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("call settings, 2x2", "CallSettings", {"grid": {"spatial": [2, 2, 1]}}),
+        ("layers on planes of the split depth, 2x2", "Planes", {"grid": {"spatial": [2, 2, 1]}}),
+        ("layers on planes of the split depth, data x spatial", "Planes",
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("crops, 2x2", "Crops", {"grid": {"spatial": [2, 2, 1]}}),
         ("crops, data x spatial", "Crops", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
         ("channels last and view_as, 2x2", "ChannelsLast", {"grid": {"spatial": [2, 2, 1]}}),

@@ -1038,18 +1038,24 @@ def test_a_parametrization_with_state_is_refused_split(pools):
 
 class DropNet(nn.Module):
     """Element-wise dropout on split activations: a layer, and the function (traced, and in a forward
-    fx cannot trace); dropout of whole channels."""
+    fx cannot trace); dropout of whole channels; RReLU's random slopes; and on planes (``h.mean(1)``,
+    the depth become channels: 2-d channel dropout and random slopes there, in a forward fx cannot
+    trace)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
         self.c1, self.c2 = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
-        self.drop = nn.Dropout3d(0.4) if how == "channels" else nn.Dropout(0.4)
+        self.drop = nn.Dropout3d(0.4) if how == "channels" else nn.RReLU(0.1, 0.3) if how in (
+            "rrelu", "planes") else nn.Dropout(0.4)
+        self.planes = nn.Dropout2d(0.4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.c1(x))
-        if self.how == "untraced" and x.shape[2] > 4:  # a branch on a shape: module swapping
+        if self.how in ("untraced", "planes") and x.shape[2] > 4:  # a branch on a shape: module swapping
             h = self.drop(h)
+        if self.how == "planes":
+            return self.c2(h + self.drop(self.planes(h.mean(1))).unsqueeze(1))
         h = F.dropout(h, 0.3, self.training) if self.how == "function" else self.drop(h)
         return self.c2(h)
 
@@ -1088,11 +1094,13 @@ TWO, TWO_BY_TWO = {"grid": {"spatial": [2, 1, 1]}}, {"grid": {"spatial": [2, 2, 
 @pytest.mark.parametrize("world,how,spec,apart", [
     (2, "layer", TWO, False), (4, "layer", TWO_BY_TWO, False), (2, "function", TWO, False),
     (2, "untraced", TWO, False), (4, "layer", TWO_BY_TWO, True), (2, "channels", TWO, True),
+    (2, "rrelu", TWO, False), (4, "rrelu", TWO_BY_TWO, False), (2, "planes", TWO, False),
 ], ids=["layer-2", "layer-2x2", "function-2", "untraced-2", "layer-2x2-seeded-apart",
-        "channels-2-seeded-apart"])
+        "channels-2-seeded-apart", "rrelu-2", "rrelu-2x2", "planes-2"])
 def test_dropout_on_a_split_volume_draws_one_process_mask(pools, world, how, spec, apart):
-    """Each shard masked by its box of the mask one process draws from the same random state: the same
-    gradients, where a copy on the shards drew one mask per shard, alike. Ranks seeded apart draw from
+    """Each shard masked by its box of the mask one process draws from the same random state (RReLU's
+    slopes, drawn on the gathered volume): the same gradients, where a copy on the shards drew one mask
+    per shard, alike. Ranks seeded apart draw from
     the split's first rank's stream (hybridpar.comm.random_streams): a channel dropped on one shard is
     dropped on all."""
     errors = pools(world).run(_dropout_body, how, spec, apart, timeout=120)

@@ -8,7 +8,7 @@ records, and a Dist class built on :class:`SpatialLayer` (``launch/examples/own_
 
 from hybridpar.nn import dropout, functions, neuralop, registry, slicing  # noqa: F401 (they register)
 from hybridpar.nn.conv import DistConv3d, DistConvTranspose3d
-from hybridpar.nn.dropout import DistAlphaDropout, DistDropout
+from hybridpar.nn.dropout import DistAlphaDropout, DistDropout, DistRReLU
 from hybridpar.nn.layout import Gather, Redistribute, Scatter
 from hybridpar.nn.lppool import DistLPPool3d
 from hybridpar.nn.norm import DistBatchNorm3d, DistGroupNorm, DistInstanceNorm3d
@@ -35,5 +35,5 @@ __all__ = [
     "DistAdaptiveMaxPool3d",
     "DistConstantPad3d", "DistReplicationPad3d", "DistReflectionPad3d", "DistCircularPad3d",
     "PowerSpectrum", "DistPowerSpectrum", "SpectralConv3d", "DistSpectralConv3d", "DistLPPool3d",
-    "DistDropout", "DistAlphaDropout",
+    "DistDropout", "DistAlphaDropout", "DistRReLU",
 ]

@@ -20,6 +20,22 @@ NORM_BASE: type = nn.modules.batchnorm._NormBase  # batch and instance norms: th
 BATCH_NORM: type = nn.modules.batchnorm._BatchNorm
 INSTANCE_NORM: type = nn.modules.instancenorm._InstanceNorm
 DROPOUT_ND: type = nn.modules.dropout._DropoutNd
+ACTIVATIONS: tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.LogSigmoid, nn.Hardshrink, nn.Softshrink)
+"""The activations that compute alike wherever they run (``nn.RReLU`` draws its slopes: it registers in
+:mod:`hybridpar.nn.dropout`)."""
+
+
+def elementwise(m: nn.Module) -> bool:
+    """Whether ``m`` maps every element on its own, alike wherever it lies, so that it runs on a shard of
+    a tensor of any dims (``h.mean(1)``, the depth become channels): an activation, or an identity. Not
+    a dropout (it draws per element or per dim 1), a PReLU of many weights (one per index along dim 1),
+    a norm or a softmax (they read along dims), nor a user's layer registered as pointwise (it may mix
+    dim 1, the channels of a volume)."""
+    return (isinstance(m, ACTIVATIONS) and all(p.numel() == 1 for p in m.parameters())) or \
+        type(m) is nn.Identity
 
 
 def uses_batch_statistics(m: nn.Module) -> bool:

@@ -435,9 +435,7 @@ def _register_builtins() -> None:
     register(nn.Linear, role="dense", op="linear", flops=linear_flops)
     for t in (families.BATCH_NORM, nn.GroupNorm, families.INSTANCE_NORM, nn.LayerNorm):
         register(t, role="dense", op="norm", flops=norm_flops)
-    for t in (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
-              nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
-              nn.Softsign, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Hardshrink, nn.Softshrink):
+    for t in families.ACTIVATIONS:
         register(t, role="pointwise", op="pointwise", flops=elementwise_flops)
     for t in (nn.Softmax, nn.LogSoftmax, nn.GLU):  # along a dim that may be spatial: not split
         register(t, role="dense", op="pointwise", flops=elementwise_flops)

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn import registry
+from hybridpar.nn import families, registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import calls, per_sample
@@ -107,9 +107,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         split (a box of one plane does not split two ways). ``key``: what tells ``m`` apart (a layer's
         identity; by default, for a call's stand-in made anew at every call, its settings)."""
         entry = registry.lookup(m)
-        if not self.splits or x.dim() != 5:
+        if not self.splits:
             return True
-        if entry is None or not entry.splittable:
+        if entry is None or not entry.splittable or x.dim() != 5:  # a 3D layer on h.mean(1): on the whole
             return False
         extents, key = self.split[x], calls.module_key(m) if key is None else key
         memo = (key, tuple(x.shape[:2]), extents)
@@ -147,7 +147,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             self.copies.take(out, f"the output of {type(m).__name__}, a view of its input read whole", source)
         elif x in self.copies.taken:  # a view of a copy (nn.Unflatten after nn.Flatten) is one too
             self.copies.after([self.copies.taken[x]], out)
-        if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5:
+        if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5 or x.dim() != 5:
+            if isinstance(out, torch.Tensor) and x in self.split and out.shape == x.shape and \
+                    not self.needs_whole(m, x):  # an activation on a shard of h.mean(1) keeps its layout
+                self.mark(out, self.split[x])
             return
         entry = registry.lookup(m)
         if split and not entry.replicated_output(m):
@@ -340,8 +343,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         return out
 
     def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
-        """Put the shard's box of ``whole`` into split ``target`` in place (here, on the volume, the
-        call wrote ``target`` itself)."""
+        """Put the shard's box of ``whole`` into split ``target`` (here, on the volume, the call did)."""
 
     def _resplit(self, out: Any, extents: list[Extents], views: set[int] = frozenset()) -> Any:
         """``out`` (whole values) with each tensor of a volume of one of ``extents`` in its last three
@@ -357,12 +359,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return fitted
         return tree_map(one, out)
 
-    def whole(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole value of a split activation (here, on the volume, it is that already)."""
+    def whole(self, t: torch.Tensor) -> torch.Tensor:  # a split activation's whole value (here: itself)
         return t
 
-    def _fit(self, t: Any, extents: Extents | None) -> Any:
-        """A whole operand as a split computation reads it (here, on the volume: itself)."""
+    def _fit(self, t: Any, extents: Extents | None) -> Any:  # a whole operand as a shard reads it (here: t)
         return t
 
     def closes(self, start: tuple[int, ...], steps: dict, out_shape: tuple[int, ...]) -> bool:
@@ -395,20 +395,13 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
     _run_keep = _run_join = _run_pieces = _run_pointwise
 
     def _run_module(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
-        out = func(*args, **kwargs)
-        m = kind.module
-        entry = registry.lookup(m)
-        name = calls.name_of(func)
-        split = self.splits and x.dim() == 5 and entry is not None and entry.splittable
-        if split:
-            node_halos(name, m, entry, tuple(x.shape), tuple(out.shape), self.grid_split)
-            if not entry.replicated_output(m):
-                self.mark(out, tuple(out.shape[-3:]))
-        else:
-            self.unsafe.append(f"{name} (its layer {type(m).__name__} needs the whole volume) at "
-                               f"{caller()}")
+        out, m, name = func(*args, **kwargs), kind.module, calls.name_of(func)
+        entry = registry.lookup(m)  # module_fits said it splits: a registered 3D layer on a split volume
+        node_halos(name, m, entry, tuple(x.shape), tuple(out.shape), self.grid_split)
+        if not entry.replicated_output(m):
+            self.mark(out, tuple(out.shape[-3:]))
         if self.on_function is not None:
-            self.on_function(name, m, x, out, split)
+            self.on_function(name, m, x, out, True)
         return out
 
     def _run_step(self, func, args: tuple, kwargs: dict, src: torch.Tensor) -> Any:
@@ -446,5 +439,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return True
         whole = self.original(m)
         entry = registry.lookup(whole)
+        if x in self.split and x.dim() != 5:  # not a volume (h.mean(1)): only an activation runs on a shard
+            return not families.elementwise(whole)
         return x in self.split and (dense_on_split(m, registry.lookup(m)) or (
             entry is not None and entry.splittable and not self.module_fits(whole, x, key=id(whole))))

@@ -205,9 +205,10 @@ class Idioms(nn.Module):
 
 class Planes(nn.Module):
     """Layers and calls on split activations that are not volumes (``h.mean(1)``: the depth become the
-    channels of 2-d planes): a bilinear upsampling layer and its function, a 2-d pool, a PReLU of a
-    weight per depth, a group norm and a softmax along the split depth, a 2-d pad, each run on the
-    gathered planes; an activation runs on the shard's planes, and a mean per sample over them."""
+    channels of 2-d planes): a bilinear upsampling layer and its function, 2-d pools, a PReLU of a
+    weight per depth, a group norm and a softmax along the split depth, a 2-d pad, a functional conv2d
+    of the model's weight, each run on the gathered planes (per sample: a batch in parts runs them); an
+    activation runs on the shard's planes, and a mean per sample over them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -216,6 +217,7 @@ class Planes(nn.Module):
         self.act, self.up = nn.Tanh(), nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
         self.pool, self.prelu = nn.AvgPool2d(2), nn.PReLU(depth, init=0.1)
         self.norm, self.soft = nn.GroupNorm(3, depth), nn.Softmax(dim=1)
+        self.k = nn.Parameter(0.05 * torch.randn(depth, depth, 3, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.c1(x))
@@ -225,6 +227,7 @@ class Planes(nn.Module):
         b = self.norm(self.prelu(self.pool(self.up(a)))) + self.soft(a)
         b = F.pad(b, (1, 1, 0, 0), mode="replicate")[..., 1:-1] + \
             F.interpolate(a, scale_factor=2, mode="bilinear")[..., ::2, ::2]
+        b = b + F.conv2d(F.max_pool2d(b, 3, 1, 1), self.k, padding=1)
         g = b.square().mean(dim=(1, 2, 3)).view(-1, 1, 1, 1, 1)
         return self.c2(h * (1 + g) + b.unsqueeze(1))
 
@@ -1375,10 +1378,12 @@ def test_which_calls_move_the_samples(name, args, kwargs, moves):
 def test_per_sample_functions_pass_and_mixing_ones_do_not():
     """Per-sample work on a (N, C) value that carries the batch plans (calls along other dims: unfold,
     index_select, repeat_interleave, gather or scatter with an index of every sample, a triangle, an
-    FFT, an integral); what mixes its samples does not."""
+    FFT, an integral; pools, pads, a PReLU and convolutions of a batched input); what mixes its samples
+    does not (a conv2d of an unbatched 3-d input: dim 0 its channels; a pad of dim 0)."""
     from hybridpar.planner.per_sample import across
 
     s, w, v, v5 = torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 3, 3), torch.randn(2, 1, 4, 4, 4)
+    v4 = torch.zeros(2, 3, 4, 4)
     top, first = torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
     keep = [(F.layer_norm, (s, (4,)), {}), (torch.einsum, ("nc,dc->nd", s, w), {}),
             (torch.einsum, ("nc,dc->nd", [s, w]), {}), (F.linear, (s, w), {}), (torch.matmul, (s, w.T), {}),
@@ -1395,7 +1400,11 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
             (torch.Tensor.real.__get__, (s.to(torch.complex64),), {}), (torch.Tensor.data.__get__, (s,), {}),
             (torch.as_tensor, (s,), {"dtype": torch.float64}),
             (F.max_pool3d_with_indices, (v5, 2), {}),
-            (F.max_unpool3d, (*F.max_pool3d_with_indices(v5, 2), 2), {})]
+            (F.max_unpool3d, (*F.max_pool3d_with_indices(v5, 2), 2), {}), (F.max_pool2d, (v4, 2), {}),
+            (F.avg_pool1d, (v, 2), {}), (F.adaptive_avg_pool2d, (v4, 1), {}), (F.lp_pool2d, (v4, 2, 2), {}),
+            (F.conv2d, (v4, torch.zeros(2, 3, 3, 3)), {}), (F.conv1d, (v, torch.zeros(1, 3, 2)), {}),
+            (F.pad, (v4, (1, 1, 1, 1)), {}), (torch.constant_pad_nd, (v4, (1, 1)), {}),
+            (F.prelu, (v4, torch.ones(3)), {})]
     mix = [(F.layer_norm, (s, (2, 4)), {}), (torch.einsum, ("nc,mc->nm", s, s), {}),
            (torch.matmul, (w, s.T), {}), (torch.Tensor.__getitem__, (s, 0), {}), (torch.roll, (s, 1), {}),
            (torch.Tensor.unfold, (s, 0, 1, 1), {}), (torch.index_select, (s, 0, top[:1, 0]), {}),
@@ -1403,7 +1412,8 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
            (torch.gather, (s, 0, top), {}), (torch.triu, (s,), {}), (torch.diagonal, (v,), {}),
            (torch.fft.fft, (s, None, 0), {}), (torch.fft.rfftn, (v,), {}), (torch.fft.fftshift, (s,), {}),
            (torch.trapezoid, (s,), {"dim": 0}), (torch.scatter_add, (s, 1, first, s[:1, :1]), {}),
-           (torch.scatter_add, (s, 0, top, s[:, :1]), {})]
+           (torch.scatter_add, (s, 0, top, s[:, :1]), {}), (F.conv2d, (v, torch.zeros(1, 2, 2, 2)), {}),
+           (F.pad, (v4, (1, 1, 1, 1, 1, 1, 1, 1)), {})]
     for mixes, (func, args, kwargs) in [(False, c) for c in keep] + [(True, c) for c in mix]:
         carrier = args[0] if isinstance(args[0], torch.Tensor) and args[0].dim() >= 3 else s
         said = across(func, args, kwargs, [carrier], func(*args, **kwargs))

@@ -320,12 +320,15 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         target = first if calls.in_place(name) and first is not None and first in self.split else None
         extents = [self.split[t] for t in _tensors(args, kwargs) if t in self.split]
+        carries = [t in self.split or t in self.batched or not isinstance(t, nn.Parameter)  # not a weight
+                   for t in _tensors(args, kwargs)]
         whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
         args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
         kwargs = {k: whole(v) for k, v in kwargs.items()}
         out = self._run_replicated(func, args, kwargs)
         if self.batch_apart:
-            carriers = [t for t in _tensors(args, kwargs) if t.dim() in (4, 5)]
+            carriers = [t for t, c in zip(_tensors(args, kwargs), carries, strict=True)
+                        if c and t.dim() in (4, 5)]
             why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
                 name) else per_sample.across(func, args, kwargs, carriers, out) if carriers else None
             if why:

@@ -51,6 +51,12 @@ _PER_SAMPLE = ("one_hot", "local_response_norm", "grid_sample", "affine_grid",  
                # trailing class dim, channels, a sample's grid of its own (affine_grid: its theta's),
                *(f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_") for n in (1, 2, 3)),
                *(f"max_unpool{n}d" for n in (1, 2, 3)))  # each plane's own maxima and their places
+_POOLS = tuple(f"{kind}_pool{n}d" for kind in ("max", "avg", "lp", "adaptive_avg", "adaptive_max")
+               for n in (1, 2, 3))
+"""Pools over the last dims of each channel apart (of each sample, where dim 0 holds the batch)."""
+_CONVS = {f"{kind}{n}d": n for kind in ("conv", "conv_transpose") for n in (1, 2, 3)}
+"""Convolutions over their last n dims, which mix dim 1 of an input of n + 2 dims (the channels of each
+sample apart) but dim 0 of one of n + 1 (the channels of one sample, unbatched)."""
 _INDEXED = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "scatter": (2, "index"),
             "scatter_add": (2, "index"), "scatter_reduce": (2, "index")}
 """Calls along a dim that read an index tensor as wide as their input along every other dim: the samples
@@ -225,7 +231,8 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     if name in _INDEXED and (first is not batched or getattr(calls._arg(args, kwargs, *_INDEXED[name]),
                                                              "shape", (0,))[:1] != batched.shape[:1]):
         return f"{name} (with an index of other samples than its input's)"
-    if name in _PER_SAMPLE:
+    if name in _PER_SAMPLE or first is batched and not others and _windowed(name, args, kwargs,
+                                                                             batched.dim()):
         return None
     if name == "scaled_dot_product_attention":  # within each sample: every dim but the last two is a batch's
         return None if all(t.dim() >= 3 for t in carriers) else \
@@ -256,6 +263,19 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     if _module(func, args, kwargs) is not None:
         return None
     return f"{calls.name_of(func)} (not known to keep the samples apart)"
+
+
+def _windowed(name: str, args: tuple, kwargs: dict, nd: int) -> bool:
+    """Whether a pool, a convolution, a pad or a PReLU (``name``, as called) of an ``nd``-dim input that holds
+    the samples along dim 0 works on each sample apart: a convolution of a batched input (else dim 0 is
+    one sample's channels, which it mixes), a pad of fewer dims than the input's, a PReLU's weight along
+    dim 1, any pool (each channel apart)."""
+    if name in _CONVS:
+        return nd == _CONVS[name] + 2
+    if name in ("pad", "constant_pad_nd"):
+        pad = calls._arg(args, kwargs, 1, "pad", ())
+        return isinstance(pad, list | tuple) and len(pad) // 2 < nd
+    return name in _POOLS or name == "prelu" and nd >= 2
 
 
 def _einsum(args: tuple, carriers: list[torch.Tensor]) -> str | None:

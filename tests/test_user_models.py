@@ -568,6 +568,17 @@ def SyncBNBlockNet() -> nn.Module:  # noqa: N802
 REFERENCE = {"SyncBNNet": BNNet, "SyncBNBlockNet": BNBlockNet}  # SyncBatchNorm in one process: a BatchNorm
 
 
+def _in_float64(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` in float64, its weights drawn so (not drawn in float32 and converted: a model of 45M
+    weights spends seconds on the copy)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return make().double()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor, y: torch.Tensor,
              loss_fn=F.mse_loss, steps: int = 3) -> None:
     """Three (``steps``) steps of an optimizer over the *model's* parameters, against one process: every
@@ -575,8 +586,7 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
     import hybridpar as hp
 
     torch.manual_seed(0)
-    ref = REFERENCE.get(make.__name__, make)().double()
-    model = make().double()
+    ref, model = _in_float64(REFERENCE.get(make.__name__, make)), _in_float64(make)
     model.load_state_dict(ref.state_dict())
 
     def reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], object]:
@@ -598,8 +608,9 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
     for k, v in want.items():
         if v.is_floating_point():
             fails.check(f"{desc} full_state_dict {k}", state[k].to(v.dtype), v, 1e-9)
-    fresh = make().double()
-    fresh.load_state_dict(state, strict=True)
+    with torch.device("meta"):  # the keys and shapes a fresh model has, none of its weights drawn
+        fresh = make()
+    fresh.load_state_dict(state, strict=True, assign=True)
     if engine.grid.pipe == 1 and list(engine.local_state_dict()) != list(want):
         fails.append(f"{desc}: local_state_dict keys {list(engine.local_state_dict())} != {list(want)}")
     if engine.grid.pipe == 1:  # every rank runs every layer: the user's model is the trained one

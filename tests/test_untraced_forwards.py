@@ -232,6 +232,27 @@ class Planes(nn.Module):
         return self.c2(h * (1 + g) + b.unsqueeze(1))
 
 
+class SeveralInputs(nn.Module):
+    """Layers of several inputs whose split one is not the first: attention of learned queries over the
+    voxels (keys and values a reshape of the volume, read whole), and a bilinear form of a whole tensor
+    and the volume's channels last (both read whole: the layer runs on the gathered volume)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 2, 3, padding=1)
+        self.queries = nn.Parameter(torch.randn(1, 2, 4))
+        self.attend, self.form = nn.MultiheadAttention(4, 1, batch_first=True), nn.Bilinear(4, 4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        if h.shape[2] % 2:  # a branch on a shape: module swapping
+            h = h * 1.5
+        n, last = h.shape[0], h.permute(0, 2, 3, 4, 1)
+        o, _ = self.attend(self.queries.expand(n, -1, -1), h.flatten(2).transpose(1, 2), h.flatten(2).mT)
+        f = self.form(torch.full_like(last, 0.3), last).permute(0, 4, 1, 2, 3)
+        return self.c2(h * o.mean(1).view(n, 4, 1, 1, 1) + f)
+
+
 class Mixer(nn.Module):
     """A registered layer of the user's own whose weight lives in a module of its own."""
 
@@ -755,6 +776,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a reduction returned", "VolumeMean", {"grid": {"spatial": [2, 1, 1]}}),
        ("idioms", "Idioms", {"grid": {"spatial": [2, 1, 1]}}),
        ("layers on planes of the split depth", "Planes", {"grid": {"spatial": [2, 1, 1]}}),
+       ("layers of several inputs, the split one not first", "SeveralInputs",
+        {"grid": {"spatial": [2, 1, 1]}}),
        ("a split layer holding a module, no subclass of its layer", "HeldWeights",
         {"grid": {"spatial": [1, 2, 1]}}),
        ("call settings, a layer's weights again, .to(h), NumPy names", "CallSettings",
@@ -935,7 +958,7 @@ class _Refused(nn.Module):
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(1, 1, 1), nn.Sigmoid())
-        self.flat, self.gate_in = nn.Flatten(), _GateIn()
+        self.flat, self.gate_in, self.cos = nn.Flatten(), _GateIn(), nn.CosineSimilarity(dim=1)
         self.what = what
         self.register_buffer("seen", torch.zeros(()), persistent=False)
 
@@ -1025,6 +1048,8 @@ class _Refused(nn.Module):
                 with torch.enable_grad():
                     g = h.detach().requires_grad_(True)
                     h = h + torch.autograd.grad(g.square().sum(), g, create_graph=True)[0]
+            elif self.what == "an unregistered layer given the volume second":  # a weight first, broadcast
+                h = h * self.cos(self.conv.weight[:1, :1, :1, :1, :1], h).unsqueeze(1)
             elif self.what == "a Function of its own":
                 h = _Halved.apply(h)
             elif self.what == "a gradient hook":
@@ -1086,6 +1111,8 @@ class _Refused(nn.Module):
                               r"carry the batch, .* at test_untraced_forwards.py:\d+"),
     ("a gradient hook", r"register_hook \(on a value that carries the batch, .* the hook would see each "
                         r"part's gradient\) at test_untraced_forwards.py:\d+"),
+    ("an unregistered layer given the volume second", r"cos \(CosineSimilarity\): this layer type is not "
+                                                      r"registered and its input is split"),
 ])
 def test_what_cannot_run_split_is_refused_naming_the_call(what, match):
     """Planned on the volume before any step, alike on every rank: one error naming the call and line."""

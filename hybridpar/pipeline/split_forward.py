@@ -122,12 +122,16 @@ class SplitForward(LayoutWatch):
     # ------------------------------------------------------------------ layers
     def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
         """A split layer runs on the volume its input is a shard of; a layer that reads its input
-        whole (:meth:`needs_whole`) is given it gathered."""
+        whole (:meth:`needs_whole`), or is given a whole one first (a bilinear form of a whole tensor
+        and the volume), is given every split input gathered."""
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             return None
-        if self.needs_whole(m, x):
-            return tuple(self.whole(a) if a is x else a for a in args)
+        # a layer given its first input whole reads every split one whole (a reshape's always)
+        whole = self.needs_whole(m, x) or x not in self.split
+        if any(isinstance(a, torch.Tensor) and (a in self.chains or whole and a in self.split) for a in args):
+            return tuple(self.whole(a) if isinstance(a, torch.Tensor) and (
+                a in self.chains or whole and a in self.split) else a for a in args)
         if x not in self.split:
             return None
         if isinstance(m, SpatialLayer):

@@ -191,7 +191,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
         if x is None or not isinstance(out, torch.Tensor):
             return
         entry = registry.lookup(m)
-        if x in watch.split and entry is None:
+        if entry is None and any(isinstance(a, torch.Tensor) and a in watch.split for a in args):
             raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")

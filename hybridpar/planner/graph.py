@@ -35,6 +35,7 @@ from hybridpar.call_keys import call_key
 from hybridpar.nn import registry
 from hybridpar.nn.meta import containers, message, meta_call, meta_state, meta_stop, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
+from hybridpar.planner.layer_hooks import positional
 from hybridpar.planner.terms import SpecError
 from hybridpar.user_lines import caller, line_of
 
@@ -187,6 +188,8 @@ class _Tracer(fx.Tracer):
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         self.stack.append(self.path_of_module(m))
+        if kwargs:  # conv(input=h) recorded as conv(h): a layer's split counterpart takes it by position
+            args, kwargs = positional(type(m).forward, args, kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         finally:

@@ -9,6 +9,7 @@ of (:mod:`hybridpar.planner.copies`), and an input written in place inside it (i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
@@ -17,11 +18,12 @@ from torch import nn
 
 class LayerHooks:
     """The layer side of a watch; the watch gives ``depth``, ``unsafe``, ``copies``, ``split``, ``chains``,
-    :meth:`runs_split` and :meth:`after_layer`."""
+    :meth:`runs_split`, :meth:`original` and :meth:`after_layer`."""
 
     depth: int
     unsafe: list[str]
     _versions: list[tuple[torch.Tensor, int]]
+    original: Callable[[nn.Module], nn.Module]
 
     def hook(self, modules: Iterable[nn.Module],
              on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:
@@ -29,15 +31,18 @@ class LayerHooks:
         this mode lets them pass (its ``depth``). ``on_leave(m, args, out)`` runs as a layer ends, still
         inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
         outermost layer). The one place this mode is paused inside layers."""
-        def enter(m: nn.Module, args: tuple) -> tuple | None:  # before_layer's own calls pass too
+        def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple | None:  # before_layer's calls pass too
+            if kwargs and self.depth == 0:  # conv(input=h): its split counterpart names its input x
+                args, kwargs = positional(type(self.original(m)).forward, args, kwargs)
             if self.depth == 0:
                 self._layer_reads(m, [a for a in args if isinstance(a, torch.Tensor)])
             self.depth += 1
             if self.depth == 1:  # read inside the layer: not one of the forward's calls
                 self._versions = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
-            return self.before_layer(m, args) if self.depth == 1 else None
+            new = self.before_layer(m, args) if self.depth == 1 else None
+            return (args if new is None else new), kwargs
 
-        def leave(m: nn.Module, args: tuple, out: object) -> object:
+        def leave(m: nn.Module, args: tuple, kwargs: dict, out: object) -> object:
             # a layer that hands back its input tensor (a crop whose shard is its input's) gives a new
             # tensor object of it, so that marking its output's extents leaves the input's as they were
             fresh = out.view_as(out) if self.depth == 1 and isinstance(out, torch.Tensor) and any(
@@ -51,8 +56,8 @@ class LayerHooks:
             return fresh
 
         modules = list(modules)
-        return [m.register_forward_pre_hook(enter) for m in modules] + \
-            [m.register_forward_hook(leave, always_call=True) for m in modules]
+        return [m.register_forward_pre_hook(enter, with_kwargs=True) for m in modules] + \
+            [m.register_forward_hook(leave, with_kwargs=True, always_call=True) for m in modules]
 
     def _wrote(self, m: nn.Module, inputs: list[torch.Tensor]) -> None:
         """What layer ``m`` writing ``inputs`` in place in its own forward breaks (one said ``inplace``
@@ -77,3 +82,19 @@ class LayerHooks:
         """Called as layer ``m`` starts on ``args``; new arguments, or None (the plan needs nothing
         here; a run sets extents and gathers what a layer reads whole)."""
         return None
+
+
+def positional(forward: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call of ``forward`` (a method: its first parameter is ``self``) with every argument given by
+    keyword that could come next by position moved there (``conv(input=h)`` as ``conv(h)``): a layer's
+    split counterpart, and the planners' hooks, take a layer's inputs by position."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read (a builtin): as it comes
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for p in params[len(args):]:
+        if p.kind is not p.POSITIONAL_OR_KEYWORD or p.name not in kwargs:
+            break
+        args.append(kwargs.pop(p.name))
+    return tuple(args), kwargs

@@ -127,11 +127,10 @@ class SplitForward(LayoutWatch):
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             return None
-        # a layer given its first input whole reads every split one whole (a reshape's always)
-        whole = self.needs_whole(m, x) or x not in self.split
-        if any(isinstance(a, torch.Tensor) and (a in self.chains or whole and a in self.split) for a in args):
-            return tuple(self.whole(a) if isinstance(a, torch.Tensor) and (
-                a in self.chains or whole and a in self.split) else a for a in args)
+        whole = self.needs_whole(m, x) or x not in self.split  # then each split input is (a reshape's always)
+        read = [isinstance(a, torch.Tensor) and (a in self.chains or whole and a in self.split) for a in args]
+        if any(read):
+            return tuple(self.whole(a) if r else a for a, r in zip(args, read, strict=True))
         if x not in self.split:
             return None
         if isinstance(m, SpatialLayer):

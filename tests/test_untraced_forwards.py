@@ -1186,6 +1186,17 @@ def test_a_layer_too_small_to_split_is_refused_when_strict():
         hp.ParallelSpec.from_dict({**spec, "strict": True}).plan(Bottleneck(), SHAPE, 4)
 
 
+def test_a_layer_given_a_whole_tensor_first_and_the_volume_after_is_planned_gathered():
+    """nn.Bilinear(whole, the volume's channels last) runs on the gathered volume: its plan record says
+    so (the engine warns of it once, ``strict: true`` sees it), as for a layer too small to split."""
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
+    plan = spec.plan(SeveralInputs(), (2, 2, 9, 8, 6), 2)
+    assert [(r.name, r.kind) for r in plan if r.gather] == [("form", "Bilinear")], \
+        [(r.name, r.kind, r.gather) for r in plan]
+
+
 def test_explain_lists_every_call_between_the_layers():
     """``explain`` of a model run by module swapping shows each call on split activations, as it runs."""
     from hybridpar.planner.explain import explain

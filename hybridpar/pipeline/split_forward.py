@@ -121,14 +121,12 @@ class SplitForward(LayoutWatch):
 
     # ------------------------------------------------------------------ layers
     def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
-        """A split layer runs on the volume its input is a shard of; a layer that reads its input
-        whole (:meth:`needs_whole`), or is given a whole one first (a bilinear form of a whole tensor
-        and the volume), is given every split input gathered."""
+        """A split layer runs on the volume its input is a shard of; a layer is given gathered what it
+        reads whole (:meth:`read_whole`)."""
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             return None
-        whole = self.needs_whole(m, x) or x not in self.split  # then each split input is (a reshape's always)
-        read = [isinstance(a, torch.Tensor) and (a in self.chains or whole and a in self.split) for a in args]
+        read = self.read_whole(m, args)
         if any(read):
             return tuple(self.whole(a) if r else a for a, r in zip(args, read, strict=True))
         if x not in self.split:

@@ -18,12 +18,13 @@ from torch import nn
 
 class LayerHooks:
     """The layer side of a watch; the watch gives ``depth``, ``unsafe``, ``copies``, ``split``, ``chains``,
-    :meth:`runs_split`, :meth:`original` and :meth:`after_layer`."""
+    :meth:`runs_split`, :meth:`needs_whole`, :meth:`original` and :meth:`after_layer`."""
 
     depth: int
     unsafe: list[str]
     _versions: list[tuple[torch.Tensor, int]]
     original: Callable[[nn.Module], nn.Module]
+    needs_whole: Callable[[nn.Module, torch.Tensor], bool]
 
     def hook(self, modules: Iterable[nn.Module],
              on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:
@@ -77,6 +78,14 @@ class LayerHooks:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is not None and self.depth == 1:
             self.after_layer(m, x, out, self.runs_split(m, x))
+
+    def read_whole(self, m: nn.Module, args: tuple) -> list[bool]:
+        """Which of layer ``m``'s arguments it reads whole (gathered, in a run): a reshape of a split volume
+        always; every split one where it reads its first input whole (:meth:`needs_whole`) or is given it
+        whole (a bilinear form of a whole tensor and the volume)."""
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        whole = x is not None and (self.needs_whole(m, x) or x not in self.split)
+        return [isinstance(a, torch.Tensor) and (a in self.chains or whole and a in self.split) for a in args]
 
     def before_layer(self, m: nn.Module, args: tuple) -> tuple | None:
         """Called as layer ``m`` starts on ``args``; new arguments, or None (the plan needs nothing

@@ -195,7 +195,8 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
             raise SpecError(f"{names[m]} ({type(m).__name__}): {registry.unregistered(m)} and its "
                             f"input is split {list(split)}: register it (hybridpar.nn.register) so that the "
                             f"model can run by module swapping")
-        gathers = watch.needs_whole(m, x)  # runs whole on the gathered volume
+        # runs whole on the gathered volume (or on a whole first input, any split one after it gathered)
+        gathers = watch.needs_whole(m, x) or x not in watch.split and any(watch.read_whole(m, args))
         if gathers and strict and entry is not None and entry.splittable and x in watch.split:
             node_halos(names[m], m, entry, tuple(x.shape), tuple(out.shape), split)  # says what would fit
         runs_split = watch.runs_split(m, x) and not gathers  # on a replicated input (a pooled gate), whole

@@ -37,8 +37,7 @@ class DistDropout(SpatialLayer, nn.Dropout):
             return F.dropout(x, self.p, self.training, self.inplace)
         shape = self.global_shape(x)
         mask = F.dropout(torch.ones((*x.shape[:2], *shape), dtype=x.dtype, device=x.device), self.p, True)
-        box = local_box(shape, self.grid)
-        mine = mask[(Ellipsis, *(slice(lo, hi) for lo, hi in box))]
+        mine = _mine(mask, shape, self.grid)
         return x.mul_(mine) if self.inplace else x * mine
 
 
@@ -71,8 +70,13 @@ class DistRReLU(SpatialLayer, nn.RReLU):
             return F.rrelu(x, self.lower, self.upper, self.training, self.inplace)
         shape = self.global_shape(x)
         whole = F.rrelu(gather(x, self.grid, shape), self.lower, self.upper, True)
-        mine = whole[(Ellipsis, *(slice(lo, hi) for lo, hi in local_box(shape, self.grid)))]
+        mine = _mine(whole, shape, self.grid)
         return x.copy_(mine) if self.inplace else mine
+
+
+def _mine(whole: torch.Tensor, shape: tuple[int, int, int], grid: ProcessGrid) -> torch.Tensor:
+    """This rank's box of a value every rank drew whole (a slice: its gradient stays this shard's)."""
+    return whole[(Ellipsis, *(slice(lo, hi) for lo, hi in local_box(shape, grid)))]
 
 
 def _dropout(m: nn.Dropout, grid: ProcessGrid, overlap: bool = False) -> DistDropout:

@@ -33,9 +33,9 @@ class LayerHooks:
         inside it, so that what it reads is not the forward's (default: :meth:`after_layer` on the
         outermost layer). The one place this mode is paused inside layers."""
         def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple | None:  # before_layer's calls pass too
-            if kwargs and self.depth == 0:  # conv(input=h): its split counterpart names its input x
-                args, kwargs = positional(type(self.original(m)).forward, args, kwargs)
             if self.depth == 0:
+                if kwargs:  # conv(input=h): its split counterpart names its input x
+                    args, kwargs = positional(type(self.original(m)).forward, args, kwargs)
                 self._layer_reads(m, [a for a in args if isinstance(a, torch.Tensor)])
             self.depth += 1
             if self.depth == 1:  # read inside the layer: not one of the forward's calls

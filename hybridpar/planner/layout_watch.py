@@ -147,9 +147,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             self.copies.take(out, f"the output of {type(m).__name__}, a view of its input read whole", source)
         elif x in self.copies.taken:  # a view of a copy (nn.Unflatten after nn.Flatten) is one too
             self.copies.after([self.copies.taken[x]], out)
-        if not isinstance(out, torch.Tensor) or x not in self.split or out.dim() != 5 or x.dim() != 5:
-            if isinstance(out, torch.Tensor) and x in self.split and out.shape == x.shape and \
-                    not self.needs_whole(m, x):  # an activation on a shard of h.mean(1) keeps its layout
+        if not isinstance(out, torch.Tensor) or x not in self.split:
+            return
+        if out.dim() != 5 or x.dim() != 5:  # an activation on a shard of h.mean(1) keeps its layout
+            if out.shape == x.shape and not self.needs_whole(m, x):
                 self.mark(out, self.split[x])
             return
         entry = registry.lookup(m)
@@ -320,8 +321,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         target = first if calls.in_place(name) and first is not None and first in self.split else None
         extents = [self.split[t] for t in _tensors(args, kwargs) if t in self.split]
-        carries = [t in self.split or t in self.batched or not isinstance(t, nn.Parameter)  # not a weight
-                   for t in _tensors(args, kwargs)]
+        carries = [not isinstance(t, nn.Parameter) for t in _tensors(args, kwargs)]  # a weight carries none
         whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
         args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
         kwargs = {k: whole(v) for k, v in kwargs.items()}

@@ -18,6 +18,7 @@ Conventions
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,9 +27,11 @@ Range = tuple[int, int]
 
 def ntuple(value: int | Sequence[int], n: int = 3, *, what: str | None = None,
            layer: str = "layer") -> tuple[int, ...]:
-    """A per-dim layer argument (kernel size, stride...) given as one int or ``n``, as ``n`` ints; with
+    """A per-dim layer argument (kernel size, stride...) given as one int or ``n``, as ``n`` ints (a
+    numpy integer too, as torch takes it: MONAI computes strides with numpy); with
     ``what`` (its name) checked, a bad value raising one line naming ``layer``."""
     t = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    t = tuple(int(i) if isinstance(i, numbers.Integral) else i for i in t)
     if what is not None and (len(t) != n or not all(isinstance(i, int) for i in t)):
         raise ValueError(f"{layer}: {what} must be an int or {n} ints, got {value!r}")
     return t

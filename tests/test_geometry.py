@@ -207,6 +207,8 @@ def test_ntuple_expands_and_checks():
         ntuple((1, 2), what="stride", layer="DistMaxPool3d")
     with pytest.raises(ValueError, match="kernel_size must be an int or 3 ints"):
         ntuple(1.5, what="kernel_size")
+    strides = ntuple(tuple(np.array([2, 2, 1])), what="stride")  # as MONAI's SegResNetDS computes them
+    assert strides == (2, 2, 1) and all(type(s) is int for s in strides)
 
 
 def test_max_parts():

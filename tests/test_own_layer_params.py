@@ -6,12 +6,15 @@
   5 | 4) the plan runs it whole, or with ``strict`` refuses it naming the layer, the dim and what fits.
 * A ``reduce`` layer's split version written with the public API (``volume_sum``, ``applied_whole`` for a
   weight on the pooled values, ``applied_split`` for one on the shard): both weights' gradients exact.
+* A norm of one's own, its split version summing with ``volume_sum`` and using the totals on the shard
+  (their gradients summed over the shards: ``nn/value_flow.py``), a weight on each side: exact.
 * A parameter tied between two split layers trains exactly.
 
 Three SGD steps in float64 against one process (``_compare``), on 2 ranks and 2x2x1 and data x spatial.
-What cannot be exact is refused before any step, in one line: a parameter tied between a split layer and
-one run replicated, a reduce layer's parameter of unstated accounting, a window or reduce layer
-registered without a split version.
+What cannot be exact is refused before any step, in one line: a split version whose gradients are not
+the layer's on the volume (a sum by hand with ``dist.all_reduce``, blind to autograd), a parameter tied
+between a split layer and one run replicated, a reduce layer's parameter of unstated accounting, a
+window or reduce layer registered without a split version.
 """
 
 from __future__ import annotations
@@ -89,9 +92,9 @@ class DistWeightedPool(hp.nn.SpatialLayer, WeightedPool):
             self.applied_whole(self.w)  # on the pooled, whole values: the whole gradient on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d, h, w = self.global_shape(x)
+        voxels = x.new_tensor(self.global_shape(x)).prod()  # alike on every rank, whole
         total = self.volume_sum((x * self.a.view(1, -1, 1, 1, 1)).sum(dim=(2, 3, 4)))
-        return total / (d * h * w) * self.w
+        return total / voxels * self.w
 
 
 class SilentPool(WeightedPool):
@@ -131,6 +134,68 @@ class DistGeM(hp.nn.SpatialLayer, GeM):
 
 hp.nn.register(GeM, role="reduce", op="pool", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap=False: DistGeM(m.p.numel(), grid=grid))
+
+
+class OwnNorm(nn.Module):
+    """An instance norm of one's own: ``t`` tempers the variance (a whole value), ``g`` scales the
+    normalised voxels (the shard)."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.t, self.g = nn.Parameter(torch.full((ch,), 1.5)), _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean(dim=(2, 3, 4), keepdim=True)
+        v = (x - m).pow(2).mean(dim=(2, 3, 4), keepdim=True)
+        return (x - m) * (v * self.t.view(1, -1, 1, 1, 1) + 1e-5).rsqrt() * self.g.view(1, -1, 1, 1, 1)
+
+
+class DistOwnNorm(hp.nn.SpatialLayer, OwnNorm):
+    """Its split version: the mean and variance by ``volume_sum``, subtracted from and applied to the
+    shard, each shard's part of their gradients summed by the engine."""
+
+    def __init__(self, ch: int, *, grid) -> None:
+        OwnNorm.__init__(self, ch)
+        self.init_spatial(grid)
+        self.applied_whole(self.t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.new_tensor(self.global_shape(x)).prod()
+        m = self.volume_sum(x.sum(dim=(2, 3, 4), keepdim=True)) / n
+        v = self.volume_sum((x - m).pow(2).sum(dim=(2, 3, 4), keepdim=True)) / n
+        return (x - m) * (v * self.t.view(1, -1, 1, 1, 1) + 1e-5).rsqrt() * self.g.view(1, -1, 1, 1, 1)
+
+
+hp.nn.register(OwnNorm, role="pointwise", op="norm", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap=False: DistOwnNorm(m.g.numel(), grid=grid))
+
+
+def NormNet() -> nn.Module:  # noqa: N802
+    return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), OwnNorm(2), nn.Conv3d(2, 1, 3, padding=1))
+
+
+class HandNorm(OwnNorm):
+    """The same norm, whose split version sums by hand with ``dist.all_reduce``: its forward is the
+    layer's, its backward blind to the sum (each shard's part of the mean's gradient kept apart)."""
+
+
+class DistHandNorm(hp.nn.SpatialLayer, HandNorm):
+    def __init__(self, ch: int, *, grid) -> None:
+        HandNorm.__init__(self, ch)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.new_tensor(self.global_shape(x)).prod()
+        m = x.sum(dim=(2, 3, 4), keepdim=True)
+        torch.distributed.all_reduce(m, group=self.grid.spatial_group)
+        v = (x - m / n).pow(2).sum(dim=(2, 3, 4), keepdim=True)
+        torch.distributed.all_reduce(v, group=self.grid.spatial_group)
+        rstd = (v / n * self.t.view(1, -1, 1, 1, 1) + 1e-5).rsqrt()
+        return (x - m / n) * rstd * self.g.view(1, -1, 1, 1, 1)
+
+
+hp.nn.register(HandNorm, role="pointwise", op="norm", flops=_pointwise_flops,
+               to_dist=lambda m, grid, overlap=False: DistHandNorm(m.g.numel(), grid=grid))
 
 
 def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
@@ -212,6 +277,7 @@ def _cases(spec: dict) -> list[tuple[str, str, tuple[int, ...], dict]]:
             ("stride-2 pick, aligned: run split", "DownNet", ALIGNED, spec),
             ("stride-2 pick, unaligned: run whole", "DownNet", UNEVEN, spec),
             ("reduce layer, weights before and after the reduction", "PoolNet", UNEVEN, spec),
+            ("a norm of one's own, volume_sum's totals used on the shard", "NormNet", UNEVEN, spec),
             ("a weight tied between two split layers", "TiedSplit", UNEVEN, spec)]
 
 
@@ -243,9 +309,30 @@ def _both_sides_body(rank: int, world: int) -> str:
     model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), GeM(2), nn.Linear(2, 1)).double()
     engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
     x = torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"1 \(GeM\): its parameter p is applied both to the shard") as err:
+    with pytest.raises(ValueError, match=r"DistGeM\(1\): its parameter p is applied both to the shard") \
+            as err:
         engine.train_step(*engine.shard_batch(x, torch.randn(2, 1, dtype=torch.float64)))
     return str(err.value)
+
+
+def _hand_sum_body(rank: int, world: int) -> str:
+    """A split version whose backward misses its sum over the shards: its first forward's check of the
+    gradients says so, before any step."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), HandNorm(2), nn.Conv3d(2, 1, 3, padding=1))
+    model = model.double()
+    engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    x = torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)
+    said = (r"1 \(HandNorm\): its split version DistHandNorm .* does not give the layer's gradients on the "
+            r"volume: on rank \d the gradient of its input differs by up to")
+    with pytest.raises(ValueError, match=said) as err:
+        engine.train_step(*engine.shard_batch(x, torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)))
+    assert all(p.grad is None for p in model.parameters())  # refused before any gradient
+    return str(err.value)
+
+
+def test_a_split_version_whose_gradients_are_not_the_layers_is_refused(pools):
+    said = pools(2).run(_hand_sum_body)
+    assert said[0] == said[1], said
 
 
 def test_a_parameter_applied_on_both_sides_of_the_reduction_is_refused(pools):

@@ -25,9 +25,11 @@ from torch import nn
 
 from hybridpar.comm.flags import any_rank
 from hybridpar.comm.redistribute import gather
+from hybridpar.comm.reduce import grad_split, sum_to_replicated
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.nn.meta import meta_state, unwatched
+from hybridpar.nn.value_flow import check_uses, unfollowed
 from hybridpar.planner.terms import SpecError
 
 __all__ = ["GATHER_LIMIT", "watch_split_version"]
@@ -53,14 +55,14 @@ def watch_split_version(d: nn.Module, original: nn.Module, what: str, replicated
             pending.clear()
             reached = _reached(out) if out.grad_fn is not None else None  # its parameters, in training
             with torch.no_grad():
-                _check(d, original, what, x, out, replicated, reached)
+                _check(d, original, what, inner, x, out, replicated, reached)
         return out
 
     d.forward = forward
 
 
 @eager  # collectives and a copy of the layer, once: never part of a compiled graph
-def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: torch.Tensor,
+def _check(d: nn.Module, original: nn.Module, what: str, inner: Any, x: torch.Tensor, out: torch.Tensor,
            replicated: bool, reached: set[int] | None) -> None:
     grid = d.grid
     extents = tuple(d.global_shape(x))
@@ -79,13 +81,27 @@ def _check(d: nn.Module, original: nn.Module, what: str, x: torch.Tensor, out: t
             why = _values(d, original, x, out, extents, box)
     except Exception as err:  # noqa: BLE001 - the user's layer: agreed on below, then raised on every rank
         why = f"checking it failed: {type(err).__name__}: {err}"
-    said = _agree(why, grid.spatial_group if grid.spatial_size > 1 else None)
+    group = grid.spatial_group if grid.spatial_size > 1 else None
+    said = _agree(why, group)
     if said:
         raise SpecError(f"{what}: its split version {type(d).__name__} (the registered to_dist) does not "
                         f"give the shards of the layer's output on the volume: {said}; its forward must give "
                         f"this rank's box of that output (halos from self.with_halos(x) for a window, a "
                         f"resample's planes counted from the volume's origin), or register the layer "
                         f"without to_dist")
+    if reached is None or x.shape[1] * math.prod(extents) > GATHER_LIMIT:
+        return
+    check_uses(d)  # a parameter applied otherwise than said: named as such, not by its gradient's error
+    try:
+        why = _gradients(d, original, inner, x, extents, box)
+    except Exception as err:  # noqa: BLE001
+        why = f"checking its gradients failed: {type(err).__name__}: {err}"
+    said = _agree(why, group)
+    if said:
+        raise SpecError(f"{what}: its split version {type(d).__name__} (the registered to_dist) does not "
+                        f"give the layer's gradients on the volume: {said}; sum over the volume with "
+                        f"self.volume_sum (differentiable), and say self.applied_whole(p) of a parameter "
+                        f"applied to whole values (hybridpar.nn.SpatialLayer)")
 
 
 def _reached(out: torch.Tensor) -> set[int]:
@@ -134,7 +150,7 @@ def _values(d: nn.Module, original: nn.Module, x: torch.Tensor, out: torch.Tenso
     gathered, or ""."""
     whole = gather(x[:1].detach(), d.grid, extents)
     layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
-    with unwatched(layer), torch.random.fork_rng(devices=[]):
+    with unwatched(layer), unfollowed(d), torch.random.fork_rng(devices=[]):
         want = layer(whole)
     if box is not None:
         want = want[(..., *(slice(lo, hi) for lo, hi in box))]
@@ -144,6 +160,59 @@ def _values(d: nn.Module, original: nn.Module, x: torch.Tensor, out: torch.Tenso
     if err > _RTOL.get(want.dtype, 1e-2) * scale:
         return (f"on rank {d.grid.rank} its values differ from the layer's on the volume by up to {err:.3g} "
                 f"(largest value {scale:.3g}), on the first sample of its first forward")
+    return ""
+
+
+def _gradients(d: nn.Module, original: nn.Module, inner: Any, x: torch.Tensor, extents: tuple[int, ...],
+               box: tuple[tuple[int, int], ...] | None) -> str:
+    """Why the gradients of ``d`` on the first sample (this rank's shard) differ from ``original``'s on
+    the sample gathered, for one cotangent drawn alike on every rank: the input's (this rank's box), and
+    each parameter's (summed over the shards where it says each gives a part), or ""."""
+    grid = d.grid
+    mine = x[:1].detach().requires_grad_()
+    flow = getattr(d, "_value_flow", None)  # the forward's own follower (nn/value_flow.py): mine is a shard
+    if flow is not None:
+        flow.shard[mine] = True
+    buffers = [b.clone() for b in d.buffers()]
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        out = inner(mine)
+    with unfollowed(d):
+        with torch.no_grad():
+            for b, kept in zip(d.buffers(), buffers, strict=True):
+                b.copy_(kept)
+        layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
+        pairs = [(q, layer.get_parameter(n)) for n, q in original.named_parameters()
+                 if q.requires_grad and any(q is p for p in d.parameters())]
+        whole = gather(mine.detach(), grid, extents).requires_grad_()
+        with unwatched(layer), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            want = layer(whole)
+        return _compare_gradients(d, original, mine, out, want, whole, pairs, extents, box)
+
+
+def _compare_gradients(d: nn.Module, original: nn.Module, mine: torch.Tensor, out: torch.Tensor,
+                       want: torch.Tensor, whole: torch.Tensor, pairs: list, extents: tuple[int, ...],
+                       box: tuple[tuple[int, int], ...] | None) -> str:
+    grid = d.grid
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cot = cot.to(want)
+    got = torch.autograd.grad(out, [mine, *(q for q, _ in pairs)],
+                              cot if box is None else cot[(..., *(slice(lo, hi) for lo, hi in box))],
+                              allow_unused=True)
+    ref = torch.autograd.grad(want, [whole, *(r for _, r in pairs)], cot, allow_unused=True)
+    in_box = shard_box(extents, grid.spatial_shape, grid.spatial_coord)
+    named = [("its input", ref[0][(..., *(slice(lo, hi) for lo, hi in in_box))], got[0])]
+    for (q, _), g, r in zip(pairs, got[1:], ref[1:], strict=True):
+        g = torch.zeros_like(q) if g is None else g
+        if grad_split(q) > 1:
+            g = sum_to_replicated(g.detach(), grid.spatial_group)
+        name = next(n for n, p in original.named_parameters() if p is q)
+        named.append((f"its parameter {name}", torch.zeros_like(q) if r is None else r, g))
+    scale = max([1e-30, *(float(r.abs().max()) for _, r, _ in named if r.numel())])
+    for name, r, g in named:
+        err = float((g.detach().to(r.dtype) - r).abs().max()) if r.numel() else 0.0
+        if err > _RTOL.get(r.dtype, 1e-2) * scale:
+            return (f"on rank {grid.rank} the gradient of {name} differs by up to {err:.3g} (largest "
+                    f"gradient {scale:.3g}), on the first sample of its first forward")
     return ""
 
 

@@ -8,9 +8,11 @@ collective), or set ahead of time by the engine (``layer.global_input_shape``) t
 own subclasses it and that layer, calls :meth:`~SpatialLayer.init_spatial` in its ``__init__``, and in
 its ``forward`` runs the layer's kernel unpadded on :meth:`~SpatialLayer.with_halos` of its shard,
 with the kernel and stride of :meth:`~SpatialLayer.window` (its registry entry's, read, not repeated).
-A ``reduce`` layer's split version sums over the volume with :meth:`~SpatialLayer.volume_sum` and says
-of each parameter whether it acts on the shard or on the reduced, whole values
-(:meth:`~SpatialLayer.applied_split`, :meth:`~SpatialLayer.applied_whole`).
+A split version that reduces over the volume (a ``reduce`` layer, a norm) sums with
+:meth:`~SpatialLayer.volume_sum`, whose total may be used on whole values or on the shard (its gradient
+then summed over the shards: ``nn/value_flow.py``), and says of each parameter applied to whole values
+:meth:`~SpatialLayer.applied_whole` (a ``reduce`` layer says it of each, or
+:meth:`~SpatialLayer.applied_split`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hybridpar.device.eager import eager
 from hybridpar.geometry import HaloPlan
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
+from hybridpar.nn.value_flow import follow_values
 from hybridpar.nn.window import Windows
 
 _STATED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -78,6 +81,8 @@ class SpatialLayer(nn.Module):
         self.layer_name = type(self).__name__
         self._exchangers: dict[tuple, HaloExchanger] = {}
         self.mark_split_params()
+        if not type(self).__module__.startswith("hybridpar."):
+            follow_values(self)  # a user's split layer: what it does with volume_sum's totals, followed
         # The ranks of the split share this layer's weights: on its first forward they are checked
         # equal (hybridpar.comm.agree), unless whoever built it has made them so (weights_agreed()).
         self._agree_hook = self.register_forward_pre_hook(_check_weights_once)
@@ -205,12 +210,13 @@ class SpatialLayer(nn.Module):
     def volume_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over the whole split volume of ``partial``, what this rank's shard gives
         (``x.sum((2, 3, 4))``): the same on every rank, differentiable (its gradient reaches every
-        shard). A ``reduce`` layer's split version reduces with it (a mean: divide by the voxels of
-        :meth:`global_shape`)."""
+        shard), used on whole values (a ``reduce`` layer's pooled features; a mean: divide by the voxels
+        of :meth:`global_shape`) or on the shard (a norm's mean and variance), in the forward of a user's
+        split layer (followed there: ``nn/value_flow.py``)."""
         total = sum_to_replicated(partial, self.grid.spatial_group)
-        uses = getattr(self, "_param_uses", None)  # the first forward's check (hybridpar.nn.param_uses)
-        if uses is not None:
-            uses.whole(total)
+        flow = getattr(self, "_value_flow", None)  # a user's layer's forward, followed (nn/value_flow.py)
+        if flow is not None:
+            flow.summed(total)
         return total
 
     def extra_repr(self) -> str:

@@ -23,7 +23,6 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.nn import registry
 from hybridpar.nn.dist_check import watch_split_version
 from hybridpar.nn.families import reduces_over_job
-from hybridpar.nn.param_uses import watch_first_forward
 from hybridpar.nn.sharing import share_state, sharing_copy
 from hybridpar.nn.spatial import SpatialLayer, stated
 from hybridpar.nn.window import describe
@@ -62,8 +61,6 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     check_window(entry, m, d, name)
     check_reduce_params(entry, m, d, name)
     what = f"{name} ({type(m).__name__})" if name else type(m).__name__
-    if entry.role == "reduce" and grid.spatial_size > 1:
-        watch_first_forward(d, what)
     if grid.spatial_size > 1 and isinstance(d, SpatialLayer) and not entry.torch_type.__module__.startswith(
             ("torch.", "hybridpar.")):  # a user's layer's own split version
         watch_split_version(d, m, what, replicated=entry.replicated_output(m))

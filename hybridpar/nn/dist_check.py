@@ -10,7 +10,10 @@ while the others wait. So its first forward is compared: the output's extents wi
 the layer's output on the volume (a run on the meta device), and, where one sample of its input is
 small enough to gather (:data:`GATHER_LIMIT` elements), the values with the layer run on that sample
 gathered whole; in training, also that its output depends on every parameter the layer's does (a weight
-kept detached would get no gradient). The ranks agree on the verdict before any raises.
+kept detached would get no gradient), and then its gradients on that sample, for one cotangent: a Dist
+class whose forward is right can still train wrong (a sum over the shards done by hand with
+``dist.all_reduce``, which autograd does not see, gives each shard its own part of the mean's
+gradient). The ranks agree on each verdict before any raises.
 """
 
 from __future__ import annotations
@@ -175,44 +178,47 @@ def _gradients(d: nn.Module, original: nn.Module, inner: Any, x: torch.Tensor, e
         flow.shard[mine] = True
     buffers = [b.clone() for b in d.buffers()]
     with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        out = inner(mine)
+        out = inner(mine.clone())  # a forward that writes its input in place writes the clone
     with unfollowed(d):
         with torch.no_grad():
             for b, kept in zip(d.buffers(), buffers, strict=True):
                 b.copy_(kept)
         layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
-        pairs = [(q, layer.get_parameter(n)) for n, q in original.named_parameters()
+        names = [n for n, q in original.named_parameters()
                  if q.requires_grad and any(q is p for p in d.parameters())]
+        ours = [original.get_parameter(n) for n in names]
         whole = gather(mine.detach(), grid, extents).requires_grad_()
         with unwatched(layer), torch.enable_grad(), torch.random.fork_rng(devices=[]):
             want = layer(whole)
-        return _compare_gradients(d, original, mine, out, want, whole, pairs, extents, box)
+        cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        cot = cot.to(want)
+        mine_cot = cot if box is None else cot[(..., *(slice(lo, hi) for lo, hi in box))]
+        got = torch.autograd.grad(out, [mine, *ours], mine_cot, allow_unused=True)
+        ref = torch.autograd.grad(want, [whole, *(layer.get_parameter(n) for n in names)], cot,
+                                  allow_unused=True)
+        in_box = (..., *(slice(*r) for r in shard_box(extents, grid.spatial_shape, grid.spatial_coord)))
+        pairs = [("its input", got[0], ref[0][in_box] if ref[0] is not None else None, mine)]
+        for n, q, g, r in zip(names, ours, got[1:], ref[1:], strict=True):
+            if g is not None and grad_split(q) > 1:
+                g = sum_to_replicated(g, grid.spatial_group)
+            pairs.append((f"its parameter {n}", g, r, q))
+        return _differ(pairs, grid.rank)
 
 
-def _compare_gradients(d: nn.Module, original: nn.Module, mine: torch.Tensor, out: torch.Tensor,
-                       want: torch.Tensor, whole: torch.Tensor, pairs: list, extents: tuple[int, ...],
-                       box: tuple[tuple[int, int], ...] | None) -> str:
-    grid = d.grid
-    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    cot = cot.to(want)
-    got = torch.autograd.grad(out, [mine, *(q for q, _ in pairs)],
-                              cot if box is None else cot[(..., *(slice(lo, hi) for lo, hi in box))],
-                              allow_unused=True)
-    ref = torch.autograd.grad(want, [whole, *(r for _, r in pairs)], cot, allow_unused=True)
-    in_box = shard_box(extents, grid.spatial_shape, grid.spatial_coord)
-    named = [("its input", ref[0][(..., *(slice(lo, hi) for lo, hi in in_box))], got[0])]
-    for (q, _), g, r in zip(pairs, got[1:], ref[1:], strict=True):
-        g = torch.zeros_like(q) if g is None else g
-        if grad_split(q) > 1:
-            g = sum_to_replicated(g.detach(), grid.spatial_group)
-        name = next(n for n, p in original.named_parameters() if p is q)
-        named.append((f"its parameter {name}", torch.zeros_like(q) if r is None else r, g))
-    scale = max([1e-30, *(float(r.abs().max()) for _, r, _ in named if r.numel())])
-    for name, r, g in named:
-        err = float((g.detach().to(r.dtype) - r).abs().max()) if r.numel() else 0.0
+Grads = list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor]]
+
+
+def _differ(pairs: Grads, rank: int) -> str:
+    """The first of (what, got, wanted, like) whose got differs from wanted (None: zeros like ``like``),
+    relative to the largest wanted gradient, or ""."""
+    pairs = [(w, torch.zeros_like(t) if g is None else g, torch.zeros_like(t) if r is None else r, t)
+             for w, g, r, t in pairs]
+    scale = max([1e-30, *(float(r.abs().max()) for _, _, r, _ in pairs if r.numel())])
+    for what, g, r, _ in pairs:
+        err = float((g.to(r.dtype) - r).abs().max()) if r.numel() else 0.0
         if err > _RTOL.get(r.dtype, 1e-2) * scale:
-            return (f"on rank {grid.rank} the gradient of {name} differs by up to {err:.3g} (largest "
-                    f"gradient {scale:.3g}), on the first sample of its first forward")
+            return (f"on rank {rank} the gradient of {what} differs by up to {err:.3g} (largest gradient "
+                    f"{scale:.3g}), on the first sample of its first forward")
     return ""
 
 

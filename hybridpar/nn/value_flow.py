@@ -111,37 +111,38 @@ def follow_values(d: nn.Module) -> None:
     """Follow every forward of ``d`` (a user's split layer, a
     :class:`~hybridpar.nn.spatial.SpatialLayer`) as the module doc says: whole values entering the
     shard get their gradients summed over the shards; its first forward's parameter uses are checked
-    (a ``ValueError`` naming ``d.layer_name`` and the parameter)."""
+    (a ``ValueError`` naming ``d.layer_name`` and the parameter). The hooks read the module they are
+    called for, so a copy of ``d`` is followed as itself."""
     if d.grid.spatial_size == 1:
         return  # whole values and the shard alike: nothing to sum, every count right
-    first = [True]
+    d._value_flow, d._uses_checked = None, False
+    d.register_forward_pre_hook(_enter)
+    d.register_forward_hook(_leave, always_call=True)
 
-    def enter(m: nn.Module, args: tuple) -> None:
-        names = {id(p): n for n, p in d.named_parameters()} if first else {}
-        mode = _Flow(d.grid.spatial_group, names)
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                mode.shard[a] = True
-        d._value_flow = mode
-        mode.__enter__()
 
-    def leave(m: nn.Module, args: tuple, out: Any) -> None:
-        mode = d._value_flow
-        mode.__exit__(None, None, None)
-        d._value_flow = None
-        if first:
-            first.clear()
-            _check(d.layer_name, dict(d.named_parameters()), mode.uses)
+def _enter(m: nn.Module, args: tuple) -> None:
+    names = {} if m._uses_checked else {id(p): n for n, p in m.named_parameters()}
+    mode = _Flow(m.grid.spatial_group, names)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            mode.shard[a] = True
+    m._value_flow = mode
+    mode.__enter__()
 
-    d.register_forward_pre_hook(enter)
-    d.register_forward_hook(leave, always_call=True)
+
+def _leave(m: nn.Module, args: tuple, out: Any) -> None:
+    mode, m._value_flow = m._value_flow, None
+    mode.__exit__(None, None, None)
+    if not m._uses_checked:
+        m._uses_checked = True
+        _check(m.layer_name, dict(m.named_parameters()), mode.uses)
 
 
 def check_uses(d: nn.Module) -> None:
     """Refuse, as the end of ``d``'s first forward would, a parameter the forward so far applied
     otherwise than its layer said (for a check that would otherwise see only the gradient's error)."""
     flow = getattr(d, "_value_flow", None)
-    if flow is not None:
+    if flow is not None and not d._uses_checked:
         _check(d.layer_name, dict(d.named_parameters()), flow.uses)
 
 

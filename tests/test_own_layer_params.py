@@ -198,6 +198,48 @@ hp.nn.register(HandNorm, role="pointwise", op="norm", flops=_pointwise_flops,
                to_dist=lambda m, grid, overlap=False: DistHandNorm(m.g.numel(), grid=grid))
 
 
+class BinomialBlur(nn.Module):
+    """A fixed binomial blur (a buffer, saved for the backward by ``F.conv3d``) times a learnable gain."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        k = torch.tensor([0.25, 0.5, 0.25])
+        self.register_buffer("kern", (k[:, None, None] * k[None, :, None] * k).expand(ch, 1, 3, 3, 3).clone())
+        self.gain = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv3d(x, self.kern, padding=1, groups=len(self.gain)) * self.gain.view(1, -1, 1, 1, 1)
+
+
+class DistBinomialBlur(hp.nn.SpatialLayer, BinomialBlur):
+    def __init__(self, ch: int, *, grid) -> None:
+        BinomialBlur.__init__(self, ch)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv3d(self.with_halos(x), self.kern, groups=len(self.gain)) * self.gain.view(1, -1, 1, 1, 1)
+
+
+hp.nn.register(BinomialBlur, role="window", op="conv", window=lambda m: (hp.nn.Window(3, 1, 1, 1),) * 3,
+               to_dist=lambda m, grid, overlap=False: DistBinomialBlur(m.gain.numel(), grid=grid),
+               flops=_pointwise_flops)
+
+
+class BlurTwice(nn.Module):
+    """The blur on the volume and again on its depth-averaged planes (one plane: not split), the second
+    call's buffer read while the first call's backward still needs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.blur = nn.Conv3d(2, 2, 3, padding=1), BinomialBlur(2)
+        self.c2 = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        low = F.avg_pool3d(h, (h.shape[2], 1, 1))
+        return self.c2(self.blur(h) * torch.sigmoid(self.blur(low)))
+
+
 def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), LearnUp(2), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
 
@@ -278,6 +320,7 @@ def _cases(spec: dict) -> list[tuple[str, str, tuple[int, ...], dict]]:
             ("stride-2 pick, unaligned: run whole", "DownNet", UNEVEN, spec),
             ("reduce layer, weights before and after the reduction", "PoolNet", UNEVEN, spec),
             ("a norm of one's own, volume_sum's totals used on the shard", "NormNet", UNEVEN, spec),
+            ("a window layer reading a buffer, on the volume and on one plane", "BlurTwice", UNEVEN, spec),
             ("a weight tied between two split layers", "TiedSplit", UNEVEN, spec)]
 
 

@@ -31,6 +31,7 @@ from hybridpar.comm.redistribute import gather
 from hybridpar.comm.reduce import grad_split, sum_to_replicated
 from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
+from hybridpar.nn.buffer_state import same_values
 from hybridpar.nn.meta import meta_state, unwatched
 from hybridpar.nn.value_flow import check_uses, unfollowed
 from hybridpar.planner.terms import SpecError
@@ -180,9 +181,10 @@ def _gradients(d: nn.Module, original: nn.Module, inner: Any, x: torch.Tensor, e
     with torch.enable_grad(), torch.random.fork_rng(devices=[]):
         out = inner(mine.clone())  # a forward that writes its input in place writes the clone
     with unfollowed(d):
-        with torch.no_grad():
+        with torch.no_grad():  # a buffer the check's forward changed (a running statistic) set back
             for b, kept in zip(d.buffers(), buffers, strict=True):
-                b.copy_(kept)
+                if not same_values(b, kept):  # one it only read may be saved for the backward: untouched
+                    b.copy_(kept)
         layer = copy.deepcopy(original)  # its buffers (running statistics) left as they are
         names = [n for n, q in original.named_parameters()
                  if q.requires_grad and any(q is p for p in d.parameters())]

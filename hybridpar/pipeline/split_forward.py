@@ -41,6 +41,7 @@ from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import slicing
+from hybridpar.nn.buffer_state import same_values
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.spatial import SpatialLayer
@@ -432,7 +433,8 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
         if any(m.training for m in original.modules()):
             with torch.no_grad():
                 for name, b in original.named_buffers():
-                    b.copy_(copies[name])
+                    if not same_values(b, copies[name]):  # one only read may be saved by a split call
+                        b.copy_(copies[name])
         return out
 
     d.forward = forward  # this copy's own: its class and state dict keys unchanged

@@ -240,6 +240,20 @@ class BlurTwice(nn.Module):
         return self.c2(self.blur(h) * torch.sigmoid(self.blur(low)))
 
 
+class CheckpointedNorm(nn.Module):
+    """``OwnNorm`` recomputed in the backward (``torch.utils.checkpoint``), its first forward checked
+    inside the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.norm = nn.Conv3d(2, 2, 3, padding=1), OwnNorm(2)
+        self.c2 = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.norm, self.c1(x), use_reentrant=False)
+        return self.c2(h)
+
+
 def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), LearnUp(2), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
 
@@ -321,6 +335,7 @@ def _cases(spec: dict) -> list[tuple[str, str, tuple[int, ...], dict]]:
             ("reduce layer, weights before and after the reduction", "PoolNet", UNEVEN, spec),
             ("a norm of one's own, volume_sum's totals used on the shard", "NormNet", UNEVEN, spec),
             ("a window layer reading a buffer, on the volume and on one plane", "BlurTwice", UNEVEN, spec),
+            ("a norm of one's own under torch.utils.checkpoint", "CheckpointedNorm", UNEVEN, spec),
             ("a weight tied between two split layers", "TiedSplit", UNEVEN, spec)]
 
 
@@ -358,23 +373,46 @@ def _both_sides_body(rank: int, world: int) -> str:
     return str(err.value)
 
 
-def _hand_sum_body(rank: int, world: int) -> str:
-    """A split version whose backward misses its sum over the shards: its first forward's check of the
-    gradients says so, before any step."""
-    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), HandNorm(2), nn.Conv3d(2, 1, 3, padding=1))
-    model = model.double()
-    engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
-    x = torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)
-    said = (r"1 \(HandNorm\): its split version DistHandNorm .* does not give the layer's gradients on the "
-            r"volume: on rank \d the gradient of its input differs by up to")
-    with pytest.raises(ValueError, match=said) as err:
-        engine.train_step(*engine.shard_batch(x, torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64)))
-    assert all(p.grad is None for p in model.parameters())  # refused before any gradient
-    return str(err.value)
+class GuardedGain(nn.Module):
+    """A gain registered ``pointwise`` with no split version, whose forward reads its input's depth: a copy
+    on a shard of depth 4 takes the other branch than the volume of depth 9 (and on one rank only)."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.g = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g.view(1, -1, 1, 1, 1) if x.shape[2] > 4 else x
 
 
-def test_a_split_version_whose_gradients_are_not_the_layers_is_refused(pools):
-    said = pools(2).run(_hand_sum_body)
+hp.nn.register(GuardedGain, role="pointwise", op="pointwise", flops=_pointwise_flops)
+
+FIRST_FORWARD_REFUSALS = [
+    (HandNorm, r"1 \(HandNorm\): its split version DistHandNorm .* does not give the layer's gradients "
+               r"on the volume: on rank \d the gradient of its input differs by up to"),
+    (GuardedGain, r"1 \(GuardedGain\): run as a copy on each shard \(registered without to_dist\), it does "
+                  r"not give the layer's outputs on the volume: its output does not depend on its "
+                  r"parameter g"),
+]
+"""Layers whose first forward on a split volume is refused (each between two convolutions), and what it
+says: a split version whose backward misses its sum over the shards; a copy that reads its extents."""
+
+
+def _first_forward_body(rank: int, world: int) -> list[str]:
+    said = []
+    for layer, match in FIRST_FORWARD_REFUSALS:
+        model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), layer(2), nn.Conv3d(2, 1, 3, padding=1)).double()
+        engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+        x, y = (torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64) for _ in range(2))
+        with pytest.raises(ValueError, match=match) as err:
+            engine.train_step(*engine.shard_batch(x, y))
+        assert all(p.grad is None for p in model.parameters())  # refused before any gradient
+        said.append(str(err.value))
+    return said
+
+
+def test_what_its_first_forward_shows_wrong_is_refused_alike_on_every_rank(pools):
+    said = pools(2).run(_first_forward_body)
     assert said[0] == said[1], said
 
 

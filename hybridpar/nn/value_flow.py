@@ -52,7 +52,10 @@ class _Flow(TorchFunctionMode):
         self.uses: dict[str, set[str]] = {n: set() for n in names.values()}
 
     paused = False
-    """While set, calls run unfollowed (a check's reference run of the layer on the gathered volume)."""
+    """While set, calls run unfollowed (a check's reference run of the layer on the gathered volume, the
+    layer run whole on a value that is not split)."""
+    seen = False
+    """Whether a call was followed: a forward run unfollowed throughout leaves the first check to come."""
 
     def summed(self, t: torch.Tensor) -> None:
         """``t`` is ``volume_sum``'s result: the same on every rank, whatever it was computed from."""
@@ -66,6 +69,7 @@ class _Flow(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        self.seen = True
         given = [*args, *kwargs.values()]
         tensors = [t for t in [*given, *(a for v in given if isinstance(v, list | tuple) for a in v)]
                    if isinstance(t, torch.Tensor)]
@@ -133,7 +137,7 @@ def _enter(m: nn.Module, args: tuple) -> None:
 def _leave(m: nn.Module, args: tuple, out: Any) -> None:
     mode, m._value_flow = m._value_flow, None
     mode.__exit__(None, None, None)
-    if not m._uses_checked:
+    if not m._uses_checked and mode.seen:
         m._uses_checked = True
         _check(m.layer_name, dict(m.named_parameters()), mode.uses)
 

@@ -49,6 +49,9 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
         d = sharing_copy(m)
         mark_grad_split(d.parameters(), grid.spatial_size if entry is not None and entry.splittable else 1)
         _sync_norms(d, grid, overlap, name)
+        if entry is not None and entry.splittable and grid.spatial_size > 1 and _users(entry):
+            # a user's layer run as a copy on each shard: checked as a split version is (a shape read)
+            watch_split_version(d, m, f"{name} ({type(m).__name__})" if name else type(m).__name__, grid=grid)
         _note(m, grid, name)
         return d
     try:
@@ -61,8 +64,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     check_window(entry, m, d, name)
     check_reduce_params(entry, m, d, name)
     what = f"{name} ({type(m).__name__})" if name else type(m).__name__
-    if grid.spatial_size > 1 and isinstance(d, SpatialLayer) and not entry.torch_type.__module__.startswith(
-            ("torch.", "hybridpar.")):  # a user's layer's own split version
+    if grid.spatial_size > 1 and isinstance(d, SpatialLayer) and _users(entry):  # a user's own split version
         watch_split_version(d, m, what, replicated=entry.replicated_output(m))
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
     if ref is not None:  # floating tensors only: a complex one cast to a real dtype loses its imaginary part
@@ -122,6 +124,11 @@ def _share_parametrizations(m: nn.Module, d: nn.Module) -> None:
                             f"{tensor} of its own to compute from the parametrization; run the layer whole")
         parametrize.register_parametrization(d, tensor, nn.Identity(), unsafe=True)
         d.parametrizations[tensor] = plist
+
+
+def _users(entry: registry.LayerEntry) -> bool:
+    """Whether ``entry`` registers a layer of the user's own (not torch's nor the library's)."""
+    return not entry.torch_type.__module__.startswith(("torch.", "hybridpar."))
 
 
 def check_window(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, name: str | None = None) -> None:

@@ -20,8 +20,7 @@ each layer's output, of what calls make of them) and answers as the volume would
   of every shard's part (a parameter of the model, a squeeze-and-excitation gate);
 * reshape chains given the volume's sizes (a pixel shuffle) run with the shard's.
 
-The plan refuses, before any step, what none of these covers
-(:class:`hybridpar.planner.layout_watch.LayoutWatch`, of which this is the run).
+The plan refuses, before any step, what none of these covers (``planner/layout_watch.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from hybridpar.nn.buffer_state import same_values
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.spatial import SpatialLayer
+from hybridpar.nn.value_flow import unfollowed
 from hybridpar.pipeline.rebound_buffers import whole_buffers
 from hybridpar.planner import calls
 from hybridpar.planner.layout_watch import Extents, LayoutWatch
@@ -408,10 +408,10 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
     """Make the split layer ``d`` compute as ``original`` (the layer it stands for) when it is given a
     value that is not split: a layer called on the volume and again on a pooled or gathered value (a
     decoder block reused by a VAE branch, a squeeze-and-excitation gate in a block), which on that
-    value must not exchange halos nor count its shards. Every rank then computes the whole of that
-    call's gradient, of which each keeps its share where the engine sums the layer's parameters over
-    the shards (:func:`_shared`). A recomputation by ``torch.utils.checkpoint`` in the backward, which
-    runs on shards unfollowed, runs split (the plan refuses such a layer on a value not split there)."""
+    value must not exchange halos nor count its shards. Every rank computes the whole of that call's
+    gradient, each keeping its share where the engine sums the layer's parameters over the shards
+    (:func:`_shared`). A recomputation by ``torch.utils.checkpoint`` (on shards, unfollowed) runs split
+    (the plan refuses such a layer on a value not split there)."""
     if not isinstance(d, SpatialLayer) and all(grad_split(p) == 1 for p in d.parameters()):
         return  # a copy that computes as its original on any value (a dense head)
     split_forward = d.forward
@@ -425,16 +425,16 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
         for sub, twin in twins:
             sub.training = twin.training
         state = {name: _shared(p) for name, p in original.named_parameters()}
-        # buffers as copies, written back in training (a norm's running statistics, which torch updates
-        # without counting a version): what this call saves for its backward (a BatchNorm saves them)
-        # is then not the buffer a split call of the layer updates in place
+        # buffers as copies, written back in training where changed (a norm's running statistics): what
+        # this call saves for its backward is not the buffer a split call updates in place, nor is one
+        # only read (saved by a split call) written; a user's split layer's follower stands by
         copies = {name: b.detach().clone() for name, b in original.named_buffers()}
-        out = torch.func.functional_call(original, {**state, **copies}, args, kwargs)
-        if any(m.training for m in original.modules()):
-            with torch.no_grad():
-                for name, b in original.named_buffers():
-                    if not same_values(b, copies[name]):  # one only read may be saved by a split call
-                        b.copy_(copies[name])
+        with unfollowed(d):
+            out = torch.func.functional_call(original, {**state, **copies}, args, kwargs)
+        with torch.no_grad():
+            for name, b in original.named_buffers() if any(m.training for m in original.modules()) else ():
+                if not same_values(b, copies[name]):
+                    b.copy_(copies[name])
         return out
 
     d.forward = forward  # this copy's own: its class and state dict keys unchanged

@@ -98,6 +98,10 @@ def test_engine_errors():
         with pytest.raises(ValueError, match=r"^Engine.(shard_batch|train_step): the target must be one "
                                              r"tensor \(N, ...\), got (tuple|dict); targets of several"):
             call()
+    for call in (lambda: engine.shard_batch(x, y[-1]), lambda: engine.train_step(x_local, y_local[-1])):
+        with pytest.raises(ValueError, match=r"^Engine.(shard_batch|train_step): the target holds 1 along "
+                                             r"dim 0 where the input holds 4 samples; the engine cuts the"):
+            call()  # a model giving its last sample (h[-1]): one process trains it, a cut batch cannot
     with pytest.raises(hp.SpecError, match="micro"):
         hp.parallelize(_model(), {"grid": {"data": 1}, "pipeline": {"microbatches": 3}}, loss_fn=F.mse_loss,
                        input_shape=(4, 1, 4, 4, 4))

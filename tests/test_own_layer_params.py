@@ -19,6 +19,8 @@ window or reduce layer registered without a split version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,6 +256,33 @@ class CheckpointedNorm(nn.Module):
         return self.c2(h)
 
 
+class AvgMax(nn.Module):
+    """Average and max pools, weighted: two tensors out."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.mix = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.mix.view(1, -1, 1, 1, 1)
+        return F.avg_pool3d(x, 2) * w, F.max_pool3d(x, 2) * (1 - w)
+
+
+class DistAvgMax(hp.nn.SpatialLayer, AvgMax):
+    def __init__(self, ch: int, *, grid) -> None:
+        AvgMax.__init__(self, ch)
+        self.init_spatial(grid)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = self.with_halos(x), self.mix.view(1, -1, 1, 1, 1)
+        return F.avg_pool3d(h, 2) * w, F.max_pool3d(h, 2) * (1 - w)
+
+
+hp.nn.register(AvgMax, role="window", op="pool", window=lambda m: (hp.nn.Window(2, 2, 0, 0),) * 3,
+               to_dist=lambda m, grid, overlap=False: DistAvgMax(m.mix.numel(), grid=grid),
+               flops=_pointwise_flops)
+
+
 def UpNet() -> nn.Module:  # noqa: N802 (named as the model it builds)
     return nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), LearnUp(2), nn.Tanh(), nn.Conv3d(2, 1, 3, padding=1))
 
@@ -387,23 +416,42 @@ class GuardedGain(nn.Module):
 
 hp.nn.register(GuardedGain, role="pointwise", op="pointwise", flops=_pointwise_flops)
 
+class AddedParts(nn.Module):
+    """``AvgMax``'s two tensors added (torch.fx cannot unpack a layer's output: run by module swapping)."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv3d(1, ch, 3, padding=1), AvgMax(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.pool(self.conv(x))
+        return (a + b).mean(1, keepdim=True)
+
+
+def _between(layer: type[nn.Module]) -> Callable[[int], nn.Module]:
+    return lambda ch: nn.Sequential(nn.Conv3d(1, ch, 3, padding=1), layer(ch), nn.Conv3d(ch, 1, 3, padding=1))
+
+
 FIRST_FORWARD_REFUSALS = [
-    (HandNorm, r"1 \(HandNorm\): its split version DistHandNorm .* does not give the layer's gradients "
-               r"on the volume: on rank \d the gradient of its input differs by up to"),
-    (GuardedGain, r"1 \(GuardedGain\): run as a copy on each shard \(registered without to_dist\), it does "
-                  r"not give the layer's outputs on the volume: its output does not depend on its "
-                  r"parameter g"),
+    (_between(HandNorm), r"1 \(HandNorm\): its split version DistHandNorm .* does not give the layer's "
+                         r"gradients on the volume: on rank \d the gradient of its input differs by up to"),
+    (_between(GuardedGain), r"1 \(GuardedGain\): run as a copy on each shard \(registered without "
+                            r"to_dist\), it does not give the layer's outputs on the volume: its output does "
+                            r"not depend on its parameter g"),
+    (AddedParts, r"AvgMax \(a registered layer\) gives a tuple; a registered layer gives one tensor"),
 ]
-"""Layers whose first forward on a split volume is refused (each between two convolutions), and what it
-says: a split version whose backward misses its sum over the shards; a copy that reads its extents."""
+"""Models whose first forward on a split volume is refused, and what it says: a split version whose
+backward misses its sum over the shards; a copy that reads its extents; a layer giving two tensors."""
 
 
 def _first_forward_body(rank: int, world: int) -> list[str]:
     said = []
-    for layer, match in FIRST_FORWARD_REFUSALS:
-        model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), layer(2), nn.Conv3d(2, 1, 3, padding=1)).double()
+    for make, match in FIRST_FORWARD_REFUSALS:
+        model = make(2).double()
         engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
-        x, y = (torch.randn(2, 1, *UNEVEN[2:], dtype=torch.float64) for _ in range(2))
+        x = torch.randn(2, 1, *ALIGNED[2:], dtype=torch.float64)
+        with torch.no_grad():
+            y = torch.randn_like(make(2).double()(x))
         with pytest.raises(ValueError, match=match) as err:
             engine.train_step(*engine.shard_batch(x, y))
         assert all(p.grad is None for p in model.parameters())  # refused before any gradient

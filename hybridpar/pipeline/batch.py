@@ -33,12 +33,18 @@ def _box(t: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     return t[(Ellipsis, *(slice(a, b) for a, b in box))]
 
 
-def one_target(y: object, what: str) -> None:
-    """Refuse a target that is no tensor in one line (the engine cuts, splits and counts one tensor)."""
+def one_target(y: object, what: str, x: object = None) -> None:
+    """Refuse a target that is no tensor, or (given the input ``x``) not of its samples along dim 0, in
+    one line: the engine cuts, splits and counts one tensor by the samples of the batch."""
     if not isinstance(y, torch.Tensor):
         raise ValueError(f"{what}: the target must be one tensor (N, ...), got {type(y).__name__}; targets "
                          f"of several parts go in one tensor (a volume's channels concatenated, a head's "
                          f"columns) that loss_fn cuts apart again")
+    if isinstance(x, torch.Tensor) and x.dim() and (not y.dim() or y.shape[0] != x.shape[0]):
+        held = f"{y.shape[0]} along dim 0" if y.dim() else "no dim"
+        raise ValueError(f"{what}: the target holds {held} where the input holds {x.shape[0]} samples; the "
+                         f"engine cuts the batch by samples (micro-batches, data parallelism): give the "
+                         f"model's output and its target the batch first (not h[-1])")
 
 
 def shard(x: torch.Tensor, y: torch.Tensor | None, grid: ProcessGrid, input_grid: ProcessGrid,
@@ -48,7 +54,7 @@ def shard(x: torch.Tensor, y: torch.Tensor | None, grid: ProcessGrid, input_grid
     ``input_grid``'s box; of a volume target of a split output (``output_grid``, of ``output_volume``
     voxels), the output's box."""
     if y is not None:
-        one_target(y, "Engine.shard_batch")
+        one_target(y, "Engine.shard_batch", x)
     n = x.shape[0]
     if n % grid.data:
         raise ValueError(f"Engine.shard_batch: global batch {n} does not split over "

@@ -371,7 +371,7 @@ class Engine:
         watching = self._check_batch_stats(training)
         if self.loss_fn is None:
             raise ValueError("Engine.train_step: parallelize(..., loss_fn=...) was not given a loss")
-        one_target(y_local, "Engine.train_step")
+        one_target(y_local, "Engine.train_step", x_local)
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
             predicting.refuse_other_returns(self._built, self._size, training, "Engine.train_step")

@@ -89,8 +89,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
 
     def _out_extents(self, m: nn.Module, lead: Sequence[int], extents: Extents, dtype: torch.dtype,
                      name: object = None) -> Extents:
-        """The global extents of ``m``'s output on a volume of ``extents``, memoised per size under
-        ``name`` (a layer's identity; a call's stand-in, made anew at every call, its description)."""
+        """``m``'s output's global extents on ``extents``, memoised by ``name`` (a stand-in's) or id."""
         key = (id(m) if name is None else name, tuple(lead), extents, dtype)
         if key not in self._extents:
             state, own = meta_state(m)
@@ -98,6 +97,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                 dtype = own  # the layer's own: only the extents count
             with unwatched(m):  # a layer of the model's own: its hooks here would record a call
                 out = meta_call(m, state, torch.empty((*lead, *extents), dtype=dtype, device="meta"))
+            if not isinstance(out, torch.Tensor):  # as its split version would: one tensor
+                raise SpecError(f"{type(m).__name__} (a registered layer) gives a {type(out).__name__}; a "
+                                f"registered layer gives one tensor: register its parts apart")
             self._extents[key] = tuple(out.shape[-3:])
         return self._extents[key]
 

@@ -155,11 +155,11 @@ def _check(what: str, params: dict[str, nn.Parameter], uses: dict[str, set[str]]
         said = "shard" if grad_split(params[name]) > 1 else "whole"
         if seen == {"shard", "whole"}:
             raise ValueError(f"{what}: its parameter {name} is applied both to the shard (before "
-                            f"volume_sum) and to whole values (after it), whose gradients add up "
-                            f"differently; use two parameters, one for each side")
+                             f"volume_sum) and to whole values (after it), whose gradients add up "
+                             f"differently; use two parameters, one for each side")
         if seen and seen != {said}:
             (use,) = seen
             fix = "applied_split" if use == "shard" else "applied_whole"
             words = {"shard": "the shard", "whole": "whole values"}
             raise ValueError(f"{what}: its parameter {name} is applied to {words[use]} but was said to be "
-                            f"applied to {words[said]}; call self.{fix}(self.{name}) in its __init__")
+                             f"applied to {words[said]}; call self.{fix}(self.{name}) in its __init__")

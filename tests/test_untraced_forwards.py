@@ -1331,6 +1331,7 @@ class _Keeps(nn.Module):
         self.how, self.shape_check, self.prev, self.calls, self.size = how, shape_check, None, 0, None
         self.terms: list = []
         self.named: dict = {"start": 1}
+        self.grid = torch.ones(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
@@ -1360,6 +1361,12 @@ class _Keeps(nn.Module):
             self.terms.append(tuple(x.shape))
         elif self.how == "side outputs":  # rebound to a new list on every call, for the loss to read
             self.terms = [h * 0.5]
+        elif self.how == "moved":  # MONAI's AffineHead: on one process the same tensor, nothing moves
+            self.grid = self.grid.to(device=x.device)
+            h = h + self.grid
+        elif self.how == "doubled":
+            self.grid = self.grid * 2
+            h = h + self.grid
         elif self.how == "scratch":  # read back within the call (MONAI DynUNet's deep-supervision heads)
             self.terms.clear()
             self.terms.append(h * 0.5)
@@ -1375,7 +1382,8 @@ class _Keeps(nn.Module):
     ("list", r"leaves tensors in self.terms \(a list\) after the call.*return them from the forward"),
     ("dict", r"leaves tensors in self.named \(a dict\) after the call"),
     ("side outputs", r"leaves tensors in self.terms \(a list\) after the call"),
-    ("within", None), ("size", None), ("shapes", None), ("scratch", None)])
+    ("doubled", r"keeps a tensor in self.grid"),
+    ("within", None), ("size", None), ("shapes", None), ("scratch", None), ("moved", None)])
 @pytest.mark.parametrize("shape_check", [False, True], ids=["traced", "untraceable"])
 def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     """Planning on the meta device once left a meta tensor in ``self.prev`` (the next real step then
@@ -1384,19 +1392,21 @@ def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     refused naming it: a value carried to the next call, a tensor left on the model, or in a list or
     dict on it (a loss reading ``model.prev`` got a stale value, silently; ``sum(model.terms)`` a meta
     tensor), a counter (a traced graph keeps its value at the trace). Used within a call, or set
-    alike on every call, it plans."""
+    alike on every call, or rebound to itself moved to the input's device (``x.to``: on one process the
+    same tensor), it plans."""
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError
 
     spec = hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}})
     model = _Keeps(how, shape_check)
+    grid = model.grid
     if match is None:
         spec.plan(model, (2, 1, 8, 8, 8), 2)
     else:
         with pytest.raises(SpecError, match=r"model \(_Keeps\): its forward " + match):
             spec.plan(model, (2, 1, 8, 8, 8), 2)
     assert model.prev is None and model.calls == 0 and model.size is None
-    assert model.terms == [] and model.named == {"start": 1}
+    assert model.terms == [] and model.named == {"start": 1} and model.grid is grid
 
 
 @pytest.mark.parametrize("name,args,kwargs,moves", [

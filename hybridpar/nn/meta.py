@@ -76,6 +76,7 @@ class OnMeta(TorchFunctionMode):
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
         self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
+        self.moved = WeakIdKeyDictionary()  # a tensor -> the one it converts (x.to(device), x.float())
 
     def __enter__(self) -> OnMeta:
         self._kernels = None if _EXACT else ShapeOnlyResampling()  # interpolation at the cost of its shape
@@ -105,7 +106,22 @@ class OnMeta(TorchFunctionMode):
             return known
         out = func(*args, **kwargs)
         self.sound.after(func, args, out)
+        if getattr(func, "__name__", "") in _CONVERSIONS and args and isinstance(args[0], torch.Tensor) \
+                and isinstance(out, torch.Tensor) and out is not args[0]:
+            self.moved[out] = args[0]
         return out
+
+    def converts(self, t: torch.Tensor, source: torch.Tensor) -> bool:
+        """Whether ``t`` is ``source`` converted (moved to a device, cast), in one call or a chain."""
+        while t is not None and t is not source:
+            t = self.moved.get(t)
+        return t is source
+
+
+_CONVERSIONS = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous")
+"""Calls whose result holds its input's values (here on the meta device, on one process the same tensor
+where nothing moves): an attribute rebound to one (``self.grid = self.grid.to(x.device)``, as MONAI's
+``AffineHead`` does) keeps no state."""
 
 
 _EXACT: list[bool] = []  # within exact_operations(): each operation runs as written
@@ -160,6 +176,9 @@ def meta_call(module: nn.Module, state: dict[str, torch.Tensor], *args: Any) -> 
     _refuse_filled(module, held, run.read)
     _refuse_moving(module, state, args, values, plain)
     kept = _changed(module, before)
+    converted = [key for key in kept if key in before and run.converts(_attr(module, key), before[key])]
+    _put_back(module, values, converted)  # the values it held, not their meta copies
+    kept = [key for key in kept if key not in converted]
     if not kept:
         return out
     runs = [OnMeta(), OnMeta()]  # from the state before the call, then from what the first kept
@@ -316,6 +335,10 @@ def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: 
 def _tensor_attrs(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
     return {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()
             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+
+
+def _attr(module: nn.Module, key: tuple[str, str]) -> Any:
+    return getattr(module.get_submodule(key[0]), key[1], None)
 
 
 def _changed(module: nn.Module, before: dict[tuple[str, str], torch.Tensor]) -> list[tuple[str, str]]:

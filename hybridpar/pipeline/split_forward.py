@@ -40,7 +40,7 @@ from hybridpar.device.eager import eager
 from hybridpar.geometry import shard_box
 from hybridpar.grid import ProcessGrid
 from hybridpar.nn import slicing
-from hybridpar.nn.buffer_state import same_values
+from hybridpar.nn.families import moves_per_forward
 from hybridpar.nn.functions import SUMMED, WEIGHTED, weighted_args
 from hybridpar.nn.layout import Gather
 from hybridpar.nn.spatial import SpatialLayer
@@ -425,15 +425,15 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
         for sub, twin in twins:
             sub.training = twin.training
         state = {name: _shared(p) for name, p in original.named_parameters()}
-        # buffers as copies, written back in training where changed (a norm's running statistics): what
-        # this call saves for its backward is not the buffer a split call updates in place, nor is one
-        # only read (saved by a split call) written; a user's split layer's follower stands by
+        # buffers as copies, written back in training where the call wrote them (the copy's version, or a
+        # torch norm's uncounted statistics): one only read (saved by a split call) is not; no host read
         copies = {name: b.detach().clone() for name, b in original.named_buffers()}
         with unfollowed(d):
             out = torch.func.functional_call(original, {**state, **copies}, args, kwargs)
+        owner = {name: original.get_submodule(name.rpartition(".")[0]) for name in copies}
         with torch.no_grad():
             for name, b in original.named_buffers() if any(m.training for m in original.modules()) else ():
-                if not same_values(b, copies[name]):
+                if copies[name]._version or moves_per_forward(owner[name]):
                     b.copy_(copies[name])
         return out
 

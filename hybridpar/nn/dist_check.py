@@ -158,7 +158,13 @@ def _check(call: _Call, what: str, replicated: bool, reached: set[int] | None) -
     _refuse_if(call, what, _agree(why, group), "outputs")
     if reached is None:
         return
-    check_uses(call.d)  # a parameter applied otherwise than said: named so, not by its gradient's error
+    try:  # a parameter applied otherwise than said: named so, not by its gradient's error
+        check_uses(call.d)
+        why = ""
+    except ValueError as err:
+        why = str(err)
+    if said := _agree(why, group):
+        raise ValueError(said)
     try:
         why = _gradients(call, replicated)
     except Exception as err:  # noqa: BLE001

@@ -103,12 +103,13 @@ class _Call:
                     b.copy_(self.before[id(own)])
         return layer
 
-    def whole_args(self, first: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``first`` (the gathered samples) and the call's other split inputs' samples, gathered."""
+    def whole_args(self, x: torch.Tensor) -> tuple[tuple, dict]:
+        """The call's inputs as the layer reads them on the volume: ``x`` (the samples checked,
+        gathered) and the other split inputs' same samples, gathered."""
         def whole(a: Any) -> Any:
             return gather(a[:self.take].detach(), self.grid, self.extents) if isinstance(a, torch.Tensor) \
                 else a
-        return (*first, *tree_map(whole, self.args)), tree_map(whole, kwargs)
+        return (x, *tree_map(whole, self.args)), tree_map(whole, self.kwargs)
 
     @contextmanager
     def buffers_before(self) -> Iterator[None]:
@@ -235,7 +236,7 @@ def _values(call: _Call, replicated: bool) -> str:
     samples checked, gathered, or ""."""
     layer = call.reference()
     whole = gather(call.x[:call.take].detach(), call.grid, call.extents)
-    args, kwargs = call.whole_args((whole,), call.kwargs)
+    args, kwargs = call.whole_args(whole)
     with unwatched(layer), unfollowed(call.d), torch.random.fork_rng(devices=[]):
         want = layer(*args, **kwargs)
     box = None if replicated else shard_box(want.shape[2:], call.grid.spatial_shape, call.grid.spatial_coord)
@@ -275,7 +276,7 @@ def _gradients(call: _Call, replicated: bool) -> str:
                      if q.requires_grad and any(q is p for p in d.parameters())]
             ours = [call.original.get_parameter(n) for n in names]
             whole = gather(mine.detach(), grid, call.extents).requires_grad_()
-            args, kwargs = call.whole_args((whole,), call.kwargs)
+            args, kwargs = call.whole_args(whole)
             with unwatched(layer), torch.enable_grad(), torch.random.fork_rng(devices=[]):
                 want = layer(*args, **kwargs)
             cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

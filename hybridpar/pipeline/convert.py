@@ -51,7 +51,7 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
         _sync_norms(d, grid, overlap, name)
         if entry is not None and entry.splittable and grid.spatial_size > 1 and _users(entry):
             # a user's layer run as a copy on each shard: checked as a split version is (a shape read)
-            watch_split_version(d, m, f"{name} ({type(m).__name__})" if name else type(m).__name__, grid=grid)
+            watch_split_version(d, m, _what(m, name), grid=grid)
         _note(m, grid, name)
         return d
     try:
@@ -59,11 +59,11 @@ def to_distributed(m: nn.Module, grid: ProcessGrid, overlap: bool = False, name:
     except (NotImplementedError, ValueError, TypeError) as err:  # the Dist layer's own refusal, named
         if not name or name in str(err):
             raise
-        raise SpecError(f"{name} ({type(m).__name__}): {err}") from err
+        raise SpecError(f"{_what(m, name)}: {err}") from err
     registry.note_split(d, entry)
     check_window(entry, m, d, name)
     check_reduce_params(entry, m, d, name)
-    what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    what = _what(m, name)
     if grid.spatial_size > 1 and isinstance(d, SpatialLayer) and _users(entry):  # a user's own split version
         watch_split_version(d, m, what, replicated=entry.replicated_output(m))
     ref = next((t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()), None)
@@ -103,7 +103,7 @@ def _refuse_stateful(m: nn.Module, name: str | None) -> None:
     for tensor, plist in m.parametrizations.items():
         held = [f"parametrizations.{tensor}.{k}" for k, _ in plist.named_buffers()]
         if held:
-            what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+            what = _what(m, name)
             raise SpecError(f"{what}: its parametrization of {tensor} keeps state ({', '.join(held)}) "
                             f"that each computation of the weight updates (spectral_norm's power iteration), "
                             f"which a split layer would update once per read; run the layer whole (layers: "
@@ -126,6 +126,11 @@ def _share_parametrizations(m: nn.Module, d: nn.Module) -> None:
         d.parametrizations[tensor] = plist
 
 
+def _what(m: nn.Module, name: str | None) -> str:
+    """How a refusal names layer ``m``: its place in the model and its type (``enc.0 (Conv3d)``)."""
+    return f"{name} ({type(m).__name__})" if name else type(m).__name__
+
+
 def _users(entry: registry.LayerEntry) -> bool:
     """Whether ``entry`` registers a layer of the user's own (not torch's nor the library's)."""
     return not entry.torch_type.__module__.startswith(("torch.", "hybridpar."))
@@ -139,7 +144,7 @@ def check_window(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, name: s
     if entry.role not in ("window", "transposed"):
         return
     want = entry.windows_of(m)
-    what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    what = _what(m, name)
     if not isinstance(d, SpatialLayer):
         raise TypeError(f"{what}: the registry's to_dist gave a {type(d).__name__}, not a hybridpar.nn."
                         "SpatialLayer, so nothing ties its halos to the entry's window; subclass "
@@ -159,7 +164,7 @@ def check_reduce_params(entry: registry.LayerEntry, m: nn.Module, d: nn.Module, 
     (the default, a part per shard, would count the first once per shard)."""
     if not (entry.role == "reduce" or entry.replicated_output(m)):
         return
-    what = f"{name} ({type(m).__name__})" if name else type(m).__name__
+    what = _what(m, name)
     for pname, p in d.named_parameters():
         if not stated(p):
             raise SpecError(f"{what}: its split version {type(d).__name__} reduces over the volume but "

@@ -417,6 +417,7 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
     split_forward = d.forward
     own = dict(d.named_modules())  # the original is out of the model: it runs in the copy's mode
     twins = [(sub, own.get(name, d)) for name, sub in original.named_modules()]
+    owner = {name: original.get_submodule(name.rpartition(".")[0]) for name, _ in original.named_buffers()}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -430,7 +431,6 @@ def _whole_on_replicated(mode: SplitForward, d: nn.Module, original: nn.Module) 
         copies = {name: b.detach().clone() for name, b in original.named_buffers()}
         with unfollowed(d):
             out = torch.func.functional_call(original, {**state, **copies}, args, kwargs)
-        owner = {name: original.get_submodule(name.rpartition(".")[0]) for name in copies}
         with torch.no_grad():
             for name, b in original.named_buffers() if any(m.training for m in original.modules()) else ():
                 if copies[name]._version or moves_per_forward(owner[name]):

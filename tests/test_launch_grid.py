@@ -154,20 +154,26 @@ RESTARTED = """
 import os, sys, torch, torch.distributed as dist
 import hybridpar as hp
 hp.init_distributed()
+store = dist.distributed_c10d._get_default_store()
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "0" and dist.get_rank() == 0:
+    store.set("left by attempt 0", "1")  # what the dead attempt published, as gloo's addresses are
 t = torch.ones(1)
 dist.all_reduce(t)
-if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+if attempt == "0" and dist.get_rank() == 1:
     os.kill(os.getpid(), 9)  # the first attempt loses a rank after its group formed
 dist.all_reduce(t)
-attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-print(f"attempt {attempt} rank {dist.get_rank()} sum {t.item():g}", flush=True)
+print(f"attempt {attempt} rank {dist.get_rank()} sum {t.item():g} "
+      f"sees attempt 0's keys {store.check(['left by attempt 0'])}", flush=True)
 dist.destroy_process_group()
 """
 
 
 def test_torchrun_restart_forms_a_fresh_group(tmp_path):
     """torchrun --max-restarts: the attempt after a killed rank joins a group of its own, not the dead
-    attempt's (gloo would otherwise connect to the listening addresses the dead ranks published)."""
+    attempt's (gloo would otherwise connect to the listening addresses the dead ranks published, which
+    fails in about half of the restarts): a key the dead attempt set is not seen by the next, which
+    makes the check deterministic in one run."""
     import os
     import subprocess
     import sys
@@ -175,14 +181,13 @@ def test_torchrun_restart_forms_a_fresh_group(tmp_path):
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(distributed.ROOT)}
-    for _ in range(2):  # the stale addresses were read in about half of the restarts
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node=2", "--max-restarts=1", str(script)],
-                             capture_output=True, text=True, timeout=120, env=env)
-        assert res.returncode == 0, res.stderr[-3000:]
-        # both ranks print to torchrun's one stdout: their lines may interleave
-        assert sorted(re.findall(r"attempt \d rank \d sum \d", res.stdout)) == \
-            ["attempt 1 rank 0 sum 4", "attempt 1 rank 1 sum 4"], res.stdout
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", "--max-restarts=1", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # both ranks print to torchrun's one stdout: their lines may interleave
+    assert sorted(re.findall(r"attempt \d rank \d sum \d sees attempt 0's keys \w+", res.stdout)) == \
+        [f"attempt 1 rank {r} sum 4 sees attempt 0's keys False" for r in (0, 1)], res.stdout
 
 
 LEFT_AT_EXIT = """

@@ -118,7 +118,8 @@ def test_engine_errors():
             h = self.conv(x)
             return h / h.abs().mean()
 
-    with pytest.raises(hp.SpecError, match=r"mean \(mean\) at test_errors.py:\d+: works across the samples"):
+    with pytest.raises(hp.SpecError,
+                       match=r"mean: mean \(over the samples. dim\) at test_errors.py:\d+: works across"):
         hp.parallelize(WholeMean(), {"grid": {"data": 1}, "pipeline": {"microbatches": 2}},
                        loss_fn=F.mse_loss, input_shape=(4, 1, 4, 4, 4))
     # BatchNorm on micro-batches: their statistics are not the batch's, refused unless accepted

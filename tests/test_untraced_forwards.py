@@ -1237,6 +1237,24 @@ class _TracedMix(nn.Module):
         elif self.what == "a Gram matrix over the batch":
             m = g.flatten(1)
             g = (m.T @ m).sum()
+        elif self.what == "renorm of each channel":  # over N, D, H, W
+            g = torch.renorm(h, 2, 1, 1.0)
+        elif self.what == "renorm of each sample":
+            g = torch.renorm(h, 2, 0, 1.0)
+        elif self.what == "the batch's norm":
+            g = torch.linalg.norm(h)
+        elif self.what == "each sample's norm":
+            g = torch.linalg.vector_norm(h, dim=(1, 2, 3, 4), keepdim=True)
+        elif self.what == "an einsum over n":
+            g = torch.einsum("ncdhw->c", h).view(1, -1, 1, 1, 1)
+        elif self.what == "a tensordot over n":
+            g = torch.tensordot(h, h, dims=([0, 2, 3, 4], [0, 2, 3, 4])).sum(1).view(1, -1, 1, 1, 1)
+        elif self.what == "distances between samples":
+            g = torch.cdist(h.flatten(1), h.flatten(1)).mean(1).view(-1, 1, 1, 1, 1)
+        elif self.what == "per-sample values summed":  # (N,): one value per sample, then their sum
+            g = g.mean(dim=(1, 2, 3, 4)).sum()
+        elif self.what == "per-sample maxima summed":  # a tuple's first part: the samples' maxima
+            g = g.flatten(1).max(1)[0].sum()
         return h - g
 
 
@@ -1253,14 +1271,32 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
      r"randn \(draws random numbers per sample of the batch"),
     ("transposed and summed", r"sum_1: sum \(over the samples' dim\)" + AT),
     ("a Gram matrix over the batch", r"matmul: matmul \(reads the samples along different dims\)" + AT),
-    ("a histogram of the batch", r"histc \(histc\)" + AT + "works across the samples of the batch")])
+    ("a histogram of the batch", r"histc: histc \(not known to keep the samples apart\)" + AT),
+    ("renorm of each channel", r"renorm: renorm \(norms each slice along its dim over the others, the "
+                               r"samples' among them\)" + AT),
+    ("the batch's norm", r"linalg_norm: linalg_norm \(not known to keep the samples apart\)" + AT),
+    ("an einsum over n", r"einsum: einsum \(mixes samples\)" + AT),
+    ("a tensordot over n", r"tensordot: tensordot \(not known to keep the samples apart\)" + AT),
+    ("distances between samples", r"cdist: cdist \(not known to keep the samples apart\)" + AT),
+    ("per-sample values summed", r"sum_\d+: sum \(over the samples' dim\)" + AT),
+    ("per-sample maxima summed", r"sum \(over the samples' dim\)")])  # the graph, or module swapping
 def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
+    """What the graph's planner does not know to keep the samples apart is refused, as module swapping
+    refuses it: a call it has no rule for (torch.linalg.norm, cdist) never runs on each part alone."""
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError
 
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2}})
     with pytest.raises(SpecError, match=match):
         spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
+
+
+@pytest.mark.parametrize("what", ["renorm of each sample", "each sample's norm"])
+def test_per_sample_calls_in_a_traced_graph_are_planned(what):
+    import hybridpar as hp
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"data": 2}})
+    assert spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
 
 
 class _Unique(nn.Module):

@@ -257,6 +257,10 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "einsum":
         return _einsum(args, carriers)
+    if name == "renorm":  # each slice along dim, normed over every other dim: per sample along dim 0 only
+        dim = calls._arg(args, kwargs, 2, "dim")
+        return None if first is batched and isinstance(dim, int) and dim % max(batched.dim(), 1) == 0 else \
+            "renorm (norms each slice along its dim over the others, the samples' among them)"
     if registry.function_role(func) == "shape" or registry.function_role(name) == "shape" or \
             elementwise(func) or elementwise(name):
         return None
@@ -297,22 +301,3 @@ def _module(func: Any, args: tuple, kwargs: dict) -> Any:
         return registry.function_module(func, args, kwargs)
     except (TypeError, ValueError, NotImplementedError):
         return None
-
-
-WHOLE_TENSOR = ("histc", "histogram", "histogramdd", "bincount", "unique", "unique_consecutive", "cov",
-                "corrcoef")
-"""Calls over every element of their input, whatever its dims: the batch's samples taken together."""
-EVERY_ELEMENT = {"quantile": 2, "nanquantile": 2, "median": 1, "nanmedian": 1}
-"""Calls over every element unless given a ``dim`` (at that position)."""
-
-
-def mixes_samples(func: Any, args: tuple, kwargs: dict, nd: int) -> bool:
-    """Whether a call on an ``nd``-dim tensor whose dim 0 is the batch works across its samples (a mean
-    over every dim, ``h[:1]``, a ``cat`` along the batch, a histogram of the whole tensor): on a batch that
-    data parallelism or micro-batches hold apart, each part would give its own answer."""
-    name = calls.name_of(func).strip("_")
-    at = EVERY_ELEMENT.get(name)
-    if name in WHOLE_TENSOR or at is not None and calls._arg(args, kwargs, at, "dim") is None:
-        return True
-    kind = calls.classify(func, args, calls.canonical(dict(kwargs)), nd)
-    return kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims

@@ -107,6 +107,7 @@ class Walk:
     auto: dict[str, str] = field(default_factory=dict)  # node -> why the planner replicated it (_too_small)
     whole_out: set[str] = field(default_factory=set)  # user modules run split whose output is replicated
     samples_at: dict[str, int] = field(default_factory=dict)  # values with the samples along a dim but 0
+    derived: set[str] = field(default_factory=lambda: {INPUT})  # values computed from the input
 
     def __post_init__(self) -> None:
         self.index = self.a.graph.index()
@@ -119,6 +120,8 @@ class Walk:
     def place(self, i: int, node: Node) -> None:
         """Decide node ``i``'s layout and record it."""
         in_shape, out_shape = self.a.shapes[i]
+        if INPUT in node.inputs or any(n in self.derived for n in node.inputs):
+            self.derived.add(node.name)
         self._refuse_across_samples(node, in_shape, out_shape)
         role, entry = _role(node, in_shape, self.a.graph.values)
         mapped = self._chain(node)
@@ -131,7 +134,7 @@ class Walk:
                                ) -> None:
         """Refuse a call across the samples of a batch that data parallelism or micro-batches split
         (each part would give its own answer, unlike one process), as a forward run by module swapping
-        refuses it (:func:`hybridpar.planner.per_sample.mixes_samples`)."""
+        refuses it: whatever is not known to keep the samples apart."""
         batch = self.a.input_shape[0]
         if self.micro >= batch:
             return
@@ -143,7 +146,7 @@ class Walk:
                 in_shape[0] == batch and (name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
             self._follow_samples(node, name, args, kwargs, out_shape)
             return
-        if node.op == "module":
+        if node.op == "module" or node.name == OUTPUT:
             return
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
@@ -152,16 +155,32 @@ class Walk:
                             f"numbers for the samples of a batch that data parallelism or micro-batches hold "
                             f"apart (each part would draw what one process draws for the first samples); "
                             f"draw them outside the forward, or run without splitting the batch")
-        if nd < 2 or in_shape[0] != batch:
-            return
-        mixes = per_sample.mixes_samples(node.target, args, kwargs, len(in_shape))
-        moved = None if mixes else per_sample.moves_samples(name, args, calls.canonical(kwargs), nd, batch,
-                                                            out_shape)
-        if mixes or moved:
-            what = f"{node.name}: {moved}" if moved else f"{node.name} ({calls.name_of(node.target)})"
-            raise SpecError(f"{what} at {_line(node)}: works across the samples of the batch, which data "
-                            f"parallelism or micro-batches hold apart (each part would give its own answer): "
-                            f"work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+        why = self._across(node, batch)
+        if why:
+            raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the batch, "
+                            f"which data parallelism or micro-batches hold apart (each part would give its "
+                            f"own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+
+    def _across(self, node: Node, batch: int) -> str | None:
+        """What a function or method node does across the samples of the values it reads that carry
+        them (along dim 0), judged as a forward run by module swapping judges the same call
+        (:func:`hybridpar.planner.per_sample.across`, on the meta values the trace gave): anything not
+        known to keep the samples apart is refused, never run per part."""
+        values = self.a.graph.traced[tuple(self.a.input_shape)]
+        fx_names = {n.fx_node: n.name for n in self.a.graph.nodes}
+        value = lambda a: values[fx_names.get(a, INPUT)]  # noqa: E731 (the placeholder: the input)
+        args = torch.fx.node.map_arg(tuple(node.fx_node.args), value)
+        kwargs = torch.fx.node.map_arg(dict(node.fx_node.kwargs), value)
+        carriers = [values[n] for n in dict.fromkeys(node.inputs) if n in self.derived and isinstance(
+            values[n], torch.Tensor) and values[n].dim() >= 1 and values[n].shape[0] == batch]
+        if not carriers:
+            return None
+        func: object = node.target
+        if calls.name_of(func) == "getattr":  # an attribute: a shape, a dtype (alike on every part), m.T
+            func = args[1]
+            if func == "shape":
+                return None
+        return per_sample.across(func, args, calls.canonical(kwargs), carriers, values[node.name])
 
     def _follow_samples(self, node: Node, name: str, args: tuple, kwargs: dict, out_shape: tuple[int, ...]
                         ) -> None:

@@ -1245,6 +1245,16 @@ class _TracedMix(nn.Module):
             g = torch.linalg.norm(h)
         elif self.what == "each sample's norm":
             g = torch.linalg.vector_norm(h, dim=(1, 2, 3, 4), keepdim=True)
+        elif self.what == "each sample's matrix norms":  # over (H, W)
+            g = torch.linalg.matrix_norm(h).unsqueeze(-1).unsqueeze(-1)
+        elif self.what == "an FFT over H and W":
+            g = torch.fft.fft2(h).abs()
+        elif self.what == "each sample's RMS norm":
+            g = F.rms_norm(h, h.shape[1:])
+        elif self.what == "each sample's pseudo-inverses":
+            g = torch.linalg.pinv(h.flatten(2, 3)).sum(-1)[..., None, None]
+        elif self.what == "a contiguous stride read":
+            g = h / h.stride(1)
         elif self.what == "an einsum over n":
             g = torch.einsum("ncdhw->c", h).view(1, -1, 1, 1, 1)
         elif self.what == "a tensordot over n":
@@ -1274,7 +1284,7 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
     ("a histogram of the batch", r"histc: histc \(not known to keep the samples apart\)" + AT),
     ("renorm of each channel", r"renorm: renorm \(norms each slice along its dim over the others, the "
                                r"samples' among them\)" + AT),
-    ("the batch's norm", r"linalg_norm: linalg_norm \(not known to keep the samples apart\)" + AT),
+    ("the batch's norm", r"linalg_norm: linalg_norm \(along the samples' dim\)" + AT),
     ("an einsum over n", r"einsum: einsum \(mixes samples\)" + AT),
     ("a tensordot over n", r"tensordot: tensordot \(not known to keep the samples apart\)" + AT),
     ("distances between samples", r"cdist: cdist \(not known to keep the samples apart\)" + AT),
@@ -1291,7 +1301,9 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
         spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
 
 
-@pytest.mark.parametrize("what", ["renorm of each sample", "each sample's norm"])
+@pytest.mark.parametrize("what", ["renorm of each sample", "each sample's norm", "each sample's matrix norms",
+                                  "an FFT over H and W", "each sample's RMS norm",
+                                  "each sample's pseudo-inverses", "a contiguous stride read"])
 def test_per_sample_calls_in_a_traced_graph_are_planned(what):
     import hybridpar as hp
 

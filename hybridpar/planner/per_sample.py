@@ -44,9 +44,15 @@ _ALONG: dict[str, tuple[int, str, int | None]] = {
     **{name: (2, "dim", -1) for name in (
         "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")},
     **{name: (2, "dim", None) for name in ("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn")},
+    **{name: (2, "dim", (-2, -1)) for name in ("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2",
+                                               "linalg_matrix_norm")},
+    "linalg_norm": (2, "dim", None),
     **{name: (-1, "dim", -1) for name in ("trapezoid", "cumulative_trapezoid")},  # dim= by keyword only
 }
-_LAST_TWO = ("triu", "tril")  # along the last two dims
+_LAST_TWO = ("triu", "tril",  # along the last two dims: the matrices of a batch of them
+             *(f"linalg_{n}" for n in ("pinv", "inv", "det", "slogdet", "matrix_exp", "svdvals", "eigvalsh",
+                                       "cholesky", "matrix_rank")),
+             "inverse", "pinverse", "det", "logdet", "slogdet", "matrix_exp")
 _PER_SAMPLE = ("one_hot", "local_response_norm", "grid_sample", "affine_grid",  # a sample's own values: a
                # trailing class dim, channels, a sample's grid of its own (affine_grid: its theta's),
                *(f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_") for n in (1, 2, 3)),
@@ -221,6 +227,8 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "getitem":
         return None if not calls.indexes_batch(args[1]) else "indexing (picks among the samples)"
+    if name == "stride":  # a contiguous tensor's strides are its sizes past dim 0's: alike on every part
+        return None if batched.is_contiguous() else "stride (of a layout whose strides count the samples)"
     if name == "setitem" and first is batched:  # h[:, :, :2] = v, h[h > 0] = v: per sample, v alike
         index, value = args[1], args[2] if len(args) > 2 else None
         mask = isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.shape == batched.shape
@@ -250,9 +258,9 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
             f"them apart)"
     if name == "batch_norm" and calls._arg(args, kwargs, 5, "training", False):
         return "batch_norm (statistics over the samples)"
-    if name == "layer_norm":  # over its last len(normalized_shape) dims
+    if name in ("layer_norm", "rms_norm"):  # over its last len(normalized_shape) dims
         return None if len(calls._arg(args, kwargs, 1, "normalized_shape", ())) < batched.dim() else \
-            "layer_norm (over the samples' dim)"
+            f"{name} (over the samples' dim)"
     if name in ("group_norm", "instance_norm"):
         return None
     if name == "einsum":

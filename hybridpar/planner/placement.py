@@ -108,6 +108,7 @@ class Walk:
     whole_out: set[str] = field(default_factory=set)  # user modules run split whose output is replicated
     samples_at: dict[str, int] = field(default_factory=dict)  # values with the samples along a dim but 0
     derived: set[str] = field(default_factory=lambda: {INPUT})  # values computed from the input
+    fx_names: dict[torch.fx.Node, str] = field(default_factory=dict)  # each node's, by its fx node
 
     def __post_init__(self) -> None:
         self.index = self.a.graph.index()
@@ -167,8 +168,9 @@ class Walk:
         (:func:`hybridpar.planner.per_sample.across`, on the meta values the trace gave): anything not
         known to keep the samples apart is refused, never run per part."""
         values = self.a.graph.traced[tuple(self.a.input_shape)]
-        fx_names = {n.fx_node: n.name for n in self.a.graph.nodes}
-        value = lambda a: values[fx_names.get(a, INPUT)]  # noqa: E731 (the placeholder: the input)
+        if not self.fx_names:
+            self.fx_names.update({n.fx_node: n.name for n in self.a.graph.nodes})
+        value = lambda a: values[self.fx_names.get(a, INPUT)]  # noqa: E731 (the placeholder: the input)
         args = torch.fx.node.map_arg(tuple(node.fx_node.args), value)
         kwargs = torch.fx.node.map_arg(dict(node.fx_node.kwargs), value)
         carriers = [values[n] for n in dict.fromkeys(node.inputs) if n in self.derived and isinstance(

@@ -14,6 +14,7 @@ in one line naming the call and its line.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -1309,6 +1310,62 @@ def test_per_sample_calls_in_a_traced_graph_are_planned(what):
 
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2}})
     assert spec.plan(_TracedMix(what), (2, 1, 8, 8, 8), 2)
+
+
+class _LayerMix(nn.Module):
+    """torch layers on per-sample features (N, C) or tokens (N, L, C): those that read dim 0 as their
+    sequence or channels mix the samples."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 4, 3, padding=1)
+        self.what = what
+        self.layer = {"GRU": nn.GRU(4, 4), "GRU batch_first": nn.GRU(4, 4, batch_first=True),
+                      "Softmax(dim=0)": nn.Softmax(dim=0), "Softmax(dim=1)": nn.Softmax(dim=1),
+                      "Conv1d": nn.Conv1d(4, 4, 1), "Linear": nn.Linear(4, 4),
+                      "Dropout1d": nn.Dropout1d(0.0), "a block's batch mean": _BatchScale()}[what]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        t = h.mean(dim=(2, 3, 4))
+        if self.what.startswith("GRU"):
+            t = self.layer(t[:, None] if self.what.endswith("first") else t[None])[0].reshape(t.shape)
+        elif self.what == "a block's batch mean":
+            return self.layer(h)
+        else:
+            t = self.layer(t)
+        return h * t[:, :, None, None, None]
+
+
+class _BatchScale(nn.Module):
+    """A block of the user's that scales by a mean over the whole batch."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h / (1 + h.pow(2).mean())
+
+
+@pytest.mark.parametrize("what,match", [
+    ("GRU", r"GRU \(reads its sequence along the samples' dim: batch_first=True keeps them apart\)"),
+    ("Softmax(dim=0)", r"Softmax \(along the samples' dim\)"),
+    ("Conv1d", r"Conv1d \(of an unbatched input: reads dim 0 as its channels\)"),
+    ("a block's batch mean", r"mean \(over the (samples' dim|batch)")])
+@pytest.mark.parametrize("spatial", [[1, 1, 1], [2, 1, 1]])
+def test_layers_across_the_samples_are_refused(what, match, spatial):
+    """A torch layer is judged by what it does along dim 0 of its input, and a block of the user's by its
+    forward's calls, whether or not the volume is split."""
+    import hybridpar as hp
+    from hybridpar.planner.terms import SpecError
+
+    spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": spatial}})
+    with pytest.raises(SpecError, match=match):
+        spec.plan(_LayerMix(what), (4, 1, 8, 8, 8), 2 * math.prod(spatial))
+
+
+@pytest.mark.parametrize("what", ["GRU batch_first", "Softmax(dim=1)", "Linear", "Dropout1d"])
+def test_layers_on_each_sample_are_planned(what):
+    import hybridpar as hp
+
+    assert hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(_LayerMix(what), (4, 1, 8, 8, 8), 2)
 
 
 class _Unique(nn.Module):

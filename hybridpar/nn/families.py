@@ -16,6 +16,11 @@ MAX_POOL_ND: type = nn.modules.pooling._MaxPoolNd
 AVG_POOL_ND: type = nn.modules.pooling._AvgPoolNd
 ADAPTIVE_POOL_ND: tuple[type, ...] = (nn.modules.pooling._AdaptiveAvgPoolNd,
                                       nn.modules.pooling._AdaptiveMaxPoolNd)
+LP_POOL_ND: type = nn.modules.pooling._LPPoolNd
+MAX_UNPOOL_ND: type = nn.modules.pooling._MaxUnpoolNd
+PAD_ND: tuple[type, ...] = (nn.modules.padding._ConstantPadNd, nn.modules.padding._ReflectionPadNd,
+                            nn.modules.padding._ReplicationPadNd, nn.modules.padding._CircularPadNd)
+"""Pads of the last n dims, every mode (``nn.ZeroPad3d`` is a constant pad)."""
 NORM_BASE: type = nn.modules.batchnorm._NormBase  # batch and instance norms: the running-statistics holders
 BATCH_NORM: type = nn.modules.batchnorm._BatchNorm
 INSTANCE_NORM: type = nn.modules.instancenorm._InstanceNorm

@@ -147,7 +147,15 @@ class Walk:
                 in_shape[0] == batch and (name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
             self._follow_samples(node, name, args, kwargs, out_shape)
             return
-        if node.op == "module" or node.name == OUTPUT:
+        if node.name == OUTPUT:
+            return
+        if node.op == "module":
+            carried = self._carriers(node, batch)
+            why = per_sample.module_across(node.module, carried[0]) if carried else None
+            if why:
+                raise SpecError(f"{node.name}: {why}: works across the samples of the batch, which data "
+                                f"parallelism or micro-batches hold apart (each part would give its own "
+                                f"answer)")
             return
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
@@ -167,22 +175,28 @@ class Walk:
         them (along dim 0), judged as a forward run by module swapping judges the same call
         (:func:`hybridpar.planner.per_sample.across`, on the meta values the trace gave): anything not
         known to keep the samples apart is refused, never run per part."""
+        carriers = self._carriers(node, batch)
+        if not carriers:
+            return None
         values = self.a.graph.traced[tuple(self.a.input_shape)]
         if not self.fx_names:
             self.fx_names.update({n.fx_node: n.name for n in self.a.graph.nodes})
         value = lambda a: values[self.fx_names.get(a, INPUT)]  # noqa: E731 (the placeholder: the input)
         args = torch.fx.node.map_arg(tuple(node.fx_node.args), value)
         kwargs = torch.fx.node.map_arg(dict(node.fx_node.kwargs), value)
-        carriers = [values[n] for n in dict.fromkeys(node.inputs) if n in self.derived and isinstance(
-            values[n], torch.Tensor) and values[n].dim() >= 1 and values[n].shape[0] == batch]
-        if not carriers:
-            return None
         func: object = node.target
         if calls.name_of(func) == "getattr":  # an attribute: a shape, a dtype (alike on every part), m.T
             func = args[1]
             if func == "shape":
                 return None
         return per_sample.across(func, args, calls.canonical(kwargs), carriers, values[node.name])
+
+    def _carriers(self, node: Node, batch: int) -> list[torch.Tensor]:
+        """The values (meta tensors, as traced) ``node`` reads that were computed from the input and
+        hold the ``batch`` samples along dim 0."""
+        values = self.a.graph.traced[tuple(self.a.input_shape)]
+        return [values[n] for n in dict.fromkeys(node.inputs) if n in self.derived and isinstance(
+            values[n], torch.Tensor) and values[n].dim() >= 1 and values[n].shape[0] == batch]
 
     def _follow_samples(self, node: Node, name: str, args: tuple, kwargs: dict, out_shape: tuple[int, ...]
                         ) -> None:
@@ -302,9 +316,11 @@ class Walk:
                     self._nest(node, in_shape, split)
             except TooSmallToSplit as err:
                 self.auto[node.name] = _too_small(in_shape, out_shape, split, err)
-                return REPLICATED
+                split = REPLICATED
         elif role == "nested" and split != REPLICATED:
             self._nest(node, in_shape, split)
+        if role == "nested" and split == REPLICATED and self.micro < self.a.input_shape[0]:
+            _check_nested(node, in_shape, REPLICATED, self.micro)  # what it does across the samples
         return split
 
     def _nest(self, node: Node, in_shape: tuple[int, ...], split: Split) -> None:

@@ -188,6 +188,8 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
 
     def record(m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is not None and not isinstance(out, torch.Tensor):  # a GRU's (output, state): no record
+            watch.after_layer(m, x, out, False)
         if x is None or not isinstance(out, torch.Tensor):
             return
         entry = registry.lookup(m)

@@ -1,12 +1,13 @@
-"""Whether a call keeps the samples of a batch apart: the rule for tensors that carry the batch but no
-split volume (a volume's mean per sample and channel, a head's features).
+"""Whether a call or a torch layer keeps the samples of a batch apart: the one rule both planners read,
+for every value that carries the batch (a volume, a volume's mean per sample and channel, a head's
+features) where data parallelism or micro-batches hold it in parts.
 
 Why: data parallelism and micro-batches hold the batch in parts, so a call that works across dim 0
 (``g[:1]``, ``g.mean(0)``, ``g.sum()``, ``torch.cat([b, a])`` of two halves, ``g.flip(0)``) computes on
-each part what one process computes on the whole batch: a different answer, silently. On a split
-activation :mod:`hybridpar.planner.calls` says so; once the volume is reduced away the tensor is no
-longer split, and this module says it for what is left. Per-sample work (elementwise, along other dims,
-a layer or a matrix product applied to each sample) passes; anything it cannot tell is refused.
+each part what one process computes on the whole batch: a different answer, silently. A forward run by
+module swapping asks :mod:`hybridpar.planner.calls` first for a call on a split activation; the traced
+graph asks this module of every call and layer. Per-sample work (elementwise, along other dims, a
+layer or a matrix product applied to each sample) passes; anything it cannot tell is refused.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn import families, registry
+from hybridpar.nn import families, registry, samples
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import calls, per_sample
@@ -144,7 +144,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         gives a whole value. A layer that works across the samples of a batch held in parts (a GRU that
         reads them as its sequence) is refused, as a call would be."""
         if self.batch_apart and (x in self.batched or x in self.split) and (
-                why := per_sample.module_across(m, x)):
+                why := samples.module_across(m, x)):
             self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
         self.carry([x], out)
         source = x if x in self.split else self.roots.get(x)

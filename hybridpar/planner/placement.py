@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridpar.nn import registry
+from hybridpar.nn import registry, samples
 from hybridpar.planner import calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
 from hybridpar.planner.elementwise import elementwise
@@ -151,7 +151,7 @@ class Walk:
             return
         if node.op == "module":
             carried = self._carriers(node, batch)
-            why = per_sample.module_across(node.module, carried[0]) if carried else None
+            why = samples.module_across(node.module, carried[0]) if carried else None
             if why:
                 raise SpecError(f"{node.name}: {why}: works across the samples of the batch, which data "
                                 f"parallelism or micro-batches hold apart (each part would give its own "

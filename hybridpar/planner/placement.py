@@ -153,9 +153,9 @@ class Walk:
             carried = self._carriers(node, batch)
             why = samples.module_across(node.module, carried[0]) if carried else None
             if why:
-                raise SpecError(f"{node.name}: {why}: works across the samples of the batch, which data "
-                                f"parallelism or micro-batches hold apart (each part would give its own "
-                                f"answer)")
+                raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the "
+                                f"batch, which data parallelism or micro-batches hold apart (each part would "
+                                f"give its own answer)")
             return
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)

@@ -141,10 +141,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
         where it works voxel by voxel on a split input (a softmax over channels); a layer that reads its
         input whole (:meth:`needs_whole`: too small to split, or a copy that reads across the shards)
-        gives a whole value. A layer that works across the samples of a batch held in parts (a GRU that
-        reads them as its sequence) is refused, as a call would be."""
-        if self.batch_apart and (x in self.batched or x in self.split) and (
-                why := samples.module_across(m, x)):
+        gives a whole value; one across the samples of a batch in parts (a GRU's sequence) is refused."""
+        carries = self.batch_apart and (x in self.batched or x in self.split)
+        if carries and (why := samples.module_across(m, x)):
             self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
         self.carry([x], out)
         source = x if x in self.split else self.roots.get(x)

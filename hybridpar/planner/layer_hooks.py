@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from hybridpar.nn import samples
+from hybridpar.user_lines import caller
 
 
 class LayerHooks:
@@ -22,6 +26,9 @@ class LayerHooks:
 
     depth: int
     unsafe: list[str]
+    batch_apart: bool
+    batched: Any
+    split: Any
     _versions: list[tuple[torch.Tensor, int]]
     original: Callable[[nn.Module], nn.Module]
     needs_whole: Callable[[nn.Module, torch.Tensor], bool]
@@ -71,8 +78,14 @@ class LayerHooks:
                                    f"the write would land on the gathered copy)")
 
     def _layer_reads(self, m: nn.Module, inputs: list[torch.Tensor]) -> None:
-        """What a layer's inputs say about copies (:meth:`Copies.layer_reads`)."""
+        """What a layer's inputs say about copies (:meth:`Copies.layer_reads`); a layer that works across
+        the samples of a batch held in parts (a GRU reading them as its sequence) is refused, as a call
+        would be (:func:`hybridpar.nn.samples.module_across`)."""
         self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
+        x = inputs[0] if inputs else None
+        if x is not None and self.batch_apart and (x in self.batched or x in self.split) and (
+                why := samples.module_across(m, x)):
+            self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
 
     def _left(self, m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn import families, registry, samples
+from hybridpar.nn import families, registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import calls, per_sample
@@ -141,10 +141,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
         where it works voxel by voxel on a split input (a softmax over channels); a layer that reads its
         input whole (:meth:`needs_whole`: too small to split, or a copy that reads across the shards)
-        gives a whole value; one across the samples of a batch in parts (a GRU's sequence) is refused."""
-        carries = self.batch_apart and (x in self.batched or x in self.split)
-        if carries and (why := samples.module_across(m, x)):
-            self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
+        gives a whole value."""
         self.carry([x], out)
         source = x if x in self.split else self.roots.get(x)
         if isinstance(out, torch.Tensor) and out._is_view() and source is not None and not split:

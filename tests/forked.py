@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from perf.ranks import context, free_port, rendezvous_env
+from perf.ranks import context, free_port, freeze_inherited, rendezvous_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL for the workers left after a failure
@@ -141,6 +141,7 @@ def _read(outs: list[tuple[str, str]]) -> tuple[str, str]:
 def _main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """A forked process made to look like ``python ARGS`` from its first line to its exit, in a session
     of its own (so that a timeout's SIGKILL takes its children with it)."""
+    freeze_inherited()
     os.setsid()
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -520,7 +520,26 @@ class LazyMaskNet(nn.Module):
         return self.out(torch.relu(self.c1(x)) * self.mask)
 
 
-LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss}
+class VectorsNet(nn.Module):
+    """Values of no batch returned beside the volume: a penalty per channel of the weights and the
+    volume's extents as a vector (``torch.tensor(x.shape[2:])``, which fx cannot trace). With
+    micro-batches each is one value for the batch, not joined along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.o = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"main": self.o(torch.tanh(self.c(x))), "penalty": self.c.weight.square().sum((1, 2, 3, 4)),
+                "extents": torch.tensor(x.shape[2:], dtype=x.dtype)}
+
+
+def _vectors_loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    extents = out.get("extents", torch.zeros(()))
+    return F.mse_loss(out["main"], y) + 1e-2 * out["penalty"].sum() + 0.0 * extents.sum()
+
+
+LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss, "VectorsNet": _vectors_loss}
 
 
 class BNNet(nn.Module):
@@ -633,7 +652,7 @@ def _compare(fails: Failures, desc: str, make: type, spec: dict, x: torch.Tensor
             if g is not w:
                 fails.append(f"{desc} predict output {k}: {g!r}, not {w!r}")
             continue
-        fails.check(f"{desc} predict output {k}", g, w[rows] if w.dim() else w)
+        fails.check(f"{desc} predict output {k}", g, w[rows] if w.dim() and w.shape[0] == x.shape[0] else w)
 
 
 class CoordsNet(nn.Module):
@@ -747,6 +766,10 @@ CASES = [
     (2, "coordinates of fewer dims than the volume", "CoordsNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "coordinates of fewer dims than the volume, 2x1x2", "CoordsNet", {"grid": {"spatial": [2, 1, 2]}}),
     (2, "an interpolation of area mode, run whole", "AreaNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "vectors of no batch returned, micro-batches", "VectorsNet",
+     {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}),
+    (4, "vectors of no batch returned, data x spatial, micro-batches", "VectorsNet",
+     {"grid": {"data": 2, "spatial": [1, 2, 1]}, "pipeline": {"microbatches": 2}}),
     (4, "aliased modules, pipe x spatial", "AliasNet",
      {"grid": {"pipe": 2, "spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2, "stages": ["enc", "dec"]}}),
 ]

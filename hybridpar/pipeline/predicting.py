@@ -72,14 +72,15 @@ def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int,
     ys = []
     for k, rec in enumerate(rows):
         split = out_split != REPLICATED and len(rec.output_shape) == 5
+        batched = _carries_batch(rec, built.sizes.batch)
         if last:
-            y = _joined([leaves[k] for leaves in outs], k)
+            y = _joined([leaves[k] for leaves in outs], k, batched)
             if split and gather:  # whole volumes
                 y = gather_volume(y, built.layout.of(out_split), tuple(rec.output_shape[2:]))
         elif split and not gather:
             y = None  # the last stage holds the shards
         else:
-            shape = (batch, *rec.output_shape[1:]) if rec.output_shape else ()  # a 0-d value: as it is
+            shape = (batch, *rec.output_shape[1:]) if batched else tuple(rec.output_shape)
             y = torch.empty(shape, dtype=dtype, device=device)
         if grid.pipe > 1 and (gather or not split):
             dist.broadcast(y, built.transport.peer(grid.pipe - 1), group=grid.pipe_group)
@@ -87,16 +88,25 @@ def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int,
     return ys[0] if spec is None else tree_unflatten(ys, spec)
 
 
-def _joined(parts: list[torch.Tensor], k: int) -> torch.Tensor:
-    """Output ``k`` of each micro-batch joined along the batch; a 0-d value (a penalty of the weights)
-    is one value for all of them, refused where the micro-batches give different ones (one process
+def _carries_batch(rec: LayerPlan, batch: int) -> bool:
+    """Whether returned value ``rec`` holds the batch along dim 0: planned at the built batch, its dim 0
+    is that batch (a value of no batch, a shape vector or a penalty of the weights, has its own)."""
+    return len(rec.output_shape) >= 1 and rec.output_shape[0] == batch
+
+
+def _joined(parts: list[torch.Tensor], k: int, batched: bool) -> torch.Tensor:
+    """Output ``k`` of each micro-batch joined along the batch where it holds one (``batched`` and its
+    parts add up to it); any other (a 0-d penalty of the weights, the volume's extents as a vector) is
+    one value for all of them, refused where the micro-batches give different ones (one process
     computes it over the whole batch, which no micro-batch holds); a value that is not a tensor (the
     None a VAE returns for its loss in eval) is returned as it is."""
     if not isinstance(parts[0], torch.Tensor):
         return parts[0]
-    if parts[0].dim():
+    if batched and parts[0].dim():
         return torch.cat(parts)
-    if any(not torch.equal(p, parts[0]) for p in parts[1:]):
-        raise ValueError(f"Engine.predict: output {k} is a 0-d value that differs between the micro-batches "
-                         f"(one process computes it over the whole batch); return it per sample, (N,)")
+    if any(p.shape != parts[0].shape or not torch.equal(p, parts[0]) for p in parts[1:]):
+        raise ValueError(f"Engine.predict: output {k} of shape {tuple(parts[0].shape)}, which does not hold "
+                         f"the batch along dim 0, differs between the micro-batches (one process computes "
+                         f"it over the whole batch, which no micro-batch holds); return it per sample, "
+                         f"(N, ...)")
     return parts[0]

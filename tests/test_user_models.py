@@ -539,7 +539,24 @@ def _vectors_loss(out: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor
     return F.mse_loss(out["main"], y) + 1e-2 * out["penalty"].sum() + 0.0 * extents.sum()
 
 
-LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss, "VectorsNet": _vectors_loss}
+class PenaltyNet(nn.Module):
+    """A weight penalty computed in the forward from ``self.parameters()`` (real tensors while fx traces:
+    it keeps the result on the traced module, here the user's) and returned beside the volume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.o = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.o(torch.tanh(self.c(x))), sum(p.square().sum() for p in self.parameters())
+
+
+def _penalised_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out[0], y) + 1e-2 * out[1]
+
+
+LOSSES = {"DictNet": _structured_loss, "DeepNet": _structured_loss, "VectorsNet": _vectors_loss,
+          "PenaltyNet": _penalised_loss}
 
 
 class BNNet(nn.Module):
@@ -766,6 +783,9 @@ CASES = [
     (2, "coordinates of fewer dims than the volume", "CoordsNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "coordinates of fewer dims than the volume, 2x1x2", "CoordsNet", {"grid": {"spatial": [2, 1, 2]}}),
     (2, "an interpolation of area mode, run whole", "AreaNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (2, "a weight penalty from self.parameters() returned", "PenaltyNet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "a weight penalty from self.parameters() returned, data x spatial", "PenaltyNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
     (2, "vectors of no batch returned, micro-batches", "VectorsNet",
      {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}),
     (4, "vectors of no batch returned, data x spatial, micro-batches", "VectorsNet",
@@ -1257,3 +1277,16 @@ def test_a_call_met_only_in_another_mode_is_never_run_unsplit(pools):
     assert len(said) == 1, said
     line = said.pop()
     assert "flip" in line or (line.startswith("off by") and float(line.split()[-1]) < 1e-12), line
+
+
+def test_a_trace_leaves_nothing_on_the_model():
+    """fx keeps the tensors a forward computes from real ones while traced on the traced module: not on
+    the user's model, which stays as it was (a deep copy of it still works)."""
+    import copy
+
+    import hybridpar as hp
+
+    model = PenaltyNet()
+    hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(model, (2, 1, 8, 6, 6), 2)
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
+    copy.deepcopy(model)

@@ -67,6 +67,13 @@ FROM_DATA = ("new_tensor",)
 """Calls whose tensor lends only its dtype and device to values given as data (``h.new_tensor(sizes)``)."""
 
 
+def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (lists of them too: ``torch.cat``)."""
+    given = [*args, *kwargs.values()]
+    flat = [*given, *(a for v in given if isinstance(v, list | tuple) for a in v)]
+    return [a for a in flat if isinstance(a, torch.Tensor)]
+
+
 def carriers_of(func: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Of a call's ``tensors``, those whose samples its result holds: ``p.to(x)`` holds ``p``'s, and
     ``h.new_tensor(data)`` none of ``h``'s."""

@@ -226,15 +226,18 @@ def trace(model: nn.Module) -> ModelGraph:
                             f"model(torch.zeros(1, C, 8, 8, 8)), which makes it a {becomes}")
     tracer = _Tracer()
     fixed = root_args.defaults(model)
+    before = set(vars(model))
     try:
         with trace_state.attribute_reads(model) as reads:
             graph = tracer.trace(model, fixed or None)
     except Exception as err:
+        trace_state.forget_constants(model, before)
         where = tracer.stack[-1] if tracer.stack else "the model's own forward"
         raise UntraceableError(f"model ({type(model).__name__}): torch.fx cannot trace {where}: "
                         f"{type(err).__name__}: {err}; {SUPPORTED}") from None
     root_args.strip(graph, fixed)
     gm = fx.GraphModule(model, graph)
+    trace_state.forget_constants(model, before)
     nodes: list[Node] = []
     produced: dict[fx.Node, str] = {}
     calls: dict[str, int] = {}  # a module without weights may be called more than once (a shared ReLU)

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridpar.nn import families, registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
-from hybridpar.planner import calls, per_sample
+from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.copies import REMADE, Copies
@@ -30,14 +30,6 @@ from hybridpar.planner.layer_hooks import LayerHooks
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 from hybridpar.user_lines import caller
-
-
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among a call's arguments (lists of them too: ``torch.cat``)."""
-    given = [*args, *kwargs.values()]
-    flat = [*given, *(a for v in given if isinstance(v, list | tuple) for a in v)]
-    return [a for a in flat if isinstance(a, torch.Tensor)]
-
 
 Extents = tuple[int, ...]
 
@@ -174,7 +166,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         kwargs = calls.canonical(kwargs or {})
         if self.depth:
             return func(*args, **kwargs)
-        tensors = _tensors(args, kwargs)
+        tensors = calls.tensors_in(args, kwargs)
         copied = [self.copies.taken[t] for t in tensors if t in self.copies.taken]
         name = calls.name_of(func)
         written = args[0] if args and isinstance(args[0], torch.Tensor) and (
@@ -191,6 +183,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out._is_view():
             self._views_made(out, tensors, chained)
         self.carry(calls.carriers_of(func, tensors), out)
+        if self.batch_apart:  # the batch's extent: followed from where it is read, refused as a value
+            held = bool(tensors) and (tensors[0] in self.batched or tensors[0] in self.split)
+            out, why = batch_extent.followed(name, args, kwargs, out, held)
+            self.unsafe += [f"{why} at {caller()}"] if why else []
         return out
 
     def _views_made(self, out: torch.Tensor, tensors: list[torch.Tensor], chained: list[torch.Tensor]
@@ -234,7 +230,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                 return func(*args, **kwargs)
             # read as a value of its own (x.view(N, -1) into a sum): the whole value, gathered
             args, kwargs = self.wholes(args, kwargs)
-            split = [t for t in _tensors(args, kwargs) if t in self.split]
+            split = [t for t in calls.tensors_in(args, kwargs) if t in self.split]
         if not split or (calls.name_of(func) in calls.LIKE_OF and args and args[0] not in self.split):
             # nothing split; or a replicated tensor made like a split one (p.to(x), p.type_as(x)): it
             # takes the split one's dtype and device, not its layout
@@ -322,14 +318,15 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         name = calls.name_of(func)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         target = first if calls.in_place(name) and first is not None and first in self.split else None
-        extents = [self.split[t] for t in _tensors(args, kwargs) if t in self.split]
-        carries = [not isinstance(t, nn.Parameter) for t in _tensors(args, kwargs)]  # a weight carries none
+        given = calls.tensors_in(args, kwargs)
+        extents = [self.split[t] for t in given if t in self.split]
+        carries = [not isinstance(t, nn.Parameter) for t in given]  # a weight carries none
         whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
         args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
         kwargs = {k: whole(v) for k, v in kwargs.items()}
         out = self._run_replicated(func, args, kwargs)
         if self.batch_apart:
-            carriers = [t for t, c in zip(_tensors(args, kwargs), carries, strict=True)
+            carriers = [t for t, c in zip(calls.tensors_in(args, kwargs), carries, strict=True)
                         if c and t.dim() in (4, 5)]
             why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
                 name) else per_sample.across(func, args, kwargs, carriers, out) if carriers else None

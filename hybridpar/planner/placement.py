@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridpar.nn import registry, samples
-from hybridpar.planner import calls, per_sample
+from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
 from hybridpar.planner.elementwise import elementwise
 from hybridpar.planner.graph import INPUT, OUTPUT, Node
@@ -109,6 +109,7 @@ class Walk:
     samples_at: dict[str, int] = field(default_factory=dict)  # values with the samples along a dim but 0
     derived: set[str] = field(default_factory=lambda: {INPUT})  # values computed from the input
     fx_names: dict[torch.fx.Node, str] = field(default_factory=dict)  # each node's, by its fx node
+    extents: dict[torch.fx.Node, int | str] = field(default_factory=dict)  # batch extent's degree; "shape"
 
     def __post_init__(self) -> None:
         self.index = self.a.graph.index()
@@ -149,6 +150,8 @@ class Walk:
             return
         if node.name == OUTPUT:
             return
+        if why := self._batch_extent(node, name, args, kwargs, batch):
+            raise SpecError(f"{node.name}: {why} at {_line(node)}")
         if node.op == "module":
             carried = self._carriers(node, batch)
             why = samples.module_across(node.module, carried[0]) if carried else None
@@ -169,6 +172,36 @@ class Walk:
             raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the batch, "
                             f"which data parallelism or micro-batches hold apart (each part would give its "
                             f"own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+
+    def _batch_extent(self, node: Node, name: str, args: tuple, kwargs: dict, batch: int) -> str | None:
+        """Follow the batch's extent read off a value holding the batch (``x.shape[0]``, ``x.size(0)``,
+        ``numel()``, arithmetic on them: its degree, :func:`hybridpar.planner.batch_extent.combined`);
+        why ``node`` uses it as a value, where it does (:func:`hybridpar.planner.batch_extent.misuse`)."""
+        found = lambda a: self.extents.get(a, 0) if isinstance(a, torch.fx.Node) else 0  # noqa: E731
+        fx, dim = node.fx_node, args[1] if len(args) > 1 else kwargs.get("dim")
+        if name in batch_extent.READS + ("getattr",) and node.op != "module" and self._carriers(node, batch):
+            if name == "getattr" and dim == "shape" or name == "size" and dim is None:
+                self.extents[fx] = "shape"
+            elif name in ("numel", "nelement") or name == "size" and dim == 0:
+                self.extents[fx] = 1
+            return None
+        if name == "getitem" and found(args[0]) == "shape":
+            if dim == 0 or isinstance(dim, slice) and dim.start in (None, 0) and dim.stop != 0:
+                self.extents[fx] = 1 if dim == 0 else "shape"
+            return None
+        value = self.a.graph.traced[tuple(self.a.input_shape)][node.name]
+        read = [a for a in fx.all_input_nodes if found(a)]
+        first = args[0] if args else None
+        first = first[0] if isinstance(first, list | tuple) and first else first
+        if read and name == "add" and isinstance(value, list | tuple) and read == [first]:
+            self.extents[fx] = "shape"  # [b, c] + [1] * 3 (MONAI's squeeze-excitation): a shape it leads
+            return None
+        if read and isinstance(value, int | float) and not isinstance(value, bool):
+            degrees = [found(a) if found(a) != "shape" else 1 for a in (*args, 0, 0)[:2]]
+            self.extents[fx] = batch_extent.combined(name, *degrees, args[1] if len(args) > 1 else None)
+            return None  # n * 2, x.numel() / x.size(0): its degree in the extent
+        return batch_extent.misuse(name, args, kwargs, lambda a: "shape" if found(a) == "shape" else
+                                   "extent" if found(a) else None)
 
     def _across(self, node: Node, batch: int) -> str | None:
         """What a function or method node does across the samples of the values it reads that carry

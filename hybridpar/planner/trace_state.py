@@ -16,6 +16,9 @@ once, when it traces. Two kinds of state the forward reads then are fixed into t
   forward read, and their values, are kept (:class:`TracedAttribute`) so that the engine can refuse,
   before a step or a prediction, a graph whose attributes have changed since (:func:`refuse_changed`).
 
+A third kind the trace leaves behind: fx keeps on the module it traces the tensors the forward computed
+from real ones (a weight penalty), which :func:`forget_constants` takes off the user's model again.
+
 Both are found by watching the trace: the grad-mode functions are wrapped, and ``__getattribute__`` of
 the model's own module classes records reads, while the tracing thread traces, and put back after.
 """
@@ -299,3 +302,13 @@ def refuse_changed(attributes: Sequence[TracedAttribute], what: str) -> None:
     change = changed_attribute(attributes)
     if change is not None:
         raise SpecError(change.message(what))
+
+
+def forget_constants(model: nn.Module, before: set[str]) -> None:
+    """Take off the user's model the tensors fx keeps on the module it traces (``_tensor_constant0``:
+    what the forward computed from real tensors while traced, ``sum(p.square().sum() for p in
+    self.parameters())``); the graph module holds its own references. Left there, they would be the
+    model's: a non-leaf tensor no deep copy takes, read again by nothing."""
+    for key in set(vars(model)) - before:
+        if key.startswith("_tensor_constant"):
+            delattr(model, key)

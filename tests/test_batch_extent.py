@@ -1,0 +1,133 @@
+"""The batch's extent read in a forward whose batch data parallelism or micro-batches split
+(:mod:`hybridpar.planner.batch_extent`): each part reads its own. Sizing a tensor along the batch with it
+(``h.view(x.size(0), -1)``, a class token's ``expand(n, -1, -1)``) is what one process does, planned;
+read as a value (``out / x.shape[0]``, ``torch.arange(n)``) it gave each sample its part's answer,
+silently, and is refused before any step, naming the call and its line, in a traced graph and in a
+forward run by module swapping alike (at the top level and in a block)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpar as hp
+from hybridpar.planner.batch_extent import PartBatch, PartBatchFloat, misuse, part_kind
+from hybridpar.planner.terms import SpecError
+
+SHAPE = (4, 1, 8, 6, 6)
+SPLITS = {"data": {"grid": {"data": 2}},
+          "micro": {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}},
+          "data_x_spatial": {"grid": {"data": 2, "spatial": [2, 1, 1]}}}
+WORLD = {"data": 2, "micro": 2, "data_x_spatial": 4}
+
+
+def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``h`` (N, 2, D, H, W) with the batch's extent of ``x`` used as ``what`` says."""
+    n = x.shape[0]
+    if what == "divided by the batch's extent":
+        return h / x.shape[0]
+    if what == "sample indices":
+        return h + torch.arange(x.size(0), dtype=h.dtype).view(-1, 1, 1, 1, 1)
+    if what == "a ramp over the batch":
+        return h * torch.linspace(0, 1, n, dtype=h.dtype).view(-1, 1, 1, 1, 1)
+    if what == "the extent doubled, as a value":
+        return h * (n * 2)
+    if what == "a mean by the number of elements":
+        return h - h.sum((1, 2, 3, 4), keepdim=True) / h.numel()
+    if what == "flattened by the batch's extent":
+        return h.view(x.size(0), -1).tanh().view(h.shape)
+    if what == "zeros beside each sample":
+        return torch.cat([h, h.new_zeros(n, 1, *h.shape[2:])], 1)[:, :2]
+    if what == "a token for each sample":
+        return h + torch.ones(1, 2, 1, 1, 1, dtype=h.dtype).expand(x.shape[0], -1, -1, -1, -1)
+    if what == "voxels per sample":  # the batch's extent divided out: one process's count
+        return h * (x.numel() / (x.size(0) * 1000))
+    if what == "zeros of the input's shape":
+        return h + torch.zeros(x.shape, dtype=h.dtype)
+    raise AssertionError(what)
+
+
+REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the batch",
+           "the extent doubled, as a value", "a mean by the number of elements"]
+PLANNED = ["flattened by the batch's extent", "zeros beside each sample", "a token for each sample",
+           "zeros of the input's shape", "voxels per sample"]
+
+
+class Traced(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 1)
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_use(self.what, x, torch.tanh(self.a(x))))
+
+
+class Swapped(Traced):
+    """The same with a branch on an extent, which torch.fx cannot trace: run by module swapping."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[2] > 4:
+            h = _use(self.what, x, h)
+        return self.b(h)
+
+
+class InBlock(nn.Module):
+    """A traced model around the untraceable forward (run by module swapping inside the block)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.stem, self.block = nn.Conv3d(1, 1, 1), Swapped(what)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.relu(self.stem(x)))
+
+
+MODELS = {"traced": Traced, "swapped": Swapped, "in_block": InBlock}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("what", REFUSED)
+def test_the_batch_extent_read_as_a_value_is_refused(what, model, split):
+    spec = hp.ParallelSpec.from_dict(SPLITS[split])
+    with pytest.raises(SpecError, match=r"reads the batch's extent.* as a value.* at test_batch_extent.py:"):
+        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("what", PLANNED)
+def test_the_batch_extent_sizing_a_tensor_is_planned(what, model, split):
+    assert hp.ParallelSpec.from_dict(SPLITS[split]).plan(MODELS[model](what), SHAPE, WORLD[split])
+
+
+@pytest.mark.parametrize("what", REFUSED)
+def test_without_a_split_batch_every_use_is_planned(what):
+    """The batch whole on every rank: each reads one process's extent."""
+    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(Swapped(what), SHAPE, 2)
+
+
+def test_len_of_a_batch_in_parts_is_refused():
+    """Python's ``len`` makes a plain int of the part's extent, whose uses cannot be followed."""
+    class Len(Traced):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)).view(len(x), -1).view(len(x), 2, *x.shape[2:]))
+
+    with pytest.raises(SpecError, match=r"len \(of a tensor holding the batch.*\) at test_batch_extent.py"):
+        hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(Len("len"), SHAPE, 2)
+
+
+def test_misuse_tells_a_size_from_a_value():
+    n = PartBatch(4)
+    assert isinstance(n * 2, PartBatch) and isinstance(1 / n, PartBatchFloat) and isinstance(-n, PartBatch)
+    shape = torch.Size((n, 3))
+    for name, args in [("view", (None, n, -1)), ("view", (None, shape)), ("zeros", (n, 4)),
+                       ("zeros", (shape,)), ("new_full", (None, (n, 2), 0.5)), ("full", ((n, 2), 1.0)),
+                       ("repeat", (None, n, 1))]:
+        assert misuse(name, args, {}, part_kind) is None, name
+    for name, args in [("arange", (n,)), ("__truediv__", (None, n)), ("view", (None, 2, n)),
+                       ("new_full", (None, (n, 2), n)), ("mul", (None, 1 / n))]:
+        assert misuse(name, args, {}, part_kind), name

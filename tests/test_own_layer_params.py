@@ -9,6 +9,8 @@
 * A norm of one's own, its split version summing with ``volume_sum`` and using the totals on the shard
   (their gradients summed over the shards: ``nn/value_flow.py``), a weight on each side: exact.
 * A parameter tied between two split layers trains exactly.
+* A registered layer whose own forward works across the samples (a norm over the batch's too) is refused
+  on micro-batches, as a BatchNorm is; one per sample is planned.
 
 Three SGD steps in float64 against one process (``_compare``), on 2 ranks and 2x2x1 and data x spatial.
 What cannot be exact is refused before any step, in one line: a split version whose gradients are not
@@ -647,3 +649,60 @@ def test_a_split_version_that_gives_other_shards_is_refused(pools):
                            "does not give the shards of the layer's output on the volume: on rank 0 its "
                            "values differ"), mean
     assert "its output does not depend on its parameter weight, where the layer's does" in kept, kept
+
+
+class BatchCentre(nn.Module):
+    """A norm of one's own over the batch's samples too (as BatchNorm), registered as pointwise: its split
+    version sums the volume exactly, and sees only the samples a micro-batch holds."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.g = _gain(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean((0, 2, 3, 4), keepdim=True)) * self.g.view(1, -1, 1, 1, 1)
+
+
+class SampleCentre(BatchCentre):
+    """The same over each sample's volume only: it keeps the samples apart."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean((2, 3, 4), keepdim=True)) * self.g.view(1, -1, 1, 1, 1)
+
+
+for _centre in (BatchCentre, SampleCentre):
+    hp.nn.register(_centre, role="pointwise", op="norm", flops=_pointwise_flops)
+
+
+class Centred(nn.Module):
+    def __init__(self, centre: type[nn.Module], traced: bool) -> None:
+        super().__init__()
+        self.c1, self.centre, self.c2 = nn.Conv3d(2, 2, 3, padding=1), centre(2), nn.Conv3d(2, 1, 1)
+        self.traced = traced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        if not self.traced and x.shape[2] > 2:  # a branch torch.fx cannot trace: module swapping
+            h = h * 2
+        return self.c2(self.centre(h))
+
+
+MICRO = {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "swapped"])
+def test_a_registered_layer_across_micro_batches_is_refused(traced):
+    """A registered layer of one's own is judged by its own forward, which one process runs: one over
+    the batch's samples is refused on micro-batches (each would be normalised over its own samples), as
+    a BatchNorm is, naming the layer, unless the spec accepts micro-batch statistics; with data
+    parallelism alone it sees its replica's batch, as a BatchNorm does; one per sample is planned."""
+    from hybridpar.planner.terms import SpecError
+
+    shape = (4, 2, 8, 6, 6)
+    with pytest.raises(SpecError, match=r"centre \(BatchCentre\), a registered layer whose own forward works "
+                                        r"across the samples.*mean \(over the samples' dim\)"):
+        hp.ParallelSpec.from_dict(MICRO).plan(Centred(BatchCentre, traced), shape, 2)
+    accepted = {**MICRO, "pipeline": {"microbatches": 2, "micro_batch_stats": True}}
+    assert hp.ParallelSpec.from_dict(accepted).plan(Centred(BatchCentre, traced), shape, 2)
+    assert hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(Centred(BatchCentre, traced), shape, 2)
+    assert hp.ParallelSpec.from_dict(MICRO).plan(Centred(SampleCentre, traced), shape, 2)

@@ -8,12 +8,13 @@ each part its own answer.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
 from torch import nn
 
-from hybridpar.nn import families
+from hybridpar.nn import families, registry
 
 _SPATIAL_RANK = re.compile(r"([123])d$")
 _WINDOWS = (families.CONV_ND, families.MAX_POOL_ND, families.AVG_POOL_ND, *families.ADAPTIVE_POOL_ND,
@@ -27,6 +28,17 @@ def _softmax_dim(m: nn.Module, nd: int) -> int:
     3-dim input, else dim 1)."""
     dim = getattr(m, "dim", None)
     return (0 if nd in (0, 1, 3) else 1) if dim is None else dim % max(nd, 1)
+
+
+def judged_by_forward(m: nn.Module) -> bool:
+    """Whether what layer ``m`` does across the samples is judged by following its own forward: a layer
+    of the user's own type registered with a role, of one input, whose split class says nothing of dim 0
+    (a norm over the batch's samples registered as pointwise splits the volume exactly and still sees
+    only its micro-batch); the forward it stands for says, as one process runs it."""
+    if type(m).__module__.startswith(("torch.", "hybridpar.")) or registry.lookup(m) is None:
+        return False
+    params = inspect.signature(m.forward).parameters.values()
+    return sum(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in params) == 1
 
 
 def module_across(m: nn.Module, x: torch.Tensor) -> str | None:

@@ -43,6 +43,7 @@ class BackwardCalls:
     chains: WeakIdKeyDictionary
     batched: WeakIdKeyDictionary
     batch_apart: bool
+    judging: bool  # a registered layer's forward, judged only for its calls across the samples
 
     def applications(self) -> Any:
         """The context in which this watch is offered every Function applied on its thread."""
@@ -55,8 +56,8 @@ class BackwardCalls:
         """``cls.apply(*args, **kwargs)`` seen from the forward: on split activations, met as any call
         the table does not know (the watch's ``__torch_function__``: run on the gathered volume, refused
         where a checkpoint would recompute it); refused on what carries a batch held in parts."""
-        if self.depth or cls.__module__.startswith("torch."):  # in a layer; checkpoint's own (calls.py)
-            return applied.PASS
+        if self.depth or cls.__module__.startswith("torch.") or self.judging:  # in a layer; checkpoint's
+            return applied.PASS  # own (calls.py); a registered layer's, its forward's calls followed
         tensors = _tensors(args, kwargs)
         if not any(self._carries(t) for t in tensors):
             return applied.PASS
@@ -90,7 +91,7 @@ class BackwardCalls:
     def _hooked(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t.register_hook(fn)``: on a split activation, ``fn`` given the whole gradient."""
         t = args[0]
-        if self.batch_apart and self._carries(t):
+        if self.batch_apart and not self.judging and self._carries(t):
             self.unsafe.append(f"register_hook (on a value that carries the batch, which data parallelism "
                                f"or micro-batches hold apart: the hook would see each part's gradient) at "
                                f"{caller()}")

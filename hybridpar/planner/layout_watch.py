@@ -52,6 +52,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         super().__init__()
         self.grid_split = split
         self.batch_apart, self.batch = batch_apart, 0  # the batch in parts (data parallel, micro-batches); N
+        self.judging = False  # a registered layer's own forward (swapped.judge_registered)
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None
         self._extents: dict[tuple, Extents] = {}  # (module, input shape) -> output extents, per size

@@ -39,13 +39,14 @@ from typing import NamedTuple
 from torch import nn
 
 from hybridpar import globs
+from hybridpar.nn import samples
 from hybridpar.planner.analysis import REPLICATED, Analysis, analyse, check_input_shape
 from hybridpar.planner.graph import OUTPUT, ModelGraph, UntraceableError, refuse_in_pipeline
 from hybridpar.planner.placement import Walk
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.spec_view import GridView, RuleView, SpecView
 from hybridpar.planner.stages import auto_stages, describe_layers, live_across, live_bytes, named_stages
-from hybridpar.planner.swapped import swapped_plan
+from hybridpar.planner.swapped import judge_registered, swapped_plan
 from hybridpar.planner.terms import SpecError, Split
 
 __all__ = ["build_plan", "resolve"]
@@ -243,11 +244,26 @@ def build_plan(spec: SpecView, model: nn.Module, input_shape: Sequence[int],
     spec = _on_world(spec, world_size)
     micro = _batch(spec.grid, spec.pipeline.microbatches, shape[0])  # batch errors before any tracing
     try:
-        return resolve(spec, analyse(model, shape, graph))
+        rows = resolve(spec, analyse(model, shape, graph))
     except UntraceableError as err:
         refuse_in_pipeline(err, spec.grid.pipe)
         if spec.layers:
             raise SpecError(f"{err}. Such a model runs by module swapping, every layer under the grid's "
                             f"split: per-layer rules (layers: {[r.pattern for r in spec.layers]}) need the "
                             f"traced graph") from None
-    return swapped_plan(model, shape, spec.grid.spatial, micro, strict=spec.strict)
+        rows = swapped_plan(model, shape, spec.grid.spatial, micro, strict=spec.strict)
+    if spec.pipeline.microbatches > 1 and not spec.pipeline.micro_batch_stats:
+        _judge_registered(model, rows, micro)
+    return rows
+
+
+def _judge_registered(model: nn.Module, rows: list[LayerPlan], micro: int) -> None:
+    """Refuse a registered layer of the user's own whose forward works across the samples of the batch
+    that micro-batches hold apart (:func:`hybridpar.planner.swapped.judge_registered`)."""
+    for r in rows:
+        try:
+            m = model.get_submodule(r.name.split("#")[0])
+        except AttributeError:  # a function's row (interpolate)
+            continue
+        if samples.judged_by_forward(m):
+            judge_registered(m, r.input_shape, micro, r.name)

@@ -41,6 +41,9 @@ class PipelineView(Protocol):
     @property
     def stages(self) -> str | tuple[str, ...]: ...
 
+    @property
+    def micro_batch_stats(self) -> bool: ...
+
 
 class RuleView(Protocol):
     """A per-layer rule (:class:`~hybridpar.planner.config.LayerRule`)."""

@@ -115,6 +115,22 @@ def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Spl
     return bool(_follow(block, input_shape, split, micro, nested=True, strict=True)[3][1][:1] == [True])
 
 
+def judge_registered(m: nn.Module, input_shape: Sequence[int], micro: int, name: str) -> None:
+    """Refuse layer ``m`` (:func:`hybridpar.nn.samples.judged_by_forward`), met on an input of global
+    ``input_shape`` whose batch runs in micro-batches of ``micro``, where its own forward works across
+    the samples (as a BatchNorm would, refused there alike: ``pipeline/step_state.py``)."""
+    _JUDGING.append(True)
+    try:
+        _follow(m, input_shape, REPLICATED, micro, nested=True, strict=True)
+    except SpecError as err:
+        raise SpecError(f"{name} ({type(m).__name__}), a registered layer whose own forward works across "
+                        f"the samples of the batch, which micro-batches hold apart (its split layer would "
+                        f"see one micro-batch's; use pipeline.microbatches 1, or accept per-micro-batch "
+                        f"statistics with pipeline: {{micro_batch_stats: true}}): {err}") from None
+    finally:
+        _JUDGING.pop()
+
+
 def returned(model: nn.Module, input_shape: Sequence[int], split: Split
              ) -> tuple[list[Any], list[bool], TreeSpec]:
     """What a forward run by module swapping returns on the volume of ``input_shape`` (meta tensors,
@@ -125,6 +141,7 @@ def returned(model: nn.Module, input_shape: Sequence[int], split: Split
 
 Followed = tuple[  # the records, their modules, the watch, what the forward returns
     list[LayerPlan], list[nn.Module], LayoutWatch, tuple[list[Any], list[bool], TreeSpec]]
+_JUDGING: list[bool] = []  # within judge_registered: a registered layer's own forward followed
 _FOLLOWED: list[dict] = []  # within one_plan: each forward followed, by its arguments
 
 
@@ -163,6 +180,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
     watch = LayoutWatch(split, batch_apart=micro < input_shape[0])
+    watch.judging = bool(_JUDGING)
     count: dict[str, int] = {}
 
     def add(name: str, m: nn.Module, x: torch.Tensor, out: torch.Tensor, runs_split: bool, halo) -> None:

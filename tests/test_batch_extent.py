@@ -3,7 +3,9 @@
 (``h.view(x.size(0), -1)``, a class token's ``expand(n, -1, -1)``) is what one process does, planned;
 read as a value (``out / x.shape[0]``, ``torch.arange(n)``) it gave each sample its part's answer,
 silently, and is refused before any step, naming the call and its line, in a traced graph and in a
-forward run by module swapping alike (at the top level and in a block)."""
+forward run by module swapping alike (at the top level and in a block). Python control flow on it (a
+loop over ``range(x.shape[0])``, a branch) runs another program on a part: refused, naming the first
+call that differs."""
 
 from __future__ import annotations
 
@@ -45,13 +47,33 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return h * (x.numel() / (x.size(0) * 1000))
     if what == "zeros of the input's shape":
         return h + torch.zeros(x.shape, dtype=h.dtype)
+    if what == "a loop over the samples' places":  # range makes plain ints: no tag follows them
+        places = torch.stack([torch.tensor(float(i + 1), dtype=h.dtype) for i in range(n)])
+        return h * places.view(-1, 1, 1, 1, 1)
+    if what == "a loop in a helper, given an int":
+        return h * _places(int(x.shape[0]), h.dtype)
+    if what == "a branch on the batch's extent":
+        return h * 2 if x.shape[0] > 2 else h
+    if what == "a loop over the channels":
+        return torch.cat([h[:, c:c + 1] * (c + 1) for c in range(h.shape[1])], 1)
+    if what == "a branch on a spatial extent":
+        return h * 2 if x.shape[3] > 2 else h
     raise AssertionError(what)
+
+
+def _places(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([torch.full((1, 1, 1, 1, 1), i, dtype=dtype) for i in range(n)])
 
 
 REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the batch",
            "the extent doubled, as a value", "a mean by the number of elements"]
 PLANNED = ["flattened by the batch's extent", "zeros beside each sample", "a token for each sample",
-           "zeros of the input's shape", "voxels per sample"]
+           "zeros of the input's shape", "voxels per sample", "a loop over the channels",
+           "a branch on a spatial extent"]
+FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
+        "a branch on the batch's extent"]
+"""Python control flow on the batch's extent (:mod:`hybridpar.planner.batch_flow`): torch.fx cannot
+trace it, so each model runs by module swapping."""
 
 
 class Traced(nn.Module):
@@ -95,6 +117,18 @@ def test_the_batch_extent_read_as_a_value_is_refused(what, model, split):
     spec = hp.ParallelSpec.from_dict(SPLITS[split])
     with pytest.raises(SpecError, match=r"reads the batch's extent.* as a value.* at test_batch_extent.py:"):
         spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", ["swapped", "in_block"])
+@pytest.mark.parametrize("what", FLOW)
+def test_control_flow_on_the_batch_extent_is_refused(what, model, split):
+    """A part runs another program than one process: the first call that differs is named."""
+    spec = hp.ParallelSpec.from_dict(SPLITS[split])
+    with pytest.raises(SpecError, match=r"runs other calls on a part of the batch than on the whole.*on 4 "
+                                        r"samples .* at test_batch_extent.py:\d+, on 2 "):
+        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(MODELS[model](what), SHAPE, 2)
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

@@ -31,6 +31,7 @@ from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.meta_kernels import ShapeOnlyResampling
 from hybridpar.nn.sharing import TORCH_OWN
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
+from hybridpar.user_lines import caller
 
 
 def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -71,9 +72,10 @@ class OnMeta(TorchFunctionMode):
     """A tensor the forward makes from sizes alone (``torch.zeros(n, c, *x.shape[2:])``), without a
     device, is made on the meta device beside the forward's own, as on the device it runs on."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines: bool = False) -> None:
         super().__init__()
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
+        self.lines: list[tuple[Any, str]] | None = [] if lines else None  # each call's function and line
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
         self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
         self.moved = WeakIdKeyDictionary()  # a tensor -> the one it converts (x.to(device), x.float())
@@ -94,6 +96,8 @@ class OnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls.append(getattr(func, "__name__", ""))
+        if self.lines is not None:
+            self.lines.append((func, caller()))
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 self.read[t] = True
@@ -314,6 +318,18 @@ def unwatched(module: nn.Module) -> Iterator[None]:
             m._forward_hooks, m._forward_pre_hooks = post, pre
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def run_unseen(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> None:
+    """``module(*args)`` with ``state`` (from :func:`meta_state`) under ``mode`` alone (what it called is
+    the mode's), seen by no watch or hook, its tensors in plain attributes put back after."""
+    values = {(prefix, k): v for prefix, m in module.named_modules() for k, v in vars(m).items()}
+    before = _tensor_attrs(module)
+    try:
+        with unwatched(module):
+            _call(module, state, args, mode)
+    finally:
+        _put_back(module, values, _changed(module, before))
 
 
 def _call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple, mode: OnMeta) -> Any:

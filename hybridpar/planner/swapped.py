@@ -30,6 +30,7 @@ from hybridpar.nn.meta import CarriedState, meta_call, meta_hint, meta_state, me
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
 from hybridpar.planner.analysis import REPLICATED, leaf_flop_sums, node_halos
+from hybridpar.planner.batch_flow import refuse_batch_flow
 from hybridpar.planner.layout_watch import LayoutWatch
 from hybridpar.planner.records import BYTES_PER_ELEMENT, LayerPlan, local_shape, rank_share, transpose_bytes
 from hybridpar.planner.terms import SpecError, Split
@@ -269,6 +270,8 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
         raise SpecError(f"model ({type(model).__name__}): no layer ran in its forward")
     if watch.unsafe:
         raise unsafe_error(model, watch)
+    if watch.batch_apart:  # a part runs the forward on its samples: the same calls as on the whole?
+        refuse_batch_flow(model, input_shape, micro, nested)
     if watch.gathered and (not dist.is_initialized() or dist.get_rank() == 0):  # said once per job
         calls_ = ", ".join(dict.fromkeys(watch.gathered))
         warnings.warn(f"hybridpar: model ({type(model).__name__}), run by module swapping, calls {calls_} on "

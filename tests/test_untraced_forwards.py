@@ -689,13 +689,15 @@ class PerSampleCalls(nn.Module):
     """Elementwise calls no list names (torch tags them: ``atan2``, ``frac``), conversions and integer
     division (``.long()``, ``//``), a complex tensor's parts (``.real`` of an FFT), max pooling with
     indices undone by ``max_unpool3d``, calls along the volume's dims, a warp by a grid per sample, a
-    product of two batches alike and a tensor of shape values: each keeps the samples apart, so a batch
-    in parts runs them, with a shape check (module swapping) and without (a traced graph)."""
+    product of two batches alike, torch's attention over each sample's voxels and a tensor of shape
+    values: each keeps the samples apart, so a batch in parts runs them, with a shape check (module
+    swapping) and without (a traced graph)."""
 
     def __init__(self, check: bool = True) -> None:
         super().__init__()
         self.check = check
         self.c1, self.c2 = nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+        self.attend = nn.MultiheadAttention(2, 1, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.check:
@@ -713,7 +715,9 @@ class PerSampleCalls(nn.Module):
         h = F.grid_sample(h, F.affine_grid(theta, list(h.shape), align_corners=False), align_corners=False)
         t = h.flatten(2)  # tokens (N, C, V): the samples' gram matrices, each its own
         gram = torch.softmax(t @ t.transpose(1, 2) / t.shape[2], dim=-1)
-        return h + (gram @ t).view_as(h) * h.new_tensor(h.shape[2:]).sum() / 32
+        h = h + (gram @ t).view_as(h) * h.new_tensor(h.shape[2:]).sum() / 32
+        tokens = t.transpose(1, 2)  # (N, V, C): torch's attention over each sample's voxels
+        return h + self.attend(tokens, tokens, tokens)[0].transpose(1, 2).reshape(h.shape)
 
 
 def TracedPerSampleCalls() -> PerSampleCalls:  # noqa: N802 (a model's name, as the cases spell them)
@@ -1314,22 +1318,30 @@ def test_per_sample_calls_in_a_traced_graph_are_planned(what):
 
 class _LayerMix(nn.Module):
     """torch layers on per-sample features (N, C) or tokens (N, L, C): those that read dim 0 as their
-    sequence or channels mix the samples."""
+    sequence or channels mix the samples. ``check``: with a shape check (run by module swapping)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, check: bool = False) -> None:
         super().__init__()
         self.conv = nn.Conv3d(1, 4, 3, padding=1)
-        self.what = what
+        self.what, self.check = what, check
         self.layer = {"GRU": nn.GRU(4, 4), "GRU batch_first": nn.GRU(4, 4, batch_first=True),
+                      "attention": nn.MultiheadAttention(4, 2),
+                      "attention batch_first": nn.MultiheadAttention(4, 2, batch_first=True),
                       "Softmax(dim=0)": nn.Softmax(dim=0), "Softmax(dim=1)": nn.Softmax(dim=1),
                       "Conv1d": nn.Conv1d(4, 4, 1), "Linear": nn.Linear(4, 4),
                       "Dropout1d": nn.Dropout1d(0.0), "a block's batch mean": _BatchScale()}[what]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check:
+            assert x.shape[2] > 4
         h = self.conv(x)
         t = h.mean(dim=(2, 3, 4))
         if self.what.startswith("GRU"):
             t = self.layer(t[:, None] if self.what.endswith("first") else t[None])[0].reshape(t.shape)
+        elif self.what.startswith("attention"):  # tokens: the volume's 2 x 2 x 2 means
+            tokens = F.adaptive_avg_pool3d(h, 2).flatten(2).transpose(1, 2)  # (N, L, C)
+            tokens = tokens if self.what.endswith("first") else tokens.transpose(0, 1)
+            t = self.layer(tokens, tokens, tokens)[0].mean(1 if self.what.endswith("first") else 0)
         elif self.what == "a block's batch mean":
             return self.layer(h)
         else:
@@ -1346,26 +1358,32 @@ class _BatchScale(nn.Module):
 
 @pytest.mark.parametrize("what,match", [
     ("GRU", r"GRU \(reads its sequence along the samples' dim: batch_first=True keeps them apart\)"),
+    ("attention", r"(MultiheadAttention \(reads its sequence|transpose \(along) the samples' dim"),
     ("Softmax(dim=0)", r"Softmax \(along the samples' dim\)"),
     ("Conv1d", r"Conv1d \(of an unbatched input: reads dim 0 as its channels\)"),
     ("a block's batch mean", r"mean \(over the (samples' dim|batch)")])
 @pytest.mark.parametrize("spatial", [[1, 1, 1], [2, 1, 1]])
-def test_layers_across_the_samples_are_refused(what, match, spatial):
+@pytest.mark.parametrize("check", [False, True], ids=["traced", "swapped"])
+def test_layers_across_the_samples_are_refused(what, match, spatial, check):
     """A torch layer is judged by what it does along dim 0 of its input, and a block of the user's by its
-    forward's calls, whether or not the volume is split."""
+    forward's calls, whether or not the volume is split, in a traced graph and by module swapping."""
     import hybridpar as hp
     from hybridpar.planner.terms import SpecError
 
     spec = hp.ParallelSpec.from_dict({"grid": {"data": 2, "spatial": spatial}})
     with pytest.raises(SpecError, match=match):
-        spec.plan(_LayerMix(what), (4, 1, 8, 8, 8), 2 * math.prod(spatial))
+        spec.plan(_LayerMix(what, check), (4, 1, 8, 8, 8), 2 * math.prod(spatial))
 
 
-@pytest.mark.parametrize("what", ["GRU batch_first", "Softmax(dim=1)", "Linear", "Dropout1d"])
-def test_layers_on_each_sample_are_planned(what):
+@pytest.mark.parametrize("what", ["GRU batch_first", "attention batch_first", "Softmax(dim=1)", "Linear",
+                                  "Dropout1d"])
+@pytest.mark.parametrize("check", [False, True], ids=["traced", "swapped"])
+def test_layers_on_each_sample_are_planned(what, check):
+    """torch's attention holds its output projection as a child but calls it as a function: one layer
+    to both planners, judged by its ``batch_first``, not by the transposes inside it."""
     import hybridpar as hp
 
-    assert hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(_LayerMix(what), (4, 1, 8, 8, 8), 2)
+    assert hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(_LayerMix(what, check), (4, 1, 8, 8, 8), 2)
 
 
 class _Unique(nn.Module):

@@ -53,16 +53,19 @@ def leave_whole(shapes: list[tuple[int, ...] | None]) -> bool:
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that run as one layer: registered ones (not traced into), split layers (a registered
     layer's counterpart after swapping, which may hold modules of its own: neuraloperator's spectral
-    weights), and childless ones not of the user's own type (:func:`users`: whose calls are followed
-    one by one). The plan walks the model and a run its swapped copy: both must see the same layers."""
+    weights), childless ones not of the user's own type (:func:`users`: whose calls are followed
+    one by one), and torch's attention, whose projection it holds as a child but calls as a function:
+    a layer as a traced graph sees it (what it does across the samples is
+    :func:`hybridpar.nn.samples.module_across`'s to say, not the transposes inside it). The plan walks
+    the model and a run its swapped copy: both must see the same layers."""
     out: list[tuple[str, nn.Module]] = []
 
     def walk(prefix: str, m: nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}.{name}" if prefix else name
             parent = any(True for _ in child.children())
-            if registry.lookup(child) is not None or isinstance(child, SpatialLayer) or not (
-                    parent or users(child)):
+            if registry.lookup(child) is not None or isinstance(child, SpatialLayer | nn.MultiheadAttention) \
+                    or not (parent or users(child)):
                 out.append((path, child))
             else:
                 walk(path, child)

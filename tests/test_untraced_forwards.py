@@ -1264,6 +1264,13 @@ class _TracedMix(nn.Module):
             g = torch.einsum("ncdhw->c", h).view(1, -1, 1, 1, 1)
         elif self.what == "a tensordot over n":
             g = torch.tensordot(h, h, dims=([0, 2, 3, 4], [0, 2, 3, 4])).sum(1).view(1, -1, 1, 1, 1)
+        elif self.what == "a tensordot of n with a weight":
+            g = torch.tensordot(h, torch.ones(2, dtype=h.dtype), dims=([0], [0]))[None]
+        elif self.what == "a tensordot over D with a weight":  # (N, C, H, W): each sample's own
+            w = torch.linspace(0, 1, h.shape[2], dtype=h.dtype)
+            g = torch.tensordot(h, w, dims=([2], [0])).unsqueeze(2)
+        elif self.what == "buckets of each voxel":
+            g = torch.bucketize(h.detach(), torch.tensor([-0.5, 0.0, 0.5], dtype=h.dtype)).to(h.dtype)
         elif self.what == "distances between samples":
             g = torch.cdist(h.flatten(1), h.flatten(1)).mean(1).view(-1, 1, 1, 1, 1)
         elif self.what == "per-sample values summed":  # (N,): one value per sample, then their sum
@@ -1291,7 +1298,9 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
                                r"samples' among them\)" + AT),
     ("the batch's norm", r"linalg_norm: linalg_norm \(along the samples' dim\)" + AT),
     ("an einsum over n", r"einsum: einsum \(mixes samples\)" + AT),
-    ("a tensordot over n", r"tensordot: tensordot \(not known to keep the samples apart\)" + AT),
+    ("a tensordot over n", r"tensordot: tensordot \(contracts the samples' dim, or of operands that both "
+                           r"carry them\)" + AT),
+    ("a tensordot of n with a weight", r"tensordot \(contracts the samples' dim"),  # a graph or swapping
     ("distances between samples", r"cdist: cdist \(not known to keep the samples apart\)" + AT),
     ("per-sample values summed", r"sum_\d+: sum \(over the samples' dim\)" + AT),
     ("per-sample maxima summed", r"sum \(over the samples' dim\)")])  # the graph, or module swapping
@@ -1308,7 +1317,8 @@ def test_samples_mixed_in_a_traced_graph_are_refused(what, match):
 
 @pytest.mark.parametrize("what", ["renorm of each sample", "each sample's norm", "each sample's matrix norms",
                                   "an FFT over H and W", "each sample's RMS norm",
-                                  "each sample's pseudo-inverses", "a contiguous stride read"])
+                                  "each sample's pseudo-inverses", "a contiguous stride read",
+                                  "a tensordot over D with a weight", "buckets of each voxel"])
 def test_per_sample_calls_in_a_traced_graph_are_planned(what):
     import hybridpar as hp
 

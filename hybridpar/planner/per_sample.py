@@ -267,6 +267,15 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
         return None
     if name == "einsum":
         return _einsum(args, carriers)
+    if name == "tensordot":  # a's dims left uncontracted lead the output: dim 0 where it is not contracted
+        dims = calls._arg(args, kwargs, 2, "dims", 2)
+        nd = batched.dim()
+        contracted = set(range(nd - dims, nd)) if isinstance(dims, int) else _dims(
+            dims[0], nd) if isinstance(dims, list | tuple) and len(dims) == 2 else None
+        return None if first is batched and not others and contracted is not None and 0 not in contracted \
+            else "tensordot (contracts the samples' dim, or of operands that both carry them)"
+    if name == "bucketize":  # each element against boundaries alike on every part
+        return None if first is batched and not others else "bucketize (of boundaries per sample)"
     if name == "renorm":  # each slice along dim, normed over every other dim: per sample along dim 0 only
         dim = calls._arg(args, kwargs, 2, "dim")
         return None if first is batched and isinstance(dim, int) and dim % max(batched.dim(), 1) == 0 else \

@@ -543,6 +543,24 @@ class Writes(nn.Module):
         return self.head(h)
 
 
+class BroadcastPlanes(nn.Module):
+    """A plane, a row and a column of the volume broadcast back over it (``h + h[:, :, -1:]``,
+    ``expand_as``), along dims the grid splits and dims it does not: each shard broadcasts as the volume
+    does where the operands agree along the split dims; else the plane is read whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if h.shape[2] > 4:  # untraceable
+            h = h + h[:, :, -1:]  # the last depth plane
+            h = h * h[:, :, :, :1].expand_as(h).sigmoid()  # the first row
+            h = torch.where(h > 0, h, h[..., 2:3])  # a column, as the other branch
+        return self.b(h)
+
+
 class Fills(nn.Module):
     """Tensors of one value made at the volume's extents (``h.new_zeros(h.shape)``, ``torch.zeros(n, 4,
     *h.shape[2:])``, a D, H, W mask) and written into: a valid conv's output put back into a padded
@@ -810,7 +828,8 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("layers called on the volume and on pooled values", "Reused", {"grid": {"spatial": [2, 1, 1]}}),
        ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}}),
        ("checks of finiteness", "FiniteChecks", {"grid": {"spatial": [2, 1, 1]}}),
-       ("checks of finiteness in a block", "NestedChecks", {"grid": {"spatial": [1, 2, 1]}})]
+       ("checks of finiteness in a block", "NestedChecks", {"grid": {"spatial": [1, 2, 1]}}),
+       ("planes broadcast over the volume", "BroadcastPlanes", {"grid": {"spatial": [1, 1, 2]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),
@@ -842,7 +861,8 @@ FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("checks of finiteness, 2x2", "FiniteChecks", {"grid": {"spatial": [2, 2, 1]}}),
         ("checks of finiteness, data x spatial", "FiniteChecks", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("checks of finiteness in a block, data x spatial", "NestedChecks",
-         {"grid": {"data": 2, "spatial": [2, 1, 1]}})]
+         {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+        ("planes broadcast over the volume, 1x2x2", "BroadcastPlanes", {"grid": {"spatial": [1, 2, 2]}})]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2_ranks", "4_ranks"])
@@ -1608,3 +1628,14 @@ def test_per_sample_functions_pass_and_mixing_ones_do_not():
         said = across(func, args, kwargs, [carrier], func(*args, **kwargs))
         assert bool(said) is mixes, (func, args, kwargs, said)
 
+
+
+def test_split_operands_broadcast_where_they_agree_along_the_split_dims():
+    """Pure geometry: operands of other extents broadcast on shards only along dims the grid leaves whole,
+    and only where one of them spans the output (the others' boxes are its own there)."""
+    from hybridpar.planner.elementwise import broadcast_extents
+
+    assert broadcast_extents([(9, 8, 6), (1, 8, 6)], (1, 1, 2)) == (9, 8, 6)  # a plane, W split
+    assert broadcast_extents([(9, 1, 6), (9, 8, 6)], (1, 2, 1)) is None  # a row along the split H
+    assert broadcast_extents([(1, 8, 6), (9, 8, 1)], (1, 2, 1)) is None  # no operand spans (9, 8, 6)
+    assert broadcast_extents([(9, 8, 6), (7, 8, 6)], (1, 1, 2)) is None  # no broadcast: 9 against 7

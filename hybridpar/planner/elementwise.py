@@ -69,3 +69,18 @@ def elementwise(func: Any) -> bool:
     if registry.function_role(func) == "pointwise" or registry.function_role(name) == "pointwise":
         return True
     return name in LIKE or _tagged(name)
+
+
+def broadcast_extents(extents: list[tuple[int, ...]], split: tuple[int, int, int]) -> tuple[int, ...] | None:
+    """The global (D, H, W) an elementwise call on split operands of these global ``extents`` gives
+    where each rank's shards broadcast as the volumes do and one operand spans it, else None: the
+    operands agree along every dim the grid splits (each holds the same box there), and along an
+    unsplit one every rank holds the whole extent, so a plane ``h[:, :, -1:]`` broadcasts against ``h``
+    on a shard as on the volume. An extent of 1 along a split dim is one rank's alone: not broadcast."""
+    out = []
+    for k, parts in enumerate(split):
+        sizes = {e[k] for e in extents}
+        if len(sizes) > 1 and (parts > 1 or len(sizes - {1}) > 1):
+            return None
+        out.append(max(sizes))
+    return tuple(out) if tuple(out) in extents else None

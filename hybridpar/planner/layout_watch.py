@@ -25,6 +25,7 @@ from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.copies import REMADE, Copies
+from hybridpar.planner.elementwise import broadcast_extents
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
@@ -131,10 +132,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         return self.splits and x.dim() == 5 and entry is not None and entry.splittable and x in self.split
 
     def after_layer(self, m: nn.Module, x: torch.Tensor, out: object, split: bool) -> None:
-        """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction), or
-        where it works voxel by voxel on a split input (a softmax over channels); a layer that reads its
-        input whole (:meth:`needs_whole`: too small to split, or a copy that reads across the shards)
-        gives a whole value."""
+        """Mark layer ``m``'s output split where it ran split (not after a whole-volume reduction) or works
+        voxel by voxel on a split input (a softmax over channels); one that reads its input whole
+        (:meth:`needs_whole`: too small to split, a copy reading across the shards) gives a whole value."""
         self.carry([x], out)
         source = x if x in self.split else self.roots.get(x)
         if isinstance(out, torch.Tensor) and out._is_view() and source is not None and not split:
@@ -278,10 +278,13 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                                f"micro-batches hold apart: work on each sample, e.g. reduce over "
                                f"dim=(1, 2, 3, 4)) at {caller()}")
             return func(*args, **kwargs)
-        if len({self.split[t] for t in split}) > 1 and kind.kind != "whole":
-            self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
-                               f"{caller()}")
-            return func(*args, **kwargs)
+        if len(extents := {self.split[t] for t in split}) > 1 and kind.kind != "whole":
+            wide = broadcast_extents(list(extents), self.grid_split) if kind.kind == "pointwise" else None
+            if wide is None:
+                self.unsafe.append(f"{calls.name_of(func)} (on split activations of different extents) at "
+                                   f"{caller()}")
+                return func(*args, **kwargs)
+            split = [t for t in split if self.split[t] == wide]  # the output's extents: the widest
         out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
         if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
             self.copies.take(out, f"a box of slices at {caller()}", args[0])
@@ -429,8 +432,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         return out
 
     def wholes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with every volume part way through reshapes as its whole value (here,
-        on the volume, it is that already; a run gathers it)."""
+        """``args``, ``kwargs`` with each volume part way through reshapes whole (a run gathers it)."""
         return args, kwargs
 
     def needs_whole(self, m: nn.Module, x: torch.Tensor) -> bool:

@@ -67,3 +67,10 @@ def moves_per_forward(m: nn.Module) -> bool:
     a batch norm (normalises by its batch), or any norm tracking running statistics."""
     return uses_batch_statistics(m) or (isinstance(m, NORM_BASE) and bool(m.track_running_stats)
                                         and getattr(m, "running_mean", None) is not None)
+
+
+def one_layer_with_children(m: nn.Module) -> bool:
+    """Whether ``m`` is a torch layer that holds modules of its own yet computes as one layer, calling
+    them as functions rather than as steps (torch's attention and its output projection): a planner
+    that walks into a module's children takes it whole, as a traced graph does."""
+    return isinstance(m, nn.MultiheadAttention)

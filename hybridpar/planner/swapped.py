@@ -25,7 +25,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from hybridpar import flops as flop_count
 from hybridpar.call_keys import call_key
-from hybridpar.nn import registry
+from hybridpar.nn import families, registry
 from hybridpar.nn.meta import CarriedState, meta_call, meta_hint, meta_state, meta_stop
 from hybridpar.nn.spatial import SpatialLayer
 from hybridpar.planner import calls
@@ -54,18 +54,18 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that run as one layer: registered ones (not traced into), split layers (a registered
     layer's counterpart after swapping, which may hold modules of its own: neuraloperator's spectral
     weights), childless ones not of the user's own type (:func:`users`: whose calls are followed
-    one by one), and torch's attention, whose projection it holds as a child but calls as a function:
-    a layer as a traced graph sees it (what it does across the samples is
-    :func:`hybridpar.nn.samples.module_across`'s to say, not the transposes inside it). The plan walks
-    the model and a run its swapped copy: both must see the same layers."""
+    one by one), and torch's layers that hold modules yet compute as one (attention:
+    :func:`hybridpar.nn.families.one_layer_with_children`), as a traced graph sees them: what they do
+    across the samples is :func:`hybridpar.nn.samples.module_across`'s to say, not the transposes
+    inside. The plan walks the model and a run its swapped copy: both must see the same layers."""
     out: list[tuple[str, nn.Module]] = []
 
     def walk(prefix: str, m: nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}.{name}" if prefix else name
             parent = any(True for _ in child.children())
-            if registry.lookup(child) is not None or isinstance(child, SpatialLayer | nn.MultiheadAttention) \
-                    or not (parent or users(child)):
+            if registry.lookup(child) is not None or isinstance(child, SpatialLayer) or \
+                    families.one_layer_with_children(child) or not (parent or users(child)):
                 out.append((path, child))
             else:
                 walk(path, child)

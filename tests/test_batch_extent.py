@@ -3,9 +3,10 @@
 (``h.view(x.size(0), -1)``, a class token's ``expand(n, -1, -1)``) is what one process does, planned;
 read as a value (``out / x.shape[0]``, ``torch.arange(n)``) it gave each sample its part's answer,
 silently, and is refused before any step, naming the call and its line, in a traced graph and in a
-forward run by module swapping alike (at the top level and in a block). Python control flow on it (a
-loop over ``range(x.shape[0])``, a branch) runs another program on a part: refused, naming the first
-call that differs."""
+forward run by module swapping alike (at the top level and in a block), as is a reshape that gives
+dim 0 the whole batch's size as a number (``h.reshape(4, -1)``: rows of half samples on a part).
+Python control flow on it (a loop over ``range(x.shape[0])``, a branch) runs another program on a
+part: refused, naming the first call that differs."""
 
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([h[:, c:c + 1] * (c + 1) for c in range(h.shape[1])], 1)
     if what == "a branch on a spatial extent":
         return h * 2 if x.shape[3] > 2 else h
+    if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
+        return torch.softmax(h.reshape(4, -1), -1).reshape(h.shape)
+    if what == "rows of a batch of 4, viewed":
+        return h - h.view(4, -1).mean(1).view(-1, 1, 1, 1, 1)
+    if what == "rows of each sample by -1":
+        return torch.softmax(h.reshape(-1, 2 * 8 * 6 * 6), -1).reshape(h.shape)
     raise AssertionError(what)
 
 
@@ -67,9 +74,12 @@ def _places(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the batch",
            "the extent doubled, as a value", "a mean by the number of elements"]
-PLANNED = ["flattened by the batch's extent", "zeros beside each sample", "a token for each sample",
-           "zeros of the input's shape", "voxels per sample", "a loop over the channels",
-           "a branch on a spatial extent"]
+PLANNED = ["flattened by the batch's extent", "rows of each sample by -1", "zeros beside each sample",
+           "a token for each sample", "zeros of the input's shape", "voxels per sample",
+           "a loop over the channels", "a branch on a spatial extent"]
+FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
+"""A reshape that gives dim 0 the whole batch's number of samples: on a part of 2 its rows are half
+samples, which a softmax or a mean along them reads as no process does (no error: the sizes divide)."""
 FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a branch on the batch's extent"]
 """Python control flow on the batch's extent (:mod:`hybridpar.planner.batch_flow`): torch.fx cannot
@@ -117,6 +127,17 @@ def test_the_batch_extent_read_as_a_value_is_refused(what, model, split):
     spec = hp.ParallelSpec.from_dict(SPLITS[split])
     with pytest.raises(SpecError, match=r"reads the batch's extent.* as a value.* at test_batch_extent.py:"):
         spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("what", FIXED)
+def test_a_reshape_giving_the_batch_a_number_is_refused(what, model, split):
+    spec = hp.ParallelSpec.from_dict(SPLITS[split])
+    with pytest.raises(SpecError, match=r"(reshape|view) \(gives the batch's dim a size of its own, 4, "
+                                        r".*write -1 or x.shape\[0\] there\).* at test_batch_extent.py:"):
+        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(MODELS[model](what), SHAPE, 2)
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

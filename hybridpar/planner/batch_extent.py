@@ -93,7 +93,7 @@ def followed(name: str, args: tuple, kwargs: dict, out: Any, held: bool) -> tupl
     of a tensor that ``held`` the batch answers with :func:`read`'s), and why it is refused, if it is."""
     if held and name in READS:
         return read(name, args, kwargs, out)
-    return out, misuse(name, args, kwargs, part_kind)
+    return out, (held and fixed_batch(name, args, kwargs, part_kind)) or misuse(name, args, kwargs, part_kind)
 
 
 def read(name: str, args: tuple, kwargs: dict, out: Any) -> tuple[Any, str | None]:
@@ -136,6 +136,20 @@ def sizes_of(name: str, args: tuple, kwargs: dict) -> list[Any]:
     if isinstance(given, list | tuple) and len(given) == 1 and isinstance(given[0], list | tuple):
         given = given[0]
     return list(given) if isinstance(given, list | tuple) else [given]
+
+
+def fixed_batch(name: str, args: tuple, kwargs: dict, kind: Callable[[Any], str | None]) -> str | None:
+    """Why a reshape of a tensor holding the batch gives dim 0 a size of its own (None where it gives
+    -1 or the batch's extent, ``kind`` as in :func:`misuse`): ``h.reshape(4, -1)``, written for a batch
+    of 4, makes rows of half samples on a part of 2, which a mean or a softmax along them then reads
+    as one process never does, silently."""
+    if name not in ("view", "reshape") or not (sizes := sizes_of(name, args, kwargs)):
+        return None
+    lead = sizes[0]
+    if kind(lead) in ("extent", "shape") or lead == -1 and not kind(lead):
+        return None
+    return (f"{name} (gives the batch's dim a size of its own, {lead!r}, where data parallelism or "
+            f"micro-batches give each part its own number of samples: write -1 or x.shape[0] there)")
 
 
 def misuse(name: str, args: tuple, kwargs: dict, kind: Callable[[Any], str | None]) -> str | None:

@@ -200,8 +200,9 @@ class Walk:
             degrees = [found(a) if found(a) != "shape" else 1 for a in (*args, 0, 0)[:2]]
             self.extents[fx] = batch_extent.combined(name, *degrees, args[1] if len(args) > 1 else None)
             return None  # n * 2, x.numel() / x.size(0): its degree in the extent
-        return batch_extent.misuse(name, args, kwargs, lambda a: "shape" if found(a) == "shape" else
-                                   "extent" if found(a) else None)
+        kind = lambda a: "shape" if found(a) == "shape" else "extent" if found(a) else None  # noqa: E731
+        return (self._carriers(node, batch) and batch_extent.fixed_batch(name, args, kwargs, kind)) or \
+            batch_extent.misuse(name, args, kwargs, kind)
 
     def _across(self, node: Node, batch: int) -> str | None:
         """What a function or method node does across the samples of the values it reads that carry

@@ -25,6 +25,16 @@ def caller() -> str:
     return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
+def in_torch_layer() -> bool:
+    """Whether the innermost frame of the live stack outside this package and torch's functions is a
+    torch layer's own code (``torch/nn/modules``: a GRU making its initial state), not the user's."""
+    layers = f"{os.sep}torch{os.sep}nn{os.sep}modules{os.sep}"
+    f = sys._getframe(1)
+    while f is not None and ours(f.f_code.co_filename) and layers not in f.f_code.co_filename:
+        f = f.f_back
+    return f is not None and layers in f.f_code.co_filename
+
+
 def line_of(err: BaseException) -> str:
     """``file:line`` of the innermost frame of ``err``'s traceback outside torch and this package."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not ours(f.filename)]

@@ -4,11 +4,14 @@
 read as a value (``out / x.shape[0]``, ``torch.arange(n)``) it gave each sample its part's answer,
 silently, and is refused before any step, naming the call and its line, in a traced graph and in a
 forward run by module swapping alike (at the top level and in a block), as is a reshape that gives
-dim 0 the whole batch's size as a number (``h.reshape(4, -1)``: rows of half samples on a part).
-Python control flow on it (a loop over ``range(x.shape[0])``, a branch) runs another program on a
-part: refused, naming the first call that differs."""
+dim 0 the whole batch's size as a number (``h.reshape(4, -1)``: rows of half samples on a part), and
+a sum or scan along a tensor sized with it (``torch.ones(n).sum()``). Python control flow on it (a loop
+over ``range(x.shape[0])``, a branch) or a number Python makes of it (``min(n, 3)``, ``math.log(n)``)
+runs another program on a part: refused, naming the first call that differs."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -59,6 +62,16 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([h[:, c:c + 1] * (c + 1) for c in range(h.shape[1])], 1)
     if what == "a branch on a spatial extent":
         return h * 2 if x.shape[3] > 2 else h
+    if what == "a number chosen by the batch's extent":  # the same calls, given other numbers
+        return h * (2.0 if x.shape[0] == 4 else 1.0)
+    if what == "the extent through int and min":
+        return h / min(int(x.shape[0]), 3)
+    if what == "the extent through math":
+        return h * math.log(x.shape[0])
+    if what == "ones along the batch, summed":  # the part's extent again, as a value
+        return h / torch.ones(x.shape[0], dtype=h.dtype).sum()
+    if what == "ones along the batch, scanned":  # each sample's place in its part
+        return h * torch.ones(x.shape[0], 1, dtype=h.dtype).cumsum(0).view(-1, 1, 1, 1, 1)
     if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
         return torch.softmax(h.reshape(4, -1), -1).reshape(h.shape)
     if what == "rows of a batch of 4, viewed":
@@ -81,7 +94,11 @@ FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
 """A reshape that gives dim 0 the whole batch's number of samples: on a part of 2 its rows are half
 samples, which a softmax or a mean along them reads as no process does (no error: the sizes divide)."""
 FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
-        "a branch on the batch's extent"]
+        "a branch on the batch's extent", "a number chosen by the batch's extent",
+        "the extent through int and min", "the extent through math"]
+ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
+"""A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
+reads the part."""
 """Python control flow on the batch's extent (:mod:`hybridpar.planner.batch_flow`): torch.fx cannot
 trace it, so each model runs by module swapping."""
 
@@ -126,6 +143,15 @@ MODELS = {"traced": Traced, "swapped": Swapped, "in_block": InBlock}
 def test_the_batch_extent_read_as_a_value_is_refused(what, model, split):
     spec = hp.ParallelSpec.from_dict(SPLITS[split])
     with pytest.raises(SpecError, match=r"reads the batch's extent.* as a value.* at test_batch_extent.py:"):
+        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", ["swapped", "in_block"])
+@pytest.mark.parametrize("what", ALONG)
+def test_a_tensor_sized_along_the_batch_is_judged_per_sample(what, model, split):
+    spec = hp.ParallelSpec.from_dict(SPLITS[split])
+    with pytest.raises(SpecError, match=r"(sum \(over|cumsum \(along) the samples' dim\).* at test_batch"):
         spec.plan(MODELS[model](what), SHAPE, WORLD[split])
 
 

@@ -31,7 +31,7 @@ from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.meta_kernels import ShapeOnlyResampling
 from hybridpar.nn.sharing import TORCH_OWN
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
-from hybridpar.user_lines import caller
+from hybridpar.user_lines import caller, in_torch_layer
 
 
 def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -75,7 +75,8 @@ class OnMeta(TorchFunctionMode):
     def __init__(self, lines: bool = False) -> None:
         super().__init__()
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
-        self.lines: list[tuple[Any, str]] | None = [] if lines else None  # each call's function and line
+        # each call's function, line and what it was given besides tensors (:func:`given_plainly`)
+        self.lines: list[tuple[Any, str, Any]] | None = [] if lines else None
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
         self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
         self.moved = WeakIdKeyDictionary()  # a tensor -> the one it converts (x.to(device), x.float())
@@ -97,7 +98,8 @@ class OnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         self.calls.append(getattr(func, "__name__", ""))
         if self.lines is not None:
-            self.lines.append((func, caller()))
+            # a torch layer's own calls (a GRU's initial state, sized by its batch) are the layer's
+            self.lines.append((func, caller(), None if in_torch_layer() else given_plainly((args, kwargs))))
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 self.read[t] = True
@@ -120,6 +122,19 @@ class OnMeta(TorchFunctionMode):
         while t is not None and t is not source:
             t = self.moved.get(t)
         return t is source
+
+
+def given_plainly(value: Any) -> Any:
+    """What a call was given, its tensors as None and containers as tuples (a ``torch.Size`` too), so
+    that two runs' arguments compare by value (numbers, dtypes, slices; other objects by type name)."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, list | tuple):
+        return tuple(given_plainly(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, given_plainly(v)) for k, v in value.items())
+    plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
+    return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
 
 
 _CONVERSIONS = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous")

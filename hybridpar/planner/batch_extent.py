@@ -138,6 +138,16 @@ def sizes_of(name: str, args: tuple, kwargs: dict) -> list[Any]:
     return list(given) if isinstance(given, list | tuple) else [given]
 
 
+def sizes_batch(name: str, args: tuple, kwargs: dict, kind: Callable[[Any], str | None]) -> bool:
+    """Whether a sized call gives dim 0 the batch's extent (``torch.ones(n)``, ``t.expand(n, -1)``): its
+    result holds a part's samples along dim 0, so that what sums or scans along it is judged as a
+    call across the samples (``torch.ones(n).sum()`` is the part's extent again)."""
+    if name not in SIZED_METHODS + SIZED_FACTORIES + tuple(SIZE_AT):
+        return False
+    sizes = sizes_of(name, args, kwargs)
+    return bool(sizes) and (kind(sizes[0]) == "extent" or kind(sizes[0]) == "shape" and len(sizes) == 1)
+
+
 def fixed_batch(name: str, args: tuple, kwargs: dict, kind: Callable[[Any], str | None]) -> str | None:
     """Why a reshape of a tensor holding the batch gives dim 0 a size of its own (None where it gives
     -1 or the batch's extent, ``kind`` as in :func:`misuse`): ``h.reshape(4, -1)``, written for a batch

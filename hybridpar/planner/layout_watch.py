@@ -24,6 +24,7 @@ from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
+from hybridpar.planner.batch_extent import part_kind
 from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.elementwise import broadcast_extents
 from hybridpar.planner.fills import FILLS, born_split
@@ -188,14 +189,13 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             held = bool(tensors) and (tensors[0] in self.batched or tensors[0] in self.split)
             out, why = batch_extent.followed(name, args, kwargs, out, held)
             self.unsafe += [f"{why} at {caller()}"] if why else []
+            if isinstance(out, torch.Tensor) and batch_extent.sizes_batch(name, args, kwargs, part_kind):
+                self.batched[out] = True  # torch.ones(n): each part's own samples along dim 0
         return out
 
-    def _views_made(self, out: torch.Tensor, tensors: list[torch.Tensor], chained: list[torch.Tensor]
-                    ) -> None:
-        """A view a call made that a run makes of another tensor than one process does: of a reshape read
-        whole (gathered), or of a replicated value laid out as a split one (``g.expand_as(h)``, read in a
-        run through the value entered into the shards). Either is a copy, which a write into its source
-        since does not reach."""
+    def _views_made(self, out: torch.Tensor, tensors: list, chained: list[torch.Tensor]) -> None:
+        """A view a run makes of another tensor than one process: of a reshape read whole (gathered), of a
+        replicated value laid out split (``g.expand_as(h)``): a copy, which a write into its source misses."""
         if chained and out not in self.chains and out not in self.split:
             if (root := self.roots.get(chained[0])) is not None:
                 self.copies.take(out, f"a view of a reshape of a split activation read whole at "

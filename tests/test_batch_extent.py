@@ -28,8 +28,9 @@ SPLITS = {"data": {"grid": {"data": 2}},
 WORLD = {"data": 2, "micro": 2, "data_x_spatial": 4}
 
 
-def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """``h`` (N, 2, D, H, W) with the batch's extent of ``x`` used as ``what`` says."""
+def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    """``h`` (N, 2, D, H, W) with the batch's extent of ``x`` used as ``what`` says (``m``: the model, its
+    two spare layers ``c1``, ``c2``)."""
     n = x.shape[0]
     if what == "divided by the batch's extent":
         return h / x.shape[0]
@@ -68,6 +69,11 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return h / min(int(x.shape[0]), 3)
     if what == "the extent through math":
         return h * math.log(x.shape[0])
+    if what == "a layer chosen by the batch's extent":  # the same calls, given another layer's weights
+        return (m.c1 if x.shape[0] > 2 else m.c2)(h)
+    if what == "a value chosen by the batch's extent":  # the same calls, given another value
+        a, b = torch.tanh(h), torch.sigmoid(h)
+        return a if x.shape[0] > 2 else b
     if what == "ones along the batch, summed":  # the part's extent again, as a value
         return h / torch.ones(x.shape[0], dtype=h.dtype).sum()
     if what == "ones along the batch, scanned":  # each sample's place in its part
@@ -95,7 +101,8 @@ FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
 samples, which a softmax or a mean along them reads as no process does (no error: the sizes divide)."""
 FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a branch on the batch's extent", "a number chosen by the batch's extent",
-        "the extent through int and min", "the extent through math"]
+        "the extent through int and min", "the extent through math", "a layer chosen by the batch's extent",
+        "a value chosen by the batch's extent"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""
@@ -107,10 +114,11 @@ class Traced(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()
         self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 1)
+        self.c1, self.c2 = nn.Conv3d(2, 2, 1), nn.Conv3d(2, 2, 1)
         self.what = what
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_use(self.what, x, torch.tanh(self.a(x))))
+        return self.b(_use(self.what, x, torch.tanh(self.a(x)), self))
 
 
 class Swapped(Traced):
@@ -119,7 +127,7 @@ class Swapped(Traced):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
         if x.shape[2] > 4:
-            h = _use(self.what, x, h)
+            h = _use(self.what, x, h, self)
         return self.b(h)
 
 

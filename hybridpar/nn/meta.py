@@ -31,7 +31,6 @@ from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.meta_kernels import ShapeOnlyResampling
 from hybridpar.nn.sharing import TORCH_OWN
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
-from hybridpar.user_lines import caller, in_torch_layer
 
 
 def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -72,11 +71,9 @@ class OnMeta(TorchFunctionMode):
     """A tensor the forward makes from sizes alone (``torch.zeros(n, c, *x.shape[2:])``), without a
     device, is made on the meta device beside the forward's own, as on the device it runs on."""
 
-    def __init__(self, lines: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []  # what the forward called, in order (meta_call compares two runs)
-        # each call's function, line and what it was given besides tensors (:func:`given_plainly`)
-        self.lines: list[tuple[Any, str, Any]] | None = [] if lines else None
         self.read = WeakIdKeyDictionary()  # every tensor a call was given
         self.sound = SoundValues()  # what checks of finiteness read: answered as a sound run answers them
         self.moved = WeakIdKeyDictionary()  # a tensor -> the one it converts (x.to(device), x.float())
@@ -97,9 +94,6 @@ class OnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls.append(getattr(func, "__name__", ""))
-        if self.lines is not None:
-            # a torch layer's own calls (a GRU's initial state, sized by its batch) are the layer's
-            self.lines.append((func, caller(), None if in_torch_layer() else given_plainly((args, kwargs))))
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 self.read[t] = True
@@ -122,19 +116,6 @@ class OnMeta(TorchFunctionMode):
         while t is not None and t is not source:
             t = self.moved.get(t)
         return t is source
-
-
-def given_plainly(value: Any) -> Any:
-    """What a call was given, its tensors as None and containers as tuples (a ``torch.Size`` too), so
-    that two runs' arguments compare by value (numbers, dtypes, slices; other objects by type name)."""
-    if isinstance(value, torch.Tensor):
-        return None
-    if isinstance(value, list | tuple):
-        return tuple(given_plainly(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, given_plainly(v)) for k, v in value.items())
-    plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
-    return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
 
 
 _CONVERSIONS = ("to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous")
@@ -174,10 +155,12 @@ def _beside_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 def _users_call(depth: int = 2) -> bool:
-    """Whether the innermost frame outside torch, from ``depth`` frames up (a mode's caller), is the
-    user's (the library's own arithmetic, a halo plan's taps, keeps the default device)."""
+    """Whether the innermost frame outside torch, from ``depth`` frames up (a mode's caller; a subclass's
+    ``__torch_function__`` passed), is the user's (the library's own arithmetic, a halo plan's taps,
+    keeps the default device)."""
     f = sys._getframe(depth)
-    while f is not None and f"{os.sep}torch{os.sep}" in f.f_code.co_filename:
+    while f is not None and (f"{os.sep}torch{os.sep}" in f.f_code.co_filename
+                             or f.f_code.co_name == "__torch_function__"):
         f = f.f_back
     return f is not None and f"{os.sep}hybridpar{os.sep}" not in f.f_code.co_filename
 

@@ -8,37 +8,85 @@ on a part than one process runs on the whole batch: a value made from the loop's
 tag on the extent can follow (``range`` makes plain ints; :mod:`hybridpar.planner.batch_extent` follows
 the extent itself). A value Python makes of the extent gives a part the same calls given other numbers
 (``2.0 if x.shape[0] == 4 else 1.0``, ``min(n, 3)``, ``int(n)``, ``0.9 ** n``, ``math.log(n)``), which
-no tag follows either. Such a forward is found by running it on the meta device on the whole batch and
-on a part's: where its calls, or the numbers they are given, differ, it is refused, naming the first
-that does; a size given to the batch's dim (``h.view(n, -1)``, ``x.new_zeros(x.shape)``) is each
-part's own, as one process sizes it.
+no tag follows either, and so does one choosing a weight, a layer or a value computed beside another
+(``self.c1 if n > 2 else self.c2``). Such a forward is found by running it on the meta device on the
+whole batch and on a part's: where its calls, or what they are given (numbers, the model's weights by
+name, tensors by the call that made them), differ, it is refused, naming the first that does; a size
+given to the batch's dim (``h.view(n, -1)``, ``x.new_zeros(x.shape)``) is each part's own, as one
+process sizes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.meta import OnMeta, meta_state, meta_stop, run_unseen
 from hybridpar.planner import batch_extent
 from hybridpar.planner.elementwise import name_of
 from hybridpar.planner.terms import SpecError
-from hybridpar.user_lines import line_of
+from hybridpar.user_lines import caller, in_torch_layer, line_of
+
+
+class _Recorded(OnMeta):
+    """A run on the meta device that records each call: its name, line and what it was given, as
+    :func:`_plain` says (a torch layer's own calls, a GRU's initial state sized by its batch: which tensors
+    alone, since what a layer does across the samples is ``samples.module_across``'s to say)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__()
+        self.names = names  # id of a tensor of the model's state -> "@" and its name
+        self.made = WeakIdKeyDictionary()  # a tensor -> "#k.j": output j of call k made it
+        self.record: list[tuple[str, str, Any]] = []
+
+    def _tag(self, t: torch.Tensor) -> str:
+        """A tensor as two runs tell it apart: a name (a weight's, the input's), the call that made it,
+        or the object it is (a tensor the forward reads from elsewhere, a table kept at module level)."""
+        return self.names.get(id(t)) or self.made.get(t) or f"@object {id(t)}"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        given = _plain((args, kwargs or {}), self._tag)
+        if in_torch_layer():  # its tensors alone: the numbers it makes of its input's shape are its own
+            given = tuple(n for n in _leaves(given) if isinstance(n, str) and n[:1] in ("@", "#"))
+        self.record.append((name_of(func), caller(), given))
+        made = len(self.record)
+        out = super().__torch_function__(func, types, args, kwargs)
+        for j, t in enumerate(tree_leaves(out)):
+            if isinstance(t, torch.Tensor) and t not in self.made:  # in place: made where it was first
+                self.made[t] = f"#{made}.{j}"
+        return out
+
+
+def _plain(value: Any, tag: Callable[[torch.Tensor], Any]) -> Any:
+    """What a call was given, containers as tuples (a ``torch.Size`` too), so that two runs' arguments
+    compare by value: numbers, dtypes, slices; a tensor by ``tag`` (a weight's name, the call that made
+    it); any other object by its type's name."""
+    if isinstance(value, torch.Tensor):
+        return tag(value)
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v, tag) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _plain(v, tag)) for k, v in value.items())
+    plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
+    return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
 
 
 def _calls(model: nn.Module, input_shape: Sequence[int], nested: bool) -> list[tuple[str, str, Any]]:
-    """What the forward calls on a batch of ``input_shape``: each call's name, line and what it was given
-    besides tensors (:func:`hybridpar.nn.meta.given_plainly`), in order."""
+    """What the forward calls on a batch of ``input_shape``: each call's name, line and what it was
+    given (:class:`_Recorded`), in order."""
     state, dtype = meta_state(model, grads=True)
     x = torch.empty(tuple(input_shape), dtype=dtype, device="meta")
     if nested:  # as the watched run: a layer's output in training
         x = x.requires_grad_().clone()
-    run = OnMeta(lines=True)
+    names = {id(t): f"@{k}" for k, t in reversed(state.items())}  # tied weights: the first name
+    run = _Recorded({**names, id(x): "@input"})
     run_unseen(model, state, (x,), run)
-    return [(name_of(func), line, given) for func, line, given in run.lines or []]
+    return run.record
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -63,7 +111,7 @@ def _differs(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tup
 def _said(call: tuple[str, str, Any] | None) -> str:
     if call is None:
         return "nothing more"
-    numbers = [v for v in _leaves(call[2]) if isinstance(v, int | float) and not isinstance(v, bool)]
+    numbers = [v for v in _leaves(call[2]) if isinstance(v, int | float | str) and not isinstance(v, bool)]
     return f"{call[0]}" + (f"({', '.join(map(repr, numbers))})" if numbers else "") + f" at {call[1]}"
 
 

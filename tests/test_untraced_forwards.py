@@ -561,6 +561,26 @@ class BroadcastPlanes(nn.Module):
         return self.b(h)
 
 
+class LayoutReads(nn.Module):
+    """Reads of a split activation's extents that are not ``shape``: ``len`` of a value whose dim 0 is
+    the split depth, the bytes it holds (traced too: ``nbytes`` in a graph), each the volume's."""
+
+    def __init__(self, check: bool = True) -> None:
+        super().__init__()
+        self.check = check
+        self.a, self.b = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.check and h.shape[2] > 4:  # untraceable: len() of a depth of 9, split 5 | 4
+            h = h * (len(h[0, 0]) / 9)
+        return self.b(h * (h.nbytes / (h.numel() * h.element_size())))
+
+
+def TracedLayoutReads() -> LayoutReads:  # noqa: N802 (a model's name, as the cases spell them)
+    return LayoutReads(check=False)
+
+
 class Fills(nn.Module):
     """Tensors of one value made at the volume's extents (``h.new_zeros(h.shape)``, ``torch.zeros(n, 4,
     *h.shape[2:])``, a D, H, W mask) and written into: a valid conv's output put back into a padded
@@ -829,7 +849,9 @@ TWO = [("top level", "UserUNet", {"grid": {"spatial": [2, 1, 1]}}),
        ("a transposed conv to the skip's size", "ToSkipSize", {"grid": {"spatial": [2, 1, 1]}}),
        ("checks of finiteness", "FiniteChecks", {"grid": {"spatial": [2, 1, 1]}}),
        ("checks of finiteness in a block", "NestedChecks", {"grid": {"spatial": [1, 2, 1]}}),
-       ("planes broadcast over the volume", "BroadcastPlanes", {"grid": {"spatial": [1, 1, 2]}})]
+       ("planes broadcast over the volume", "BroadcastPlanes", {"grid": {"spatial": [1, 1, 2]}}),
+       ("len and nbytes of split activations", "LayoutReads", {"grid": {"spatial": [2, 1, 1]}}),
+       ("nbytes of a split activation, traced", "TracedLayoutReads", {"grid": {"spatial": [2, 1, 1]}})]
 FOUR = [("top level 2x2", "UserUNet", {"grid": {"spatial": [2, 2, 1]}}),
         ("top level data x spatial", "UserUNet", {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
         ("nested block 2x2", "NestedUNet", {"grid": {"spatial": [2, 2, 1]}}),

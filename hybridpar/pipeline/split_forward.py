@@ -324,9 +324,12 @@ def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
 
 
 def _answer(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:
-    """What a shape read (``x.shape``, ``x.size(d)``, ``x.numel()``) gives of a value of shape ``whole``."""
+    """What a shape read (``x.shape``, ``x.size(d)``, ``x.numel()``, ``len(x)``) gives of a value of shape
+    ``whole``."""
     if calls.name_of(func) in ("numel", "nelement"):
         return math.prod(whole)
+    if calls.name_of(func) == "__len__":
+        return whole[0]
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return whole if dim is None else whole[dim]
 

@@ -232,6 +232,8 @@ class StageGraph(nn.Module):
             return math.prod(size)
         if target is getattr and args[1] == "shape":
             return size
+        if target is getattr and args[1] == "nbytes":
+            return math.prod(size) * args[0].element_size()
         return out  # x.dim(), x.dtype: the same on every shard
 
     def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...], pointwise: bool) -> Any:

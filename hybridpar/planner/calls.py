@@ -49,10 +49,10 @@ class CallKind:
     why: str = ""  # ``refuse``: what would be needed
 
 
-SHAPE_READS = ("size", "numel", "nelement")
+SHAPE_READS = ("size", "numel", "nelement", "__len__")
 DERIVATIVES = (torch.autograd.grad, torch.autograd.backward)  # taken inside a forward (a potential's)
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
-SAFE = ("dim", "ndimension", "__len__", "is_contiguous", "is_floating_point", "is_complex", "element_size",
+SAFE = ("dim", "ndimension", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
         "__repr__", "__hash__",
         # attributes the same on every shard (``torch.zeros(..., dtype=x.dtype, device=x.device)``)
@@ -93,7 +93,8 @@ KEEP = ("softmax", "log_softmax", "normalize", "cumsum", "cumprod", "argmax", "a
 
 
 def reads_shape(func: Any) -> bool:
-    """``x.shape`` (the property's getter), ``x.size()``, ``x.numel()``: answered with global extents."""
+    """``x.shape`` (the property's getter), ``x.size()``, ``x.numel()``, ``len(x)`` (``len(h[0, 0])``: the
+    depth, where it is split): answered with global extents."""
     return getattr(func, "__self__", None) is torch.Tensor.shape or name_of(func) in SHAPE_READS
 
 

@@ -154,24 +154,28 @@ def test_the_batch_extent_read_as_a_value_is_refused(what, model, split):
         spec.plan(MODELS[model](what), SHAPE, WORLD[split])
 
 
+def _refused_on_parts(what: str, model: str, split: str, match: str) -> None:
+    """Refused where the batch is held in parts (one line matching ``match``); planned where a spatial
+    split holds it whole."""
+    spec = hp.ParallelSpec.from_dict(SPLITS[split])
+    with pytest.raises(SpecError, match=match):
+        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(MODELS[model](what), SHAPE, 2)
+
+
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("model", ["swapped", "in_block"])
 @pytest.mark.parametrize("what", ALONG)
 def test_a_tensor_sized_along_the_batch_is_judged_per_sample(what, model, split):
-    spec = hp.ParallelSpec.from_dict(SPLITS[split])
-    with pytest.raises(SpecError, match=r"(sum \(over|cumsum \(along) the samples' dim\).* at test_batch"):
-        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
+    _refused_on_parts(what, model, split, r"(sum \(over|cumsum \(along) the samples' dim\).* at test_batch")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("what", FIXED)
 def test_a_reshape_giving_the_batch_a_number_is_refused(what, model, split):
-    spec = hp.ParallelSpec.from_dict(SPLITS[split])
-    with pytest.raises(SpecError, match=r"(reshape|view) \(gives the batch's dim a size of its own, 4, "
-                                        r".*write -1 or x.shape\[0\] there\).* at test_batch_extent.py:"):
-        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
-    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(MODELS[model](what), SHAPE, 2)
+    _refused_on_parts(what, model, split, r"(reshape|view) \(gives the batch's dim a size of its own, 4, "
+                                          r".*write -1 or x.shape\[0\] there\).* at test_batch_extent.py:")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
@@ -179,11 +183,8 @@ def test_a_reshape_giving_the_batch_a_number_is_refused(what, model, split):
 @pytest.mark.parametrize("what", FLOW)
 def test_control_flow_on_the_batch_extent_is_refused(what, model, split):
     """A part runs another program than one process: the first call that differs is named."""
-    spec = hp.ParallelSpec.from_dict(SPLITS[split])
-    with pytest.raises(SpecError, match=r"runs other calls on a part of the batch than on the whole.*on 4 "
-                                        r"samples .* at test_batch_extent.py:\d+, on 2 "):
-        spec.plan(MODELS[model](what), SHAPE, WORLD[split])
-    assert hp.ParallelSpec.from_dict({"grid": {"spatial": [2, 1, 1]}}).plan(MODELS[model](what), SHAPE, 2)
+    _refused_on_parts(what, model, split, r"runs other calls on a part of the batch than on the whole.*on 4 "
+                                          r"samples .* at test_batch_extent.py:\d+, on 2 ")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

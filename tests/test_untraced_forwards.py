@@ -938,6 +938,30 @@ def _mode_body(rank: int, world: int) -> None:
     assert heads.predict(xh)[0].shape == (2, 1, *SHAPE[2:])
     with pytest.raises(ValueError, match=r"returns other outputs in eval mode than in training mode"):
         heads.train_step(xh, yh)
+    # an eval branch that reads the batch's extent as a value, on micro-batches: each would divide by
+    # its own 1, one process by 2; the built (training) mode never followed it
+    parts = hp.parallelize(EvalBatchValue().double(), {"grid": {"spatial": [2, 1, 1]},
+                                                      "pipeline": {"microbatches": 2}}, loss_fn=F.mse_loss)
+    xp, yp = parts.shard_batch(x, x)
+    parts.train_step(xp, yp)
+    parts.eval()
+    with pytest.raises(ValueError, match=r"Engine.predict in eval mode, which the engine was not built in: "
+                                         r".*div \(reads the batch's extent"):
+        parts.predict(xp)
+
+
+class EvalBatchValue(nn.Module):
+    """Divides by the batch's extent in eval mode only (untraceable: a shape check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if x.shape[2] > 4 and not self.training:
+            h = h / x.shape[0]
+        return h
 
 
 def test_a_forward_that_differs_between_modes_runs_in_both(pools):

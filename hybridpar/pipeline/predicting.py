@@ -37,6 +37,7 @@ def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str
         flags = [(m, m.training) for m in sizes.model.modules()]
         sizes.model.train(training)
         try:
+            sizes.check_mode(size, caller)
             last = sizes.at(size, caller)[-1]
             built.returns[key] = swapped_outputs(sizes.model, last, stage.input_split, sizes.shape(size))
         finally:

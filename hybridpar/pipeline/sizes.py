@@ -34,6 +34,7 @@ from hybridpar.planner.calls import module_key
 from hybridpar.planner.graph import shape_made_stand_ins, trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.terms import SpecError
 
 
 def _voxels(shape: tuple[int, ...]) -> str:
@@ -69,6 +70,7 @@ class SizePlans:
         self.built_size, self.built_calls = tuple(input_shape[1:]), []
         self.plans: dict[tuple[int, ...], list[LayerPlan]] = {tuple(input_shape[1:]): plan}
         self.refused: dict[tuple[int, ...], str] = {}  # size -> its line (a refusal is derived once too)
+        self.checked: set[tuple] = set()  # (size, mode) the forward was planned in (check_mode)
         self.why_not = ""
         try:
             self.model: nn.Module | None = meta_copy(model)
@@ -95,6 +97,22 @@ class SizePlans:
             except ValueError as err:
                 self.refused[size] = str(err)
         raise ValueError(f"{where}: {self.refused[size]}")
+
+    def check_mode(self, size: tuple[int, ...], caller: str) -> None:
+        """Refuse, in one line, a forward that in the mode the meta copy is in now (not the built one)
+        does what the engine cannot run as one process does (an eval branch reading the batch's extent
+        as a value, a mean over a batch held in parts): the built mode's plan never followed that branch,
+        and the run follows it without the plan's checks. Planned once per size and mode."""
+        key = (tuple(size), self.model.training if self.model is not None else None)
+        if self.model is None or self.traced or key in self.checked:
+            return
+        try:
+            build_plan(self.spec, self.model, self.shape(size), self.world, None)
+        except SpecError as err:
+            mode = "training" if self.model.training else "eval"
+            raise ValueError(f"{caller} in {mode} mode, which the engine was not built in: "
+                             f"{str(err).strip().splitlines()[0]}") from None
+        self.checked.add(key)
 
     def _derive(self, size: tuple[int, ...]) -> list[LayerPlan]:
         """The planner's plan at ``size``, checked against the built one; ValueError says why not."""

@@ -51,6 +51,8 @@ class CallKind:
 
 SHAPE_READS = ("size", "numel", "nelement", "__len__")
 DERIVATIVES = (torch.autograd.grad, torch.autograd.backward)  # taken inside a forward (a potential's)
+LAYOUT_READS = ("stride", "storage_offset")
+"""Reads of a tensor's memory layout: the gathered volume's are one process's where it is contiguous."""
 VALUE_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__")
 SAFE = ("dim", "ndimension", "is_contiguous", "is_floating_point", "is_complex", "element_size",
         "requires_grad_", "retain_grad", "register_hook", "data_ptr", "get_device", "__format__",
@@ -233,6 +235,11 @@ def classify(func: Any, args: tuple, kwargs: dict, nd: int, extents: tuple[int, 
     if func in DERIVATIVES:
         return CallKind("never", why="a derivative taken inside the forward, of values on shards, which "
                         "the split backward does not follow")
+    if name_of(func) in LAYOUT_READS and args and isinstance(args[0], torch.Tensor):
+        t = args[0]  # the volume's value, as one process lays it out in memory
+        return CallKind("whole") if t.is_contiguous() and t.storage_offset() == 0 else CallKind(
+            "never", why="the memory layout of a view of a split activation (one process's strides or "
+                         "offset, which neither a shard nor the gathered volume has)")
     if reads_shape(func):
         return CallKind("shape")
     if name_of(func) in VALUE_READS:
@@ -406,7 +413,7 @@ def refusal_of(func: Any, kind: CallKind, tensors: list[torch.Tensor],
         return describe(func, kind)
     alike = kind.kind in ("keep", "join", "pieces") or (
         kind.kind == "pointwise" and len(split) == len(tensors)) or (
-        kind.kind == "shape" and name_of(func) not in ("shape", "size", "numel", "nelement"))  # .device
+        kind.kind == "shape" and name_of(func) not in ("shape", *SHAPE_READS))  # .device
     if not alike and in_checkpoint():
         return (f"{name_of(func)} inside torch.utils.checkpoint, whose recomputation in the backward runs "
                 f"on the bare shards (checkpoint layers only, or use pipeline.recompute)")

@@ -948,6 +948,20 @@ def _mode_body(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"Engine.predict in eval mode, which the engine was not built in: "
                                          r".*div \(reads the batch's extent"):
         parts.predict(xp)
+    # a branch on a single sample: never met by the build's 4 in parts of 2, met predicting 2 in parts of 1
+    single = hp.parallelize(SingleSample().double(), {"grid": {"spatial": [2, 1, 1]},
+                                                     "pipeline": {"microbatches": 2}}, loss_fn=F.mse_loss)
+    single.train_step(*single.shard_batch(torch.cat([x, x]), torch.cat([x, x])))
+    with pytest.raises(ValueError, match=r"Engine.predict on a batch of 2 in parts of 1: .* other calls"):
+        single.predict(single.shard_batch(x)[0])
+
+
+class SingleSample(ModeBranch):
+    """Another path for a batch of one sample (untraceable: a branch on the batch's extent)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return h * 2 if x.shape[0] == 1 else h
 
 
 class EvalBatchValue(ModeBranch):

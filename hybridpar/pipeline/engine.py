@@ -374,7 +374,7 @@ class Engine:
         one_target(y_local, "Engine.train_step", x_local)
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
-            predicting.refuse_other_returns(self._built, self._size, training, "Engine.train_step")
+            predicting.refuse_other_returns(self._built, self._size, training, len(y_local))
             if self.grid.pipe > 1:  # the later stages wait on the first: every rank learns its size
                 _check_build_size(agree_size(x_local, self.grid, self.input_grid, "Engine.train_step")[0],
                                   self.input_shape)
@@ -413,7 +413,7 @@ class Engine:
             self._at_size(size, "Engine.predict")
             batch = first_batch if batch is None else batch
         batch = x_local.shape[0] if batch is None else batch
-        returned = predicting.returned_in(self._built, self._size, training, "Engine.predict")
+        returned = predicting.returned_in(self._built, self._size, training, "Engine.predict", batch)
         outs, dtype, device = self._stepper.forward_pass(x_local, batch, self._send, training)
         return predicting.outputs(self._built, returned, outs, batch, gather, dtype, device)
 

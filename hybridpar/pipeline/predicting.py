@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from hybridpar.comm.redistribute import gather as gather_volume
+from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
 from hybridpar.pipeline.stage import REPLICATED, swapped_outputs
 from hybridpar.planner.records import LayerPlan
@@ -24,11 +25,15 @@ from hybridpar.planner.terms import Split
 Returned = tuple[list[LayerPlan], TreeSpec | None, Split]
 
 
-def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str) -> Returned:
+def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str,
+                batch: int | None = None) -> Returned:
     """The rows, structure and split of what the forward returns at ``size`` (C, D, H, W) in mode
     ``training``: the stage's, unless a forward run by module swapping was built in the other mode,
     where what it returns may differ (deep supervision's outputs at several scales in training, one
-    volume in eval); then as the model's copy on the meta device returns it in this mode (memoised)."""
+    volume in eval); then as the model's copy on the meta device returns it in this mode (memoised).
+    ``batch``: this replica's, whose parts are checked first (:func:`refuse_other_batch`)."""
+    if batch is not None:
+        refuse_other_batch(built, size, batch, training, caller)
     stage, sizes = built.stage, built.sizes
     if stage.output_rows is not None or sizes.model is None or sizes.model.training == training:
         return stage.outputs, stage.output_spec, stage.output_split
@@ -46,11 +51,30 @@ def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str
     return built.returns[key]
 
 
-def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, caller: str) -> None:
+def refuse_other_batch(built: Built, size: tuple[int, ...], batch: int, training: bool, caller: str) -> None:
+    """Refuse a forward whose parts of this replica's ``batch`` (its micro-batches; with the other
+    replicas', the global batch) run other calls than the whole global batch, where that batch is not
+    the build's (whose parts the build compared), in mode ``training``."""
+    sizes = built.sizes
+    whole = batch * built.layout.axes.data
+    parts = sorted(set(split_sizes(batch, sizes.spec.pipeline.microbatches)) - {whole})
+    if not parts or sizes.model is None or whole == sizes.batch:  # the build's (or check_mode's) batch
+        return
+    flags = [(m, m.training) for m in sizes.model.modules()]
+    sizes.model.train(training)
+    try:
+        sizes.check_batch(size, whole, parts, caller)
+    finally:
+        for m, mode in flags:
+            m.training = mode
+
+
+def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, batch: int,
+                         caller: str = "Engine.train_step") -> None:
     """Refuse a training step in the mode the engine was not built in where the forward then returns
     other outputs (another structure, shape or split): its loss, targets and gradients are laid out
-    for the built mode's."""
-    got = returned_in(built, size, training, caller)
+    for the built mode's; and one whose parts of this replica's ``batch`` run other calls."""
+    got = returned_in(built, size, training, caller, batch)
     stage = built.stage
     if got[1:] != (stage.output_spec, stage.output_split) or [r.output_shape for r in got[0]] != [
             r.output_shape for r in stage.outputs]:

@@ -30,6 +30,7 @@ from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
+from hybridpar.planner.batch_flow import refuse_batch_flow
 from hybridpar.planner.calls import module_key
 from hybridpar.planner.graph import shape_made_stand_ins, trace
 from hybridpar.planner.plan import build_plan
@@ -112,6 +113,22 @@ class SizePlans:
             mode = "training" if self.model.training else "eval"
             raise ValueError(f"{caller} in {mode} mode, which the engine was not built in: "
                              f"{str(err).strip().splitlines()[0]}") from None
+        self.checked.add(key)
+
+    def check_batch(self, size: tuple[int, ...], batch: int, parts: list[int], caller: str) -> None:
+        """Refuse, in one line, a forward whose parts of a ``batch`` of another extent than the build's
+        run other calls than the whole batch, in the mode the meta copy is in now (``if x.shape[0] == 1``:
+        a part of one sample when predicting two, never met at the build's four and two). Once per
+        size, batch, parts and mode."""
+        key = (tuple(size), batch, tuple(parts), self.model.training if self.model is not None else None)
+        if self.model is None or self.traced or key in self.checked:
+            return
+        for part in parts:
+            try:
+                refuse_batch_flow(self.model, (batch, *size), part, False)
+            except SpecError as err:
+                raise ValueError(f"{caller} on a batch of {batch} in parts of {part}: "
+                                 f"{str(err).strip().splitlines()[0]}") from None
         self.checked.add(key)
 
     def _derive(self, size: tuple[int, ...]) -> list[LayerPlan]:

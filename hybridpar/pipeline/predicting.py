@@ -9,13 +9,10 @@ this module's business; running the forwards is the stepping part's.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from hybridpar.comm.redistribute import gather as gather_volume
@@ -42,7 +39,7 @@ def returned_in(built: Built, size: tuple[int, ...], training: bool, caller: str
         return stage.outputs, stage.output_spec, stage.output_split
     key = (tuple(size), training)
     if key not in built.returns:
-        with _in_mode(sizes.model, training):
+        with sizes.in_mode(training):
             sizes.check_mode(size, caller)
             last = sizes.at(size, caller)[-1]
             built.returns[key] = swapped_outputs(sizes.model, last, stage.input_split, sizes.shape(size))
@@ -58,20 +55,7 @@ def refuse_other_batch(built: Built, size: tuple[int, ...], batch: int, training
     parts = sorted(set(split_sizes(batch, sizes.spec.pipeline.microbatches)) - {whole})
     if not parts or sizes.model is None or whole == sizes.batch:  # the build's (or check_mode's) batch
         return
-    with _in_mode(sizes.model, training):
-        sizes.check_batch(size, whole, parts, caller)
-
-
-@contextlib.contextmanager
-def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """``model`` (the meta copy) in mode ``training``, every module's flag put back after."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
-    try:
-        yield
-    finally:
-        for m, mode in flags:
-            m.training = mode
+    sizes.check_batch(size, whole, parts, training, caller)
 
 
 def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, batch: int,

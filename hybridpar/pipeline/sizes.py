@@ -18,7 +18,9 @@ CPU side of the default group).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -115,21 +117,34 @@ class SizePlans:
                              f"{str(err).strip().splitlines()[0]}") from None
         self.checked.add(key)
 
-    def check_batch(self, size: tuple[int, ...], batch: int, parts: list[int], caller: str) -> None:
+    def check_batch(self, size: tuple[int, ...], batch: int, parts: list[int], training: bool,
+                    caller: str) -> None:
         """Refuse, in one line, a forward whose parts of a ``batch`` of another extent than the build's
-        run other calls than the whole batch, in the mode the meta copy is in now (``if x.shape[0] == 1``:
-        a part of one sample when predicting two, never met at the build's four and two). Once per
-        size, batch, parts and mode."""
-        key = (tuple(size), batch, tuple(parts), self.model.training if self.model is not None else None)
+        run other calls than the whole batch, in mode ``training`` (``if x.shape[0] == 1``: a part of one
+        sample when predicting two, never met at the build's four and two). Once per size, batch, parts
+        and mode: a predict at that batch again costs a set lookup."""
+        key = (tuple(size), batch, tuple(parts), training)
         if self.model is None or self.traced or key in self.checked:
             return
-        for part in parts:
-            try:
-                refuse_batch_flow(self.model, (batch, *size), part, False)
-            except SpecError as err:
-                raise ValueError(f"{caller} on a batch of {batch} in parts of {part}: "
-                                 f"{str(err).strip().splitlines()[0]}") from None
+        with self.in_mode(training):
+            for part in parts:
+                try:
+                    refuse_batch_flow(self.model, (batch, *size), part, False)
+                except SpecError as err:
+                    raise ValueError(f"{caller} on a batch of {batch} in parts of {part}: "
+                                     f"{str(err).strip().splitlines()[0]}") from None
         self.checked.add(key)
+
+    @contextlib.contextmanager
+    def in_mode(self, training: bool) -> Iterator[None]:
+        """The meta copy in mode ``training``, every module's flag put back after."""
+        flags = [(m, m.training) for m in self.model.modules()]
+        self.model.train(training)
+        try:
+            yield
+        finally:
+            for m, mode in flags:
+                m.training = mode
 
     def _derive(self, size: tuple[int, ...]) -> list[LayerPlan]:
         """The planner's plan at ``size``, checked against the built one; ValueError says why not."""

@@ -169,7 +169,7 @@ class SplitForward(LayoutWatch):
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if t is None or t not in self.split or not calls.reads_shape(func):
             return func(*args, **kwargs)
-        return _answer(func, args, kwargs, torch.Size((*t.shape[:-3], *self.split[t])))
+        return calls.answer_shape_read(func, args, kwargs, torch.Size((*t.shape[:-3], *self.split[t])))
 
     def _run_pointwise(self, func, args, kwargs, kind: calls.CallKind, x: torch.Tensor) -> Any:
         extents = self.split[x]
@@ -258,7 +258,7 @@ class SplitForward(LayoutWatch):
         return out
 
     def _chain_shape(self, func, args, kwargs) -> Any:
-        return _answer(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
+        return calls.answer_shape_read(func, args, kwargs, torch.Size(self.chains[args[0]][2]))
 
     def global_shape(self, t: torch.Tensor) -> tuple[int, ...]:
         if t in self.split:
@@ -321,17 +321,6 @@ def reduce_over_volume(kind: calls.CallKind, x: torch.Tensor, extents: Extents,
         return var.sqrt() if kind.reduce == "std" else var
     total = sum_to_replicated(x.sum(dim=dims, keepdim=keep), group)
     return total / count if kind.reduce == "mean" else total
-
-
-def _answer(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:
-    """What a shape read (``x.shape``, ``x.size(d)``, ``x.numel()``, ``len(x)``) gives of a value of shape
-    ``whole``."""
-    if calls.name_of(func) in ("numel", "nelement"):
-        return math.prod(whole)
-    if calls.name_of(func) == "__len__":
-        return whole[0]
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    return whole if dim is None else whole[dim]
 
 
 def _whole_shape(name: str, args: tuple, kwargs: dict, dims: Any) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ grid (its leading dims, batch and channels, are whole on every rank).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,17 @@ def reads_shape(func: Any) -> bool:
     """``x.shape`` (the property's getter), ``x.size()``, ``x.numel()``, ``len(x)`` (``len(h[0, 0])``: the
     depth, where it is split): answered with global extents."""
     return getattr(func, "__self__", None) is torch.Tensor.shape or name_of(func) in SHAPE_READS
+
+
+def answer_shape_read(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:
+    """What a shape read (:func:`reads_shape`) gives of a value of shape ``whole`` (the volume's, where a
+    run holds a shard of it)."""
+    if name_of(func) in ("numel", "nelement"):
+        return math.prod(whole)
+    if name_of(func) == "__len__":
+        return whole[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return whole if dim is None else whole[dim]
 
 
 ALIASES = {"axis": "dim", "keepdims": "keepdim"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -221,13 +222,14 @@ def test_a_thin_box_runs_its_deep_levels_replicated(made, tmp_path):
 
 def test_a_box_the_model_cannot_take(made, tmp_path):
     """A 6x16x16 box cannot pass the U-Net's two poolings: one line naming the extent, once for the
-    job, exit 2 on every rank, nothing written."""
+    job, exit 2 on the rank that met it first, nothing written. A rank still on its way to the same
+    error when the first one leaves may be stopped by the launcher (SIGTERM, as torchrun does)."""
     d, _ = made
     out = tmp_path / "odd.h5"
     res = _infer(d / "run", "--input", f"{d / 'boxes.h5'}:odd", "--output", str(out))
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error")]
     assert len(lines) == 1 and re.search(r"\b6\b", lines[0]), res.stderr[-3000:]
-    assert all(c == 2 for c in res.codes), res.codes
+    assert 2 in res.codes and all(c in (2, -signal.SIGTERM) for c in res.codes), res.codes
     assert not out.exists()
 
 

@@ -225,15 +225,9 @@ class StageGraph(nn.Module):
         if len(shape) != 5 or self.value_split[src] == (1, 1, 1) or not isinstance(args[0], torch.Tensor):
             return out
         size = torch.Size((args[0].shape[0], args[0].shape[1], *shape[2:]))
-        if target == "size":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            return size if dim is None else size[dim]
-        if target in ("numel", "nelement"):
-            return math.prod(size)
-        if target is getattr and args[1] == "shape":
-            return size
-        if target is getattr and args[1] == "nbytes":
-            return math.prod(size) * args[0].element_size()
+        name = args[1] if target is getattr else calls.name_of(target)
+        if name in ("shape", "nbytes", *calls.SHAPE_READS):  # x.shape, x.nbytes: getattr(x, name) in a graph
+            return calls.answer_shape_read(name, args[:1] if target is getattr else args, kwargs, size)
         return out  # x.dim(), x.dtype: the same on every shard
 
     def _convert(self, value: Any, src: Split, dst: Split, shape: tuple[int, ...], pointwise: bool) -> Any:

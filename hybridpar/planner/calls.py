@@ -102,10 +102,12 @@ def reads_shape(func: Any) -> bool:
 
 
 def answer_shape_read(func: Any, args: tuple, kwargs: dict, whole: torch.Size) -> Any:
-    """What a shape read (:func:`reads_shape`) gives of a value of shape ``whole`` (the volume's, where a
-    run holds a shard of it)."""
+    """What a shape read (:func:`reads_shape`; in a traced graph ``x.nbytes`` too) gives of a value of
+    shape ``whole`` (the volume's, where a run holds a shard of it). ``func`` is the call or its name."""
     if name_of(func) in ("numel", "nelement"):
         return math.prod(whole)
+    if name_of(func) == "nbytes":
+        return math.prod(whole) * args[0].element_size()
     if name_of(func) == "__len__":
         return whole[0]
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)

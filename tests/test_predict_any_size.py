@@ -29,8 +29,28 @@ from graph_models import UNet3d, Untraceable
 TOL = 1e-10
 
 
+class SizedUNet(nn.Module):
+    """A user's U-Net whose calls take their arguments from shapes, traced: an odd-size guard's
+    ``F.pad`` and ``F.interpolate`` back to the skip's size. At each input size these calls stand for
+    layers of other settings than at the build size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv3d(1, 3, 3, padding=1)
+        self.mid = nn.Conv3d(3, 3, 3, padding=1)
+        self.out = nn.Conv3d(6, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.enc(x))
+        d, h, w = s.shape[2:]
+        m = torch.relu(self.mid(F.avg_pool3d(F.pad(s, (0, w % 2, 0, h % 2, 0, d % 2)), 2)))
+        return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
+
+
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "sized":
+        return SizedUNet().double()
     if name == "swapped":
         return Untraceable().double()
     if name == "batchnorm":  # running statistics: the plan at another size runs on a meta copy of them
@@ -54,7 +74,8 @@ SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "periodic": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (16, 8, 12)],
          "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)],
          "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
-         "batchnorm": [(12, 12, 12), (17, 15, 16), (7, 9, 8)]}
+         "batchnorm": [(12, 12, 12), (17, 15, 16), (7, 9, 8)],
+         "sized": [(13, 12, 11), (16, 16, 16), (9, 10, 12), (12, 17, 8)]}
 
 
 def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1), **layers) -> dict:
@@ -94,33 +115,36 @@ def _refuse_body(rank: int, world: int) -> str:
     return line
 
 
-class _ToInputSize(torch.nn.Module):
-    """Back to the input's size, read from its shape: the call's size differs at each input size."""
+class _ReflectToSixteen(torch.nn.Module):
+    """A reflect pad up to 16 voxels, read from the shape: a crop (a call on the whole tensor, no split
+    layer) on a larger input, where the build size's pad is a split layer."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.down = torch.nn.Conv3d(1, 1, 3, stride=2, padding=1)
+        self.conv = torch.nn.Conv3d(1, 1, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.interpolate(self.down(x), size=x.shape[2:], mode="nearest")
+        return self.conv(F.pad(x, (0, 16 - x.shape[4], 0, 0, 0, 0), mode="reflect"))
 
 
 def _shape_args_body(rank: int, world: int) -> None:
-    """A traced call whose arguments come from shapes holds the build size's: another size is refused
-    (it ran with the build size's target before, silently wrong), the build size still exact."""
+    """A traced call whose arguments from shapes make it another kind of layer at another size is
+    refused in one line naming it (the built layer would run with the build size's pad, silently
+    wrong); the build size stays exact."""
     import hybridpar as hp
 
-    model = _ToInputSize().double()
-    engine = hp.parallelize(model, _layout(), input_shape=(2, 1, 17, 12, 10)).eval()
-    with pytest.raises(ValueError, match=r"computes a call's arguments from shapes .* build an engine"):
-        engine.shard_batch(_volume((13, 10, 9), 0))
-    x = _volume((17, 12, 10), 1)
+    model = _ReflectToSixteen().double()
+    engine = hp.parallelize(model, _layout(), input_shape=(2, 1, 12, 12, 10)).eval()
+    with pytest.raises(ValueError, match=r"pad: its arguments, computed from shapes, make it the call on the "
+                                         r"whole tensor at this size where the engine runs ReflectionPad3d"):
+        engine.shard_batch(_volume((12, 12, 18), 0))
+    x = _volume((12, 12, 10), 1)
     with torch.no_grad():
         want = model(x)
     assert _rel(engine.predict(engine.shard_batch(x)[0]), want) <= TOL
 
 
-def test_a_call_sized_from_shapes_runs_at_its_build_size_only(pools):
+def test_a_call_whose_kind_changes_with_the_size_is_refused_there(pools):
     pools(2).run(_shape_args_body, timeout=300)
 
 
@@ -172,6 +196,7 @@ PREDICT_CASES = [
     (4, "periodic", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(spatial=(2, 2, 1))),
     (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),
     (4, "unet", _layout(pipe=2)), (4, "strided", _layout(pipe=2)),
+    (2, "sized", _layout()), (4, "sized", _layout(spatial=(2, 2, 1))), (4, "sized", _layout(pipe=2)),
 ]
 
 
@@ -228,7 +253,7 @@ def _train_body(rank: int, world: int, name: str, layout: dict) -> None:
     assert not failures, f"rank {rank} ({name}, {layout['grid']}):\n" + "\n".join(failures)
 
 
-TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(data=2))]
+TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(data=2)), (2, "sized", _layout())]
 
 
 @pytest.mark.parametrize("world,name,layout", TRAIN_CASES, ids=[_id(*c) for c in TRAIN_CASES])

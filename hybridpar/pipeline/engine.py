@@ -224,9 +224,9 @@ class Engine:
         if size == self._size:
             return
         sizes = self._built.sizes
-        plan = sizes.at(size, caller)
-        shape = sizes.shape(size)
-        self.stage.bind(plan, shape, self.stage.outputs_at(plan, sizes.model, shape))
+        plan, shape = sizes.at(size, caller), sizes.shape(size)
+        outputs = self.stage.outputs_at(plan, sizes.model, shape)
+        self.stage.bind(plan, shape, outputs, sizes.made.get(size, {}))
         self._size = size
 
     def bind(self, input_shape: Sequence[int], caller: str = "Engine.bind") -> Engine:

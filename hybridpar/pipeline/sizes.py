@@ -3,12 +3,14 @@
 Why: an engine's groups, stages and split layers are built for one input shape, yet a fully
 convolutional model accepts other extents, and inference on a whole box should need no second
 engine. What changes with the size is shapes alone (every split layer's global input shape, whose
-halo plans it memoises per shape; the Redistributes'; the stage's ends and receive buffers), as long
-as the plan at the new size decides as the built one did: every node in the same split, the same
-redistributes and gathers. The plan at a size comes from the one planner
-(:func:`hybridpar.planner.plan.build_plan`) run on a copy of the model on the meta device (its
-structure, no weights: the engine lets the model itself go after the build), so every rank derives
-it alike, and refuses a size alike, before any collective. :meth:`Stage.bind` then sets its shapes.
+halo plans it memoises per shape; the Redistributes'; the stage's ends and receive buffers; the
+settings of a call whose arguments the forward computes from shapes, ``F.interpolate(x,
+size=skip.shape[2:])``, whose split layer is made again at that size), as long as the plan at the new
+size decides as the built one did: every node in the same split, the same redistributes and gathers.
+The plan at a size comes from the one planner (:func:`hybridpar.planner.plan.build_plan`) run on a
+copy of the model on the meta device (its structure, no weights: the engine lets the model itself go
+after the build), so every rank derives it alike, and refuses a size alike, before any collective.
+:meth:`Stage.bind` then sets its shapes.
 
 The size itself: ``shard_batch`` sees the global batch; ``predict`` sees only this rank's shard, from
 which no rank can tell the whole volume's extent alone (a shard of 5 voxels of 2 is a part of 9 or of
@@ -70,7 +72,10 @@ class SizePlans:
                  input_shape: tuple[int, ...]) -> None:
         self.spec, self.world, self.traced = spec, world, traced
         self.built, self.batch, self.build_volume = plan, input_shape[0], tuple(input_shape[2:])
-        self.built_size, self.built_calls = tuple(input_shape[1:]), []
+        self.built_size = tuple(input_shape[1:])
+        self.built_calls: dict[str, nn.Module | None] = {}  # the build size's calls of shape-made arguments
+        # size -> the stand-ins of those calls that differ there from the build's, by node name (Stage.bind)
+        self.made: dict[tuple[int, ...], dict[str, nn.Module]] = {}
         self.plans: dict[tuple[int, ...], list[LayerPlan]] = {tuple(input_shape[1:]): plan}
         self.refused: dict[tuple[int, ...], str] = {}  # size -> its line (a refusal is derived once too)
         self.checked: set[tuple] = set()  # (size, mode) the forward was planned in (check_mode)
@@ -146,6 +151,23 @@ class SizePlans:
             for m, mode in flags:
                 m.training = mode
 
+    def _made_at(self, calls: dict[str, nn.Module | None]) -> dict[str, nn.Module]:
+        """The calls whose arguments the forward computes from shapes (``F.interpolate(x,
+        size=skip.shape[2:])``, an odd-size guard's ``F.pad``) that at another size stand for a layer
+        of other settings than at the build size: the stage runs them with their own split layers there
+        (:meth:`StageGraph.bind`). ValueError where such a call stands for another kind of layer."""
+        made = {}
+        for name, module in calls.items():
+            built = self.built_calls.get(name)
+            if type(module) is not type(built):
+                kind = lambda m: "the call on the whole tensor" if m is None else type(m).__name__  # noqa: E731
+                raise ValueError(f"{name}: its arguments, computed from shapes, make it {kind(module)} at "
+                                 f"this size where the engine runs {kind(built)}; build an engine for "
+                                 f"this size (parallelize(..., input_shape=...))")
+            if module is not None and module_key(module) != module_key(built):
+                made[name] = module
+        return made
+
     def _derive(self, size: tuple[int, ...]) -> list[LayerPlan]:
         """The planner's plan at ``size``, checked against the built one; ValueError says why not."""
         if self.model is None:
@@ -155,16 +177,12 @@ class SizePlans:
             if self.traced and self.graph is None:
                 self.graph = trace(self.model)
                 build_plan(self.spec, self.model, self.shape(self.built_size), self.world, self.graph)
-                self.built_calls = _keys(shape_made_stand_ins(self.graph))
+                self.built_calls = shape_made_stand_ins(self.graph)
             plan = build_plan(self.spec, self.model, self.shape(size), self.world, self.graph)
         except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(first) from None
-        if self.traced and _keys(shape_made_stand_ins(self.graph)) != self.built_calls:
-            # the built layers hold the build size's arguments (an interpolate's size, a guard's pad)
-            raise ValueError("the model's forward computes a call's arguments from shapes (F.interpolate "
-                             "to a size read from a shape, F.pad by one), which differ at this size from "
-                             "the built engine's; build an engine for this size")
+        made = self._made_at(shape_made_stand_ins(self.graph)) if self.traced else {}
         if len(plan) != len(self.built):
             raise ValueError(f"the model makes {len(plan)} nodes at this size where the engine was built "
                              f"on {len(self.built)}; build an engine for this size")
@@ -180,12 +198,11 @@ class SizePlans:
                                  f"{list(row.split)} (output {list(row.output_split)}) at this size, where "
                                  f"the engine runs it split {list(built.split)} (output "
                                  f"{list(built.output_split)}); {_what_fits(row, built.split)}")
+        self.made[size] = made
         return [dataclasses.replace(row, stage=built.stage)  # the built cuts, wherever auto balance would cut
                 for built, row in zip(self.built, plan, strict=True)]
 
 
-def _keys(stand_ins: list[nn.Module | None]) -> list[str | None]:
-    return [None if m is None else module_key(m) for m in stand_ins]
 
 
 def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ module swapping (:mod:`hybridpar.pipeline.swap`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,13 +60,16 @@ class Stage:
     ends: tuple[int, int, int] = (0, 0, 0)  # the plan row indices of first_layer, last_layer, output_record
     output_rows: list[int] | None = None  # the plan row indices of outputs (None: rows of their own)
 
-    def bind(self, plan: list[LayerPlan], input_shape: tuple[int, ...], outputs: list[LayerPlan]) -> None:
+    def bind(self, plan: list[LayerPlan], input_shape: tuple[int, ...], outputs: list[LayerPlan],
+             made: dict[str, nn.Module] | None = None) -> None:
         """Give every shape the built layers hold the value it has in ``plan``, a plan of the same
         decisions as the built one (every row in the same split) for the global ``input_shape``:
         the layers then run on inputs of that size, their halo plans memoised per shape. The one
-        place a stage's shapes are set, at build and at any other size."""
+        place a stage's shapes are set, at build and at any other size. ``made``: the stand-ins of
+        calls whose arguments the forward computes from shapes, where they differ at this size
+        (:attr:`hybridpar.pipeline.sizes.SizePlans.made`)."""
         if self.stage_graph is not None:  # first: it may refuse the size, before any shape is set
-            self.stage_graph.bind(plan, input_shape)
+            self.stage_graph.bind(plan, input_shape, made or {})
         for m, row, end in self.sinks:
             if row < 0:  # a forward run by module swapping: the model's input
                 bind_nested(m, input_shape)
@@ -124,6 +128,18 @@ def swapped_outputs(model: nn.Module, last: LayerPlan, split: Split, input_shape
     return rows, None if len(leaves) == 1 and spec.is_leaf() else spec, out_split
 
 
+def split_layer(layout: Callable[[Split], ProcessGrid], overlap: bool, name: str, module: nn.Module,
+                lp: LayerPlan) -> nn.Module:
+    """The layer ``name`` (``module``) as this rank runs it under ``lp``'s split, its global input shape
+    ``lp``'s: a function of the layout alone, so that a stage graph that remakes a call's layer at
+    another size (:meth:`StageGraph.bind`) holds no reference to the model it was built from."""
+    m = to_distributed(module, layout(lp.split), overlap, name)
+    if isinstance(m, SpatialLayer):
+        m.layer_name = f"{type(m).__name__}({name})"
+        m.global_input_shape = tuple(lp.input_shape[2:])
+    return m
+
+
 class StageBuilder:
     """Builds :class:`Stage` from ``model`` (traced as ``graph``, or None: untraceable, for the
     reason ``untraced``) under the resolved ``spec``, in the job's ``layout``."""
@@ -169,7 +185,8 @@ class StageBuilder:
         elif graph.chain and all(n.op == "module" for n in graph.nodes):
             layers = self._chain_layers(plan, mine, stage, output_split)
         else:  # a graph: this stage's nodes run by one module, every live value carried across cuts
-            stage_graph = StageGraph(graph, plan, lo, hi, input_shape, input_split, self.layout, self.convert)
+            stage_graph = StageGraph(graph, plan, lo, hi, input_shape, input_split, self.layout, self.convert,
+                                     functools.partial(split_layer, self.job.of, self.overlap))
             layers = [("", stage_graph)]
         self._warn_gathers(plan)
         self._warn_replicated(plan)
@@ -195,10 +212,9 @@ class StageBuilder:
             follow(block, grid, whole, self._to_dist, lp.input_shape)
             self.sinks.append((block, self.index[id(lp)], "in"))
             return block
-        m = to_distributed(module, self.layout(lp.split), self.overlap, name)
+        m = split_layer(self.job.of, self.overlap, name, module, lp)
         if isinstance(m, SpatialLayer):
             self.sinks.append((m, self.index[id(lp)], "in"))
-            m.layer_name = f"{type(m).__name__}({name})"
         return m
 
     def _redistribute(self, src: tuple[int, int, int], dst: tuple[int, int, int], lp: LayerPlan,

@@ -106,8 +106,13 @@ class StageGraph(nn.Module):
 
     def __init__(self, graph: ModelGraph, plan: Sequence[LayerPlan], lo: int, hi: int,
                  input_shape: tuple[int, ...], input_split: Split, layout: Callable[[Split], ProcessGrid],
-                 to_dist: Callable[[str, nn.Module, LayerPlan], nn.Module]) -> None:
+                 to_dist: Callable[[str, nn.Module, LayerPlan], nn.Module],
+                 remake: Callable[[str, nn.Module, LayerPlan], nn.Module] | None = None) -> None:
         super().__init__()
+        # the built stand-ins of calls (below), and per other size those whose shape-made arguments differ
+        # there, each split by ``remake`` (which, unlike ``to_dist``, holds no reference to the model)
+        self.built_stand_ins: dict[str, nn.Module] = {}
+        self._remake, self._sized_stand_ins = remake, {}
         self.graph, self.lo, self.hi = graph, lo, hi
         self.n_nodes = len(graph.nodes)
         self.nodes = graph.nodes[lo:hi]
@@ -153,6 +158,7 @@ class StageGraph(nn.Module):
                     _set_submodule(self, node.target, to_dist(node.name, node.module, rec))
             elif node.module is not None and len(rec.input_shape) == 5:  # else the function itself
                 self.stand_ins[node.name] = to_dist(node.name, node.module, rec)
+        self.built_stand_ins = dict(self.stand_ins.items())
         del self.nodes, self.graph
         self._redistributes: dict[tuple, Redistribute] = {}
         # the last reader of every value within this stage (values sent on are never freed here)
@@ -161,14 +167,25 @@ class StageGraph(nn.Module):
             for src in call[3]:
                 self.last_use[src] = i
 
-    def bind(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...]) -> None:
+    def bind(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...],
+             made: dict[str, nn.Module] | None = None) -> None:
         """Take every value's global shape from ``plan`` (for a global input of ``input_shape``), a plan
-        of the built one's decisions: what the stage receives, sends and reads as shapes follows."""
+        of the built one's decisions: what the stage receives, sends and reads as shapes follows.
+        ``made``: the stand-ins, at this size, of calls whose arguments the forward computes from
+        shapes (an ``F.interpolate`` to a skip's size), where they differ from the built ones."""
         self._bind_reshapes(plan, input_shape)  # first: it may refuse the size
         self.records = list(plan[self.lo:self.hi])
         self.value_shape: dict[str, tuple[int, ...]] = {INPUT: tuple(input_shape)}
         for r in plan:
             self.value_shape[r.name] = tuple(r.output_shape)
+        size = tuple(input_shape[1:])
+        mine = {name: m for name, m in (made or {}).items() if name in self.built_stand_ins}
+        if mine and size not in self._sized_stand_ins:
+            assert self._remake is not None, "a stage graph bound at other sizes remakes its calls' layers"
+            rows = {r.name: r for r in plan}
+            self._sized_stand_ins[size] = {n: self._remake(n, m, rows[n]) for n, m in mine.items()}
+        for name, built in self.built_stand_ins.items():
+            self.stand_ins[name] = self._sized_stand_ins.get(size, {}).get(name, built)
 
     def _bind_reshapes(self, plan: Sequence[LayerPlan], input_shape: tuple[int, ...]) -> None:
         """This rank's extents of every local reshape's chain input at ``plan``'s size; ValueError

@@ -365,12 +365,12 @@ def stand_ins_from_values(graph: ModelGraph, values: dict[str, Any]) -> None:
             graph.nodes[i] = dataclasses.replace(n, module=module)
 
 
-def shape_made_stand_ins(graph: ModelGraph) -> list[nn.Module | None]:
+def shape_made_stand_ins(graph: ModelGraph) -> dict[str, nn.Module | None]:
     """The stand-ins of the calls whose arguments the forward computes from shapes (``F.interpolate(x,
-    size=skip.shape[2:])``, an odd-size guard's ``F.pad``), in graph order, as the last analysis of
+    size=skip.shape[2:])``, an odd-size guard's ``F.pad``), by node name, as the last analysis of
     ``graph`` set them (:func:`stand_ins_from_values`): they differ from one input size to another."""
-    return [n.module for n in graph.nodes if n.op == "function" and n.fx_node.args
-            and _computed((tuple(n.fx_node.args[1:]), dict(n.fx_node.kwargs)))]
+    return {n.name: n.module for n in graph.nodes if n.op == "function" and n.fx_node.args
+            and _computed((tuple(n.fx_node.args[1:]), dict(n.fx_node.kwargs)))}
 
 
 def _computed(args: Any) -> bool:

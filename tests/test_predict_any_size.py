@@ -253,7 +253,8 @@ def _train_body(rank: int, world: int, name: str, layout: dict) -> None:
     assert not failures, f"rank {rank} ({name}, {layout['grid']}):\n" + "\n".join(failures)
 
 
-TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(data=2)), (2, "sized", _layout())]
+TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(data=2)),
+               (2, "sized", _layout())]
 
 
 @pytest.mark.parametrize("world,name,layout", TRAIN_CASES, ids=[_id(*c) for c in TRAIN_CASES])

@@ -1366,7 +1366,7 @@ AT = r" at test_untraced_forwards.py:\d+: "  # the line of the forward that made
 @pytest.mark.parametrize("what,match", [
     ("flip", r"flip: flip \(along the samples' dim\)" + AT + "works across the samples of the batch"),
     ("roll", r"roll: roll \(along the samples' dim\)" + AT + "works across the samples of the batch"),
-    ("view", r"view: view \(moves the samples' dim\)" + AT + "works across the samples of the batch"),
+    ("view", r"getitem: indexing \(picks among the samples\)" + AT + "works across the samples of the batch"),
     ("latent drawn per sample",
      r"randn_like \(randn_like\)" + AT + "draws random numbers for the samples of a batch"),
     ("noise drawn from the shape",  # torch.fx cannot trace a draw of a traced shape: module swapping refuses
@@ -1631,7 +1631,10 @@ def test_state_a_forward_keeps_in_plain_attributes(how, match, shape_check):
     ("flip", ([0],), {}, True),
     ("transpose", (1, 0), {}, True),
     ("permute", (0, 2, 1), {}, False),
-    ("view", (-1,), {}, True),
+    ("view", (-1,), {}, False),  # each sample's 12 elements 12 rows of their own: a fold
+    ("view", (4, -1), {}, False),  # each sample's in 2 rows
+    ("view", (3, -1), {}, True),  # the second of 3 rows straddles the two samples
+    ("repeat", (2, 1, 1), {}, True),  # the batch copied after itself: no sample's rows together
     ("softmax", (), {"dim": 1}, False),
 ])
 def test_which_calls_move_the_samples(name, args, kwargs, moves):
@@ -1640,7 +1643,7 @@ def test_which_calls_move_the_samples(name, args, kwargs, moves):
 
     g = torch.zeros(2, 3, 4)
     args = tuple(g if a == "other" else a for a in args)
-    out = {"view": (24,), "transpose": (3, 2, 4), "permute": (2, 4, 3)}.get(name)
+    out = tuple(getattr(g, name)(*args).shape) if name in ("view", "repeat", "transpose", "permute") else None
     assert bool(moves_samples(name, (g, *args), kwargs, 3, 2, out)) is moves
 
 

@@ -95,12 +95,16 @@ def _leaves(value: Any) -> list[Any]:
 
 def _sized_alike(name: str, whole: Any, part: Any, sizes: tuple[int, int]) -> bool:
     """Whether a call's arguments on the whole batch (``whole``) and on a part differ only in the size
-    they give the batch's dim, ``sizes`` (the whole batch's, the part's): ``h.view(n, -1)``."""
+    they give the batch's dim, in proportion to ``sizes`` (the whole batch's, the part's): ``h.view(n,
+    -1)``, or a fold of other dims into it, ``h.reshape(n * d, c, hh, w)``."""
     if name not in batch_extent.SIZED_METHODS + batch_extent.SIZED_FACTORIES + tuple(batch_extent.SIZE_AT):
         return False
-    leads = [(batch_extent.sizes_of(name, *run) or [None])[0] for run in (whole, part)]
+    leads = tuple((batch_extent.sizes_of(name, *run) or [None])[0] for run in (whole, part))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in leads) or \
+            leads[0] * sizes[1] != leads[1] * sizes[0]:
+        return False
     a, b = _leaves(whole), _leaves(part)
-    return tuple(leads) == sizes and len(a) == len(b) and [(x, y) for x, y in zip(a, b) if x != y] == [sizes]
+    return len(a) == len(b) and [(x, y) for x, y in zip(a, b) if x != y] == [leads]
 
 
 def _differs(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tuple[int, int]) -> bool:

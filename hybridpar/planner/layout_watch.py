@@ -233,15 +233,15 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             args, kwargs = self.wholes(args, kwargs)
             split = [t for t in calls.tensors_in(args, kwargs) if t in self.split]
         if not split or (calls.name_of(func) in calls.LIKE_OF and args and args[0] not in self.split):
-            # nothing split; or a replicated tensor made like a split one (p.to(x), p.type_as(x)): it
-            # takes the split one's dtype and device, not its layout
+            # nothing split; or a replicated tensor made like a split one (p.to(x)): its dtype, not its layout
             out = self._run_replicated(func, args, kwargs)
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
             if carriers and not self.sound.known(carriers) and (
-                    why := per_sample.across(func, args, kwargs, carriers, out)):
+                    why := per_sample.across(func, args, kwargs, carriers, out, self.batch)):
                 self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
             elif self.batch_apart and isinstance(out, torch.Tensor) and per_sample.draws_per_sample(
-                    calls.name_of(func), tuple(out.shape), self.batch):
+                    calls.name_of(func), tuple(out.shape), self.batch,
+                    batch_extent.sizes_batch(calls.name_of(func), args, kwargs, part_kind)):
                 self.unsafe.append(f"{calls.name_of(func)} (draws random numbers per sample of the batch, "
                                    f"which each part would draw alike) at {caller()}")
             return out
@@ -333,7 +333,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             carriers = [t for t, c in zip(calls.tensors_in(args, kwargs), carries, strict=True)
                         if c and t.dim() in (4, 5)]
             why = f"{name} (draws random numbers, alike on every part of the batch)" if per_sample.draws(
-                name) else per_sample.across(func, args, kwargs, carriers, out) if carriers else None
+                name) else carriers and per_sample.across(func, args, kwargs, carriers, out, self.batch)
             if why:
                 self.unsafe.append(f"{why}, computed whole on a batch in parts, at {caller()}")
         self.gathered.append(f"{name} at {caller()}")

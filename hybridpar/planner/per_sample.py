@@ -73,6 +73,9 @@ _ALONG_ANY = {*_ALONG, *_LAST_TWO, "diagonal"}
 _PAIRS = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1"), "movedim": (2, "destination")}
 _RESHAPES = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand", "repeat", "tile",
              "view_as", "reshape_as", "expand_as", "clone", "detach", "permute")
+_IN_ORDER = ("view", "reshape", "flatten", "view_as", "reshape_as")
+"""Reshapes that keep the elements in row-major order (unlike ``repeat`` or ``tile``, which copy the
+batch whole after itself): see :func:`moves_samples`."""
 _PRODUCTS = ("matmul", "mm", "__matmul__", "bmm", "linear")
 
 
@@ -122,11 +125,12 @@ def draws_alike(name: str) -> bool:
     return draws(name) and name.strip("_") not in DRAWN_PER_PART
 
 
-def draws_per_sample(name: str, shape: tuple[int, ...] | None, batch: int) -> bool:
+def draws_per_sample(name: str, shape: tuple[int, ...] | None, batch: int, sized: bool = False) -> bool:
     """Whether a call named ``name`` that gave a tensor of ``shape`` (None: no tensor) from no value
     carrying the batch drew random numbers for each of its ``batch`` samples (``torch.randn(h.shape)``,
-    ``torch.rand(h.shape[0], 1, 1, 1, 1)`` for stochastic depth): dim 0 of the draw is the batch's size."""
-    return draws_alike(name) and bool(shape) and shape[0] == batch > 1
+    ``torch.rand(h.shape[0], 1, 1, 1, 1)`` for stochastic depth): dim 0 of the draw is the batch's size,
+    or (``sized``) an extent read off a value holding the samples (the rows of a fold, n * d of them)."""
+    return draws_alike(name) and bool(shape) and (sized or shape[0] == batch > 1)
 
 
 TRANSPOSES = ("t", "T", "mT", "H", "mH", "adjoint", "transpose", "swapaxes", "swapdims", "movedim",
@@ -168,14 +172,23 @@ def transposed(name: str, args: tuple, kwargs: dict, nd: int, at: int) -> int | 
 
 
 def moves_samples(name: str, args: tuple, kwargs: dict, nd: int, batch: int,
-                  out_shape: tuple[int, ...] | None) -> str | None:
+                  out_shape: tuple[int, ...] | None, samples: int | None = None) -> str | None:
     """What a reshape or a call along given dims (``name``, as called) does to dim 0 of an ``nd``-dim
-    input whose dim 0 holds the ``batch`` samples, from its arguments and its output's shape alone
-    (what a traced graph knows of a node), or None if it keeps them apart or is not such a call."""
+    input whose ``batch`` rows along dim 0 each belong to one of the ``samples`` (default: one row
+    each), from its arguments and its output's shape alone (what a traced graph knows of a node), or
+    None if it keeps them apart or is not such a call.
+
+    A reshape reads and writes in row-major order, where each sample's elements are one run: an output
+    row never straddles two samples when the output's dim 0 is a multiple of their number (other dims
+    folded into the samples' dim, ``h.permute(0, 2, 1, 3, 4).reshape(n * d, c, hh, w)``, and back).
+    The rows a part makes of its own samples are then those one process makes of them, as long as the
+    fold is sized with the part's extent (:func:`hybridpar.planner.batch_extent.fixed_batch` refuses a
+    number there)."""
     if name in TRANSPOSES and name not in _PAIRS:
         return None if transposed(name, args, kwargs, nd, 0) == 0 else f"{name} (moves the samples' dim)"
     if name in _RESHAPES:
-        kept = out_shape is not None and len(out_shape) >= 1 and out_shape[0] == batch
+        lead = out_shape[0] if out_shape else None
+        kept = lead == batch or name in _IN_ORDER and bool(lead) and lead % (samples or batch) == 0
         return None if kept else f"{name} (moves the samples' dim)"
     if name not in _ALONG_ANY or (name in ("max", "min") and len(args) > 1 and not isinstance(args[1], int)):
         return None  # torch.max(a, b): elementwise
@@ -215,10 +228,13 @@ def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: i
     return f"{name} (not known to keep the samples apart)"
 
 
-def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any) -> str | None:
+def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any,
+           samples: int | None = None) -> str | None:
     """What ``func(*args, **kwargs)`` (which gave ``out``) does across the samples of ``carriers``, its
     tensors that carry the batch (at least one), or None if it works on each sample apart. The batch is
-    held in parts by data parallelism or micro-batches."""
+    held in parts by data parallelism or micro-batches. ``samples``: their number, where dim 0 of a
+    carrier may hold each in several rows (a fold, :func:`moves_samples`), each row then judged as a
+    sample: what keeps the rows apart keeps the samples apart."""
     name = calls.name_of(func).strip("_") if calls.name_of(func) not in calls.VALUE_READS else \
         calls.name_of(func)
     batched, others = carriers[0], len(carriers) - 1
@@ -250,7 +266,7 @@ def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], o
     if name in _RESHAPES or name in _ALONG_ANY or name in TRANSPOSES:
         n = batched.shape[0] if batched.dim() else 1
         return moves_samples(name, args, kwargs, max(batched.dim(), 1), n,
-                             tuple(out.shape) if isinstance(out, torch.Tensor) else None)
+                             tuple(out.shape) if isinstance(out, torch.Tensor) else None, samples)
     if name in _PRODUCTS:  # x @ W; or q @ k of two alike that hold the samples along dim 0 (bmm's batch)
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         paired = len(operands) == len(carriers) == 2 and all(

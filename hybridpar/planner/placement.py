@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -107,6 +108,7 @@ class Walk:
     auto: dict[str, str] = field(default_factory=dict)  # node -> why the planner replicated it (_too_small)
     whole_out: set[str] = field(default_factory=set)  # user modules run split whose output is replicated
     samples_at: dict[str, int] = field(default_factory=dict)  # values with the samples along a dim but 0
+    folded: set[str] = field(default_factory=set)  # values whose dim 0 holds each sample in several rows
     derived: set[str] = field(default_factory=lambda: {INPUT})  # values computed from the input
     fx_names: dict[torch.fx.Node, str] = field(default_factory=dict)  # each node's, by its fx node
     extents: dict[torch.fx.Node, int | str] = field(default_factory=dict)  # batch extent's degree; "shape"
@@ -144,8 +146,10 @@ class Walk:
         args, kwargs = tuple(node.fx_node.args), dict(node.fx_node.kwargs)
         if name == "getattr" and len(args) > 1 and args[1] in per_sample.TRANSPOSES:
             name = args[1]  # m.T, m.mT: a transpose
+        first = node.inputs[0] if node.inputs else None
+        held = bool(in_shape) and (in_shape[0] == batch or first in self.folded)  # its first input's samples
         if any(n in self.samples_at for n in node.inputs) or node.op != "module" and nd >= 2 and \
-                in_shape[0] == batch and (name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
+                held and (name in ("stack", "unsqueeze") or name in per_sample.TRANSPOSES):
             self._follow_samples(node, name, args, kwargs, out_shape)
             return
         if node.name == OUTPUT:
@@ -161,8 +165,9 @@ class Walk:
                                 f"give its own answer)")
             return
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
-        if per_sample.draws_per_sample(name, drawn, batch) or (  # randn(h.shape), randn_like(h)
-                nd >= 2 and in_shape[0] == batch and per_sample.draws_alike(name)):
+        sized = batch_extent.sizes_batch(name, args, kwargs, self._kind)
+        if per_sample.draws_per_sample(name, drawn, batch, sized) or (  # randn(h.shape), randn_like(h)
+                nd >= 2 and held and per_sample.draws_alike(name)):
             raise SpecError(f"{node.name} ({calls.name_of(node.target)}) at {_line(node)}: draws random "
                             f"numbers for the samples of a batch that data parallelism or micro-batches hold "
                             f"apart (each part would draw what one process draws for the first samples); "
@@ -172,12 +177,15 @@ class Walk:
             raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the batch, "
                             f"which data parallelism or micro-batches hold apart (each part would give its "
                             f"own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
+        if self._carriers(node, batch) and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
+                out_shape[0] != batch and out_shape[0] % batch == 0:
+            self.folded.add(node.name)  # dim 0 kept each row within a sample: its rows, judged as samples
 
     def _batch_extent(self, node: Node, name: str, args: tuple, kwargs: dict, batch: int) -> str | None:
         """Follow the batch's extent read off a value holding the batch (``x.shape[0]``, ``x.size(0)``,
         ``numel()``, arithmetic on them: its degree, :func:`hybridpar.planner.batch_extent.combined`);
         why ``node`` uses it as a value, where it does (:func:`hybridpar.planner.batch_extent.misuse`)."""
-        found = lambda a: self.extents.get(a, 0) if isinstance(a, torch.fx.Node) else 0  # noqa: E731
+        found = self._degree
         fx, dim = node.fx_node, args[1] if len(args) > 1 else kwargs.get("dim")
         if name in batch_extent.READS + ("getattr",) and node.op != "module" and self._carriers(node, batch):
             if name == "getattr" and dim == "shape" or name == "size" and dim is None:
@@ -200,9 +208,16 @@ class Walk:
             degrees = [found(a) if found(a) != "shape" else 1 for a in (*args, 0, 0)[:2]]
             self.extents[fx] = batch_extent.combined(name, *degrees, args[1] if len(args) > 1 else None)
             return None  # n * 2, x.numel() / x.size(0): its degree in the extent
-        kind = lambda a: "shape" if found(a) == "shape" else "extent" if found(a) else None  # noqa: E731
-        return (self._carriers(node, batch) and batch_extent.fixed_batch(name, args, kwargs, kind)) or \
-            batch_extent.misuse(name, args, kwargs, kind)
+        return (self._carriers(node, batch) and batch_extent.fixed_batch(name, args, kwargs, self._kind)) or \
+            batch_extent.misuse(name, args, kwargs, self._kind)
+
+    def _degree(self, a: Any) -> int | str:
+        """What a node's argument holds of the batch's extent: its degree (0: none), or ``"shape"``."""
+        return self.extents.get(a, 0) if isinstance(a, torch.fx.Node) else 0
+
+    def _kind(self, a: Any) -> str | None:
+        """:func:`hybridpar.planner.batch_extent.misuse`'s ``kind`` of a node's argument."""
+        return "shape" if self._degree(a) == "shape" else "extent" if self._degree(a) else None
 
     def _across(self, node: Node, batch: int) -> str | None:
         """What a function or method node does across the samples of the values it reads that carry
@@ -223,14 +238,15 @@ class Walk:
             func = args[1]
             if func == "shape":
                 return None
-        return per_sample.across(func, args, calls.canonical(kwargs), carriers, values[node.name])
+        return per_sample.across(func, args, calls.canonical(kwargs), carriers, values[node.name], batch)
 
     def _carriers(self, node: Node, batch: int) -> list[torch.Tensor]:
         """The values (meta tensors, as traced) ``node`` reads that were computed from the input and
         hold the ``batch`` samples along dim 0."""
         values = self.a.graph.traced[tuple(self.a.input_shape)]
         return [values[n] for n in dict.fromkeys(node.inputs) if n in self.derived and isinstance(
-            values[n], torch.Tensor) and values[n].dim() >= 1 and values[n].shape[0] == batch]
+            values[n], torch.Tensor) and values[n].dim() >= 1 and (values[n].shape[0] == batch
+                                                                    or n in self.folded)]
 
     def _follow_samples(self, node: Node, name: str, args: tuple, kwargs: dict, out_shape: tuple[int, ...]
                         ) -> None:
@@ -239,7 +255,8 @@ class Walk:
         them, or reads them along different dims counted from the right."""
         batch = self.a.input_shape[0]
         carried = [(len(shape), self.samples_at.get(n, 0)) for n in node.inputs
-                   if len(shape := self._value_shape(n)) >= 2 and (n in self.samples_at or shape[0] == batch)]
+                   if len(shape := self._value_shape(n)) >= 2 and (n in self.samples_at or shape[0] == batch
+                                                                  or n in self.folded)]
         if not carried:
             return
         nd, at = carried[0]

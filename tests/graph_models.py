@@ -111,6 +111,23 @@ def CosmoUNet() -> nn.Module:  # noqa: N802 (named like the other model classes 
     return AppUNet(1, 1, width=4, levels=3, max_width=16, groups=2)
 
 
+class SizedUNet(nn.Module):
+    """A user's U-Net whose calls take their arguments from shapes, traced: an odd-size guard's
+    ``F.pad`` and ``F.interpolate`` back to the skip's size. At each input size these calls stand for
+    layers of other settings than at the build size."""
+
+    def __init__(self, out_channels: int = 1) -> None:
+        super().__init__()
+        self.enc, self.mid = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 3, 3, padding=1)
+        self.out = nn.Conv3d(6, out_channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.enc(x))
+        d, h, w = s.shape[2:]
+        m = torch.relu(self.mid(F.avg_pool3d(F.pad(s, (0, w % 2, 0, h % 2, 0, d % 2)), 2)))
+        return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
+
+
 class Untraceable(nn.Module):
     """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
     follow it): run by module swapping."""

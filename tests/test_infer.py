@@ -10,8 +10,9 @@ from __future__ import annotations
 import h5py
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from graph_models import SizedUNet
 
 SPECS = {"spatial (2, 2, 1)": {"grid": {"spatial": [2, 2, 1]}},
          "data 2 x (1, 2, 1)": {"grid": {"data": 2, "spatial": [1, 2, 1]}},
@@ -28,22 +29,6 @@ def _model() -> nn.Module:
         nn.Upsample(scale_factor=2, mode="trilinear"), nn.Conv3d(4, 2, 3, padding=1, padding_mode="circular"))
 
 
-class _SizedUNet(nn.Module):
-    """Calls whose arguments the forward computes from shapes (an odd-size guard's pad, an upsampling to
-    the skip's size), which at the file's size stand for other layers than at the engine's build size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc, self.mid = nn.Conv3d(1, 3, 3, padding=1), nn.Conv3d(3, 3, 3, padding=1)
-        self.out = nn.Conv3d(6, 2, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = torch.relu(self.enc(x))
-        d, h, w = s.shape[2:]
-        m = torch.relu(self.mid(F.max_pool3d(F.pad(s, (0, w % 2, 0, h % 2, 0, d % 2)), 2)))
-        return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
-
-
 def _case(rank: int, world: int, spec: dict, folder: str) -> float:
     import hybridpar as hp  # noqa: PLC0415
 
@@ -56,7 +41,7 @@ def _case(rank: int, world: int, spec: dict, folder: str) -> float:
                 f["x"] = x.numpy()
         torch.distributed.barrier()
         torch.manual_seed(0)
-        model = _SizedUNet() if spec.get("model") == "sized" else _model()
+        model = SizedUNet(out_channels=2) if spec.get("model") == "sized" else _model()
         out_shape = (SHAPE[0], 2, *SHAPE[2:])
         with h5py.File(f"{folder}/in.h5", "r") as f, \
                 hp.data.SplitHdf5(f"{folder}/out.h5", "y", out_shape, "float64") as out:

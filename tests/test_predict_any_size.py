@@ -24,27 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graph_models import UNet3d, Untraceable
+from graph_models import SizedUNet, UNet3d, Untraceable
 
 TOL = 1e-10
-
-
-class SizedUNet(nn.Module):
-    """A user's U-Net whose calls take their arguments from shapes, traced: an odd-size guard's
-    ``F.pad`` and ``F.interpolate`` back to the skip's size. At each input size these calls stand for
-    layers of other settings than at the build size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Conv3d(1, 3, 3, padding=1)
-        self.mid = nn.Conv3d(3, 3, 3, padding=1)
-        self.out = nn.Conv3d(6, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = torch.relu(self.enc(x))
-        d, h, w = s.shape[2:]
-        m = torch.relu(self.mid(F.avg_pool3d(F.pad(s, (0, w % 2, 0, h % 2, 0, d % 2)), 2)))
-        return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
 
 
 def make_model(name: str) -> nn.Module:

@@ -221,3 +221,34 @@ def test_misuse_tells_a_size_from_a_value():
     for name, args in [("arange", (n,)), ("__truediv__", (None, n)), ("view", (None, 2, n)),
                        ("new_full", (None, (n, 2), n)), ("mul", (None, 1 / n))]:
         assert misuse(name, args, {}, part_kind), name
+
+
+class _PooledNorm(nn.Module):
+    """A BatchNorm on a map pooled to 1x1x1 (a squeeze-excitation's gate): one value per channel on a
+    part of one sample. ``check``: behind a shape check (run by module swapping)."""
+
+    def __init__(self, check: bool) -> None:
+        super().__init__()
+        self.check = check
+        self.c1, self.bn1 = nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2)
+        self.c2, self.bn2 = nn.Conv3d(2, 2, 1), nn.BatchNorm3d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check and x.shape[1] != 1:
+            raise ValueError("one channel in")
+        h = torch.relu(self.bn1(self.c1(x)))
+        return h * torch.sigmoid(self.bn2(self.c2(nn.functional.adaptive_avg_pool3d(h, 1))))
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["traced", "swapped"])
+def test_a_batch_norm_with_one_value_per_channel_on_a_part_is_refused(check):
+    """Training would fail inside the forward on every replica of one sample, after the norms before it
+    moved their statistics: refused before any step, naming it; planned on parts of two samples, and in
+    eval mode (running statistics)."""
+    spec = hp.ParallelSpec.from_dict({"grid": {"data": 2}})
+    with pytest.raises(SpecError, match=r"BatchNorm3d \(one value per channel on each part of 1 sample "
+                                        r"the batch is held in, its input \[2, 2, 1, 1, 1\].* at "
+                                        r"test_batch_extent.py:\d+"):
+        spec.plan(_PooledNorm(check), (2, 1, 6, 6, 6), 2)
+    assert spec.plan(_PooledNorm(check), (4, 1, 6, 6, 6), 2)
+    assert spec.plan(_PooledNorm(check).eval(), (2, 1, 6, 6, 6), 2)

@@ -89,8 +89,9 @@ def test_engine_errors():
     with pytest.raises(hp.SpecError, match="torch.fx cannot trace the model's own forward.*module swapping"):
         hp.parallelize(Branch(), {"grid": {"data": 1, "pipe": 2}}, loss_fn=F.mse_loss)
     engine = hp.parallelize(_model(), {"grid": {"data": 1}}, loss_fn=F.mse_loss)
-    with pytest.raises(RuntimeError, match="call shard_batch"):
-        engine.parameters()
+    for call in (engine.parameters, engine.full_state_dict, engine.local_state_dict):  # before any batch
+        with pytest.raises(RuntimeError, match=r"Engine.\w+: the engine is built .* call shard_batch"):
+            call()
     x, y = torch.randn(4, 1, 4, 4, 4), torch.randn(4, 1)
     x_local, y_local = engine.shard_batch(x, y)
     assert torch.isfinite(engine.train_step(x_local, y_local))

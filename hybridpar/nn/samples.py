@@ -9,6 +9,7 @@ each part its own answer.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 
 import torch
@@ -80,3 +81,19 @@ def module_across(m: nn.Module, x: torch.Tensor) -> str | None:
     if isinstance(m, _WINDOWS):
         return None if n is not None and nd > n else why
     return why
+
+
+def single_values(m: nn.Module, shape: tuple[int, ...], part: int) -> str | None:
+    """Why a batch norm training on an input of global ``shape`` fails on each part of ``part`` samples
+    the batch is held in (one value per channel there: a map pooled to 1x1x1 on a replica's one sample),
+    where one process, normalising the whole batch, trains; or None. Refused before any step, since the
+    norms before it would otherwise move their statistics in the failing forward."""
+    if not (isinstance(m, families.BATCH_NORM) and m.training) or families.reduces_over_job(m) or \
+            len(shape) < 2:
+        return None
+    if part < 1 or part * math.prod(shape[2:]) > 1 or shape[0] * math.prod(shape[2:]) <= 1:
+        return None
+    return (f"{type(m).__name__} (one value per channel on each part of {part} sample{'s' * (part > 1)} the "
+            f"batch is held in, its input {list(shape)}: it cannot train there, as torch's cannot on a "
+            f"batch of one; give each replica and micro-batch more samples, or use GroupNorm or "
+            f"SyncBatchNorm)")

@@ -163,8 +163,7 @@ class Engine:
     def _require_built(self, what: str) -> None:
         if not self.built:
             raise RuntimeError(f"Engine.{what}: the engine is built from the first batch's shape; call "
-                               f"shard_batch(x, y) first, or pass input_shape=(N, C, D, H, W) to "
-                               f"parallelize")
+                               f"shard_batch(x, y) first, or pass input_shape=(N, C, D, H, W) to parallelize")
 
     @property
     def first_stage(self) -> bool:
@@ -425,6 +424,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (keys, shapes, order), assembled from all stages, on every rank."""
+        self._require_built("full_state_dict")
         return state.full_state(self.layers, self.grid, self._built.state_keys)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ class LayerHooks:
     depth: int
     unsafe: list[str]
     batch_apart: bool
+    part: int  # the samples of each part of the batch (a replica's micro-batch)
     batched: Any
     split: Any
     _versions: list[tuple[torch.Tensor, int]]
@@ -84,8 +85,16 @@ class LayerHooks:
         self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
         x = inputs[0] if inputs else None
         if x is not None and self.batch_apart and (x in self.batched or x in self.split) and (
-                why := samples.module_across(m, x)):
+                why := samples.module_across(m, x) or samples.single_values(m, self._shape(x), self.part)):
             self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
+
+    def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """``x``'s shape, read as the watch's own call (inside a layer), not one of the forward's."""
+        self.depth += 1
+        try:
+            return tuple(x.shape)
+        finally:
+            self.depth -= 1
 
     def _left(self, m: nn.Module, args: tuple, out: object) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -53,7 +53,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
     def __init__(self, split: Split, batch_apart: bool = False) -> None:
         super().__init__()
         self.grid_split = split
-        self.batch_apart, self.batch = batch_apart, 0  # the batch in parts (data parallel, micro-batches); N
+        self.batch_apart, self.batch, self.part = batch_apart, 0, 0  # the batch in parts of part each; N
         self.judging = False  # a registered layer's own forward (swapped.judge_registered)
         self.splits = split != REPLICATED  # False: a grid that splits nothing (every layer runs whole)
         self.on_function: Callable[[str, nn.Module, torch.Tensor, torch.Tensor, bool], None] | None = None

@@ -158,6 +158,8 @@ class Walk:
             raise SpecError(f"{node.name}: {why} at {_line(node)}")
         if node.op == "module":
             carried = self._carriers(node, batch)
+            if carried and (why := samples.single_values(node.module, tuple(carried[0].shape), self.micro)):
+                raise SpecError(f"{node.name}: {why} at {_line(node)}")
             why = samples.module_across(node.module, carried[0]) if carried else None
             if why:
                 raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the "

@@ -184,7 +184,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
     modules: list[nn.Module] = []  # the module of each record
     names = dict((m, n) for n, m in leaves(model))
     watch = LayoutWatch(split, batch_apart=micro < input_shape[0])
-    watch.judging = bool(_JUDGING)
+    watch.judging, watch.part = bool(_JUDGING), micro
     count: dict[str, int] = {}
 
     def add(name: str, m: nn.Module, x: torch.Tensor, out: torch.Tensor, runs_split: bool, halo) -> None:

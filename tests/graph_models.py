@@ -128,6 +128,27 @@ class SizedUNet(nn.Module):
         return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
 
 
+class GuardedUNet(SizedUNet):
+    """The same U-Net with Python branches on shapes torch.fx cannot trace (run by module swapping): the
+    odd-size guard taken or not, one more pass of ``mid`` where the pooled volume is deep, and ``deep``
+    (only on a volume of 20 voxels or more in depth, to test a layer a build of fewer never met)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deep = nn.Conv3d(3, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.enc(x))
+        if s.shape[2] % 2:
+            s = F.pad(s, (0, 0, 0, 0, 0, 1))
+        m = torch.relu(self.mid(F.max_pool3d(s, 2)))
+        if m.shape[2] > 4:
+            m = torch.relu(self.mid(m))
+        if x.shape[2] >= 20:
+            m = self.deep(m)
+        return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
+
+
 class Untraceable(nn.Module):
     """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
     follow it): run by module swapping."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graph_models import SizedUNet, UNet3d, Untraceable
+from graph_models import GuardedUNet, SizedUNet, UNet3d, Untraceable
 
 TOL = 1e-10
 
@@ -33,6 +33,8 @@ def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "sized":
         return SizedUNet().double()
+    if name == "guarded":
+        return GuardedUNet().double()
     if name == "swapped":
         return Untraceable().double()
     if name == "batchnorm":  # running statistics: the plan at another size runs on a meta copy of them
@@ -57,7 +59,8 @@ SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "strided": [(12, 12, 12), (17, 15, 16), (7, 9, 8), (9, 20, 5)],
          "swapped": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "batchnorm": [(12, 12, 12), (17, 15, 16), (7, 9, 8)],
-         "sized": [(13, 12, 11), (16, 16, 16), (9, 10, 12), (12, 17, 8)]}
+         "sized": [(13, 12, 11), (16, 16, 16), (9, 10, 12), (12, 17, 8)],
+         "guarded": [(8, 8, 8), (16, 16, 16), (9, 10, 12), (7, 12, 9)]}
 
 
 def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1), **layers) -> dict:
@@ -130,6 +133,21 @@ def test_a_call_whose_kind_changes_with_the_size_is_refused_there(pools):
     pools(2).run(_shape_args_body, timeout=300)
 
 
+def _unmet_layer_body(rank: int, world: int) -> None:
+    """A forward run by module swapping may make other calls at another size (a guard's pad, a layer called
+    twice), but a layer of the model the build never ran is refused at a size that runs it, naming it."""
+    import hybridpar as hp
+
+    engine = hp.parallelize(make_model("guarded"), _layout(), input_shape=(2, 1, 8, 8, 8)).eval()
+    with pytest.raises(ValueError, match=r"Engine.shard_batch: an input of 20x8x8 voxels \(C=1\): layers: "
+                                         r"deep \(Conv3d\) runs at this size, where the engine never met it"):
+        engine.shard_batch(_volume((20, 8, 8), 0))
+
+
+def test_a_layer_the_build_never_ran_is_refused_at_a_size_that_runs_it(pools):
+    pools(2).run(_unmet_layer_body, timeout=300)
+
+
 def test_a_size_the_split_cannot_take_is_one_line(pools):
     lines = pools(2).run(_refuse_body, timeout=600)
     assert lines[0] == lines[1], f"the ranks refused differently:\n{lines[0]}\n{lines[1]}"
@@ -179,6 +197,7 @@ PREDICT_CASES = [
     (4, "periodic", _layout(data=2)), (4, "strided", _layout(data=2)),
     (4, "unet", _layout(pipe=2)), (4, "strided", _layout(pipe=2)),
     (2, "sized", _layout()), (4, "sized", _layout(spatial=(2, 2, 1))), (4, "sized", _layout(pipe=2)),
+    (2, "guarded", _layout()), (4, "guarded", _layout(spatial=(2, 2, 1))), (4, "guarded", _layout(data=2)),
 ]
 
 
@@ -236,7 +255,7 @@ def _train_body(rank: int, world: int, name: str, layout: dict) -> None:
 
 
 TRAIN_CASES = [(4, "unet", _layout(spatial=(2, 2, 1))), (4, "strided", _layout(data=2)),
-               (2, "sized", _layout())]
+               (2, "sized", _layout()), (2, "guarded", _layout())]
 
 
 @pytest.mark.parametrize("world,name,layout", TRAIN_CASES, ids=[_id(*c) for c in TRAIN_CASES])

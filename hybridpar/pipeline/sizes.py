@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.axes import SPATIAL_AXES
+from hybridpar.call_keys import module_path
 from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
@@ -182,7 +183,10 @@ class SizePlans:
         except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(first) from None
-        made = self._made_at(shape_made_stand_ins(self.graph)) if self.traced else {}
+        if not self.traced:
+            self._same_layers(plan)
+            return plan  # one stage (a pipeline needs a traced graph)
+        made = self._made_at(shape_made_stand_ins(self.graph))
         if len(plan) != len(self.built):
             raise ValueError(f"the model makes {len(plan)} nodes at this size where the engine was built "
                              f"on {len(self.built)}; build an engine for this size")
@@ -202,7 +206,29 @@ class SizePlans:
         return [dataclasses.replace(row, stage=built.stage)  # the built cuts, wherever auto balance would cut
                 for built, row in zip(self.built, plan, strict=True)]
 
-
+    def _same_layers(self, plan: list[LayerPlan]) -> None:
+        """Refuse a plan at another size of a forward run by module swapping where one of the model's
+        layers runs in another split than the built engine converted it for, or is one the build never
+        met. Its run decides at each call what the calls between layers do (it follows the shapes they
+        make, ``split_forward``), so a size may make other calls than the build's (an odd-size guard's
+        ``F.pad`` taken or not) and call a layer more or less often."""
+        built: dict[str, set[tuple]] = {}
+        for r in self.built:
+            built.setdefault(module_path(r.name), set()).add((r.split, r.output_split))
+        modules = dict(self.model.named_modules()) if self.model is not None else {}
+        for row in plan:
+            path = module_path(row.name)
+            if path not in modules or type(modules[path]).__name__ != row.kind:
+                continue  # a call between the layers (a pad, an interpolate): followed at each call
+            if path not in built:
+                raise ValueError(f"layers: {row.name} ({row.kind}) runs at this size, where the engine "
+                                 f"never met it (a branch on a shape); build an engine for this size "
+                                 f"(parallelize(..., input_shape=...))")
+            if (row.split, row.output_split) not in built[path]:
+                split, out = next(iter(built[path]))
+                raise ValueError(f"layers: {row.name} ({row.kind}) would run split {list(row.split)} (output "
+                                 f"{list(row.output_split)}) at this size, where the engine runs it split "
+                                 f"{list(split)} (output {list(out)}); {_what_fits(row, split)}")
 
 
 def volume_of(shards: dict[tuple[int, int, int], tuple[int, ...]], parts: tuple[int, ...]) -> tuple[int, ...]:

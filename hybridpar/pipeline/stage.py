@@ -191,7 +191,8 @@ class StageBuilder:
         self._warn_gathers(plan)
         self._warn_replicated(plan)
         built = Stage(layers, stage_graph, deferred.deferrable([m for _, m in layers]), mine[0], mine[-1],
-                      input_split, out, output_split, [], spec, self.sinks, (lo, hi - 1, out_row),
+                      input_split, out, output_split, [], spec, self.sinks,
+                      (lo, hi - 1, out_row) if graph is not None else (0, -1, -1),  # swapped: any length
                       output_rows)
         built.bind(plan, input_shape, outputs)
         return built
@@ -236,8 +237,10 @@ class StageBuilder:
                  for lp in sorted(reversed(plan), key=lambda lp: lp.split != REPLICATED)}
 
         def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
+            # no sinks: the forward's run gives each split layer its input's global shape as it calls it
+            # (split_forward's before_layer), whatever calls the forward makes at a size
             if name in first:
-                return self.convert(name, m, first[name])
+                return split_layer(self.job.of, self.overlap, name, m, first[name])
             return to_distributed(m, grid, self.overlap, name)  # never called on this input
 
         grid = self.layout(self.spec.grid.spatial)

@@ -149,6 +149,21 @@ class GuardedUNet(SizedUNet):
         return self.out(torch.cat([s, F.interpolate(m, size=s.shape[2:], mode="trilinear")], 1))
 
 
+class Bottleneck(nn.Module):
+    """Two pools to a bottleneck too thin to split at a small build size (replicated there, gathered), that
+    a larger input could split: the built engine keeps it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+        self.c = nn.Conv3d(4, 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.a(x))
+        m = torch.relu(self.b(F.max_pool3d(F.max_pool3d(s, 2), 2)))
+        return self.c(F.pad(torch.cat([s, F.interpolate(m, scale_factor=4, mode="nearest")], 1), (1,) * 6))
+
+
 class Untraceable(nn.Module):
     """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
     follow it): run by module swapping."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.axes import SPATIAL_AXES
+from hybridpar.axes import REPLICATED, SPATIAL_AXES
 from hybridpar.call_keys import module_path
 from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
@@ -37,6 +37,7 @@ from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.batch_flow import refuse_batch_flow
 from hybridpar.planner.calls import module_key
+from hybridpar.planner.config import REPLICATE, LayerRule
 from hybridpar.planner.graph import shape_made_stand_ins, trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
@@ -179,7 +180,7 @@ class SizePlans:
                 self.graph = trace(self.model)
                 build_plan(self.spec, self.model, self.shape(self.built_size), self.world, self.graph)
                 self.built_calls = shape_made_stand_ins(self.graph)
-            plan = build_plan(self.spec, self.model, self.shape(size), self.world, self.graph)
+            plan = self._plan(size)
         except Exception as err:  # noqa: BLE001 (the model's own error at this size, in one line)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(first) from None
@@ -204,6 +205,29 @@ class SizePlans:
                                  f"{list(built.output_split)}); {_what_fits(row, built.split)}")
         self.made[size] = made
         return [dataclasses.replace(row, stage=built.stage)  # the built cuts, wherever auto balance would cut
+                for built, row in zip(self.built, plan, strict=True)]
+
+    def _plan(self, size: tuple[int, ...]) -> list[LayerPlan]:
+        """The planner's plan at ``size``, a layer the built engine runs whole (replicated: too small to
+        split at the build size, a U-Net's bottleneck) kept whole where the planner would split it at this
+        size (a larger box): gathered as at the build, exact, where the built layers hold no split
+        version of it. Each such layer is given a rule ``spatial: replicate``, and the plan derived again
+        with them, since what follows it may then be placed otherwise too."""
+        spec, kept = self.spec, set()
+        for _ in range(4):
+            plan = build_plan(spec, self.model, self.shape(size), self.world, self.graph)
+            if not self.traced or len(plan) != len(self.built):
+                return plan
+            whole = [row.name for built, row in zip(self.built, plan, strict=True) if built.name == row.name
+                     and built.split == REPLICATED != row.split and not any(r.pattern == row.name
+                                                                            for r in spec.layers)]
+            if not whole:
+                break
+            kept.update(whole)
+            spec = dataclasses.replace(spec, layers=(*spec.layers, *(LayerRule(n, REPLICATE) for n in whole)))
+        # as the built rows say why they run whole (too small to split), not as the rules given here
+        return [dataclasses.replace(row, rule=built.rule, gather=built.gather,
+                                    auto_replicated=built.auto_replicated) if row.name in kept else row
                 for built, row in zip(self.built, plan, strict=True)]
 
     def _same_layers(self, plan: list[LayerPlan]) -> None:

@@ -252,3 +252,38 @@ def test_a_batch_norm_with_one_value_per_channel_on_a_part_is_refused(check):
         spec.plan(_PooledNorm(check), (2, 1, 6, 6, 6), 2)
     assert spec.plan(_PooledNorm(check), (4, 1, 6, 6, 6), 2)
     assert spec.plan(_PooledNorm(check).eval(), (2, 1, 6, 6, 6), 2)
+
+
+def _smaller_batch_body(rank: int, world: int) -> None:
+    """An engine built on parts of 2 samples, then given a batch whose parts hold 1: the step is refused
+    before the forward, the norms' statistics as they were."""
+    torch.manual_seed(0)
+    model = _PooledNorm(False).double()
+    engine = hp.parallelize(model, {"grid": {"data": 2}}, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(4, 1, 6, 6, 6, dtype=torch.float64), torch.randn(4, 2, 6, 6, 6, dtype=torch.float64)
+    engine.train_step(*engine.shard_batch(x, y))
+    before = model.bn1.running_var.clone()
+    with pytest.raises(ValueError, match=r"Engine.train_step: bn2: BatchNorm3d \(one value per channel on "
+                                         r"each part of 1 sample"):
+        engine.train_step(*engine.shard_batch(x[:2], y[:2]))
+    assert torch.equal(model.bn1.running_var, before), "a refused step moved bn1's statistics"
+
+
+def test_a_batch_norm_with_one_value_per_channel_at_a_smaller_batch_is_refused_at_the_step(pools):
+    pools(2).run(_smaller_batch_body, timeout=120)
+
+
+def test_a_batch_norm_on_folded_rows_counts_each_samples_rows():
+    """A BatchNorm1d on the rows of a fold (N * D, C) sees D values per channel on a part of one sample."""
+
+    class Folded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c, self.bn = nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm1d(2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = nn.functional.adaptive_avg_pool3d(self.c(x), (None, 1, 1)).flatten(2)  # (N, C, D)
+            n, c, d = h.shape
+            return self.bn(h.permute(0, 2, 1).reshape(n * d, c)).reshape(n, d, c).permute(0, 2, 1)
+
+    assert hp.ParallelSpec.from_dict({"grid": {"data": 2}}).plan(Folded(), (2, 1, 6, 6, 6), 2)

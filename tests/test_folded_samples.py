@@ -54,6 +54,9 @@ def _fold(what: str, h: torch.Tensor, m: nn.Module) -> torch.Tensor:
         z = h.permute(0, 2, 1, 3, 4).reshape(4 * d, c, hh, w)
     elif what == "a scan over the rows":
         z = z.cumsum(0)
+    elif what == "a mean over the rows a layer made":  # the layer's output: rows of the samples again
+        z = torch.relu(m.plane(z))
+        z = z - z.mean(0, keepdim=True)
     return z.reshape(n, d, c, hh, w).permute(0, 2, 1, 3, 4)
 
 
@@ -142,6 +145,7 @@ REFUSED = {
     "noise of the rows' shape": r"randn",
     "a fold written for 4 samples": r"gives the batch's dim a size of its own",
     "a scan over the rows": r"cumsum \(along the samples' dim\)",
+    "a mean over the rows a layer made": r"mean \(over the samples' dim\)",
 }
 
 

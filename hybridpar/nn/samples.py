@@ -83,15 +83,17 @@ def module_across(m: nn.Module, x: torch.Tensor) -> str | None:
     return why
 
 
-def single_values(m: nn.Module, shape: tuple[int, ...], part: int) -> str | None:
-    """Why a batch norm training on an input of global ``shape`` fails on each part of ``part`` samples
-    the batch is held in (one value per channel there: a map pooled to 1x1x1 on a replica's one sample),
-    where one process, normalising the whole batch, trains; or None. Refused before any step, since the
-    norms before it would otherwise move their statistics in the failing forward."""
+def single_values(m: nn.Module, shape: tuple[int, ...], part: int, batch: int) -> str | None:
+    """Why a batch norm training on an input of global ``shape`` (dim 0 the ``batch`` samples, or rows
+    of them: a fold) fails on each part of ``part`` samples the batch is held in (one value per channel
+    there: a map pooled to 1x1x1 on a replica's one sample), where one process, normalising the whole
+    batch, trains; or None. Refused before any step, since the norms before it would otherwise move
+    their statistics in the failing forward."""
     if not (isinstance(m, families.BATCH_NORM) and m.training) or families.reduces_over_job(m) or \
-            len(shape) < 2:
+            len(shape) < 2 or part < 1:
         return None
-    if part < 1 or part * math.prod(shape[2:]) > 1 or shape[0] * math.prod(shape[2:]) <= 1:
+    per_sample = max(shape[0] // max(batch, 1), 1) * math.prod(shape[2:])
+    if part * per_sample > 1 or shape[0] * math.prod(shape[2:]) <= 1:
         return None
     return (f"{type(m).__name__} (one value per channel on each part of {part} sample{'s' * (part > 1)} the "
             f"batch is held in, its input {list(shape)}: it cannot train there, as torch's cannot on a "

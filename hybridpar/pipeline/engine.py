@@ -373,7 +373,7 @@ class Engine:
         one_target(y_local, "Engine.train_step", x_local)
         if len(self.input_shape) == 5:
             self._at_size(self.input_shape[1:], "Engine.train_step")
-            predicting.refuse_other_returns(self._built, self._size, training, len(y_local))
+            predicting.refuse_other_returns(self._built, self._size, training, len(y_local), self._mode)
             if self.grid.pipe > 1:  # the later stages wait on the first: every rank learns its size
                 _check_build_size(agree_size(x_local, self.grid, self.input_grid, "Engine.train_step")[0],
                                   self.input_shape)

@@ -13,11 +13,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
+from hybridpar.call_keys import module_path
 from hybridpar.comm.redistribute import gather as gather_volume
+from hybridpar.nn import samples
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
+from hybridpar.pipeline.model_mode import ModelMode
 from hybridpar.pipeline.stage import REPLICATED, swapped_outputs
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.terms import Split
@@ -59,10 +63,12 @@ def refuse_other_batch(built: Built, size: tuple[int, ...], batch: int, training
 
 
 def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, batch: int,
-                         caller: str = "Engine.train_step") -> None:
+                         mode: ModelMode | None = None, caller: str = "Engine.train_step") -> None:
     """Refuse a training step in the mode the engine was not built in where the forward then returns
     other outputs (another structure, shape or split): its loss, targets and gradients are laid out
-    for the built mode's; and one whose parts of this replica's ``batch`` run other calls."""
+    for the built mode's; one whose parts of this replica's ``batch`` run other calls; and one where a
+    batch norm of the model (``mode``'s, while the user holds it) sees one value per channel on a part."""
+    refuse_single_values(built, size, batch, training, mode.model() if mode is not None else None, caller)
     got = returned_in(built, size, training, caller, batch)
     stage = built.stage
     if got[1:] != (stage.output_spec, stage.output_split) or [r.output_shape for r in got[0]] != [
@@ -71,6 +77,28 @@ def refuse_other_returns(built: Built, size: tuple[int, ...], training: bool, ba
         raise ValueError(f"{caller}: the model's forward returns other outputs in {now} mode than in "
                          f"{built_in} mode, which the engine was built in (its loss and targets are laid out "
                          f"for those); train in {built_in} mode (model.train({not training}))")
+
+
+def refuse_single_values(built: Built, size: tuple[int, ...], batch: int, training: bool,
+                         model: nn.Module | None, caller: str) -> None:
+    """Refuse a training step where a batch norm would see one value per channel on a part of this
+    replica's ``batch`` (its smallest micro-batch) that the plan, made at the build's batch and mode,
+    did not meet (a smaller batch; a model put in training after an eval build): it would fail inside
+    the forward after the norms before it moved their statistics (:func:`samples.single_values`). The
+    modes are ``model``'s, or ``training`` for each of the meta copy's; once per size, part and mode."""
+    sizes = built.sizes
+    part = min(split_sizes(batch, sizes.spec.pipeline.microbatches))
+    key = ("single values", tuple(size), part, training)
+    if not training or sizes.model is None or key in sizes.checked:
+        return
+    modules, plan = dict((model or sizes.model).named_modules()), sizes.at(size, caller)
+    with sizes.in_mode(training):
+        for row in plan:
+            m = modules.get(module_path(row.name))
+            if m is not None and type(m).__name__ == row.kind and (
+                    why := samples.single_values(m, tuple(row.input_shape), part, sizes.batch)):
+                raise ValueError(f"{caller}: {row.name}: {why}")
+    sizes.checked.add(key)
 
 
 def outputs(built: Built, returned: Returned, outs: list[list[Any]], batch: int, gather: bool,

@@ -28,6 +28,7 @@ class LayerHooks:
     unsafe: list[str]
     batch_apart: bool
     part: int  # the samples of each part of the batch (a replica's micro-batch)
+    batch: int  # the whole batch's
     batched: Any
     split: Any
     _versions: list[tuple[torch.Tensor, int]]
@@ -85,7 +86,8 @@ class LayerHooks:
         self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
         x = inputs[0] if inputs else None
         if x is not None and self.batch_apart and (x in self.batched or x in self.split) and (
-                why := samples.module_across(m, x) or samples.single_values(m, self._shape(x), self.part)):
+                why := samples.module_across(m, x)
+                or samples.single_values(m, self._shape(x), self.part, self.batch)):
             self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
 
     def _shape(self, x: torch.Tensor) -> tuple[int, ...]:

@@ -158,14 +158,25 @@ class Walk:
             raise SpecError(f"{node.name}: {why} at {_line(node)}")
         if node.op == "module":
             carried = self._carriers(node, batch)
-            if carried and (why := samples.single_values(node.module, tuple(carried[0].shape), self.micro)):
+            shape = tuple(carried[0].shape) if carried else ()
+            if carried and (why := samples.single_values(node.module, shape, self.micro, batch)):
                 raise SpecError(f"{node.name}: {why} at {_line(node)}")
             why = samples.module_across(node.module, carried[0]) if carried else None
             if why:
                 raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the "
                                 f"batch, which data parallelism or micro-batches hold apart (each part would "
                                 f"give its own answer)")
-            return
+        else:
+            self._refuse_call_across(node, name, args, kwargs, nd, held, out_shape, batch)
+        # a layer or call that keeps the rows of a fold apart gives rows again, judged as samples after it
+        if self._carriers(node, batch) and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
+                out_shape[0] != batch and out_shape[0] % batch == 0:
+            self.folded.add(node.name)
+
+    def _refuse_call_across(self, node: Node, name: str, args: tuple, kwargs: dict, nd: int, held: bool,
+                            out_shape: tuple[int, ...], batch: int) -> None:
+        """Refuse a function or method node that draws random numbers per sample or works across the
+        samples (:meth:`_refuse_across_samples` for a call)."""
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         sized = batch_extent.sizes_batch(name, args, kwargs, self._kind)
         if per_sample.draws_per_sample(name, drawn, batch, sized) or (  # randn(h.shape), randn_like(h)
@@ -179,9 +190,6 @@ class Walk:
             raise SpecError(f"{node.name}: {why} at {_line(node)}: works across the samples of the batch, "
                             f"which data parallelism or micro-batches hold apart (each part would give its "
                             f"own answer): work on each sample, e.g. reduce over dim=(1, 2, 3, 4)")
-        if self._carriers(node, batch) and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
-                out_shape[0] != batch and out_shape[0] % batch == 0:
-            self.folded.add(node.name)  # dim 0 kept each row within a sample: its rows, judged as samples
 
     def _batch_extent(self, node: Node, name: str, args: tuple, kwargs: dict, batch: int) -> str | None:
         """Follow the batch's extent read off a value holding the batch (``x.shape[0]``, ``x.size(0)``,

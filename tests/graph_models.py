@@ -164,6 +164,16 @@ class Bottleneck(nn.Module):
         return self.c(F.pad(torch.cat([s, F.interpolate(m, scale_factor=4, mode="nearest")], 1), (1,) * 6))
 
 
+class CheckedBottleneck(Bottleneck):
+    """The same behind a check on the input's channels, which torch.fx cannot trace (run by module
+    swapping): its bottleneck's layers run whole at a small build, whole at every size after."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 1:
+            raise ValueError("one channel in")
+        return super().forward(x)
+
+
 class Untraceable(nn.Module):
     """A residual encoder-decoder whose forward branches in Python on a tensor's rank (torch.fx cannot
     follow it): run by module swapping."""

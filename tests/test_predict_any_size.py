@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graph_models import Bottleneck, GuardedUNet, SizedUNet, UNet3d, Untraceable
+from graph_models import Bottleneck, CheckedBottleneck, GuardedUNet, SizedUNet, UNet3d, Untraceable
 
 TOL = 1e-10
 
@@ -37,6 +37,8 @@ def make_model(name: str) -> nn.Module:
         return GuardedUNet().double()
     if name == "bottleneck":
         return Bottleneck().double()
+    if name == "checked bottleneck":
+        return CheckedBottleneck().double()
     if name == "swapped":
         return Untraceable().double()
     if name == "batchnorm":  # running statistics: the plan at another size runs on a meta copy of them
@@ -63,7 +65,8 @@ SIZES = {"unet": [(12, 12, 12), (16, 16, 16), (8, 8, 8), (8, 16, 12)],
          "batchnorm": [(12, 12, 12), (17, 15, 16), (7, 9, 8)],
          "sized": [(13, 12, 11), (16, 16, 16), (9, 10, 12), (12, 17, 8)],
          "guarded": [(8, 8, 8), (16, 16, 16), (9, 10, 12), (7, 12, 9)],
-         "bottleneck": [(4, 4, 8), (16, 16, 8), (8, 12, 8), (12, 8, 16)]}
+         "bottleneck": [(4, 4, 8), (16, 16, 8), (8, 12, 8), (12, 8, 16)],
+         "checked bottleneck": [(4, 4, 8), (16, 16, 8), (8, 12, 8), (12, 8, 16)]}
 
 
 def _layout(data: int = 1, pipe: int = 1, spatial=(2, 1, 1), **layers) -> dict:
@@ -202,6 +205,7 @@ PREDICT_CASES = [
     (2, "sized", _layout()), (4, "sized", _layout(spatial=(2, 2, 1))), (4, "sized", _layout(pipe=2)),
     (2, "guarded", _layout()), (4, "guarded", _layout(spatial=(2, 2, 1))), (4, "guarded", _layout(data=2)),
     (2, "bottleneck", _layout()), (4, "bottleneck", _layout(spatial=(2, 2, 1))),
+    (2, "checked bottleneck", _layout()), (4, "checked bottleneck", _layout(spatial=(2, 2, 1))),
 ]
 
 

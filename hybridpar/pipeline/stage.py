@@ -33,7 +33,7 @@ from hybridpar.pipeline.split_forward import bind_nested, follow
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
-from hybridpar.planner.analysis import REPLICATED
+from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.swapped import nested_block, returned
@@ -240,7 +240,10 @@ class StageBuilder:
             # no sinks: the forward's run gives each split layer its input's global shape as it calls it
             # (split_forward's before_layer), whatever calls the forward makes at a size
             if name in first:
-                return split_layer(self.job.of, self.overlap, name, m, first[name])
+                d = split_layer(self.job.of, self.overlap, name, m, first[name])
+                if first[name].split == REPLICATED:  # made for a whole run: read whole at every size
+                    setattr(d, KEPT_WHOLE, True)
+                return d
             return to_distributed(m, grid, self.overlap, name)  # never called on this input
 
         grid = self.layout(self.spec.grid.spatial)

@@ -291,6 +291,13 @@ def analyse(model: nn.Module, input_shape: Sequence[int], graph: ModelGraph | No
                     space_maps=find_space_maps(graph, values))
 
 
+KEPT_WHOLE = "_hybridpar_kept_whole"
+"""The attribute marking a layer of a forward run by module swapping that every call of the built engine
+ran whole (a bottleneck too small to split at the build size): its split version was made for that
+whole run, so the plan at another size (on :class:`hybridpar.pipeline.sizes.SizePlans`' meta copy) and
+the run (on the split version) read its input whole at every size, gathered, exact."""
+
+
 def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:
     """Whether a registered layer that does not split (``nn.Linear``, ``nn.Softmax`` over a dim of the
     volume) would read a split volume: it needs the whole volume, so the forward is refused (a

@@ -22,7 +22,7 @@ from hybridpar.nn import families, registry
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
 from hybridpar.planner import batch_extent, calls, per_sample
-from hybridpar.planner.analysis import REPLICATED, dense_on_split, node_halos, splits_under
+from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.batch_extent import part_kind
 from hybridpar.planner.copies import REMADE, Copies
@@ -437,14 +437,14 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
 
     def needs_whole(self, m: nn.Module, x: torch.Tensor) -> bool:
         """Whether layer ``m`` reads ``x`` whole: a split volume reshaped part way (``x.view(N, -1)``
-        before a Linear), or a split volume read by a layer that needs the whole (a Linear over W) or
-        is too small to split (a U-Net's bottleneck of fewer voxels than ranks), as a traced plan
-        replicates it."""
+        before a Linear), or a split volume read by a layer that needs the whole (a Linear over W), is
+        too small to split (a bottleneck of fewer voxels than ranks, as a traced plan replicates it), or
+        ran whole at the build (:data:`~hybridpar.planner.analysis.KEPT_WHOLE`)."""
         if x in self.chains:
             return True
         whole = self.original(m)
         entry = registry.lookup(whole)
         if x in self.split and x.dim() != 5:  # not a volume (h.mean(1)): only an activation runs on a shard
             return not families.elementwise(whole)
-        return x in self.split and (dense_on_split(m, registry.lookup(m)) or (
+        return x in self.split and (dense_on_split(m, registry.lookup(m)) or hasattr(m, KEPT_WHOLE) or (
             entry is not None and entry.splittable and not self.module_fits(whole, x, key=id(whole))))

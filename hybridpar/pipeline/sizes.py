@@ -35,7 +35,7 @@ from hybridpar.flops.counter import meta_copy
 from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
-from hybridpar.planner.analysis import KEPT_WHOLE
+from hybridpar.planner.analysis import KEPT_WHOLE, kept_whole
 from hybridpar.planner.batch_flow import refuse_batch_flow
 from hybridpar.planner.calls import module_key
 from hybridpar.planner.config import REPLICATE, LayerRule
@@ -88,11 +88,9 @@ class SizePlans:
         except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: other sizes are refused too)
             self.model, self.why_not = None, f"the model cannot be copied to the meta device ({err})"
         if self.model is not None and not traced:  # its layers every call ran whole: whole at any size
-            splits: dict[str, set[tuple[int, int, int]]] = {}
-            for r in plan:
-                splits.setdefault(module_path(r.name), set()).add(r.split)
+            whole = kept_whole(plan)
             for name, m in self.model.named_modules():
-                if splits.get(name) == {REPLICATED}:
+                if name in whole:
                     setattr(m, KEPT_WHOLE, True)
         self.graph: Any = None
 

@@ -33,7 +33,7 @@ from hybridpar.pipeline.split_forward import bind_nested, follow
 from hybridpar.pipeline.stage_graph import StageGraph
 from hybridpar.pipeline.swap import swap
 from hybridpar.planner import ParallelSpec
-from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED
+from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED, kept_whole
 from hybridpar.planner.graph import INPUT, OUTPUT, ModelGraph, out_node, pack_output
 from hybridpar.planner.records import LayerPlan
 from hybridpar.planner.swapped import nested_block, returned
@@ -235,13 +235,14 @@ class StageBuilder:
         # too runs whole there: split_forward's _whole_on_replicated), else by its first call
         first = {module_path(lp.name): lp
                  for lp in sorted(reversed(plan), key=lambda lp: lp.split != REPLICATED)}
+        whole_run = kept_whole(plan)  # made for a whole run: read whole at every size
 
         def convert(name: str, m: nn.Module, grid: ProcessGrid) -> nn.Module:
             # no sinks: the forward's run gives each split layer its input's global shape as it calls it
             # (split_forward's before_layer), whatever calls the forward makes at a size
             if name in first:
                 d = split_layer(self.job.of, self.overlap, name, m, first[name])
-                if first[name].split == REPLICATED:  # made for a whole run: read whole at every size
+                if name in whole_run:
                     setattr(d, KEPT_WHOLE, True)
                 return d
             return to_distributed(m, grid, self.overlap, name)  # never called on this input

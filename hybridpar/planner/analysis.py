@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from hybridpar.planner.graph import OUTPUT, ModelGraph, stand_ins_from_values, t
 from hybridpar.planner.space_maps import SpaceMap, find_space_maps
 from hybridpar.planner.terms import SpecError, Split
 from hybridpar.planner.untouched import left_as_found
+
+if TYPE_CHECKING:  # records reads this module's geometry
+    from hybridpar.planner.records import LayerPlan
 
 Shapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Halos = tuple[tuple[int, int], ...]
@@ -296,6 +300,15 @@ KEPT_WHOLE = "_hybridpar_kept_whole"
 ran whole (a bottleneck too small to split at the build size): its split version was made for that
 whole run, so the plan at another size (on :class:`hybridpar.pipeline.sizes.SizePlans`' meta copy) and
 the run (on the split version) read its input whole at every size, gathered, exact."""
+
+
+def kept_whole(plan: Sequence[LayerPlan]) -> set[str]:
+    """The layers (by module path) that every call of ``plan`` runs whole: those to mark
+    :data:`KEPT_WHOLE` in a forward run by module swapping."""
+    splits: dict[str, set[Split]] = {}
+    for r in plan:
+        splits.setdefault(module_path(r.name), set()).add(tuple(r.split))
+    return {name for name, s in splits.items() if s == {REPLICATED}}
 
 
 def dense_on_split(m: nn.Module, entry: registry.LayerEntry | None) -> bool:

@@ -156,8 +156,8 @@ class Walk:
             return
         if why := self._batch_extent(node, name, args, kwargs, batch):
             raise SpecError(f"{node.name}: {why} at {_line(node)}")
+        carried = self._carriers(node, batch)
         if node.op == "module":
-            carried = self._carriers(node, batch)
             shape = tuple(carried[0].shape) if carried else ()
             if carried and (why := samples.single_values(node.module, shape, self.micro, batch)):
                 raise SpecError(f"{node.name}: {why} at {_line(node)}")
@@ -169,7 +169,7 @@ class Walk:
         else:
             self._refuse_call_across(node, name, args, kwargs, nd, held, out_shape, batch)
         # a layer or call that keeps the rows of a fold apart gives rows again, judged as samples after it
-        if self._carriers(node, batch) and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
+        if carried and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
                 out_shape[0] != batch and out_shape[0] % batch == 0:
             self.folded.add(node.name)
 

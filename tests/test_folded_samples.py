@@ -18,7 +18,8 @@ from layer_cases import Failures
 from test_user_models import _compare
 
 SHAPE = (4, 1, 7, 6, 5)
-SPLITS = {"data": (2, {"grid": {"data": 2}}),
+SPLITS = {"spatial": (2, {"grid": {"spatial": [2, 1, 1]}}),  # the batch whole: anything along dim 0
+          "data": (2, {"grid": {"data": 2}}),
           "micro": (2, {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}),
           "data_x_spatial": (4, {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
           "pipeline": (2, {"grid": {"pipe": 2}, "pipeline": {"microbatches": 2}})}
@@ -36,6 +37,8 @@ def _fold(what: str, h: torch.Tensor, m: nn.Module) -> torch.Tensor:
         return z.reshape(-1, SHAPE[2], 3, *SHAPE[3:]).permute(0, 2, 1, 3, 4)
     if what == "channels":  # one layer shared by every channel
         return m.shared(h.reshape(n * c, 1, d, hh, w)).view(n, c, d, hh, w)
+    if what == "channels and back":  # two reshapes, the first changing dim 0: one chain
+        return h.reshape(n * c, 1, d, hh, w).reshape(n, c, d, hh, w) * 2
     if what == "flattened rows":  # each voxel's channels a row, normalised, then back
         z = h.permute(0, 2, 3, 4, 1).reshape(-1, c)
         return F.normalize(z, dim=1).reshape(n, d, hh, w, c).permute(0, 4, 1, 2, 3)
@@ -106,8 +109,22 @@ def CheckedChannels() -> nn.Module:  # noqa: N802
     return FoldedChecked("channels")
 
 
+def CheckedChannelsBack() -> nn.Module:  # noqa: N802
+    return FoldedChecked("channels and back")
+
+
+def MeanOverRows() -> nn.Module:  # noqa: N802
+    return Folded("a mean over the rows a layer made")
+
+
+def CheckedMeanOverRows() -> nn.Module:  # noqa: N802
+    return FoldedChecked("a mean over the rows a layer made")
+
+
 MODELS = {"Planes": Planes, "Channels": Channels, "Rows": Rows, "FixedPlanes": FixedPlanes,
-          "CheckedPlanes": CheckedPlanes, "CheckedChannels": CheckedChannels}
+          "CheckedPlanes": CheckedPlanes, "CheckedChannels": CheckedChannels,
+          "CheckedChannelsBack": CheckedChannelsBack}
+WHOLE_BATCH = {"MeanOverRows": MeanOverRows, "CheckedMeanOverRows": CheckedMeanOverRows}  # across the rows
 
 
 IN_FOLD = {"FixedPlanes": "plane"}  # a node that reads the folded rows
@@ -118,11 +135,10 @@ def _body(rank: int, world: int, split: str) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE, dtype=torch.float64, generator=g)
     y = torch.randn(SHAPE, dtype=torch.float64, generator=g)
-    for name, make in MODELS.items():
+    for name, make in (MODELS | WHOLE_BATCH if split == "spatial" else MODELS).items():
         spec = SPLITS[split][1]
-        if name == "CheckedChannels" and "spatial" in spec["grid"] or split == "pipeline" and \
-                name != "FixedPlanes":
-            continue  # module swapping follows no reshape of a split volume's channels into dim 0
+        if split == "pipeline" and name != "FixedPlanes":
+            continue
         if split == "pipeline":  # the second stage starts on the folded rows: they cross the cut
             spec = {**spec, "pipeline": {**spec["pipeline"], "stages": ["a", IN_FOLD[name]]}}
         try:

@@ -247,7 +247,7 @@ class SplitForward(LayoutWatch):
         steps = {**steps, len(steps): dims}
         if name in ("view", "reshape"):
             local = [hi - lo for lo, hi in self.box(start[2:])]
-            out = func(args[0], form_shape(form_of(dims, start), src.shape[0], local))
+            out = func(args[0], form_shape(form_of(dims, start), start[0], local))  # the chain's samples
         else:
             out = func(*args, **kwargs)
         if self.closes(start, steps, whole):

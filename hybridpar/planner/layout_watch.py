@@ -10,6 +10,7 @@ consults is :mod:`hybridpar.planner.calls`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -123,9 +124,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
 
     def mark(self, t: object, extents: Extents) -> None:
         """Say that ``t`` (a tensor, or each tensor of a tuple) is split, of global ``extents``."""
-        for x in t if isinstance(t, list | tuple) else (t,):
-            if isinstance(x, torch.Tensor) and x.dim() >= 3:
-                self.split[x] = tuple(extents)
+        self.split.update((x, tuple(extents)) for x in (t if isinstance(t, list | tuple) else (t,))
+                          if isinstance(x, torch.Tensor) and x.dim() >= 3)
 
     def runs_split(self, m: nn.Module, x: torch.Tensor) -> bool:
         """Whether layer ``m`` runs split on ``x``: registered as splittable, on a split volume."""
@@ -325,9 +325,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         given = calls.tensors_in(args, kwargs)
         extents = [self.split[t] for t in given if t in self.split]
         carries = [not isinstance(t, nn.Parameter) for t in given]  # a weight carries none
-        whole = lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split else a  # noqa: E731
-        args = tuple(type(a)(map(whole, a)) if isinstance(a, list | tuple) else whole(a) for a in args)
-        kwargs = {k: whole(v) for k, v in kwargs.items()}
+        args, kwargs = tree_map(lambda a: self.whole(a) if isinstance(a, torch.Tensor) and a in self.split
+                                else a, (args, kwargs))
         out = self._run_replicated(func, args, kwargs)
         if self.batch_apart:
             carriers = [t for t, c in zip(calls.tensors_in(args, kwargs), carries, strict=True)
@@ -342,10 +341,9 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             return target if out is args[0] else out
         views = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t._is_view()}
         out = self._resplit(out, extents, views)
-        what = f"a view of the volume gathered for {name} at {caller()}"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (id(t) in views or t in self.copies.taken):
-                self.copies.take(t, what, first)
+                self.copies.take(t, f"a view of the volume gathered for {name} at {caller()}", first)
         return out
 
     def _write_back(self, target: torch.Tensor, whole: torch.Tensor) -> None:
@@ -375,8 +373,10 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         """Whether a reshape chain from a volume of shape ``start`` that made ``out_shape`` by ``steps`` is a
         volume again, split (N, C, D, H, W, each shard's box onto its own output box under the grid's
         split); else it goes on as a chain, read whole where another call reads it (a permute to
-        channels last). Raises NotLocal where the batch does not stay the batch."""
-        return len(out_shape) == 5 and close("", steps, start, tuple(out_shape)).fits(self.grid_split)
+        channels last, or the batch folded with the channels, ``h.reshape(n * c, 1, d, hh, w)``)."""
+        with suppress(NotLocal):  # not (the batch mixed with other dims): read whole, gathered in space
+            return len(out_shape) == 5 and close("", steps, start, tuple(out_shape)).fits(self.grid_split)
+        return False
 
     # --------------------------------------------------------- on the volume: the plan
     def _run_replicated(self, func, args, kwargs) -> Any:

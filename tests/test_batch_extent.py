@@ -84,6 +84,15 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return h - h.view(4, -1).mean(1).view(-1, 1, 1, 1, 1)
     if what == "rows of each sample by -1":
         return torch.softmax(h.reshape(-1, 2 * 8 * 6 * 6), -1).reshape(h.shape)
+    if what == "a sample's voxels":  # a sample picked for its shape: every part's is one process's
+        return h * (h[0].numel() / 1000) + h[-1, 0].shape[-1]
+    if what == "a sample's values":
+        return h * h[0].mean()
+    if what == "a sample through a layer":
+        return h + m.c1(h[-1:]).mean()
+    if what == "a sample's shape, then its values":
+        first = h[0]
+        return h * first.numel() + first.amax()
     raise AssertionError(what)
 
 
@@ -95,7 +104,9 @@ REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the b
            "the extent doubled, as a value", "a mean by the number of elements"]
 PLANNED = ["flattened by the batch's extent", "rows of each sample by -1", "zeros beside each sample",
            "a token for each sample", "zeros of the input's shape", "voxels per sample",
-           "a loop over the channels", "a branch on a spatial extent"]
+           "a loop over the channels", "a branch on a spatial extent", "a sample's voxels"]
+PICKED = ["a sample's values", "a sample through a layer", "a sample's shape, then its values"]
+"""A sample picked off a batch in parts: its shape alike on every part (planned), its values not."""
 FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
 """A reshape that gives dim 0 the whole batch's number of samples: on a part of 2 its rows are half
 samples, which a softmax or a mean along them reads as no process does (no error: the sizes divide)."""
@@ -185,6 +196,14 @@ def test_control_flow_on_the_batch_extent_is_refused(what, model, split):
     """A part runs another program than one process: the first call that differs is named."""
     _refused_on_parts(what, model, split, r"runs other calls on a part of the batch than on the whole.*on 4 "
                                           r"samples .* at test_batch_extent.py:\d+, on 2 ")
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("what", PICKED)
+def test_a_sample_picked_for_its_values_is_refused(what, model, split):
+    _refused_on_parts(what, model, split, r"(indexing \(picks among the samples\)|__getitem__ \(across the "
+                                          r"samples of the batch).* at test_batch_extent.py:\d+")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

@@ -179,6 +179,28 @@ class ShapeNet(nn.Module):
         return self.conv(h) * scale
 
 
+class SampleShapeNet(nn.Module):
+    """A sample picked for its shape alone (``h[0].numel()``, ``h[-1, 0].shape``): alike on every part of a
+    batch that data parallelism holds in parts, and of the volume's extents on a shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) * (h[0].numel() / 1000) + h[-1, 0].shape[-1] / h[0].dim()
+
+
+class CheckedSampleShapeNet(SampleShapeNet):
+    """The same behind a check of a sample's shape, which torch.fx cannot trace: run by module swapping."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0].shape != (1, *SHAPE[2:]) or len(x[-1]) != 1:
+            raise ValueError(f"one sample is (1, {SHAPE[2:]}), not {tuple(x[0].shape)}")
+        return super().forward(x)
+
+
 class DictNet(nn.Module):
     """A dict with a list inside: two heads of one extent (stay split, one share weighs both)."""
 
@@ -728,6 +750,12 @@ CASES = [
     (4, "isinstance check, data x spatial", "IsInstanceNet", {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (4, "shape reads, 2x2", "ShapeNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "shape reads, data x spatial", "ShapeNet", {"grid": {"data": 2, "spatial": [1, 1, 2]}}),
+    (4, "a sample's shape read, data x spatial", "SampleShapeNet",
+     {"grid": {"data": 2, "spatial": [2, 1, 1]}}),
+    (4, "a sample's shape checked, data x spatial", "CheckedSampleShapeNet",
+     {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
+    (2, "a sample's shape checked, micro-batches", "CheckedSampleShapeNet",
+     {"grid": {"spatial": [2, 1, 1]}, "pipeline": {"microbatches": 2}}),
     (4, "dict of outputs, 2x2", "DictNet", {"grid": {"spatial": [2, 2, 1]}}),
     (4, "dict of outputs, pipe x spatial", "DictNet",
      {"grid": {"pipe": 2, "spatial": [1, 2, 1]},

@@ -42,6 +42,7 @@ class BackwardCalls:
     split: WeakIdKeyDictionary
     chains: WeakIdKeyDictionary
     batched: WeakIdKeyDictionary
+    picked: WeakIdKeyDictionary  # samples picked off a batch in parts (planner/picked_samples.py)
     batch_apart: bool
     judging: bool  # a registered layer's forward, judged only for its calls across the samples
 
@@ -50,7 +51,7 @@ class BackwardCalls:
         return applied.watching(self._applied)
 
     def _carries(self, t: torch.Tensor) -> bool:
-        return t in self.split or t in self.chains or t in self.batched
+        return t in self.split or t in self.chains or t in self.batched or t in self.picked
 
     def _applied(self, cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
         """``cls.apply(*args, **kwargs)`` seen from the forward: on split activations, met as any call

@@ -34,6 +34,7 @@ class LayerHooks:
     _versions: list[tuple[torch.Tensor, int]]
     original: Callable[[nn.Module], nn.Module]
     needs_whole: Callable[[nn.Module, torch.Tensor], bool]
+    use: Callable[[Any, list[torch.Tensor]], None]
 
     def hook(self, modules: Iterable[nn.Module],
              on_leave: Callable[[nn.Module, tuple, object], None] | None = None) -> list:
@@ -84,6 +85,7 @@ class LayerHooks:
         the samples of a batch held in parts (a GRU reading them as its sequence) is refused, as a call
         would be (:func:`hybridpar.nn.samples.module_across`)."""
         self.unsafe += self.copies.layer_reads(type(m).__name__, inputs, getattr(m, "inplace", False))
+        self.use(None, inputs)  # a sample picked off a batch in parts, its values read by the layer
         x = inputs[0] if inputs else None
         if x is not None and self.batch_apart and (x in self.batched or x in self.split) and (
                 why := samples.module_across(m, x)

@@ -30,6 +30,7 @@ from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.elementwise import broadcast_extents
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
+from hybridpar.planner.picked_samples import PickedSamples
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 from hybridpar.user_lines import caller
@@ -37,7 +38,7 @@ from hybridpar.user_lines import caller
 Extents = tuple[int, ...]
 
 
-class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
+class LayoutWatch(LayerHooks, BackwardCalls, PickedSamples, TorchFunctionMode):
     """Follows, through a forward run by module swapping, which tensors are split activations (the
     input, a split layer's output, what the calls of :mod:`hybridpar.planner.calls` make of them) and
     their global extents, and meets every torch function the forward calls outside its layers as
@@ -72,6 +73,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         self.roots = WeakIdKeyDictionary()  # a reshape chain -> the split activation it starts from
         self.copies, self.sound = Copies(), SoundValues()  # sound: constants of a run without NaN or inf
         self._versions: list[tuple[torch.Tensor, int]] = []  # the layer running: its inputs' versions
+        self.reset_picks()
 
     def __enter__(self) -> LayoutWatch:
         self._offers.append(self.applications())  # a Function of the user's: BackwardCalls._applied
@@ -177,6 +179,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             written = kwargs["out"]
         self.unsafe += self.copies.before(name, tensors, written, args[2] if len(args) > 2 else None)
         chained = [t for t in tensors if t in self.chains]  # read whole, gathered (unless a step)
+        self.use(func, tensors)
         if (known := self.sound.read(func, args)) is not UNKNOWN:  # a check of finiteness, planned
             return known
         out = self._dispatch(func, args, kwargs, tensors)
@@ -185,13 +188,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out._is_view():
             self._views_made(out, tensors, chained)
         self.carry(calls.carriers_of(func, tensors), out)
-        if self.batch_apart:  # the batch's extent: followed from where it is read, refused as a value
-            held = bool(tensors) and (tensors[0] in self.batched or tensors[0] in self.split)
-            out, why = batch_extent.followed(name, args, kwargs, out, held)
-            self.unsafe += [f"{why} at {caller()}"] if why else []
-            if isinstance(out, torch.Tensor) and batch_extent.sizes_batch(name, args, kwargs, part_kind):
-                self.batched[out] = True  # torch.ones(n): each part's own samples along dim 0
-        return out
+        return self.batch_read(name, args, kwargs, tensors, out) if self.batch_apart else out
 
     def _views_made(self, out: torch.Tensor, tensors: list, chained: list[torch.Tensor]) -> None:
         """A view a run makes of another tensor than one process: of a reshape read whole (gathered), of a
@@ -238,7 +235,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
             carriers = [t for t in tensors if t in self.batched] if self.batch_apart and not split else []
             if carriers and not self.sound.known(carriers) and (
                     why := per_sample.across(func, args, kwargs, carriers, out, self.batch)):
-                self.unsafe.append(f"{why}, on values per sample of a batch in parts, at {caller()}")
+                self.refuse_or_hold(func, args, out, f"{why}, on values per sample of a batch in parts, at "
+                                    f"{caller()}")
             elif self.batch_apart and isinstance(out, torch.Tensor) and per_sample.draws_per_sample(
                     calls.name_of(func), tuple(out.shape), self.batch,
                     batch_extent.sizes_batch(calls.name_of(func), args, kwargs, part_kind)):
@@ -270,13 +268,11 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                             f"configuration or on shapes (they answer the volume's extents)")
         if kind.kind == "step":
             return self._step(func, args, kwargs, split[0])
-        batch = split[0].dim() in (4, 5)  # dim 0 is the batch (N, C, D, H, W, or a channel reduced)
-        across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims
-        if across and batch and self.batch_apart and not self.sound.known(split):
-            what = "over" if calls.name_of(func).strip("_") in calls.REDUCTIONS else "across the samples of"
-            self.unsafe.append(f"{calls.name_of(func)} ({what} the batch, which data parallelism or "
-                               f"micro-batches hold apart: work on each sample, e.g. reduce over "
-                               f"dim=(1, 2, 3, 4)) at {caller()}")
+        across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims and self.batch_apart \
+            and split[0].dim() in (4, 5) and not self.sound.known(split)  # dim 0 the batch: N, (C,) D, H, W
+        why = across and f"{per_sample.along_batch(func)} at {caller()}"
+        if across and not self.picks(func, args):
+            self.unsafe.append(why)
             return func(*args, **kwargs)
         if len(extents := {self.split[t] for t in split}) > 1 and kind.kind != "whole":
             wide = broadcast_extents(list(extents), self.grid_split) if kind.kind == "pointwise" else None
@@ -286,6 +282,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, TorchFunctionMode):
                 return func(*args, **kwargs)
             split = [t for t in split if self.split[t] == wide]  # the output's extents: the widest
         out = getattr(self, f"_run_{kind.kind}")(func, args, kwargs, kind, split[0])
+        if across:  # a pick of one sample: held back
+            self.refuse_or_hold(func, args, out, why)
         if kind.kind == "module" and calls.name_of(func) == "__getitem__" and isinstance(out, torch.Tensor):
             self.copies.take(out, f"a box of slices at {caller()}", args[0])
         return out

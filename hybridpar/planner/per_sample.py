@@ -228,6 +228,14 @@ def samples_to(name: str, args: tuple, kwargs: dict, nd: int, at: int, out_nd: i
     return f"{name} (not known to keep the samples apart)"
 
 
+def along_batch(func: Any) -> str:
+    """Why ``func`` on a split volume, along its dim 0, is refused where the batch is held in parts."""
+    name = calls.name_of(func)
+    what = "over" if name.strip("_") in calls.REDUCTIONS else "across the samples of"
+    return (f"{name} ({what} the batch, which data parallelism or micro-batches hold apart: work on each "
+            f"sample, e.g. reduce over dim=(1, 2, 3, 4))")
+
+
 def across(func: Any, args: tuple, kwargs: dict, carriers: list[torch.Tensor], out: Any,
            samples: int | None = None) -> str | None:
     """What ``func(*args, **kwargs)`` (which gave ``out``) does across the samples of ``carriers``, its

@@ -19,6 +19,7 @@ from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
 from hybridpar.planner.elementwise import elementwise
 from hybridpar.planner.graph import INPUT, OUTPUT, Node
+from hybridpar.planner.picked_samples import picks, read_for_shape
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.spec_view import RuleView, SpecView
 from hybridpar.planner.swapped import nested_block, nested_output_split
@@ -169,8 +170,8 @@ class Walk:
         else:
             self._refuse_call_across(node, name, args, kwargs, nd, held, out_shape, batch)
         # a layer or call that keeps the rows of a fold apart gives rows again, judged as samples after it
-        if carried and len(out_shape) >= 1 and isinstance(out_shape[0], int) and \
-                out_shape[0] != batch and out_shape[0] % batch == 0:
+        if carried and node.name in self.derived and len(out_shape) >= 1 and isinstance(out_shape[0], int) \
+                and out_shape[0] != batch and out_shape[0] % batch == 0:
             self.folded.add(node.name)
 
     def _refuse_call_across(self, node: Node, name: str, args: tuple, kwargs: dict, nd: int, held: bool,
@@ -237,6 +238,8 @@ class Walk:
         carriers = self._carriers(node, batch)
         if not carriers:
             return None
+        if picks(node.target, node.fx_node.args) and read_for_shape(node.fx_node):
+            return self.derived.discard(node.name)  # h[0].numel(): a sample picked for its shape holds none
         values = self.a.graph.traced[tuple(self.a.input_shape)]
         if not self.fx_names:
             self.fx_names.update({n.fx_node: n.name for n in self.a.graph.nodes})
@@ -308,8 +311,7 @@ class Walk:
         return next((s for s in layouts if s != REPLICATED), REPLICATED)
 
     def _chain(self, node: Node) -> Split | None:
-        """The split of the reshape chain between channels and space that ``node`` is part of (decided at
-        its first node), or None: not in one, or one that runs as any dense node."""
+        """The split of the reshape chain (channels to space) ``node`` is in, decided at its first node."""
         space_map = self.a.space_maps.get(node.name)
         if space_map is None:
             return None
@@ -385,8 +387,7 @@ class Walk:
         return split
 
     def _nest(self, node: Node, in_shape: tuple[int, ...], split: Split) -> None:
-        """Check a user's module run split by its own forward, each layer in it on its own extents;
-        note it where its output is replicated."""
+        """Check a user's module run split by its own forward; note it where its output is replicated."""
         if not _check_nested(node, in_shape, split, self.micro):
             self.whole_out.add(node.name)
 

@@ -255,6 +255,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
     try:
         with watch:
             outs, spec = tree_flatten(meta_call(model, state, x))
+        watch.kept_picks(outs)
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and t in watch.split else None for t in outs]
         whole = leave_whole(shapes)
         out_split = (outs, [s is not None and not whole for s in shapes], spec)

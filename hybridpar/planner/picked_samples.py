@@ -1,0 +1,103 @@
+"""A sample picked off a batch held in parts, read only for its shape: ``h[0].numel()``, ``x[0].shape``,
+``assert h[0, 0].size(-1) == 8``.
+
+Why: picking a sample is across the samples where data parallelism or micro-batches hold the batch in
+parts (each part's first sample is another one). Its shape is every sample's, though, the same on every
+part, so a forward that reads nothing else of it (a per-sample element count, a check on the volume's
+shape) runs as one process runs it. :class:`~hybridpar.planner.layout_watch.LayoutWatch` therefore holds
+such a pick back instead of refusing it, and refuses it, naming the line where it was picked, once its
+values are used (by a torch call other than a read of its shape or attributes, a layer, an
+autograd.Function) or where it outlives the forward (returned, kept in an attribute). Only a pick that
+every part can make is held back: ``h[0]`` or ``h[-1]`` (``h[1]`` fails on a part of one sample).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hybridpar.planner import batch_extent, calls
+from hybridpar.planner.batch_extent import part_kind
+from hybridpar.user_lines import caller
+
+
+def picks(func: Any, args: tuple) -> bool:
+    """Whether ``func(*args)`` (a call, or a traced graph's node) picks one sample that every part
+    holds: ``h[0]``, ``h[-1, :, 2]``."""
+    if calls.name_of(func).strip("_") != "getitem" or len(args) < 2:
+        return False
+    first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+    return type(first) is int and first in (0, -1)  # a literal: not an extent read off the batch
+
+
+def read_for_shape(node: torch.fx.Node) -> bool:
+    """Whether a traced graph's pick ``node`` (:func:`picks`) is read for nothing but its shape and
+    attributes by the nodes that read it (``h[0].numel()``, ``h[0].shape``), none of them the output."""
+    def shape_only(user: torch.fx.Node) -> bool:
+        if user.op == "call_method":
+            return user.target in calls.SHAPE_READS or user.target in calls.SAFE
+        return user.op == "call_function" and calls.name_of(user.target) == "getattr" and (
+            user.args[1] == "shape" or user.args[1] in calls.SAFE)
+    return bool(node.users) and all(shape_only(u) for u in node.users)
+
+
+class PickedSamples:
+    """The picks side of a watch; the watch gives ``unsafe``, ``batched``, ``split`` and ``batch_apart``,
+    and calls :meth:`reset_picks` as it starts a forward."""
+
+    unsafe: list[str]
+    batched: WeakIdKeyDictionary
+    split: WeakIdKeyDictionary
+    batch_apart: bool
+
+    def reset_picks(self) -> None:
+        self.picked = WeakIdKeyDictionary()  # a sample picked -> why it is refused if its values are used
+
+    @staticmethod
+    def picks(func: Any, args: tuple) -> bool:
+        """Whether ``func(*args)`` picks one sample that every part holds: ``h[0]``, ``h[-1, :, 2]``."""
+        return picks(func, args)
+
+    def refuse_or_hold(self, func: Any, args: tuple, out: Any, why: str) -> None:
+        """Refuse a call across the samples (``why``), or hold back a pick of one (:meth:`picks`)."""
+        if not self.picks(func, args):
+            self.unsafe.append(why)
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.picked[t] = why
+
+    def use(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """Refuse the picks among ``tensors`` that ``func`` (a call, or a layer: None) reads the values of."""
+        if not self.picked or func is not None and (
+                calls.reads_shape(func) or calls.name_of(func) in calls.SAFE):
+            return
+        self.unsafe += list(dict.fromkeys(self.picked[t] for t in tensors if t in self.picked))
+
+    def batch_read(self, name: str, args: tuple, kwargs: dict, tensors: list[torch.Tensor], out: Any) -> Any:
+        """Where the batch runs in parts, a call's result seen through its extent (read off a tensor
+        holding the batch, :func:`batch_extent.followed`; refused as a value); a pick holds no batch."""
+        for t in tree_leaves(out) if self.picked else ():
+            if isinstance(t, torch.Tensor) and t in self.picked:
+                self.batched.pop(t, None)
+        first = tensors[0] if tensors else None
+        held = first is not None and first not in self.picked and (
+            first in self.batched or first in self.split)
+        out, why = batch_extent.followed(name, args, kwargs, out, held)
+        self.unsafe += [f"{why} at {caller()}"] if why else []
+        if isinstance(out, torch.Tensor) and batch_extent.sizes_batch(name, args, kwargs, part_kind):
+            self.batched[out] = True  # torch.ones(n): each part's own samples along dim 0
+        return out
+
+    def kept_picks(self, outs: list[Any]) -> None:
+        """Refuse the picks that outlive the forward: returned (``outs``), or held by anything else (an
+        attribute of the model) once the forward's own references are gone."""
+        self.use(None, [t for t in outs if isinstance(t, torch.Tensor)])
+        if self.picked:
+            gc.collect()  # a pick in a cycle of the forward's locals is not kept
+            self.use(None, list(self.picked.keys()))

@@ -639,7 +639,8 @@ class Gathered(nn.Module):
     """Calls that cannot run on shards, run on the volume gathered onto every rank and taken back to
     each shard's box: test-time augmentation (a layer between two flips), a cumulative sum and a mean
     along D alone, a roll, planes picked by ``unbind``, ``cat`` along a split dim, an einsum over the
-    volume, writes in place from another box and through a mask (back into each shard)."""
+    volume, writes in place from another box and through a mask (back into each shard), a view of a
+    cumulative sum (one process's result is contiguous)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -651,6 +652,8 @@ class Gathered(nn.Module):
         h = torch.tanh(self.conv(x))
         if h.shape[2] > 1:  # untraceable
             h = 0.5 * (h + self.mid(h.flip(2)).flip(2)) + torch.cumsum(h, dim=2) / h.shape[2]
+            g = torch.cumsum(h, dim=3)  # contiguous in one process: viewed (a shard's box taken is not)
+            h = h + g.view(g.shape[0], g.shape[1], -1).softmax(-1).view_as(h)
             h = h - h.mean(dim=2, keepdim=True) + torch.roll(h, 2, dims=3)
             planes = h.unbind(2)
             h = h * (planes[1] * planes[-1]).mean(dim=(1, 2, 3))[:, None, None, None, None] + torch.cat(

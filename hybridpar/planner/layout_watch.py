@@ -355,9 +355,11 @@ class LayoutWatch(LayerHooks, BackwardCalls, PickedSamples, TorchFunctionMode):
             if e is None or e not in extents:
                 return t
             fitted = self._fit(t, e)
-            self.mark(fitted, e)
             if id(t) in views:
                 self.copies.take(fitted, "a view of a gathered volume", None)
+            elif not fitted.is_contiguous() and t.is_contiguous():  # one process's is, as a view of it
+                fitted = fitted.contiguous()  # needs (h.view(n, -1)); a box of the volume is not
+            self.mark(fitted, e)
             return fitted
         return tree_map(one, out)
 

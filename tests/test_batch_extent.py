@@ -76,6 +76,10 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return a if x.shape[0] > 2 else b
     if what == "ones along the batch, summed":  # the part's extent again, as a value
         return h / torch.ones(x.shape[0], dtype=h.dtype).sum()
+    if what == "ones along an int of the extent, summed":  # int() drops the tag: batch_flow sees the size
+        return h / torch.ones(int(x.shape[0]), dtype=h.dtype).sum()
+    if what == "a fill along an int of the extent, softmaxed":
+        return h * torch.full((int(x.size(0)), 1), 2.0, dtype=h.dtype).softmax(0).view(-1, 1, 1, 1, 1)
     if what == "ones along the batch, scanned":  # each sample's place in its part
         return h * torch.ones(x.shape[0], 1, dtype=h.dtype).cumsum(0).view(-1, 1, 1, 1, 1)
     if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
@@ -113,7 +117,8 @@ samples, which a softmax or a mean along them reads as no process does (no error
 FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a branch on the batch's extent", "a number chosen by the batch's extent",
         "the extent through int and min", "the extent through math", "a layer chosen by the batch's extent",
-        "a value chosen by the batch's extent"]
+        "a value chosen by the batch's extent", "ones along an int of the extent, summed",
+        "a fill along an int of the extent, softmaxed"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""

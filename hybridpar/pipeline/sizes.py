@@ -36,12 +36,12 @@ from hybridpar.geometry import shard_range
 from hybridpar.grid import ProcessGrid
 from hybridpar.planner import ParallelSpec
 from hybridpar.planner.analysis import KEPT_WHOLE, kept_whole
-from hybridpar.planner.batch_flow import refuse_batch_flow
 from hybridpar.planner.calls import module_key
 from hybridpar.planner.config import REPLICATE, LayerRule
 from hybridpar.planner.graph import shape_made_stand_ins, trace
 from hybridpar.planner.plan import build_plan
 from hybridpar.planner.records import LayerPlan
+from hybridpar.planner.swapped import refuse_parts
 from hybridpar.planner.terms import SpecError
 
 
@@ -142,7 +142,7 @@ class SizePlans:
         with self.in_mode(training):
             for part in parts:
                 try:
-                    refuse_batch_flow(self.model, (batch, *size), part, False)
+                    refuse_parts(self.model, (batch, *size), self.spec.grid.spatial, part)
                 except SpecError as err:
                     raise ValueError(f"{caller} on a batch of {batch} in parts of {part}: "
                                      f"{str(err).strip().splitlines()[0]}") from None

@@ -42,7 +42,7 @@ class BackwardCalls:
     split: WeakIdKeyDictionary
     chains: WeakIdKeyDictionary
     batched: WeakIdKeyDictionary
-    picked: WeakIdKeyDictionary  # samples picked off a batch in parts (planner/picked_samples.py)
+    picked: WeakIdKeyDictionary  # samples picked off a batch in parts (planner/batch_reads.py)
     batch_apart: bool
     judging: bool  # a registered layer's forward, judged only for its calls across the samples
 

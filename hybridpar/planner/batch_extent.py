@@ -22,6 +22,8 @@ SIZED_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn")
 """Factories whose leading arguments are a shape (``full``: then its fill value)."""
 SIZE_AT = {"new_full": 1, "full": 0, "affine_grid": 1}
 """Calls given a shape as one argument, at this place (``F.affine_grid(theta, list(h.shape))``)."""
+SIZED = SIZED_METHODS + SIZED_FACTORIES + tuple(SIZE_AT)
+"""Calls that may give dim 0 the batch's extent (:func:`sizes_batch`)."""
 READS = ("shape", "size", "__len__", "numel", "nelement")
 """Reads of a tensor's extents: the batch's is dim 0's, or a factor of its number of elements."""
 
@@ -142,7 +144,7 @@ def sizes_batch(name: str, args: tuple, kwargs: dict, kind: Callable[[Any], str 
     """Whether a sized call gives dim 0 the batch's extent (``torch.ones(n)``, ``t.expand(n, -1)``): its
     result holds a part's samples along dim 0, so that what sums or scans along it is judged as a
     call across the samples (``torch.ones(n).sum()`` is the part's extent again)."""
-    if name not in SIZED_METHODS + SIZED_FACTORIES + tuple(SIZE_AT):
+    if name not in SIZED:
         return False
     sizes = sizes_of(name, args, kwargs)
     return bool(sizes) and (kind(sizes[0]) == "extent" or kind(sizes[0]) == "shape" and len(sizes) == 1)

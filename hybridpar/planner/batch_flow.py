@@ -18,7 +18,7 @@ process sizes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ def _sized_alike(name: str, whole: Any, part: Any, sizes: tuple[int, int]) -> bo
     """Whether a call's arguments on the whole batch (``whole``) and on a part differ only in the size
     they give the batch's dim, in proportion to ``sizes`` (the whole batch's, the part's): ``h.view(n,
     -1)``, or a fold of other dims into it, ``h.reshape(n * d, c, hh, w)``."""
-    if name not in batch_extent.SIZED_METHODS + batch_extent.SIZED_FACTORIES + tuple(batch_extent.SIZE_AT):
+    if name not in batch_extent.SIZED:
         return False
     leads = tuple((batch_extent.sizes_of(name, *run) or [None])[0] for run in (whole, part))
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in leads) or \
@@ -107,9 +107,13 @@ def _sized_alike(name: str, whole: Any, part: Any, sizes: tuple[int, int]) -> bo
     return len(a) == len(b) and [(x, y) for x, y in zip(a, b) if x != y] == [leads]
 
 
-def _differs(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tuple[int, int]) -> bool:
-    return whole[:2] != part[:2] or (
-        whole[2] != part[2] and not _sized_alike(whole[0], whole[2], part[2], sizes))
+def _differs(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tuple[int, int],
+             followed: Collection[tuple[str, str]]) -> bool:
+    """Whether two runs' calls differ: another call, or other arguments than a size the batch's extent
+    gave dim 0 as a watch followed it (``followed``: (name, line); a size made of it by Python,
+    ``torch.ones(int(n))``, gives a tensor along the part's samples that no call after it is judged on)."""
+    return whole[:2] != part[:2] or whole[2] != part[2] and not (
+        whole[:2] in followed and _sized_alike(whole[0], whole[2], part[2], sizes))
 
 
 def _said(call: tuple[str, str, Any] | None) -> str:
@@ -119,9 +123,11 @@ def _said(call: tuple[str, str, Any] | None) -> str:
     return f"{call[0]}" + (f"({', '.join(map(repr, numbers))})" if numbers else "") + f" at {call[1]}"
 
 
-def refuse_batch_flow(model: nn.Module, input_shape: Sequence[int], part: int, nested: bool) -> None:
+def refuse_batch_flow(model: nn.Module, input_shape: Sequence[int], part: int, nested: bool,
+                      followed: Collection[tuple[str, str]]) -> None:
     """Refuse ``model``'s forward where it calls other functions on a part's ``part`` samples than on
-    the batch of ``input_shape`` (``nested``: a block of a traced graph, its input a layer's output)."""
+    the batch of ``input_shape`` (``nested``: a block of a traced graph, its input a layer's output;
+    ``followed``: the sized calls given the batch's extent, :meth:`BatchReads.followed`)."""
     try:
         whole = _calls(model, input_shape, nested)
         parts = _calls(model, (part, *input_shape[1:]), nested)
@@ -131,7 +137,7 @@ def refuse_batch_flow(model: nn.Module, input_shape: Sequence[int], part: int, n
                         f"{part} of {input_shape[0]} samples, as data parallelism or micro-batches run it "
                         f"(at {line_of(err)}: {why})") from None
     sizes = (input_shape[0], part)
-    k = next((i for i, (a, b) in enumerate(zip(whole, parts)) if _differs(a, b, sizes)),
+    k = next((i for i, (a, b) in enumerate(zip(whole, parts)) if _differs(a, b, sizes, followed)),
              min(len(whole), len(parts)))
     if k == len(whole) == len(parts):
         return

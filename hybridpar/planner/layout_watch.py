@@ -26,11 +26,11 @@ from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.batch_extent import part_kind
+from hybridpar.planner.batch_reads import BatchReads
 from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.elementwise import broadcast_extents
 from hybridpar.planner.fills import FILLS, born_split
 from hybridpar.planner.layer_hooks import LayerHooks
-from hybridpar.planner.picked_samples import PickedSamples
 from hybridpar.planner.space_maps import STEPS, NotLocal, close, on_shards, source_dims, step
 from hybridpar.planner.terms import SpecError, Split
 from hybridpar.user_lines import caller
@@ -38,7 +38,7 @@ from hybridpar.user_lines import caller
 Extents = tuple[int, ...]
 
 
-class LayoutWatch(LayerHooks, BackwardCalls, PickedSamples, TorchFunctionMode):
+class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
     """Follows, through a forward run by module swapping, which tensors are split activations (the
     input, a split layer's output, what the calls of :mod:`hybridpar.planner.calls` make of them) and
     their global extents, and meets every torch function the forward calls outside its layers as

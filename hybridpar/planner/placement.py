@@ -17,9 +17,9 @@ import torch
 from hybridpar.nn import registry, samples
 from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import REPLICATED, Analysis, TooSmallToSplit
+from hybridpar.planner.batch_reads import picks, read_for_shape
 from hybridpar.planner.elementwise import elementwise
 from hybridpar.planner.graph import INPUT, OUTPUT, Node
-from hybridpar.planner.picked_samples import picks, read_for_shape
 from hybridpar.planner.space_maps import SpaceMap
 from hybridpar.planner.spec_view import RuleView, SpecView
 from hybridpar.planner.swapped import nested_block, nested_output_split

@@ -110,6 +110,12 @@ def calls_met(model: nn.Module, input_shape: Sequence[int], split: Split, micro:
     return [f"{what} at {line}" + (f" (x{n})" if n > 1 else "") for (what, line), n in watch.met.items()]
 
 
+def refuse_parts(model: nn.Module, input_shape: Sequence[int], split: Split, part: int) -> None:
+    """Refuse a forward whose parts of ``part`` samples of a batch of ``input_shape`` compute otherwise
+    than the whole batch (the :class:`SpecError` of :func:`swapped_plan` on them, batch flow included)."""
+    _follow(model, input_shape, split, part)
+
+
 def nested_output_split(block: nn.Module, input_shape: Sequence[int], split: Split, micro: int) -> bool:
     """Check that ``block``, a node of a traced graph run by module swapping on a split input of global
     ``input_shape``, runs split (the :class:`SpecError` of :func:`swapped_plan` if not), and say whether
@@ -275,7 +281,7 @@ def _follow_once(model: nn.Module, input_shape: Sequence[int], split: Split, mic
     if watch.unsafe:
         raise unsafe_error(model, watch)
     if watch.batch_apart:  # a part runs the forward on its samples: the same calls as on the whole?
-        refuse_batch_flow(model, input_shape, micro, nested)
+        refuse_batch_flow(model, input_shape, micro, nested, watch.followed())
     if watch.gathered and (not dist.is_initialized() or dist.get_rank() == 0):  # said once per job
         calls_ = ", ".join(dict.fromkeys(watch.gathered))
         warnings.warn(f"hybridpar: model ({type(model).__name__}), run by module swapping, calls {calls_} on "

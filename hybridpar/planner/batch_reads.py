@@ -1,14 +1,20 @@
-"""A sample picked off a batch held in parts, read only for its shape: ``h[0].numel()``, ``x[0].shape``,
-``assert h[0, 0].size(-1) == 8``.
+"""Reads off a batch that data parallelism or micro-batches hold in parts, in a forward run by module
+swapping: its extent, and a sample picked for its shape alone.
 
-Why: picking a sample is across the samples where data parallelism or micro-batches hold the batch in
-parts (each part's first sample is another one). Its shape is every sample's, though, the same on every
-part, so a forward that reads nothing else of it (a per-sample element count, a check on the volume's
-shape) runs as one process runs it. :class:`~hybridpar.planner.layout_watch.LayoutWatch` therefore holds
-such a pick back instead of refusing it, and refuses it, naming the line where it was picked, once its
-values are used (by a torch call other than a read of its shape or attributes, a layer, an
-autograd.Function) or where it outlives the forward (returned, kept in an attribute). Only a pick that
-every part can make is held back: ``h[0]`` or ``h[-1]`` (``h[1]`` fails on a part of one sample).
+Why: each part runs the forward on its own samples. Its extent (``x.shape[0]``) is the part's, which
+sizes a tensor along the batch as one process does, followed as a :class:`~hybridpar.planner.batch_extent.
+PartBatch` (a value made of it is refused); the sized calls whose batch it gave are noted, so that
+:mod:`hybridpar.planner.batch_flow`, which compares the calls of a part with the whole batch's, takes a
+size that differs in proportion for the batch's only there (``torch.ones(int(x.shape[0]))``, an extent
+the tag no longer follows, gives each part a tensor whose sum is the part's extent: refused). Picking a
+sample is across the samples (each part's first is another one), but its shape is every sample's, the
+same on every part, so a forward that reads nothing else of it (a per-sample element count,
+``h[0].numel()``, a check of the volume's shape, ``x[0].shape``) runs as one process runs it.
+:class:`~hybridpar.planner.layout_watch.LayoutWatch` therefore holds such a pick back instead of refusing
+it, and refuses it, naming the line where it was picked, once its values are used (by a torch call other
+than a read of its shape or attributes, a layer, an autograd.Function) or where it outlives the forward
+(returned, kept in an attribute). Only a pick that every part can make is held back: ``h[0]`` or
+``h[-1]`` (``h[1]`` fails on a part of one sample).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def read_for_shape(node: torch.fx.Node) -> bool:
     return bool(node.users) and all(shape_only(u) for u in node.users)
 
 
-class PickedSamples:
+class BatchReads:
     """The picks side of a watch; the watch gives ``unsafe``, ``batched``, ``split`` and ``batch_apart``,
     and calls :meth:`reset_picks` as it starts a forward."""
 
@@ -57,6 +63,11 @@ class PickedSamples:
 
     def reset_picks(self) -> None:
         self.picked = WeakIdKeyDictionary()  # a sample picked -> why it is refused if its values are used
+        self.sized: dict[tuple[str, str], bool] = {}  # a sized call (name, line) -> its batch followed
+
+    def followed(self) -> set[tuple[str, str]]:
+        """The sized calls (name, line) that gave dim 0 the batch's extent as followed, every time."""
+        return {call for call, tagged in self.sized.items() if tagged}
 
     @staticmethod
     def picks(func: Any, args: tuple) -> bool:
@@ -90,8 +101,15 @@ class PickedSamples:
             first in self.batched or first in self.split)
         out, why = batch_extent.followed(name, args, kwargs, out, held)
         self.unsafe += [f"{why} at {caller()}"] if why else []
-        if isinstance(out, torch.Tensor) and batch_extent.sizes_batch(name, args, kwargs, part_kind):
+        if name not in batch_extent.SIZED:
+            return out
+        tagged = isinstance(out, torch.Tensor) and batch_extent.sizes_batch(name, args, kwargs, part_kind)
+        if tagged:
             self.batched[out] = True  # torch.ones(n): each part's own samples along dim 0
+        lead = (batch_extent.sizes_of(name, args, kwargs) or [None])[0]
+        if isinstance(lead, int) and lead != -1 or tagged:  # a size the batch's extent may have given
+            call = (name, caller())
+            self.sized[call] = tagged and self.sized.get(call, True)
         return out
 
     def kept_picks(self, outs: list[Any]) -> None:

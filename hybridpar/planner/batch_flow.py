@@ -93,27 +93,29 @@ def _leaves(value: Any) -> list[Any]:
     return [leaf for v in value for leaf in _leaves(v)] if isinstance(value, tuple) else [value]
 
 
-def _sized_alike(name: str, whole: Any, part: Any, sizes: tuple[int, int]) -> bool:
+def _sized_alike(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tuple[int, int],
+                 followed: Collection[tuple[str, str, int]]) -> bool:
     """Whether a call's arguments on the whole batch (``whole``) and on a part differ only in the size
     they give the batch's dim, in proportion to ``sizes`` (the whole batch's, the part's): ``h.view(n,
-    -1)``, or a fold of other dims into it, ``h.reshape(n * d, c, hh, w)``."""
+    -1)``, or a fold of other dims into it, ``h.reshape(n * d, c, hh, w)``; and that size the batch's
+    extent as a watch followed it (``followed``: name, line and size on the whole batch). A size Python
+    made of it (``torch.ones(int(n))``) gives a tensor along the part's samples that no call after it is
+    judged on: not alike."""
+    name = whole[0]
     if name not in batch_extent.SIZED:
         return False
-    leads = tuple((batch_extent.sizes_of(name, *run) or [None])[0] for run in (whole, part))
+    leads = tuple((batch_extent.sizes_of(name, *run[2]) or [None])[0] for run in (whole, part))
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in leads) or \
-            leads[0] * sizes[1] != leads[1] * sizes[0]:
+            leads[0] * sizes[1] != leads[1] * sizes[0] or (*whole[:2], leads[0]) not in followed:
         return False
-    a, b = _leaves(whole), _leaves(part)
+    a, b = _leaves(whole[2]), _leaves(part[2])
     return len(a) == len(b) and [(x, y) for x, y in zip(a, b) if x != y] == [leads]
 
 
 def _differs(whole: tuple[str, str, Any], part: tuple[str, str, Any], sizes: tuple[int, int],
-             followed: Collection[tuple[str, str]]) -> bool:
-    """Whether two runs' calls differ: another call, or other arguments than a size the batch's extent
-    gave dim 0 as a watch followed it (``followed``: (name, line); a size made of it by Python,
-    ``torch.ones(int(n))``, gives a tensor along the part's samples that no call after it is judged on)."""
-    return whole[:2] != part[:2] or whole[2] != part[2] and not (
-        whole[:2] in followed and _sized_alike(whole[0], whole[2], part[2], sizes))
+             followed: Collection[tuple[str, str, int]]) -> bool:
+    """Whether two runs' calls differ: another call, or other arguments (:func:`_sized_alike` excepted)."""
+    return whole[:2] != part[:2] or whole[2] != part[2] and not _sized_alike(whole, part, sizes, followed)
 
 
 def _said(call: tuple[str, str, Any] | None) -> str:
@@ -124,7 +126,7 @@ def _said(call: tuple[str, str, Any] | None) -> str:
 
 
 def refuse_batch_flow(model: nn.Module, input_shape: Sequence[int], part: int, nested: bool,
-                      followed: Collection[tuple[str, str]]) -> None:
+                      followed: Collection[tuple[str, str, int]]) -> None:
     """Refuse ``model``'s forward where it calls other functions on a part's ``part`` samples than on
     the batch of ``input_shape`` (``nested``: a block of a traced graph, its input a layer's output;
     ``followed``: the sized calls given the batch's extent, :meth:`BatchReads.followed`)."""

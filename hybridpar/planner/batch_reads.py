@@ -53,30 +53,26 @@ def read_for_shape(node: torch.fx.Node) -> bool:
 
 
 class BatchReads:
-    """The picks side of a watch; the watch gives ``unsafe``, ``batched``, ``split`` and ``batch_apart``,
-    and calls :meth:`reset_picks` as it starts a forward."""
+    """The side of a watch that reads off a batch in parts; the watch gives ``unsafe``, ``batched``,
+    ``split`` and ``batch_apart``, and calls :meth:`reset_reads` as it starts a forward."""
 
     unsafe: list[str]
     batched: WeakIdKeyDictionary
     split: WeakIdKeyDictionary
     batch_apart: bool
 
-    def reset_picks(self) -> None:
+    def reset_reads(self) -> None:
         self.picked = WeakIdKeyDictionary()  # a sample picked -> why it is refused if its values are used
-        self.sized: dict[tuple[str, str], bool] = {}  # a sized call (name, line) -> its batch followed
+        # a sized call (name, line, the size it gave dim 0) -> whether that size was the followed extent
+        self.sized: dict[tuple[str, str, int], bool] = {}
 
-    def followed(self) -> set[tuple[str, str]]:
-        """The sized calls (name, line) that gave dim 0 the batch's extent as followed, every time."""
+    def followed(self) -> set[tuple[str, str, int]]:
+        """The sized calls (name, line, size) that gave dim 0 the batch's extent as followed, every time."""
         return {call for call, tagged in self.sized.items() if tagged}
 
-    @staticmethod
-    def picks(func: Any, args: tuple) -> bool:
-        """Whether ``func(*args)`` picks one sample that every part holds: ``h[0]``, ``h[-1, :, 2]``."""
-        return picks(func, args)
-
     def refuse_or_hold(self, func: Any, args: tuple, out: Any, why: str) -> None:
-        """Refuse a call across the samples (``why``), or hold back a pick of one (:meth:`picks`)."""
-        if not self.picks(func, args):
+        """Refuse a call across the samples (``why``), or hold back a pick of one (:func:`picks`)."""
+        if not picks(func, args):
             self.unsafe.append(why)
             return
         for t in tree_leaves(out):
@@ -107,8 +103,8 @@ class BatchReads:
         if tagged:
             self.batched[out] = True  # torch.ones(n): each part's own samples along dim 0
         lead = (batch_extent.sizes_of(name, args, kwargs) or [None])[0]
-        if isinstance(lead, int) and lead != -1 or tagged:  # a size the batch's extent may have given
-            call = (name, caller())
+        if isinstance(lead, int) and lead != -1:  # a size the batch's extent may have given
+            call = (name, caller(), int(lead))
             self.sized[call] = tagged and self.sized.get(call, True)
         return out
 

@@ -26,7 +26,7 @@ from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
 from hybridpar.planner.batch_extent import part_kind
-from hybridpar.planner.batch_reads import BatchReads
+from hybridpar.planner.batch_reads import BatchReads, picks
 from hybridpar.planner.copies import REMADE, Copies
 from hybridpar.planner.elementwise import broadcast_extents
 from hybridpar.planner.fills import FILLS, born_split
@@ -73,7 +73,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
         self.roots = WeakIdKeyDictionary()  # a reshape chain -> the split activation it starts from
         self.copies, self.sound = Copies(), SoundValues()  # sound: constants of a run without NaN or inf
         self._versions: list[tuple[torch.Tensor, int]] = []  # the layer running: its inputs' versions
-        self.reset_picks()
+        self.reset_reads()
 
     def __enter__(self) -> LayoutWatch:
         self._offers.append(self.applications())  # a Function of the user's: BackwardCalls._applied
@@ -271,7 +271,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
         across = kind.kind in ("reduce", "keep", "join", "pieces") and 0 in kind.dims and self.batch_apart \
             and split[0].dim() in (4, 5) and not self.sound.known(split)  # dim 0 the batch: N, (C,) D, H, W
         why = across and f"{per_sample.along_batch(func)} at {caller()}"
-        if across and not self.picks(func, args):
+        if across and not picks(func, args):
             self.unsafe.append(why)
             return func(*args, **kwargs)
         if len(extents := {self.split[t] for t in split}) > 1 and kind.kind != "whole":

@@ -18,9 +18,11 @@ process sizes it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -64,14 +66,17 @@ class _Recorded(OnMeta):
 
 def _plain(value: Any, tag: Callable[[torch.Tensor], Any]) -> Any:
     """What a call was given, containers as tuples (a ``torch.Size`` too), so that two runs' arguments
-    compare by value: numbers, dtypes, slices; a tensor by ``tag`` (a weight's name, the call that made
-    it); any other object by its type's name."""
+    compare by value: numbers, dtypes, slices, NumPy arrays and scalars; a tensor by ``tag`` (a weight's
+    name, the call that made it); any other object by its type's name."""
     if isinstance(value, torch.Tensor):
         return tag(value)
     if isinstance(value, list | tuple):
         return tuple(_plain(v, tag) for v in value)
     if isinstance(value, dict):
         return tuple((k, _plain(v, tag)) for k, v in value.items())
+    if isinstance(value, np.ndarray | np.generic):  # by content: np.arange(n) made of the extent differs
+        return ("ndarray", value.shape, value.dtype.str, hashlib.sha1(np.ascontiguousarray(value).tobytes()
+                                                                      ).hexdigest())
     plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
     return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
 

@@ -11,6 +11,7 @@ runs another program on a part: refused, naming the first call that differs."""
 
 from __future__ import annotations
 
+import array
 import math
 
 import numpy as np
@@ -83,6 +84,10 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return h * torch.full((int(x.size(0)), 1), 2.0, dtype=h.dtype).softmax(0).view(-1, 1, 1, 1, 1)
     if what == "sample places made by NumPy":  # an array: compared by its content, not its type
         return h * torch.as_tensor(np.arange(x.shape[0]), dtype=h.dtype).view(-1, 1, 1, 1, 1)
+    if what == "sample places from a range":
+        return h * torch.tensor(range(x.shape[0]), dtype=h.dtype).view(-1, 1, 1, 1, 1)
+    if what == "ones along the batch from an array":
+        return h / torch.tensor(array.array("d", [1.0] * x.shape[0]), dtype=h.dtype).sum()
     if what == "ones along the batch, scanned":  # each sample's place in its part
         return h * torch.ones(x.shape[0], 1, dtype=h.dtype).cumsum(0).view(-1, 1, 1, 1, 1)
     if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
@@ -121,7 +126,8 @@ FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a branch on the batch's extent", "a number chosen by the batch's extent",
         "the extent through int and min", "the extent through math", "a layer chosen by the batch's extent",
         "a value chosen by the batch's extent", "ones along an int of the extent, summed",
-        "a fill along an int of the extent, softmaxed", "sample places made by NumPy"]
+        "a fill along an int of the extent, softmaxed", "sample places made by NumPy",
+        "sample places from a range", "ones along the batch from an array"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""

@@ -18,6 +18,7 @@ process sizes it.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -66,17 +67,20 @@ class _Recorded(OnMeta):
 
 def _plain(value: Any, tag: Callable[[torch.Tensor], Any]) -> Any:
     """What a call was given, containers as tuples (a ``torch.Size`` too), so that two runs' arguments
-    compare by value: numbers, dtypes, slices, NumPy arrays and scalars; a tensor by ``tag`` (a weight's
-    name, the call that made it); any other object by its type's name."""
+    compare by value: numbers, dtypes, slices, ranges, arrays (NumPy's, Python's, bytes) by content; a
+    tensor by ``tag`` (a weight's name, the call that made it); any other object by its type's name."""
     if isinstance(value, torch.Tensor):
         return tag(value)
     if isinstance(value, list | tuple):
         return tuple(_plain(v, tag) for v in value)
     if isinstance(value, dict):
         return tuple((k, _plain(v, tag)) for k, v in value.items())
-    if isinstance(value, np.ndarray | np.generic):  # by content: np.arange(n) made of the extent differs
-        return ("ndarray", value.shape, value.dtype.str, hashlib.sha1(np.ascontiguousarray(value).tobytes()
-                                                                      ).hexdigest())
+    if isinstance(value, range):  # torch.tensor(range(n))
+        return ("range", value.start, value.stop, value.step)
+    if isinstance(value, np.ndarray | np.generic | array.array | bytes | bytearray | memoryview):
+        a = np.frombuffer(value, np.uint8) if isinstance(value, bytes | bytearray) else np.asarray(value)
+        digest = hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()  # by content: np.arange(n)
+        return (type(value).__name__, a.shape, a.dtype.str, digest)
     plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
     return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
 

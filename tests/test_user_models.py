@@ -421,6 +421,16 @@ class STENet(nn.Module):
         return self.c2(_StraightThrough.apply(self.c1(x)))
 
 
+class WeightSTENet(STENet):
+    """The same Function on a split layer's weight (weights quantised, their gradient passed through),
+    the result given to F.conv3d on the split volume: the weight's gradient is summed over the shards
+    once (each rank's Function given its share)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        return F.conv3d(h, _StraightThrough.apply(self.c2.weight), self.c2.bias, padding=1)
+
+
 class GlobalBackwardNet(nn.Module):
     """A Function whose backward reduces over the volume, then a gradient hook that does too (and one
     that works voxel by voxel): each run on the whole gradient, gathered."""
@@ -785,6 +795,9 @@ CASES = [
     (2, "an augmented assignment seen through a view", "AugAliasNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "an autograd.Function of the user's", "STENet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "an autograd.Function of the user's, 2x2", "STENet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "an autograd.Function on a split layer's weight", "WeightSTENet", {"grid": {"spatial": [2, 1, 1]}}),
+    (4, "an autograd.Function on a split layer's weight, data x spatial", "WeightSTENet",
+     {"grid": {"data": 2, "spatial": [1, 2, 1]}}),
     (2, "a traced interpolate that recomputes its scale", "RecomputeNet", {"grid": {"spatial": [2, 1, 1]}}),
     (2, "a nested block writing its input in place", "NestedInPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "attention over a bottleneck's voxels, data x spatial", "AttentionNet",

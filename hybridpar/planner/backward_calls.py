@@ -17,6 +17,7 @@ the shards. On a split activation that code would see a shard's gradient, and a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class BackwardCalls:
     picked: WeakIdKeyDictionary  # samples picked off a batch in parts (planner/batch_reads.py)
     batch_apart: bool
     judging: bool  # a registered layer's forward, judged only for its calls across the samples
+    _run_replicated: Callable[[Any, tuple, dict], Any]  # a call on whole values (the watch's)
 
     def applications(self) -> Any:
         """The context in which this watch is offered every Function applied on its thread."""
@@ -60,8 +62,8 @@ class BackwardCalls:
         if self.depth or cls.__module__.startswith("torch.") or self.judging:  # in a layer; checkpoint's
             return applied.PASS  # own (calls.py); a registered layer's, its forward's calls followed
         tensors = _tensors(args, kwargs)
-        if not any(self._carries(t) for t in tensors):
-            return applied.PASS
+        if not any(self._carries(t) for t in tensors):  # as any call on whole values: a split layer's
+            return self._run_replicated(apply, args, kwargs)  # weight given to it, each rank's share
         if self.batch_apart:
             self.unsafe.append(f"{cls.__qualname__}.apply (an autograd.Function of the model's own on values "
                                f"that carry the batch, which data parallelism or micro-batches hold apart: "

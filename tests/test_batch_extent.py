@@ -12,11 +12,13 @@ runs another program on a part: refused, naming the first call that differs."""
 from __future__ import annotations
 
 import array
+import fractions
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hybridpar as hp
@@ -88,6 +90,27 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return h * torch.tensor(range(x.shape[0]), dtype=h.dtype).view(-1, 1, 1, 1, 1)
     if what == "ones along the batch from an array":
         return h / torch.tensor(array.array("d", [1.0] * x.shape[0]), dtype=h.dtype).sum()
+    if what == "a fraction of the extent":  # a number of another class, compared by its value
+        return h * h.new_tensor([fractions.Fraction(int(x.shape[0]), 4)])
+    if what == "noise from a generator seeded with the extent":  # compared by the generator's state
+        return h + torch.rand(2, 1, 1, 1, generator=torch.Generator().manual_seed(int(x.shape[0])))
+    if what == "noise after the global generator is seeded with the extent":
+        torch.manual_seed(int(x.shape[0]))
+        return h + torch.rand(2, 1, 1, 1)
+    if what == "noise from a generator seeded with a constant":
+        return h + torch.rand(2, 1, 1, 1, dtype=h.dtype, generator=torch.Generator().manual_seed(4))
+    if what == "a weight's gradient scaled by the extent":  # a hook's closure, compared by what it holds
+        n, w = x.shape[0], m.c1.weight * 1
+        if w.requires_grad:  # (a traced parent's shape run has none)
+            w.register_hook(lambda g: g * n / 4)
+        return F.conv3d(h, w, m.c1.bias)
+    if what == "a weight's gradient scaled by a constant":
+        w = m.c1.weight * 1
+        if w.requires_grad:
+            w.register_hook(lambda g: g * 0.5)
+        return F.conv3d(h, w, m.c1.bias)
+    if what == "a Function given the extent":  # recorded with what it is given
+        return F.conv3d(h, _Scaled.apply(m.c1.weight, float(x.shape[0]) / 4), m.c1.bias)
     if what == "ones along the batch, scanned":  # each sample's place in its part
         return h * torch.ones(x.shape[0], 1, dtype=h.dtype).cumsum(0).view(-1, 1, 1, 1, 1)
     if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
@@ -108,6 +131,19 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
     raise AssertionError(what)
 
 
+class _Scaled(torch.autograd.Function):
+    """Identity forward; backward scaled by ``s`` (from ``ctx``, which the forward's calls never show)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, s: float) -> torch.Tensor:  # noqa: ANN001 (torch's signature)
+        ctx.s = s
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return g * ctx.s, None
+
+
 def _places(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([torch.full((1, 1, 1, 1, 1), i, dtype=dtype) for i in range(n)])
 
@@ -116,7 +152,8 @@ REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the b
            "the extent doubled, as a value", "a mean by the number of elements"]
 PLANNED = ["flattened by the batch's extent", "rows of each sample by -1", "zeros beside each sample",
            "a token for each sample", "zeros of the input's shape", "voxels per sample",
-           "a loop over the channels", "a branch on a spatial extent", "a sample's voxels"]
+           "a loop over the channels", "a branch on a spatial extent", "a sample's voxels",
+           "noise from a generator seeded with a constant", "a weight's gradient scaled by a constant"]
 PICKED = ["a sample's values", "a sample through a layer", "a sample's shape, then its values"]
 """A sample picked off a batch in parts: its shape alike on every part (planned), its values not."""
 FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
@@ -127,7 +164,9 @@ FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "the extent through int and min", "the extent through math", "a layer chosen by the batch's extent",
         "a value chosen by the batch's extent", "ones along an int of the extent, summed",
         "a fill along an int of the extent, softmaxed", "sample places made by NumPy",
-        "sample places from a range", "ones along the batch from an array"]
+        "sample places from a range", "ones along the batch from an array", "a fraction of the extent",
+        "noise from a generator seeded with the extent", "noise after the global generator is seeded with "
+        "the extent", "a weight's gradient scaled by the extent", "a Function given the extent"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""

@@ -19,7 +19,10 @@ process sizes it.
 from __future__ import annotations
 
 import array
+import contextlib
+import functools
 import hashlib
+import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -30,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.meta import OnMeta, meta_state, meta_stop, run_unseen
-from hybridpar.planner import batch_extent
+from hybridpar.planner import applied, batch_extent, per_sample
 from hybridpar.planner.elementwise import name_of
 from hybridpar.planner.terms import SpecError
 from hybridpar.user_lines import caller, in_torch_layer, line_of
@@ -47,15 +50,28 @@ class _Recorded(OnMeta):
         self.made = WeakIdKeyDictionary()  # a tensor -> "#k.j": output j of call k made it
         self.record: list[tuple[str, str, Any]] = []
 
-    def _tag(self, t: torch.Tensor) -> str:
+    def _tag(self, t: torch.Tensor) -> Any:
         """A tensor as two runs tell it apart: a name (a weight's, the input's), the call that made it,
-        or the object it is (a tensor the forward reads from elsewhere, a table kept at module level)."""
-        return self.names.get(id(t)) or self.made.get(t) or f"@object {id(t)}"
+        or its content (a tensor the forward reads from elsewhere, a table kept at module level, which
+        NumPy may have written: ``torch.from_numpy(a)``); a meta tensor of neither by the object it is."""
+        named = self.names.get(id(t)) or self.made.get(t)
+        if named or t.device.type == "meta":
+            return named or f"@object {id(t)}"
+        with torch._C.DisableTorchFunction():
+            return "@", tuple(t.shape), str(t.dtype), _digest(t.detach().cpu().contiguous().reshape(-1))
+
+    def applied(self, cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
+        """An autograd.Function of the user's applied: recorded with what it was given (a number its
+        backward reads from ``ctx``), then applied as it is."""
+        self.record.append((f"{cls.__qualname__}.apply", caller(), _plain((args, kwargs), self._tag)))
+        return applied.PASS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         given = _plain((args, kwargs or {}), self._tag)
         if in_torch_layer():  # its tensors alone: the numbers it makes of its input's shape are its own
             given = tuple(n for n in _leaves(given) if isinstance(n, str) and n[:1] in ("@", "#"))
+        if per_sample.draws(name_of(func)):  # the global generator's state: seeded in the forward?
+            given = (given, _digest(torch.random.get_rng_state()))
         self.record.append((name_of(func), caller(), given))
         made = len(self.record)
         out = super().__torch_function__(func, types, args, kwargs)
@@ -65,24 +81,48 @@ class _Recorded(OnMeta):
         return out
 
 
-def _plain(value: Any, tag: Callable[[torch.Tensor], Any]) -> Any:
+def _digest(t: torch.Tensor) -> str:
+    """A tensor's bytes (1-D, contiguous, on the CPU) as a short string."""
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+
+
+_PLAIN = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
+
+
+def _plain(value: Any, tag: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
     """What a call was given, containers as tuples (a ``torch.Size`` too), so that two runs' arguments
-    compare by value: numbers, dtypes, slices, ranges, arrays (NumPy's, Python's, bytes) by content; a
-    tensor by ``tag`` (a weight's name, the call that made it); any other object by its type's name."""
+    compare by value: numbers (a ``Fraction``, a class with ``__float__``), dtypes, slices, ranges, arrays
+    (NumPy's, Python's, bytes) and generators' states by content; a function by its name and what its
+    closure and defaults hold (a gradient hook's ``lambda g: g * n``); a tensor by ``tag`` (a weight's
+    name, the call that made it); any other object by its type's name."""
     if isinstance(value, torch.Tensor):
         return tag(value)
+    if isinstance(value, _PLAIN) or value is Ellipsis:
+        return value
     if isinstance(value, list | tuple):
-        return tuple(_plain(v, tag) for v in value)
+        return tuple(_plain(v, tag, depth) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _plain(v, tag)) for k, v in value.items())
+        return tuple((k, _plain(v, tag, depth)) for k, v in value.items())
+    deeper = lambda v: _plain(v, tag, depth + 1) if depth < 4 else type(v).__name__  # noqa: E731 (closures)
     if isinstance(value, range):  # torch.tensor(range(n))
         return ("range", value.start, value.stop, value.step)
     if isinstance(value, np.ndarray | np.generic | array.array | bytes | bytearray | memoryview):
         a = np.frombuffer(value, np.uint8) if isinstance(value, bytes | bytearray) else np.asarray(value)
         digest = hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()  # by content: np.arange(n)
         return (type(value).__name__, a.shape, a.dtype.str, digest)
-    plain = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
-    return value if isinstance(value, plain) or value is Ellipsis else type(value).__name__
+    if isinstance(value, torch.Generator):  # seeded in the forward, torch.Generator().manual_seed(n)
+        return ("Generator", str(value.device), _digest(value.get_state()))
+    if isinstance(value, functools.partial):
+        return ("partial", deeper(value.func), deeper(value.args), deeper(value.keywords))
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            with contextlib.suppress(ValueError):  # a cell not yet filled
+                cells.append(cell.cell_contents)
+        return ("function", value.__qualname__, deeper(tuple(cells)), deeper(value.__defaults__ or ()))
+    with contextlib.suppress(Exception):  # a number of another class: Fraction(n, 4), Decimal
+        return (type(value).__name__, float(value))
+    return type(value).__name__
 
 
 def _calls(model: nn.Module, input_shape: Sequence[int], nested: bool) -> list[tuple[str, str, Any]]:
@@ -94,7 +134,8 @@ def _calls(model: nn.Module, input_shape: Sequence[int], nested: bool) -> list[t
         x = x.requires_grad_().clone()
     names = {id(t): f"@{k}" for k, t in reversed(state.items())}  # tied weights: the first name
     run = _Recorded({**names, id(x): "@input"})
-    run_unseen(model, state, (x,), run)
+    with torch.random.fork_rng(devices=[]), applied.watching(run.applied):  # each run from the same state
+        run_unseen(model, state, (x,), run)
     return run.record
 
 

@@ -111,6 +111,9 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return F.conv3d(h, w, m.c1.bias)
     if what == "a Function given the extent":  # recorded with what it is given
         return F.conv3d(h, _Scaled.apply(m.c1.weight, float(x.shape[0]) / 4), m.c1.bias)
+    if what == "a torch layer bounded by the extent":  # its settings recorded, not its calls' numbers
+        k = int(x.shape[0]) / 8
+        return nn.Hardtanh(-k, k)(h)
     if what == "ones along the batch, scanned":  # each sample's place in its part
         return h * torch.ones(x.shape[0], 1, dtype=h.dtype).cumsum(0).view(-1, 1, 1, 1, 1)
     if what == "rows of a batch of 4, as a number":  # a part of 2: rows of half samples, softmaxed
@@ -166,7 +169,8 @@ FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a fill along an int of the extent, softmaxed", "sample places made by NumPy",
         "sample places from a range", "ones along the batch from an array", "a fraction of the extent",
         "noise from a generator seeded with the extent", "noise after the global generator is seeded with "
-        "the extent", "a weight's gradient scaled by the extent", "a Function given the extent"]
+        "the extent", "a weight's gradient scaled by the extent", "a Function given the extent",
+        "a torch layer bounded by the extent"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""

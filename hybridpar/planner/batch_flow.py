@@ -60,6 +60,13 @@ class _Recorded(OnMeta):
         with torch._C.DisableTorchFunction():
             return "@", tuple(t.shape), str(t.dtype), _digest(t.detach().cpu().contiguous().reshape(-1))
 
+    def layer(self, m: nn.Module, args: tuple) -> None:
+        """A torch layer called: recorded with its settings (a bound set in the forward,
+        ``nn.Hardtanh(-k, k)``), since its own calls are recorded by their tensors alone."""
+        if type(m).__module__.startswith("torch.nn."):
+            settings = {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+            self.record.append((type(m).__name__, caller(), _plain(settings, self._tag)))
+
     def applied(self, cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:
         """An autograd.Function of the user's applied: recorded with what it was given (a number its
         backward reads from ``ctx``), then applied as it is."""
@@ -134,8 +141,12 @@ def _calls(model: nn.Module, input_shape: Sequence[int], nested: bool) -> list[t
         x = x.requires_grad_().clone()
     names = {id(t): f"@{k}" for k, t in reversed(state.items())}  # tied weights: the first name
     run = _Recorded({**names, id(x): "@input"})
-    with torch.random.fork_rng(devices=[]), applied.watching(run.applied):  # each run from the same state
-        run_unseen(model, state, (x,), run)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(run.layer)
+    try:
+        with torch.random.fork_rng(devices=[]), applied.watching(run.applied):  # each run from one state
+            run_unseen(model, state, (x,), run)
+    finally:
+        hook.remove()
     return run.record
 
 

@@ -156,7 +156,12 @@ REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the b
 PLANNED = ["flattened by the batch's extent", "rows of each sample by -1", "zeros beside each sample",
            "a token for each sample", "zeros of the input's shape", "voxels per sample",
            "a loop over the channels", "a branch on a spatial extent", "a sample's voxels",
-           "noise from a generator seeded with a constant", "a weight's gradient scaled by a constant"]
+           "noise from a generator seeded with a constant"]
+BACKWARD = ["a weight's gradient scaled by the extent", "a weight's gradient scaled by a constant",
+            "a Function given the extent"]
+"""Code the backward runs on a weight's gradient, which each part computes over its own samples: a
+gradient hook or a Function of the user's sees the part's sum, which a clamp or a norm reads as one
+process never does (and a closure can carry the part's extent there)."""
 PICKED = ["a sample's values", "a sample through a layer", "a sample's shape, then its values"]
 """A sample picked off a batch in parts: its shape alike on every part (planned), its values not."""
 FIXED = ["rows of a batch of 4, as a number", "rows of a batch of 4, viewed"]
@@ -169,8 +174,7 @@ FLOW = ["a loop over the samples' places", "a loop in a helper, given an int",
         "a fill along an int of the extent, softmaxed", "sample places made by NumPy",
         "sample places from a range", "ones along the batch from an array", "a fraction of the extent",
         "noise from a generator seeded with the extent", "noise after the global generator is seeded with "
-        "the extent", "a weight's gradient scaled by the extent", "a Function given the extent",
-        "a torch layer bounded by the extent"]
+        "the extent", "a torch layer bounded by the extent"]
 ALONG = ["ones along the batch, summed", "ones along the batch, scanned"]
 """A tensor sized along the batch with its extent holds a part's samples there: a sum or a scan along it
 reads the part."""
@@ -261,6 +265,15 @@ def test_control_flow_on_the_batch_extent_is_refused(what, model, split):
 def test_a_sample_picked_for_its_values_is_refused(what, model, split):
     _refused_on_parts(what, model, split, r"(indexing \(picks among the samples\)|__getitem__ \(across the "
                                           r"samples of the batch).* at test_batch_extent.py:\d+")
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("model", ["swapped", "in_block"])
+@pytest.mark.parametrize("what", BACKWARD)
+def test_backward_code_on_a_weight_is_refused(what, model, split):
+    _refused_on_parts(what, model, split, r"(register_hook \(on a value whose gradient|_Scaled.apply \(an "
+                                          r"autograd.Function of the model's own on values whose gradient) "
+                                          r"data parallelism or micro-batches compute in parts.* at test_")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

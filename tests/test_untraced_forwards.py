@@ -1148,6 +1148,12 @@ class _Refused(nn.Module):
                 h = _Halved.apply(h)
             elif self.what == "a gradient hook":
                 h.register_hook(lambda g: g / g.norm())
+            elif self.what == "a gradient hook on a weight":  # sees each part's sum over its samples
+                w = self.conv.weight * 1
+                w.register_hook(lambda g: g.clamp(-0.01, 0.01))
+                h = F.conv3d(h, w, padding=1)
+            elif self.what == "a Function on a weight":
+                h = F.conv3d(h, _Halved.apply(self.conv.weight), padding=1)
             elif self.what == "a hook on a flattened volume":
                 h.flatten(2).register_hook(lambda g: g / g.norm())
             elif self.what == "a Function writing its input":
@@ -1203,10 +1209,13 @@ class _Refused(nn.Module):
     ("a depth unshuffled on odd shards",
      r"view \(a reshape no shard makes of its own\) at test_untraced_forwards.py:\d+"),
     ("a gate inside a checkpoint", r"gate.1 \(Conv3d\) runs on a value that is not split inside torch.utils"),
-    ("a Function of its own", r"_Halved.apply \(an autograd.Function of the model's own on values that "
-                              r"carry the batch, .* at test_untraced_forwards.py:\d+"),
-    ("a gradient hook", r"register_hook \(on a value that carries the batch, .* the hook would see each "
-                        r"part's gradient\) at test_untraced_forwards.py:\d+"),
+    ("a Function of its own", r"_Halved.apply \(an autograd.Function of the model's own on values whose "
+                              r"gradient .* at test_untraced_forwards.py:\d+"),
+    ("a gradient hook", r"register_hook \(on a value whose gradient data parallelism or micro-batches "
+                        r"compute in parts.* the hook would see each part's gradient\) at test_untraced_"),
+    ("a gradient hook on a weight", r"register_hook \(on a value whose gradient .* at test_untraced_"),
+    ("a Function on a weight", r"_Halved.apply \(an autograd.Function of the model's own on values whose "
+                               r"gradient data parallelism or micro-batches compute in parts"),
     ("an unregistered layer given the volume second", r"cos \(CosineSimilarity\): this layer type is not "
                                                       r"registered and its input is split"),
 ])

@@ -62,15 +62,16 @@ class BackwardCalls:
         if self.depth or cls.__module__.startswith("torch.") or self.judging:  # in a layer; checkpoint's
             return applied.PASS  # own (calls.py); a registered layer's, its forward's calls followed
         tensors = _tensors(args, kwargs)
-        if not any(self._carries(t) for t in tensors):  # as any call on whole values: a split layer's
-            return self._run_replicated(apply, args, kwargs)  # weight given to it, each rank's share
-        if self.batch_apart:
+        carried = any(self._carries(t) for t in tensors)
+        if self.batch_apart and (carried or any(t.requires_grad for t in tensors)):  # a weight's too: its
             self.unsafe.append(f"{cls.__qualname__}.apply (an autograd.Function of the model's own on values "
-                               f"that carry the batch, which data parallelism or micro-batches hold apart: "
-                               f"its backward would see each part's gradient; one that works voxel by voxel "
+                               f"whose gradient data parallelism or micro-batches compute in parts: its "
+                               f"backward would see each part's gradient; one that works voxel by voxel "
                                f"can be a module of its own, registered with role 'pointwise') at "
-                               f"{caller()}")
+                               f"{caller()}")  # gradient sums over the samples, a clamp of it does not
             return apply(*args, **kwargs)
+        if not carried:  # as any call on whole values: a split layer's weight given to it, each rank's share
+            return self._run_replicated(apply, args, kwargs)
         wrote: list[torch.Tensor] = []
 
         def run(*a: Any, **k: Any) -> Any:
@@ -94,10 +95,10 @@ class BackwardCalls:
     def _hooked(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``t.register_hook(fn)``: on a split activation, ``fn`` given the whole gradient."""
         t = args[0]
-        if self.batch_apart and not self.judging and self._carries(t):
-            self.unsafe.append(f"register_hook (on a value that carries the batch, which data parallelism "
-                               f"or micro-batches hold apart: the hook would see each part's gradient) at "
-                               f"{caller()}")
+        if self.batch_apart and not self.judging and (self._carries(t) or t.requires_grad):
+            self.unsafe.append(f"register_hook (on a value whose gradient data parallelism or micro-batches "
+                               f"compute in parts, a weight's summed over each part's samples: the hook "
+                               f"would see each part's gradient) at {caller()}")
         elif t in self.chains:
             self.unsafe.append(f"register_hook (on a reshape of a split activation part way, whose gradient "
                                f"on a rank is its shard's: hook the volume before the reshape) at "

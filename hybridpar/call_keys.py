@@ -10,7 +10,10 @@ planner, writes and reads it too.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SEP = "#"
 
@@ -41,3 +44,16 @@ def module_path(key: str) -> str:
     """The path in the model of the module a call's ``key`` names (what ``get_submodule`` and a layer
     rule's glob read)."""
     return key.partition(SEP)[0]
+
+
+def call_path(root: nn.Module, module: nn.Module, path: str) -> str:
+    """The path a call of ``module`` (first named ``path`` in ``root``) is keyed by: ``path``, or where it
+    passes through a parametrization (a layer another layer's parametrization holds, the model's ``b``
+    also named ``a.parametrizations.weight.0.src``), its first name that does not. The engine puts a
+    layer's split version at the path its calls are keyed by, and a parametrization's modules are
+    shared with the split version of the layer they parametrize, never replaced: a call keyed inside
+    one would run the plain layer on a shard."""
+    if "parametrizations" not in path.split("."):
+        return path
+    return next((n for n, m in root.named_modules(remove_duplicate=False)
+                 if m is module and "parametrizations" not in n.split(".")), path)

@@ -203,6 +203,10 @@ def _note(m: nn.Module, grid: ProcessGrid, name: str | None) -> None:
     seen, layer = _BUILDS[-1], name or type(m).__name__
     for pname, p in m.named_parameters():
         now = grad_split(p)
+        if pname.startswith("parametrizations.") and pname.count(".") > 2:
+            # a parametrization's own parameter (a scale shared by two layers' weights), not the tensor's
+            # original(s): counted as that tensor, this layer's (its mark is the layer's that marked it)
+            now = grad_split(next(m.parametrizations[pname.split(".")[1]].parameters(recurse=False)))
         _, was, as_was, split, counted = seen.setdefault(id(p), (p, layer, pname, grid.spatial_size, now))
         if counted != now:
             raise SpecError(f"parameter {was}.{as_was} is also {layer}.{pname}: {was} applies it "

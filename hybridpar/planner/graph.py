@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from hybridpar.call_keys import call_key
+from hybridpar.call_keys import call_key, call_path
 from hybridpar.nn import registry
 from hybridpar.nn.meta import containers, message, meta_call, meta_state, meta_stop, put_back_contents
 from hybridpar.planner import in_place, root_args, trace_state
@@ -119,12 +119,8 @@ class ModelGraph:
     @property
     def chain(self) -> bool:
         """Whether every node consumes exactly the previous node's output (a sequence)."""
-        prev = INPUT
-        for n in self.nodes:
-            if n.inputs != (prev,):
-                return False
-            prev = n.name
-        return self.output == prev
+        prevs = [INPUT, *(n.name for n in self.nodes)]
+        return all(n.inputs == (p,) for n, p in zip(self.nodes, prevs)) and self.output == prevs[-1]
 
     def index(self) -> dict[str, int]:
         return {n.name: i for i, n in enumerate(self.nodes)}
@@ -141,13 +137,14 @@ class _Tracer(fx.Tracer):
         self._traceable: dict[int, bool] = {} if traceable is None else traceable
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        """fx's node, with the user's line that made it (``meta["line"]``, for what the planner
-        refuses there): the innermost frame outside torch and this package, read off the live stack.
-        fx's own ``record_stack_traces`` formats and symbolises the whole stack for every node, which
-        took longer than the trace itself."""
+        """fx's node, with the user's line that made it (``meta["line"]``, for what the planner refuses
+        there), read off the live stack: fx's ``record_stack_traces`` formats the whole stack per node."""
         node = super().create_node(*args, **kwargs)
         node.meta["line"] = caller()
         return node
+
+    def path_of_module(self, mod: nn.Module) -> str:  # a name outside any parametrization
+        return call_path(self.root, mod, super().path_of_module(mod))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict):

@@ -88,9 +88,10 @@ class _Recorded(OnMeta):
         return out
 
 
-def _digest(t: torch.Tensor) -> str:
-    """A tensor's bytes (1-D, contiguous, on the CPU) as a short string."""
-    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+def _digest(data: torch.Tensor | np.ndarray) -> str:
+    """Content as a short string: a tensor's bytes (1-D, contiguous, on the CPU) or an array's."""
+    raw = data.view(torch.uint8).numpy() if isinstance(data, torch.Tensor) else np.ascontiguousarray(data)
+    return hashlib.sha1(raw.tobytes()).hexdigest()[:12]
 
 
 _PLAIN = (int, float, complex, str, slice, torch.dtype, torch.device, torch.memory_format, type(None))
@@ -115,8 +116,7 @@ def _plain(value: Any, tag: Callable[[torch.Tensor], Any], depth: int = 0) -> An
         return ("range", value.start, value.stop, value.step)
     if isinstance(value, np.ndarray | np.generic | array.array | bytes | bytearray | memoryview):
         a = np.frombuffer(value, np.uint8) if isinstance(value, bytes | bytearray) else np.asarray(value)
-        digest = hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()  # by content: np.arange(n)
-        return (type(value).__name__, a.shape, a.dtype.str, digest)
+        return (type(value).__name__, a.shape, a.dtype.str, _digest(a))  # by content: np.arange(n)
     if isinstance(value, torch.Generator):  # seeded in the forward, torch.Generator().manual_seed(n)
         return ("Generator", str(value.device), _digest(value.get_state()))
     if isinstance(value, functools.partial):

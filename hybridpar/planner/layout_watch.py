@@ -357,8 +357,8 @@ class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
             fitted = self._fit(t, e)
             if id(t) in views:
                 self.copies.take(fitted, "a view of a gathered volume", None)
-            elif not fitted.is_contiguous() and t.is_contiguous():  # one process's is, as a view of it
-                fitted = fitted.contiguous()  # needs (h.view(n, -1)); a box of the volume is not
+            elif not fitted.is_contiguous() and t.is_contiguous():  # as one process's result: a view of
+                fitted = fitted.contiguous()  # it (h.view(n, -1)) needs that, which a box of it is not
             self.mark(fitted, e)
             return fitted
         return tree_map(one, out)
@@ -374,7 +374,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
         volume again, split (N, C, D, H, W, each shard's box onto its own output box under the grid's
         split); else it goes on as a chain, read whole where another call reads it (a permute to
         channels last, or the batch folded with the channels, ``h.reshape(n * c, 1, d, hh, w)``)."""
-        with suppress(NotLocal):  # not (the batch mixed with other dims): read whole, gathered in space
+        with suppress(NotLocal):  # NotLocal: the batch mixed with other dims, read whole (gathered)
             return len(out_shape) == 5 and close("", steps, start, tuple(out_shape)).fits(self.grid_split)
         return False
 

@@ -1116,12 +1116,11 @@ def test_a_refusal_on_one_stage_is_raised_on_every_rank(pools):
     assert not said and "2 (ParametrizedConv3d): its parametrization of weight keeps" in line, line
 
 
-def _parametrized_body(rank: int, world: int) -> str:
+def _build_refusal(rank: int, world: int, make: Callable[[], nn.Module], spec: dict) -> str:
+    """The SpecError a build of ``make()`` under ``spec`` raises on this rank ("no error" if none)."""
     import hybridpar as hp
 
-    model = WNNet()
-    model.wn = torch.nn.utils.parametrizations.spectral_norm(nn.Conv3d(2, 1, 3, padding=1))
-    engine = hp.parallelize(model, {"grid": {"spatial": [2, 1, 1]}}, loss_fn=F.mse_loss)
+    engine = hp.parallelize(make(), spec, loss_fn=F.mse_loss)
     try:
         engine.shard_batch(torch.randn(SHAPE))
     except hp.SpecError as err:
@@ -1129,10 +1128,16 @@ def _parametrized_body(rank: int, world: int) -> str:
     return "no error"
 
 
+def _spectral_net() -> nn.Module:
+    model = WNNet()
+    model.wn = torch.nn.utils.parametrizations.spectral_norm(nn.Conv3d(2, 1, 3, padding=1))
+    return model
+
+
 def test_a_parametrization_with_state_is_refused_split(pools):
     """spectral_norm's power iteration updates its vectors on each computation of the weight, which a
     split layer may compute more than once a forward: refused, saying what to do."""
-    said = set(pools(2).run(_parametrized_body, timeout=60))
+    said = set(pools(2).run(_build_refusal, _spectral_net, {"grid": {"spatial": [2, 1, 1]}}, timeout=60))
     assert len(said) == 1, said
     line = said.pop()
     assert line.startswith("wn (ParametrizedConv3d): its parametrization of weight keeps state "
@@ -1166,23 +1171,12 @@ class SharedScaleNet(nn.Module):
         return self.b(torch.tanh(self.a(torch.tanh(self.stem(x)))))
 
 
-def _shared_scale_body(rank: int, world: int) -> str:
-    import hybridpar as hp
-
-    engine = hp.parallelize(SharedScaleNet(), {"grid": {"spatial": [2, 2, 1]},
-                                               "layers": {"b": {"spatial": [2, 1, 1]}}}, loss_fn=F.mse_loss)
-    try:
-        engine.shard_batch(torch.randn(SHAPE))
-    except hp.SpecError as err:
-        return str(err)
-    return "no error"
-
-
 def test_a_parametrization_shared_by_layers_of_two_splits_is_refused(pools):
     """Its scale's gradient comes in parts from both layers' shards, which the engine cannot add up one
     way for both (b's 2 shards are each held by 2 of the 4 ranks): refused, as tied weights are. The
     scale's mark was the first layer's, so the check passed and b's part was counted twice."""
-    said = set(pools(4).run(_shared_scale_body, timeout=60))
+    spec = {"grid": {"spatial": [2, 2, 1]}, "layers": {"b": {"spatial": [2, 1, 1]}}}
+    said = set(pools(4).run(_build_refusal, SharedScaleNet, spec, timeout=60))
     assert len(said) == 1, said
     line = said.pop()
     assert line.startswith("parameter a.parametrizations.weight.0.s is also b.parametrizations.weight.0.s: "

@@ -800,6 +800,7 @@ CASES = [
      {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a traced interpolate that recomputes its scale", "RecomputeNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "a layer a parametrization of another holds, 2x2", "HeldLayerNet", {"grid": {"spatial": [2, 2, 1]}}),
+    (2, "a layer only a parametrization holds", "HeldOnlyNet", {"grid": {"spatial": [2, 1, 1]}}),
     (4, "a parametrization shared by two layers of one split", "SharedScaleNet",
      {"grid": {"spatial": [2, 2, 1]}}),
     (2, "a nested block writing its input in place", "NestedInPlaceNet", {"grid": {"spatial": [2, 1, 1]}}),
@@ -1206,6 +1207,20 @@ class HeldLayerNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(torch.tanh(self.stem(x)))))
+
+
+class HeldOnlyNet(nn.Module):
+    """A layer only a parametrization holds, called in the forward: no name outside it to key its calls
+    by, so the model runs by module swapping (traced, a plain conv ran on each shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.a = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+        torch.nn.utils.parametrize.register_parametrization(self.a, "weight",
+                                                           _AddOther(nn.Conv3d(2, 1, 3, padding=1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a.parametrizations.weight[0].src(torch.tanh(self.a(torch.tanh(self.stem(x)))))
 
 
 class DropNet(nn.Module):

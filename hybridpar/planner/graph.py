@@ -143,8 +143,10 @@ class _Tracer(fx.Tracer):
         node.meta["line"] = caller()
         return node
 
-    def path_of_module(self, mod: nn.Module) -> str:  # a name outside any parametrization
-        return call_path(self.root, mod, super().path_of_module(mod))
+    def path_of_module(self, mod: nn.Module) -> str:  # a name outside any parametrization, or none
+        if "parametrizations" in (path := call_path(self.root, mod, super().path_of_module(mod))).split("."):
+            raise UntraceableError(f"{path}: a layer called that only a parametrization holds")
+        return path
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict):

@@ -124,6 +124,8 @@ def _use(what: str, x: torch.Tensor, h: torch.Tensor, m: nn.Module) -> torch.Ten
         return torch.softmax(h.reshape(-1, 2 * 8 * 6 * 6), -1).reshape(h.shape)
     if what == "a sample's voxels":  # a sample picked for its shape: every part's is one process's
         return h * (h[0].numel() / 1000) + h[-1, 0].shape[-1]
+    if what == "zeros like a sample":  # its shape and dtype alone
+        return h + torch.zeros_like(h[0]) + torch.full_like(h[-1], 0.5)
     if what == "a sample's values":
         return h * h[0].mean()
     if what == "a sample through a layer":
@@ -156,7 +158,7 @@ REFUSED = ["divided by the batch's extent", "sample indices", "a ramp over the b
 PLANNED = ["flattened by the batch's extent", "rows of each sample by -1", "zeros beside each sample",
            "a token for each sample", "zeros of the input's shape", "voxels per sample",
            "a loop over the channels", "a branch on a spatial extent", "a sample's voxels",
-           "noise from a generator seeded with a constant"]
+           "noise from a generator seeded with a constant", "zeros like a sample"]
 BACKWARD = ["a weight's gradient scaled by the extent", "a weight's gradient scaled by a constant",
             "a Function given the extent"]
 """Code the backward runs on a weight's gradient, which each part computes over its own samples: a

@@ -180,8 +180,8 @@ class ShapeNet(nn.Module):
 
 
 class SampleShapeNet(nn.Module):
-    """A sample picked for its shape alone (``h[0].numel()``, ``h[-1, 0].shape``): alike on every part of a
-    batch that data parallelism holds in parts, and of the volume's extents on a shard."""
+    """A sample picked for its shape alone (``h[0].numel()``, ``h[-1, 0].shape``, ``full_like``): alike on
+    every part of a batch that data parallelism holds in parts, and of the volume's extents on a shard."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -189,7 +189,8 @@ class SampleShapeNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        return self.b(h) * (h[0].numel() / 1000) + h[-1, 0].shape[-1] / h[0].dim()
+        return self.b(h) * (h[0].numel() / 1000) + h[-1, 0].shape[-1] / h[0].dim() + torch.full_like(
+            h[0, :1], 0.25)
 
 
 class CheckedSampleShapeNet(SampleShapeNet):

@@ -31,6 +31,9 @@ from hybridpar.planner import batch_extent, calls
 from hybridpar.planner.batch_extent import part_kind
 from hybridpar.user_lines import caller
 
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like")
+"""Calls that read a tensor's shape, dtype and device alone (a pick's are every sample's)."""
+
 
 def picks(func: Any, args: tuple) -> bool:
     """Whether ``func(*args)`` (a call, or a traced graph's node) picks one sample that every part
@@ -47,8 +50,8 @@ def read_for_shape(node: torch.fx.Node) -> bool:
     def shape_only(user: torch.fx.Node) -> bool:
         if user.op == "call_method":
             return user.target in calls.SHAPE_READS or user.target in calls.SAFE
-        return user.op == "call_function" and calls.name_of(user.target) == "getattr" and (
-            user.args[1] == "shape" or user.args[1] in calls.SAFE)
+        return user.op == "call_function" and (calls.name_of(user.target) in LIKE or calls.name_of(
+            user.target) == "getattr" and (user.args[1] == "shape" or user.args[1] in calls.SAFE))
     return bool(node.users) and all(shape_only(u) for u in node.users)
 
 
@@ -82,7 +85,7 @@ class BatchReads:
     def use(self, func: Any, tensors: list[torch.Tensor]) -> None:
         """Refuse the picks among ``tensors`` that ``func`` (a call, or a layer: None) reads the values of."""
         if not self.picked or func is not None and (
-                calls.reads_shape(func) or calls.name_of(func) in calls.SAFE):
+                calls.reads_shape(func) or calls.name_of(func) in (*calls.SAFE, *LIKE)):
             return
         self.unsafe += list(dict.fromkeys(self.picked[t] for t in tensors if t in self.picked))
 

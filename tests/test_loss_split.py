@@ -491,3 +491,46 @@ def test_a_loss_that_raises_on_a_part_fits_no_combination_of_them():
 
     found = probe(windowed, o, y, float(windowed(o, y)), 2, lambda t: t.dim() == 5, 6)
     assert found.fits(rtol_of(torch.float64)) == (False, False), found
+
+
+def _sampled(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """MSE over 50 voxels drawn at random: no mean over the shards, and its draw one process's alone."""
+    idx = torch.randperm(o.numel())[:50]
+    return ((o.flatten() - y.flatten())[idx] ** 2).mean()
+
+
+def _sampled_body(rank: int, world: int) -> None:
+    fails = Failures()
+    x, y = _data("Plain")
+    torch.manual_seed(0)
+    ref = Plain().double()
+    mine = Plain().double()
+    mine.load_state_dict(ref.state_dict())
+    import hybridpar as hp
+
+    engine = hp.parallelize(mine, S2, loss_fn=_sampled)
+    local = engine.shard_batch(x, y)
+    opt, ref_opt = torch.optim.SGD(mine.parameters(), lr=0.02), torch.optim.SGD(ref.parameters(), lr=0.02)
+    for step in range(2):
+        for model, o in ((mine, opt), (ref, ref_opt)):
+            o.zero_grad()
+            torch.manual_seed(10 + step)  # each side draws from one state
+            loss = engine.train_step(*local) if model is mine else _sampled(ref(x), y)
+            if model is ref:
+                loss.backward()
+            o.step()
+            if model is mine:
+                got = loss.detach()
+        fails.check(f"sampled loss, step {step}", got.reshape(()), loss.detach())
+    state = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        fails.check(f"sampled loss: {k} after 2 steps", state[k], v, 1e-9)
+    fails.raise_if_any(rank)
+
+
+def test_a_loss_that_draws_random_numbers_draws_what_one_process_draws(pools):
+    """Evaluated on the gathered output (it is no mean over the shards), a loss that samples voxels
+    draws from the generator state the step's loss drew from, and the check's evaluations and the
+    engine's build draw nothing from the user's stream: the losses and weights are one process's
+    (the build's layers drew their initial weights, the check's parts their own voxels: 0.39 off)."""
+    pools(2).run(_sampled_body, timeout=300)

@@ -93,10 +93,12 @@ class Built:
 def build(source: Source, spec: ParallelSpec, grid: ProcessGrid, world: int, input_shape: tuple[int, ...],
           overlap: bool, memory_format: torch.memory_format) -> Built:
     """Plan, layouts and groups (in one order on every rank), the stage transport, then this rank's
-    stage, its split layers' weights marked agreed (they are the first rank's, broadcast before)."""
+    stage, its split layers' weights marked agreed (they are the first rank's, broadcast before). The
+    random generators are left as the build found them: a split layer made draws its own weights
+    before it takes the model's, which would move the stream a loss or a dropout draws from next."""
     source.checked(spec, input_shape)
     model, graph = source.model, source.graph
-    with one_plan():  # the forward run by module swapping followed once for the plan and the stage
+    with one_plan(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         plan = build_plan(spec, model, input_shape, world, graph)
         layout = JobLayout.resolve(grid, [lp.split for lp in plan])
         transport = StageTransport(grid, memory_format)

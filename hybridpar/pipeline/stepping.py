@@ -115,6 +115,7 @@ class Stepper:
         each rank's weighed by the share of the ranks that gather it."""
         if self._whole:
             out, y = loss_whole.gathered(out, y, *self._output_place())
+        rng = _rng(y) if self._pending else None  # the state one process evaluates its loss in
         with self.loss_reads.watch():
             loss = self.loss_fn(out, y)
         bad = loss_check.returned(loss) if self._returned is None else None
@@ -126,7 +127,7 @@ class Stepper:
             return self._nothing(out, y)
         if self._pending:
             self._pending = False
-            loss = self._check(out, y, loss)
+            loss = self._check(out, y, loss, rng)
         stage, weight = self.built.stage, 1.0
         if self._whole:  # the same whole loss on each rank that shares the output (see loss_whole)
             weight = 1.0 / self._output_shards
@@ -144,16 +145,21 @@ class Stepper:
         dtype = ref.dtype if ref.is_floating_point() else torch.get_default_dtype()
         return torch.zeros((), dtype=dtype, device=ref.device)
 
-    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor, rng: list[torch.Tensor] | None = None
+               ) -> torch.Tensor:
         """Whether ``loss_fn`` is a mean or a sum along the dims the engine cuts (see
         :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks. Neither along the
         output's shards: the loss anew on the whole output, gathered (:mod:`.loss_whole`), and checked
         along the samples alone, this step and every later one. Neither along the samples raises the
         same line on every rank before any backward, or on a pipeline (whose other stages wait for a
-        gradient) gives no gradient and raises after the step (:meth:`_tell_stages`)."""
+        gradient) gives no gradient and raises after the step (:meth:`_tell_stages`). The check's own
+        evaluations leave the random generators as the step's loss left them, and the loss anew on
+        the whole output draws from the state ``rng`` (:func:`_rng`) the step's loss drew from: a loss
+        that samples voxels draws what one process draws."""
         split = self.built.stage.output_split
         dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED and not self._whole else []
-        space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
+        with torch.random.fork_rng(devices=_devices(y)):
+            space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
         group = self._stage_group
         if loss.numel() == 1:
             others = self._other_targets(y)
@@ -161,8 +167,9 @@ class Stepper:
                 grid, volume = self._output_place()
                 box = tuple(hi - lo for lo, hi in local_box(volume, grid))
                 others = [loss_whole.target(t, box, grid, volume) for t in others]
-            across = loss_across.findings(self.loss_fn, out, y, others, self._piece(), dims, group,
-                                          *self._peers())
+            with torch.random.fork_rng(devices=_devices(y)):
+                across = loss_across.findings(self.loss_fn, out, y, others, self._piece(), dims, group,
+                                              *self._peers())
             space, batch = space + across[0], batch + across[1]
         self.verdict, refused = loss_check.agree(space, batch, loss_check.rtol_of(loss.dtype), group,
                                                  loss.device)
@@ -172,6 +179,8 @@ class Stepper:
             if dist.get_rank() == 0:
                 warnings.warn(loss_check.whole_notice(self.loss_fn, refused[1], self._output_shards,
                                                       loss_whole.mebibytes(out, y)), stacklevel=6)
+            if rng is not None:
+                _set_rng(y, rng)
             with self.loss_reads.watch():
                 loss = self.loss_fn(out, y)
             return self._check(out, y, loss)
@@ -370,3 +379,20 @@ def _recompute_contexts(modules: list[nn.Module]) -> tuple[AbstractContextManage
 
     return forward(), recompute()
 
+
+def _devices(values: Any) -> list[torch.device]:
+    """The accelerator whose generator a loss on ``values`` may draw from, besides the CPU's."""
+    t = next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
+    return [t.device] if t is not None and t.device.type == "cuda" else []
+
+
+def _rng(values: Any) -> list[torch.Tensor]:
+    """The random generators' states a loss on ``values`` draws from: the CPU's, and their device's."""
+    return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in _devices(values))]
+
+
+def _set_rng(values: Any, states: list[torch.Tensor]) -> None:
+    """Put back the states :func:`_rng` took."""
+    torch.random.set_rng_state(states[0])
+    for d, state in zip(_devices(values), states[1:], strict=True):
+        torch.cuda.set_rng_state(state, d)

@@ -98,6 +98,7 @@ def build(source: Source, spec: ParallelSpec, grid: ProcessGrid, world: int, inp
     before it takes the model's, which would move the stream a loss or a dropout draws from next."""
     source.checked(spec, input_shape)
     model, graph = source.model, source.graph
+    # the forward run by module swapping followed once for the plan and the stage
     with one_plan(), torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         plan = build_plan(spec, model, input_shape, world, graph)
         layout = JobLayout.resolve(grid, [lp.split for lp in plan])

@@ -158,8 +158,7 @@ class Stepper:
         that samples voxels draws what one process draws."""
         split = self.built.stage.output_split
         dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED and not self._whole else []
-        with torch.random.fork_rng(devices=_devices(y)):
-            space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)
+        space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)  # forks its own
         group = self._stage_group
         if loss.numel() == 1:
             others = self._other_targets(y)

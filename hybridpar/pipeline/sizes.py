@@ -220,7 +220,7 @@ class SizePlans:
         version of it. Each such layer is given a rule ``spatial: replicate``, and the plan derived again
         with them, since what follows it may then be placed otherwise too."""
         spec, kept = self.spec, set()
-        for _ in range(4):
+        while True:  # each round rules rows no rule named before: as many rounds as rows at most
             plan = build_plan(spec, self.model, self.shape(size), self.world, self.graph)
             if not self.traced or len(plan) != len(self.built):
                 return plan

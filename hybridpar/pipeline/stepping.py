@@ -115,7 +115,7 @@ class Stepper:
         each rank's weighed by the share of the ranks that gather it."""
         if self._whole:
             out, y = loss_whole.gathered(out, y, *self._output_place())
-        rng = _rng(y) if self._pending else None  # the state one process evaluates its loss in
+        rng = _rng(y) if self._pending and not self._whole else None  # where one process draws its loss
         with self.loss_reads.watch():
             loss = self.loss_fn(out, y)
         bad = loss_check.returned(loss) if self._returned is None else None

@@ -178,6 +178,8 @@ class Walk:
                             out_shape: tuple[int, ...], batch: int) -> None:
         """Refuse a function or method node that draws random numbers per sample or works across the
         samples (:meth:`_refuse_across_samples` for a call)."""
+        if picks(node.target, args) and read_for_shape(node.fx_node):
+            return self.derived.discard(node.name)  # h[0].numel(): a sample picked for its shape holds none
         drawn = out_shape if all(isinstance(d, int) for d in out_shape) else None  # several shapes: no draw
         sized = batch_extent.sizes_batch(name, args, kwargs, self._kind)
         if per_sample.draws_per_sample(name, drawn, batch, sized) or (  # randn(h.shape), randn_like(h)
@@ -238,8 +240,6 @@ class Walk:
         carriers = self._carriers(node, batch)
         if not carriers:
             return None
-        if picks(node.target, node.fx_node.args) and read_for_shape(node.fx_node):
-            return self.derived.discard(node.name)  # h[0].numel(): a sample picked for its shape holds none
         values = self.a.graph.traced[tuple(self.a.input_shape)]
         if not self.fx_names:
             self.fx_names.update({n.fx_node: n.name for n in self.a.graph.nodes})

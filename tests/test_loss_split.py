@@ -406,12 +406,13 @@ ACROSS = {
     "ROI on one rank's shard, 3 ranks": (3, "Plain", _roi, {"grid": {"spatial": [3, 1, 1]}},
                                          "every output shard taken together"),
     "ROI on one rank's shard, float32": (2, "Plain", _roi, S2, "every output shard taken together"),
-    "ROI in one replica's samples": (4, "Plain", _roi, DS, "every replica's and micro-batch's samples"),
+    "ROI in one replica's samples": (4, "Plain", _roi, DS, "combines sums or means of the samples' values"),
     "class-index ROI on one rank's shard": (2, "Classes", _class_roi, S2,
                                             "every output shard taken together"),
-    "ignore_index in the 2nd micro-batch": (2, "Classes", _ignored, MB2, "every replica's and micro-batch's"),
+    "ignore_index in the 2nd micro-batch": (2, "Classes", _ignored, MB2,
+                                            "a selection of the samples' values"),
     "weighted CE head, one sample per replica": (2, "Head", _head_weighted, {"grid": {"data": 2}},
-                                                 "every replica's and micro-batch's samples"),
+                                                 "combines sums or means of the samples' values"),
 }
 
 
@@ -534,3 +535,68 @@ def test_a_loss_that_draws_random_numbers_draws_what_one_process_draws(pools):
     engine's build draw nothing from the user's stream: the losses and weights are one process's
     (the build's layers drew their initial weights, the check's parts their own voxels: 0.39 off)."""
     pools(2).run(_sampled_body, timeout=300)
+
+
+BIG = (2, 1, 24, 20, 20)  # shards wider than the pieces the value checks read (loss_across.CAP voxels a dim)
+
+
+def _blind_target(case: str) -> torch.Tensor:
+    """A target whose normaliser differs only at voxels no check on values reads: positive (in the
+    region of interest) at every H the pieces read on rank 0's half (or the first sample) and at every H
+    on the other; for the extreme, its largest value on rank 0's half, in both parts a check within the
+    rank cuts it into, at an H no piece reads (where they read, the largest is alike on every part)."""
+    from hybridpar.pipeline.loss_across import _positions
+
+    g = torch.Generator().manual_seed(7)
+    y = torch.rand(BIG, dtype=torch.float64, generator=g) + 0.5
+    read = _positions(BIG[3], 8, y.device)
+    unread = [h for h in range(BIG[3]) if h not in read.tolist()]
+    if case == "extreme":
+        y[:, 0, [0, 11, 12, 23], 0, 0] = 2.0  # what the pieces and every part read: alike on both ranks
+        y[:, 0, [2, 9], unread[0], 3] = 40.0
+        return y
+    blind = y[:1] if case == "replicas" else y[:, :, :BIG[2] // 2]
+    blind[..., unread, :] *= -1
+    return y
+
+
+BLIND = {  # case: (world, loss, spec, what one step does)
+    "shards": (2, _roi, S2, "whole"),
+    "replicas": (4, _roi, DS, "refused"),
+    "extreme": (2, lambda o, y: F.mse_loss(o, y) / y.abs().amax(), S2, "whole"),
+}
+
+
+def _blind_body(rank: int, world: int, case: str) -> tuple[str, bool, float]:
+    import hybridpar as hp
+
+    _, loss_fn, spec, _ = BLIND[case]
+    x = torch.randn(BIG, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    y = _blind_target(case)
+    torch.manual_seed(0)
+    mine, ref = Plain().double(), Plain().double()
+    ref.load_state_dict(mine.state_dict())
+    said, untouched = _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
+    loss_fn(ref(x), y).backward()
+    off = max(math.inf if p.grad is None else (p.grad - q.grad).abs().max().item()
+              for p, q in zip(mine.parameters(), ref.parameters(), strict=True))
+    return said, untouched, off
+
+
+@pytest.mark.parametrize("case", list(BLIND))
+def test_a_normaliser_that_differs_only_where_no_value_check_reads_is_found(pools, case):
+    """A masked mean whose mask differs between the ranks' shards, or between replicas' samples, only
+    at voxels the checks on values do not read, and a loss scaled by the target's extreme lying there:
+    no value check tells them from a mean (they trained 0.24-0.27 off, the loss 1.5x); by what they
+    compute (a ratio, an extreme) they are no mean. Over the shards: evaluated on the gathered output,
+    one process's gradients; over replicas and micro-batches: refused alike, nothing applied."""
+    world, _, _, expected = BLIND[case]
+    said = pools(world).run(_blind_body, case, timeout=120)
+    lines = {s for s, _, _ in said}
+    assert len(lines) == 1, f"{case}: ranks said different things: {lines}"
+    line = lines.pop()
+    if expected == "whole":
+        assert line == "no error" and max(o for _, _, o in said) < 1e-12, f"{case}: {line}, {said}"
+        return
+    assert line.startswith("Engine.train_step: loss_fn _roi") and "by what it computes" in line, line
+    assert all(ok for _, ok, _ in said), f"{case}: a gradient was applied or left before the refusal"

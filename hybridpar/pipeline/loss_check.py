@@ -26,7 +26,9 @@ all-gather of a few numbers over the stage (:func:`agree`), so a shard where the
 (too thin, a zero loss, a non-finite value) follows the others and every rank decides alike: a mean,
 a sum, or one line, the same on every rank, raised before any backward runs. What differs between
 ranks, replicas or micro-batches but not between a rank's halves (a region of interest on one rank)
-is :mod:`hybridpar.pipeline.loss_across`'s to find; its findings join these in the agreement.
+is :mod:`hybridpar.pipeline.loss_across`'s to find; its findings join these in the agreement, and so
+do those of the loss's form (:mod:`hybridpar.pipeline.loss_form`), which decides what values leave
+open: a normaliser that differs only at voxels no check reads.
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from hybridpar.pipeline.form_algebra import REASONS
+
 MEAN, SUM = "mean", "sum"
 SPACE, BATCH = 0, 1  # the axes of a verdict: over the output's shards, over samples
 DOUBLED = 1  # a finding's dim where one sample was doubled (the channels, never cut)
 PAIRED = 5  # + the spatial dim (0-2), + 3 for the second half: a sample paired with a half of it tiled
 ACROSS = 11  # pieces of several ranks or micro-batches taken together (:mod:`.loss_across`)
 SLOPE = 20  # + a cut's dim: that cut of the loss's slope along a fixed direction, not of its value
+FORM = 40  # the form of the loss's computation (:mod:`.loss_form`); + a reason where it fits neither
 # per rank and axis: mean fits, sum fits, and the finding (dim, whole, parts' mean, parts' sum)
 _NONE = (1.0, 1.0, -1.0, math.nan, math.nan, math.nan)  # nothing to tell: agrees with either
 
@@ -289,6 +294,7 @@ def agree(space: list[Finding], batch: list[Finding], rtol: float, group: dist.P
             kinds.append(MEAN if mean_ok else SUM)
             continue
         neither = [r for r in rows[:, axis] if not (r[0] or r[1])]
+        neither.sort(key=lambda r: bool(r[2] >= FORM))  # what values showed, before what the form says
         r = (neither or [r for r in rows[:, axis] if not r[0]])[0].tolist()
         return Verdict(), (axis, Finding(int(r[2]), *r[3:]))
     return Verdict(*kinds), None
@@ -319,6 +325,9 @@ def name_of(fn: Callable) -> str:
 
 def described(axis: int, found: Finding) -> str:
     """What a cut found, in words: the loss of the whole against its parts' mean and sum."""
+    if found.dim >= FORM:
+        what = "the output's values" if axis == SPACE else "the samples' values"
+        return f"by what it computes, it {REASONS[found.dim - FORM].replace('them', what, 1)}"
     if found.dim >= SLOPE:
         inner = described(axis, Finding(found.dim - SLOPE, found.whole, found.mean, found.sum))
         return f"its gradient differs from its value's: the loss's slope along a fixed direction, {inner}"

@@ -7,8 +7,8 @@ output, the action list worked out once per micro-batch count, and where inputs 
 A new schedule (interleaved 1F1B, zero-bubble) changes this part and the schedule module only.
 
 The loss's weighting is right only for a loss that splits as the engine combines it: that is checked
-on every step (:mod:`hybridpar.pipeline.loss_check`; a masked loss may mask nothing in its first
-batches), which also finds a sum (summed over shards, micro-batches and replicas then), after checking
+on every step, on its values (:mod:`hybridpar.pipeline.loss_check`; a masked loss may mask nothing in
+its first batches) and by what it computes (:mod:`hybridpar.pipeline.loss_form`), which also finds a sum (summed over shards, micro-batches and replicas then), after checking
 that the loss is a scalar tensor at all; one that does not split over the output's shards (Dice) is
 evaluated on the whole output, gathered (:mod:`hybridpar.pipeline.loss_whole`). A recomputed forward
 runs on the buffers the forward found and leaves them as they were (:func:`_recompute_contexts`): a
@@ -43,6 +43,7 @@ from hybridpar.nn.sharing import return_rebound
 from hybridpar.pipeline import deferred, loss_across, loss_check, loss_whole
 from hybridpar.pipeline.batch import split_sizes
 from hybridpar.pipeline.building import Built
+from hybridpar.pipeline.loss_form import LossForm
 from hybridpar.pipeline.loss_params import LossReads
 from hybridpar.pipeline.reducer import GradReducer
 from hybridpar.pipeline.running_stats import ReplicaStats
@@ -116,8 +117,7 @@ class Stepper:
         if self._whole:
             out, y = loss_whole.gathered(out, y, *self._output_place())
         rng = _rng(y) if self._pending and not self._whole else None  # where one process draws its loss
-        with self.loss_reads.watch():
-            loss = self.loss_fn(out, y)
+        loss, form = self._evaluate(out, y, self._pending)
         bad = loss_check.returned(loss) if self._returned is None else None
         if bad is not None:
             if self.grid.pipe == 1:
@@ -127,7 +127,7 @@ class Stepper:
             return self._nothing(out, y)
         if self._pending:
             self._pending = False
-            loss = self._check(out, y, loss, rng)
+            loss = self._check(out, y, loss, form, rng)
         stage, weight = self.built.stage, 1.0
         if self._whole:  # the same whole loss on each rank that shares the output (see loss_whole)
             weight = 1.0 / self._output_shards
@@ -145,8 +145,16 @@ class Stepper:
         dtype = ref.dtype if ref.is_floating_point() else torch.get_default_dtype()
         return torch.zeros((), dtype=dtype, device=ref.device)
 
-    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor, rng: list[torch.Tensor] | None = None
-               ) -> torch.Tensor:
+    def _evaluate(self, out: Any, y: Any, followed: bool) -> tuple[Any, LossForm | None]:
+        """``loss_fn(out, y)``, its parameter reads watched, and where ``followed`` its form along the
+        dims the engine cuts (:class:`~hybridpar.pipeline.loss_form.LossForm`)."""
+        form = LossForm(out, y, self._cut_dims(), self._cut_batch) if followed else None
+        with self.loss_reads.watch(), form if form is not None else contextlib.nullcontext():
+            loss = self.loss_fn(out, y)
+        return loss, form
+
+    def _check(self, out: Any, y: torch.Tensor, loss: torch.Tensor, form: LossForm | None,
+               rng: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Whether ``loss_fn`` is a mean or a sum along the dims the engine cuts (see
         :mod:`~hybridpar.pipeline.loss_check`), agreed over the stage's ranks. Neither along the
         output's shards: the loss anew on the whole output, gathered (:mod:`.loss_whole`), and checked
@@ -156,12 +164,14 @@ class Stepper:
         evaluations leave the random generators as the step's loss left them, and the loss anew on
         the whole output draws from the state ``rng`` (:func:`_rng`) the step's loss drew from: a loss
         that samples voxels draws what one process draws."""
-        split = self.built.stage.output_split
-        dims = [d for d in range(3) if split[d] > 1] if split != REPLICATED and not self._whole else []
+        dims = self._cut_dims()
         space, batch = loss_check.findings(self.loss_fn, out, y, loss, dims, self._cut_batch)  # forks its own
         group = self._stage_group
         if loss.numel() == 1:
             others = self._other_targets(y)
+            if form is not None:  # by the form of the computation: exact where the values leave it open
+                shaped = form.findings(loss, others)
+                space, batch = space + shaped[0], batch + shaped[1]
             if self._whole:  # the other micro-batches' targets gathered as this one's
                 grid, volume = self._output_place()
                 box = tuple(hi - lo for lo, hi in local_box(volume, grid))
@@ -180,9 +190,8 @@ class Stepper:
                                                       loss_whole.mebibytes(out, y)), stacklevel=6)
             if rng is not None:
                 _set_rng(y, rng)
-            with self.loss_reads.watch():
-                loss = self.loss_fn(out, y)
-            return self._check(out, y, loss)
+            loss, form = self._evaluate(out, y, True)
+            return self._check(out, y, loss, form)
         if refused is None:
             return loss
         if self.grid.pipe == 1:
@@ -190,6 +199,12 @@ class Stepper:
             raise ValueError(loss_check.refusal(self.loss_fn, *refused))
         self._refused = refused
         return torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    def _cut_dims(self) -> list[int]:
+        """The spatial dims (0-2) along which the loss sees a part of the output: none once it is
+        evaluated on the whole output."""
+        split = self.built.stage.output_split
+        return [d for d in range(3) if split[d] > 1] if split != REPLICATED and not self._whole else []
 
     def _output_place(self) -> tuple[ProcessGrid, tuple[int, int, int]]:
         """The grid the output is split over and its global (D, H, W)."""

@@ -1,0 +1,381 @@
+"""Whether ``loss_fn`` is, by the form of what it computes, a mean or a sum along each dim the engine cuts:
+a ``TorchFunctionMode`` that follows the step's own loss evaluation call by call.
+
+Why: the checks on values (:mod:`hybridpar.pipeline.loss_check`, :mod:`hybridpar.pipeline.loss_across`)
+evaluate the loss on parts and pieces of what a rank holds; a normaliser that differs only at voxels
+they leave out (a mask that differs between the ranks' shards there, a target's extreme there) passed
+them, and the engine combined the parts' losses into a wrong one (gradients 0.24 off, a loss 1.5x).
+The form decides it for every value: a loss that is an affine function of sums or means of per-position
+terms (:mod:`hybridpar.pipeline.form_algebra`) combines exactly from its parts, and any other is no
+combination of them, whatever the values.
+
+How: the output's and the target's tensors are followed from the loss's first call: along each cut
+dim a value is local, linear (a sum or a mean), broken, or absent. Every call on a followed value is
+read from its name and arguments: elementwise calls (torch's tag and the one list the planners share,
+:func:`hybridpar.planner.elementwise.elementwise`), reductions, reshapes and permutations, indexing,
+work along one dim, cat and stack, torch's loss functions with their reductions (cross entropy's mean
+with ``ignore_index``: a mean over the voxels it does not ignore, exact where it ignores none, which the
+step's targets are checked for); any other call breaks what it touches, as does a read of a value into
+Python or of a split extent. :meth:`LossForm.findings` turns the loss's form into
+:class:`~hybridpar.pipeline.loss_check.Finding` s that join the value checks in the agreement: a form
+that fits only a mean or only a sum, or one that fits neither (then the loss is evaluated on the whole
+output, or refused along the samples).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hybridpar.pipeline import form_algebra as fa
+from hybridpar.pipeline import form_calls as fc
+from hybridpar.pipeline.form_algebra import BATCH, MEAN, SUM, Form
+from hybridpar.pipeline.form_index import Indexing
+from hybridpar.pipeline.loss_check import FORM, Finding
+from hybridpar.planner.calls import SAFE, VALUE_READS, carriers_of, reads_shape, tensors_in
+from hybridpar.planner.elementwise import elementwise, name_of
+
+
+class LossForm(Indexing, TorchFunctionMode):
+    """Follows one evaluation of ``loss_fn`` on ``(out, y)`` (see module doc). ``spatial``: the spatial
+    dims (0-2) the output's shards cut; ``batch``: whether replicas or micro-batches cut the samples."""
+
+    def __init__(self, out: Any, y: Any, spatial: Sequence[int], batch: bool) -> None:
+        super().__init__()
+        self.roles = {d + 1 for d in spatial} | ({BATCH} if batch else set())
+        self.forms: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.fills: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor of one value -> it (None: unknown)
+        self.source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the leaf of y it holds
+        self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> views taken of it
+        self.read: dict[int, int] = {}  # role -> why: its values or extents read into Python
+        self.counted = False  # the samples' count read (a mean written by hand: the values tell)
+        self.ignores: list[tuple[torch.Tensor, int, set[int], int | None]] = []
+        volume = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5), None)
+        box = tuple(volume.shape[2:]) if volume is not None else None
+        samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() else None
+        for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            self._start(t, box, samples, spatial, batch)
+        for i, t in enumerate(t for t in tree_leaves(y) if isinstance(t, torch.Tensor)):
+            self._start(t, box, samples, spatial, batch)
+            self.source[t] = i
+
+    def _start(self, t: torch.Tensor, box: tuple | None, samples: int | None, spatial: Sequence[int],
+               batch: bool) -> None:
+        dims: list[set[int]] = [set() for _ in range(t.dim())]
+        if batch and t.dim() and t.shape[0] == samples:
+            dims[0].add(BATCH)
+        if box is not None and t.dim() in (4, 5) and tuple(t.shape[-3:]) == box and t.shape[0] == samples:
+            for d in spatial:
+                dims[t.dim() - 3 + d].add(d + 1)
+        if any(dims):
+            self.forms[t] = fa.made([frozenset(d) for d in dims], {}, {})
+
+    # ------------------------------------------------------------------ following
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        try:
+            self._follow(func, args, kwargs, result)
+        except Exception:  # noqa: BLE001 (a call read wrongly breaks what it touches: never a wrong form)
+            self._give(result, self._broken(args, kwargs, fa.UNFOLLOWED))
+        return result
+
+    def _broken(self, args: tuple, kwargs: dict, why: int) -> Form:
+        forms = [self.forms[t] for t in tensors_in(args, kwargs) if t in self.forms]
+        broken: dict[int, int] = {}
+        for f in forms:
+            broken.update(fa.broken_all(f, why).broken)
+        return fa.made([], {}, broken)
+
+    def _give(self, result: Any, form: Form | list[Form]) -> None:
+        outs = [r for r in (result if isinstance(result, tuple | list) else [result])
+                if isinstance(r, torch.Tensor)]
+        forms = form if isinstance(form, list) else [form] * len(outs)
+        for r, f in zip(outs, forms, strict=False):
+            if f.roles():
+                if len(f.dims) != r.dim():
+                    f = fa.broken_all(f, f.broken[0][1] if f.broken else fa.UNFOLLOWED, r.dim())
+                self.forms[r] = f
+            base = r._base
+            if base is not None and (base in self.forms or base in self.fills):
+                self.views.setdefault(base, []).append(weakref.ref(r))
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        name = name_of(func)
+        if name in fc.FILLS and isinstance(result, torch.Tensor):
+            value = fc.FILLS[name]
+            self.fills[result] = value if value is not None else fc.fill_value(name, args, kwargs)
+            return
+        followed = [t for t in tensors_in(args, kwargs) if t in self.forms]
+        if not followed:
+            if name in VALUE_READS or reads_shape(func) or name in SAFE:
+                return
+            if args and isinstance(args[0], torch.Tensor) and fc.in_place(name):
+                self.fills.pop(args[0], None)  # a constant written: no longer of one value
+            return
+        if name in VALUE_READS:
+            for f in map(self.forms.get, followed):
+                for r in f.roles():
+                    self.read.setdefault(r, fa.VALUES)
+            return
+        if reads_shape(func):
+            self._extents(name, args, kwargs)
+            return
+        if name in SAFE:
+            return
+        before = self.forms.get(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        form = self._rule(func, name, args, kwargs, result)
+        if fc.in_place(name) and args and isinstance(args[0], torch.Tensor):
+            target = args[0]
+            new = form[0] if isinstance(form, list) else form
+            self.forms[target] = new
+            self.fills.pop(target, None)
+            self._written(target, before, new)
+            return
+        self._give(result, form)
+        if name in fc.KEEPS_VALUES and args and args[0] in self.source and isinstance(result, torch.Tensor):
+            self.source[result] = self.source[args[0]]
+
+    def _written(self, target: torch.Tensor, before: Form | None, form: Form) -> None:
+        """``target`` written in place, its form now ``form``: its base, where it is a view, holds other
+        values than its form says unless the view's form stays whole (a write through ``x[:, :, 0]``
+        changes ``x`` at one plane), and so do other views of either where the form changed."""
+        base = target._base
+        related = []
+        if base is not None and (form != before or form.broken):
+            related += [base, *(v for ref in self.views.get(base, []) if (v := ref()) is not None)]
+        if form != before:
+            related += [v for ref in self.views.get(target, []) if (v := ref()) is not None]
+        for t in related:
+            if t is target:
+                continue
+            old = self.forms.get(t)
+            roles = form.roles() | (old.roles() if old is not None else set())
+            self.forms[t] = fa.made([frozenset()] * t.dim(), {}, {r: fa.MIXES for r in roles})
+            self.fills.pop(t, None)
+
+    def _extents(self, name: str, args: tuple, kwargs: dict) -> None:
+        """A shape read: the extents read along cut roles (a split one breaks it; the samples' count
+        leaves the kind to the checks on values)."""
+        t = args[0]
+        form = self.forms[t]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if name == "__len__":
+            dim = 0
+        dims = range(t.dim()) if dim is None or name in ("numel", "nelement") else [dim % t.dim()]
+        for i in dims:
+            for r in form.dims[i]:
+                if r == BATCH:
+                    self.counted = True
+                else:
+                    self.read.setdefault(r, fa.EXTENTS)
+
+    # ------------------------------------------------------------------ the rules
+    def _operand(self, a: Any) -> tuple[Form | None, tuple[int, ...], bool]:
+        if isinstance(a, torch.Tensor):
+            return self.forms.get(a), tuple(a.shape), a in self.fills or a.numel() == 1
+        return None, (), True
+
+    def _zero(self, a: Any) -> bool:
+        if isinstance(a, torch.Tensor):
+            return a not in self.forms and self.fills.get(a, 1.0) == 0.0
+        return isinstance(a, int | float) and not isinstance(a, bool) and a == 0
+
+    def _rule(self, func: Any, name: str, args: tuple, kwargs: dict, result: Any) -> Form | list[Form]:
+        outs = [r for r in (result if isinstance(result, tuple | list) else [result])
+                if isinstance(r, torch.Tensor)]
+        if name in fc.LOSSES:
+            return self._loss(func, name, args, kwargs)
+        if name in fc.REDUCTIONS and not (name in ("max", "min") and len(args) > 1
+                                       and isinstance(args[1], torch.Tensor)):
+            return self._reduction(name, args, kwargs)
+        if name in fc.RESHAPES:
+            return fa.regrouped(self.forms[args[0]], args[0].shape, outs[0].shape)
+        if name in fc.PERMUTES:
+            probe = torch.empty([2 + i for i in range(args[0].dim())], device="meta")
+            order = [s - 2 for s in func(probe, *args[1:], **kwargs).shape]
+            return fa.permuted(self.forms[args[0]], order)
+        if name == "__getitem__" or name == "__setitem__":
+            return self._index(name, args)
+        if name == "one_hot":
+            f = self.forms[args[0]]
+            return fa.made([*f.dims, frozenset()], {}, fa.broken_all(f, fa.RATIO).broken
+                           if f.linear else dict(f.broken), f.picked)
+        if name in ("repeat", "tile"):
+            return self._repeat(args[0], outs[0])
+        if name in fc.ALONG:
+            return self._along(name, args, kwargs, outs)
+        if name in fc.PER_SAMPLE or name.endswith("_with_indices"):
+            return self._per_sample(args, kwargs, outs)
+        if elementwise(func) or name in fc.JOIN or name in fc.SCALE or name in fc.NUMERATOR:
+            return self._elementwise(func, name, args, kwargs, outs[0].shape if outs else ())
+        return [self._broken(args, kwargs, fa.UNFOLLOWED)] * len(outs)
+
+    def _elementwise(self, func: Any, name: str, args: tuple, kwargs: dict, shape: Sequence[int]) -> Form:
+        how = fa.LINEAR_JOIN if name in fc.JOIN else fa.SCALE if name in fc.SCALE else fa.NUMERATOR if (
+            name in fc.NUMERATOR and kwargs.get("rounding_mode") is None) else fa.OTHER
+        if name == "__rtruediv__":
+            how = fa.OTHER
+        values = [*args, *(v for k, v in kwargs.items() if k != "alpha")]  # alpha scales: linear
+        tensors = [a for a in values if not isinstance(a, list | tuple)]
+        tensors += [a for v in values if isinstance(v, list | tuple) for a in v]
+        carriers = carriers_of(func, [t for t in tensors if isinstance(t, torch.Tensor)])
+        kept = {id(t) for t in carriers}
+        given = [a for a in tensors if isinstance(a, torch.Tensor) and (id(a) in kept or a in self.forms)]
+        if name not in fc.UNARY:  # numbers are values here
+            given += [a for a in tensors if isinstance(a, int | float) and not isinstance(a, bool)]
+        if how == fa.LINEAR_JOIN:
+            given = [a for a in given if not self._zero(a)]
+        return fa.elementwise(shape, [self._operand(a) for a in given], how, self.roles)
+
+    def _reduction(self, name: str, args: tuple, kwargs: dict) -> Form:
+        t = args[0]
+        at = fc.DIM_AT.get(name, 1)
+        dim = kwargs.get("dim", kwargs.get("axis", args[at] if len(args) > at and not isinstance(
+            args[at], bool) else None))
+        keep = kwargs.get("keepdim", kwargs.get("keepdims", args[at + 1] if len(args) > at + 1 and isinstance(
+            args[at + 1], bool) else False))
+        if dim is None or (isinstance(dim, list | tuple) and not dim):
+            dims = list(range(t.dim()))
+        else:
+            dims = sorted({d % t.dim() for d in (dim if isinstance(dim, list | tuple) else [dim])})
+        return fa.reduced(self.forms[t], dims, fc.LINEAR.get(name), bool(keep))
+
+    def _repeat(self, t: torch.Tensor, out: torch.Tensor) -> Form:
+        form = self.forms[t]
+        off = out.dim() - t.dim()
+        dims = [frozenset()] * off + list(form.dims)
+        broken = dict(form.broken)
+        for k, d in enumerate(dims):
+            if d and out.shape[k] != t.shape[k - off]:
+                broken.update({r: fa.MIXES for r in d})
+        return fa.made(dims, dict(form.linear), broken, form.picked)
+
+    def _along(self, name: str, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> Form | list[Form]:
+        """A call along given dims (:data:`fc.ALONG`): exact on a part along every other dim; the roles of
+        those dims mix positions (``for s in x`` unbinds along the samples)."""
+        at, default = fc.ALONG[name]
+        given = args[at] if len(args) > at else default
+        dim = kwargs.get("dim", kwargs.get("dims", kwargs.get("axis", given)))
+        joined = name in ("cat", "concat", "concatenate", "stack")
+        nd = (args[0][0] if joined else args[0]).dim() + (1 if name == "stack" else 0)
+        if dim is None:
+            return [self._broken(args, kwargs, fa.MIXES)] * len(outs)
+        dims = {d % nd for d in (dim if isinstance(dim, list | tuple) else [dim])}
+        operands = [a for a in args[0] if not self._zero(a)] if joined else [
+            a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+        given = [self._operand(a) for a in operands]
+        if name == "stack":
+            d = dims.pop()
+            given = [(None if f is None else fa.made([*f.dims[:d], frozenset(), *f.dims[d:]], dict(f.linear),
+                                                     dict(f.broken), f.picked), (*s[:d], 1, *s[d:]), u)
+                     for f, s, u in given]
+            return fa.elementwise(outs[0].shape, given, fa.LINEAR_JOIN, self.roles)
+        across = {r: fa.MIXES for f, _, _ in given if f is not None for d in dims if d < len(f.dims)
+                  for r in f.dims[d]}
+        given = [(f if f is None or not across else fa.made(f.dims, dict(f.linear), dict(f.broken) | across,
+                                                           f.picked), s, u) for f, s, u in given]
+        how = fa.LINEAR_JOIN if joined else fa.OTHER
+        forms = []
+        for r in outs:
+            if name in fc.DROPS or r.dim() < nd:
+                d = min(dims)
+                lifted = [(f, (*s[:d], 1, *s[d + 1:]), u) for f, s, u in given]
+                full = fa.elementwise((*r.shape[:d], 1, *r.shape[d:]), lifted, how, self.roles)
+                forms.append(fa.reduced(full, [d], None, False))
+            else:
+                ones = lambda shape: tuple(1 if k in dims else n for k, n in enumerate(shape))  # noqa: E731
+                forms.append(fa.elementwise(ones(r.shape), [(f, ones(s), u) for f, s, u in given], how,
+                                            self.roles))
+        return forms
+
+    def _per_sample(self, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> list[Form]:
+        """A function of each sample alone (:data:`fc.PER_SAMPLE`): its samples stay along dim 0, every
+        other role it meets is mixed."""
+        tensors = [t for t in tensors_in(args, kwargs) if t in self.forms]
+        samples = {t.shape[0] for t in tensors if t.dim() and BATCH in self.forms[t].dims[0]}
+        whole = self._broken(args, kwargs, fa.MIXES)
+        if len(samples) != 1 or any(t.dim() and BATCH not in self.forms[t].dims[0]
+                                    and BATCH in self.forms[t].roles() for t in tensors):
+            return [whole] * len(outs)
+        broken = {r: w for r, w in whole.broken if r != BATCH}
+        return [fa.made([frozenset({BATCH}), *[frozenset()] * (r.dim() - 1)], {}, broken)
+                if r.dim() and r.shape[0] in samples else whole for r in outs]
+
+    def _loss(self, func: Any, name: str, args: tuple, kwargs: dict) -> Form:
+        """torch's loss functions: elementwise terms (cross entropy's per position, over the class dim),
+        then their reduction: none, a sum, a mean (cross entropy's, with class weights, a ratio; with
+        an ``ignore_index``, a mean where it occurs nowhere), ``batchmean`` (a sum over positions, a mean
+        over the samples)."""
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a.get("size_average") is not None or a.get("reduce") is not None:
+            return self._broken(args, kwargs, fa.UNFOLLOWED)
+        x, target = a["input"], a["target"]
+        if name in ("cross_entropy", "nll_loss"):
+            c = 1 if x.dim() >= 2 else 0
+            fx = self.forms.get(x)
+            if fx is not None and fx.dims[c]:
+                return self._broken(args, kwargs, fa.MIXES)
+            drop = lambda t: (fa.reduced(self.forms[t], [c], None, False) if t in self.forms else None,  # noqa: E731
+                              (*t.shape[:c], *t.shape[c + 1:]), t in self.fills)
+            index = not target.is_floating_point()
+            terms = fa.elementwise((*x.shape[:c], *x.shape[c + 1:]),
+                                   [drop(x), self._operand(target) if index else drop(target)], fa.OTHER,
+                                   self.roles)
+        else:
+            extra = [a[k] for k in ("weight", "pos_weight", "var") if isinstance(a.get(k), torch.Tensor)]
+            operands = [x, target, *extra]
+            shape = torch.broadcast_shapes(*(t.shape for t in operands))
+            terms = fa.elementwise(shape, [self._operand(t) for t in operands], fa.OTHER, self.roles)
+        reduction = a.get("reduction", "mean")
+        if reduction == "none":
+            return terms
+        everything = list(range(len(terms.dims)))
+        if reduction == "sum":
+            return fa.reduced(terms, everything, SUM, False)
+        if reduction == "batchmean":
+            summed = fa.reduced(terms, everything, SUM, False)
+            first = terms.dims[0] if terms.dims else frozenset()
+            return fa.made([], {r: MEAN if r in first else k for r, k in summed.linear}, dict(summed.broken))
+        if name in ("cross_entropy", "nll_loss") and not target.is_floating_point():
+            roles = set().union(*terms.dims) if terms.dims else set()
+            if a.get("weight") is not None:  # a mean weighted by the target's classes: a ratio
+                return fa.made([], {}, dict(terms.broken) | {r: fa.RATIO for r in roles | {
+                    r for r, _ in terms.linear}})
+            self.ignores.append((target, int(a["ignore_index"]), roles, self.source.get(target)))
+        return fa.reduced(terms, everything, MEAN, False)
+
+    # ------------------------------------------------------------------ the verdict
+    def findings(self, loss: Any, others: Sequence[Any] = ()) -> tuple[list[Finding], list[Finding]]:
+        """The loss's form as findings along the output's shards and along the samples (see module doc).
+        ``others``: the step's other micro-batches' targets, checked for a cross entropy's
+        ``ignore_index`` as this one's is (a sync: in the check, once per step)."""
+        form = self.forms.get(loss) if isinstance(loss, torch.Tensor) else None
+        ignored: dict[int, int] = {}
+        for target, value, roles, leaf in self.ignores:
+            hits = bool((target == value).any())
+            if hits:
+                ignored.update({r: fa.SELECTION for r in roles})
+            if BATCH in roles and others:
+                leaves = [[t for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in others]
+                if leaf is None or any(bool((ls[leaf] == value).any()) for ls in leaves if leaf < len(ls)):
+                    ignored[BATCH] = fa.SELECTION
+        broken, counted = ignored | self.read, {BATCH} if self.counted else set()
+
+        def found(roles: set[int]) -> list[Finding]:
+            why, kind = fa.judged(form, roles, broken, counted)
+            if why is not None:
+                return [Finding(FORM + why, 1.0, math.nan, math.nan)]
+            return [Finding(FORM, 1.0, float(kind == MEAN), float(kind == SUM))] if kind else []
+
+        return found(self.roles - {BATCH}), found(self.roles & {BATCH})

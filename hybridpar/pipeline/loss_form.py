@@ -55,7 +55,8 @@ class LossForm(Indexing, TorchFunctionMode):
         self.fills: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor of one value -> it (None: unknown)
         self.source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the leaf of y it holds
         self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> views taken of it
-        self.read: dict[int, int] = {}  # role -> why: its values or extents read into Python
+        self.read: dict[int, int] = {}  # role -> why: split extents read into Python
+        self.values: list[tuple[weakref.ref, int, set[int]]] = []  # values read into Python: version, roles
         self.counted = False  # the samples' count read (a mean written by hand: the values tell)
         self.ignores: list[tuple[torch.Tensor, int, set[int], int | None]] = []
         volume = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5), None)
@@ -122,9 +123,8 @@ class LossForm(Indexing, TorchFunctionMode):
                 self.fills.pop(args[0], None)  # a constant written: no longer of one value
             return
         if name in VALUE_READS:
-            for f in map(self.forms.get, followed):
-                for r in f.roles():
-                    self.read.setdefault(r, fa.VALUES)
+            for t in followed:  # harmless only where it is the loss returned, as it was then
+                self.values.append((weakref.ref(t), t._version, self.forms[t].roles()))
             return
         if reads_shape(func):
             self._extents(name, args, kwargs)
@@ -370,7 +370,9 @@ class LossForm(Indexing, TorchFunctionMode):
                 leaves = [[t for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in others]
                 if leaf is None or any(bool((ls[leaf] == value).any()) for ls in leaves if leaf < len(ls)):
                     ignored[BATCH] = fa.SELECTION
-        broken, counted = ignored | self.read, {BATCH} if self.counted else set()
+        read = {r: fa.VALUES for ref, version, roles in self.values
+                if ref() is not loss or loss._version != version for r in roles}
+        broken, counted = ignored | read | self.read, {BATCH} if self.counted else set()
 
         def found(roles: set[int]) -> list[Finding]:
             why, kind = fa.judged(form, roles, broken, counted)

@@ -8,8 +8,9 @@ A new schedule (interleaved 1F1B, zero-bubble) changes this part and the schedul
 
 The loss's weighting is right only for a loss that splits as the engine combines it: that is checked
 on every step, on its values (:mod:`hybridpar.pipeline.loss_check`; a masked loss may mask nothing in
-its first batches) and by what it computes (:mod:`hybridpar.pipeline.loss_form`), which also finds a sum (summed over shards, micro-batches and replicas then), after checking
-that the loss is a scalar tensor at all; one that does not split over the output's shards (Dice) is
+its first batches) and by what it computes (:mod:`hybridpar.pipeline.loss_form`), which also finds a
+sum (summed over shards, micro-batches and replicas then), after checking that the loss is a scalar
+tensor at all; one that does not split over the output's shards (Dice) is
 evaluated on the whole output, gathered (:mod:`hybridpar.pipeline.loss_whole`). A recomputed forward
 runs on the buffers the forward found and leaves them as they were (:func:`_recompute_contexts`): a
 model's own buffer updates (an EMA, a step counter) count once, as in one process.

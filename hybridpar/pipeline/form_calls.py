@@ -10,6 +10,7 @@ and the list the planners share decide them (:func:`hybridpar.planner.elementwis
 from __future__ import annotations
 
 from hybridpar.pipeline.form_algebra import MEAN, SUM
+from hybridpar.planner import calls
 
 FILLS = {"zeros": 0.0, "new_zeros": 0.0, "zeros_like": 0.0, "empty": 0.0, "new_empty": 0.0, "empty_like": 0.0,
          "ones": 1.0, "new_ones": 1.0, "ones_like": 1.0, "full": None, "new_full": None, "full_like": None}
@@ -20,16 +21,18 @@ UNARY = {"neg", "neg_", "__neg__", "negative", "__pos__", "positive", "to", "typ
          "resolve_conj", "resolve_neg", "expand", "expand_as", "broadcast_to"}
 """Linear calls of one tensor: only the tensors are operands (the numbers are sizes or a dtype's)."""
 JOIN = UNARY | {"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "__rsub__",
-                "__isub__", "subtract", "rsub", "cat", "concat", "concatenate", "stack", "__setitem__"}
+                "__isub__", "subtract", "rsub", "__setitem__", *calls.JOINS}
 """Linear in each operand, adding them (or placing them side by side, to be added later)."""
 SCALE = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply"}
 NUMERATOR = {"div", "div_", "__truediv__", "__itruediv__", "divide", "true_divide"}
 LINEAR = {"sum": SUM, "nansum": SUM, "mean": MEAN}
-REDUCTIONS = {"sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "prod", "norm",
-              "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "logsumexp", "any", "all",
-              "count_nonzero", "median", "nanmedian", "mode", "argmax", "argmin", "aminmax", "quantile",
-              "nanquantile", "kthvalue"}
-DIM_AT = {"norm": 2, "linalg_vector_norm": 2, "quantile": 2, "nanquantile": 2, "kthvalue": 2}
+REDUCTIONS = set(calls.REDUCTIONS) | {"nansum", "nanmean", "prod", "var_mean", "std_mean", "logsumexp",
+                                      "count_nonzero", "median", "nanmedian", "mode", "argmax", "argmin",
+                                      "aminmax", "quantile", "nanquantile", "kthvalue"}
+"""The planners' reductions (:data:`hybridpar.planner.calls.REDUCTIONS`) and others a loss may take."""
+DIM_AT = {name: at for name, (_, at) in calls.REDUCTIONS.items()} | {"quantile": 2, "nanquantile": 2,
+                                                                      "kthvalue": 2}
+"""Where a reduction takes its dims, if not at 1."""
 RESHAPES = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
             "ravel"}
 PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t", "T", "mT"}
@@ -40,8 +43,7 @@ ALONG = {"softmax": (1, None), "log_softmax": (1, None), "softmin": (1, None), "
          "unbind": (1, 0), "split": (2, 0), "chunk": (2, 0), "tensor_split": (2, 0), "gather": (1, None),
          "scatter": (1, None), "scatter_": (1, None), "scatter_add": (1, None), "scatter_add_": (1, None),
          "scatter_reduce": (1, None), "scatter_reduce_": (1, None), "index_select": (1, None),
-         "take_along_dim": (2, None), "cosine_similarity": (2, 1), "cat": (1, 0), "concat": (1, 0),
-         "concatenate": (1, 0), "stack": (1, 0)}
+         "take_along_dim": (2, None), "cosine_similarity": (2, 1)} | {name: (1, 0) for name in calls.JOINS}
 """Calls along given dims (argument position, default): exact on a part where no such dim is cut."""
 DROPS = {"select", "unbind", "cosine_similarity"}  # the dim goes
 LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",

@@ -40,6 +40,7 @@ from hybridpar.pipeline import form_calls as fc
 from hybridpar.pipeline.form_algebra import BATCH, MEAN, SUM, Form
 from hybridpar.pipeline.form_index import Indexing
 from hybridpar.pipeline.loss_check import FORM, Finding
+from hybridpar.planner import calls
 from hybridpar.planner.calls import SAFE, VALUE_READS, carriers_of, reads_shape, tensors_in
 from hybridpar.planner.elementwise import elementwise, name_of
 
@@ -265,7 +266,7 @@ class LossForm(Indexing, TorchFunctionMode):
         at, default = fc.ALONG[name]
         given = args[at] if len(args) > at else default
         dim = kwargs.get("dim", kwargs.get("dims", kwargs.get("axis", given)))
-        joined = name in ("cat", "concat", "concatenate", "stack")
+        joined = name in calls.JOINS
         nd = (args[0][0] if joined else args[0]).dim() + (1 if name == "stack" else 0)
         if dim is None:
             return [self._broken(args, kwargs, fa.MIXES)] * len(outs)

@@ -38,6 +38,12 @@ def _written_through_a_view(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return e.mean()
 
 
+def _a_zero_written_through_a_view(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = torch.zeros(2, dtype=o.dtype)
+    z[0:1].fill_(3.0)  # no longer zeros: 3 added to the sum on every part
+    return (F.mse_loss(o, y, reduction="sum") + z).sum()
+
+
 def _per_sample_loop(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return sum(F.mse_loss(a, b) for a, b in zip(o, y, strict=True)) / len(o)
 
@@ -58,6 +64,7 @@ CASES = {
     "terms": (lambda o, y: F.mse_loss(o, y) + 0.1 * F.smooth_l1_loss(o, y), "volume", "mean", "mean"),
     "terms written into a tensor": (_terms, "volume", "sum", "sum"),
     "terms accumulated in place": (_accumulated, "volume", "mean", "mean"),
+    "a zero written through a view": (_a_zero_written_through_a_view, "volume", R.OFFSET, R.OFFSET),
     "python sum": (lambda o, y: sum([F.mse_loss(o, y, reduction="sum"), (o - y).abs().sum()]), "volume",
                    "sum", "sum"),
     "mean plus a constant": (lambda o, y: F.mse_loss(o, y) + 1.0, "volume", "mean", "mean"),

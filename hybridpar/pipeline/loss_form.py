@@ -118,10 +118,12 @@ class LossForm(Indexing, TorchFunctionMode):
             return
         followed = [t for t in tensors_in(args, kwargs) if t in self.forms]
         if not followed:
-            if name in VALUE_READS or reads_shape(func) or name in SAFE:
-                return
-            if args and isinstance(args[0], torch.Tensor) and fc.in_place(name):
-                self.fills.pop(args[0], None)  # a constant written: no longer of one value
+            written = [args[0]] if args and isinstance(args[0], torch.Tensor) and fc.in_place(name) else []
+            written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
+            for t in written:  # a constant written, itself or through a view: no longer of one value
+                self.fills.pop(t, None)
+                if t._base is not None:
+                    self.fills.pop(t._base, None)
             return
         if name in VALUE_READS:
             for t in followed:  # harmless only where it is the loss returned, as it was then

@@ -93,6 +93,11 @@ CASES = {
         F.mse_loss(o, y)), "volume", "mean", "mean"),
     "its own value, then scaled in place": (lambda o, y: (lambda v: v.mul_(0.5 if v.item() > 0 else 1.0))(
         F.mse_loss(o, y)), "volume", R.VALUES, R.VALUES),
+    "the reciprocal of a mean": (lambda o, y: torch.div(1, F.mse_loss(o, y)), "volume", R.RATIO, R.RATIO),
+    "a sum by the bytes": (lambda o, y: ((o - y) ** 2).sum() / o.nbytes, "volume", R.EXTENTS, "values"),
+    "a sum by a stride": (lambda o, y: ((o - y) ** 2).sum() / o.stride(1), "volume", R.EXTENTS, "values"),
+    "a sum by a count of ones": (lambda o, y: ((o - y) ** 2).sum() / torch.ones_like(o).sum(), "volume",
+                                 R.RATIO, R.RATIO),
     "a mean by hand": (lambda o, y: ((o - y) ** 2).sum() / o.numel(), "volume", R.EXTENTS, "values"),
     "written through a view": (_written_through_a_view, "volume", R.MIXES, R.MIXES),
     "a loop over samples": (_per_sample_loop, "volume", "mean", R.MIXES),

@@ -15,7 +15,10 @@ from hybridpar.planner import calls
 FILLS = {"zeros": 0.0, "new_zeros": 0.0, "zeros_like": 0.0, "empty": 0.0, "new_empty": 0.0, "empty_like": 0.0,
          "ones": 1.0, "new_ones": 1.0, "ones_like": 1.0, "full": None, "new_full": None, "full_like": None}
 """Calls that make a tensor of one value (its value where known; an empty one counts as zero: what it
-holds is only ever what is written into it)."""
+holds is only ever what is written into it); ``zeros_like`` of a followed value has its extents, and is
+followed as an elementwise call of it."""
+EXTENT_READS = ("nbytes", "stride", "storage_offset")
+"""Reads that tell a tensor's extents without naming a shape (a stride is the product of later extents)."""
 UNARY = {"neg", "neg_", "__neg__", "negative", "__pos__", "positive", "to", "type", "type_as", "float",
          "double", "half", "bfloat16", "clone", "detach", "detach_", "contiguous", "data", "cpu", "cuda",
          "resolve_conj", "resolve_neg", "expand", "expand_as", "broadcast_to"}

@@ -112,7 +112,8 @@ class LossForm(Indexing, TorchFunctionMode):
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         name = name_of(func)
-        if name in fc.FILLS and isinstance(result, torch.Tensor):
+        if name in fc.FILLS and isinstance(result, torch.Tensor) and not (
+                name.endswith("_like") and args and args[0] in self.forms):  # of a part's extents: followed
             value = fc.FILLS[name]
             self.fills[result] = value if value is not None else fc.fill_value(name, args, kwargs)
             return
@@ -129,7 +130,7 @@ class LossForm(Indexing, TorchFunctionMode):
             for t in followed:  # harmless only where it is the loss returned, as it was then
                 self.values.append((weakref.ref(t), t._version, self.forms[t].roles()))
             return
-        if reads_shape(func):
+        if reads_shape(func) or name in fc.EXTENT_READS:
             self._extents(name, args, kwargs)
             return
         if name in SAFE:
@@ -173,7 +174,8 @@ class LossForm(Indexing, TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if name == "__len__":
             dim = 0
-        dims = range(t.dim()) if dim is None or name in ("numel", "nelement") else [dim % t.dim()]
+        dims = range(t.dim()) if dim is None or name in ("numel", "nelement", *fc.EXTENT_READS) else [
+            dim % t.dim()]
         for i in dims:
             for r in form.dims[i]:
                 if r == BATCH:
@@ -232,9 +234,9 @@ class LossForm(Indexing, TorchFunctionMode):
         tensors += [a for v in values if isinstance(v, list | tuple) for a in v]
         carriers = carriers_of(func, [t for t in tensors if isinstance(t, torch.Tensor)])
         kept = {id(t) for t in carriers}
-        given = [a for a in tensors if isinstance(a, torch.Tensor) and (id(a) in kept or a in self.forms)]
-        if name not in fc.UNARY:  # numbers are values here
-            given += [a for a in tensors if isinstance(a, int | float) and not isinstance(a, bool)]
+        number = lambda a: name not in fc.UNARY and isinstance(a, int | float) and not isinstance(a, bool)  # noqa: E731
+        given = [a for a in tensors if number(a) or (  # in order: which one divides matters
+            isinstance(a, torch.Tensor) and (id(a) in kept or a in self.forms))]
         if how == fa.LINEAR_JOIN:
             given = [a for a in given if not self._zero(a)]
         return fa.elementwise(shape, [self._operand(a) for a in given], how, self.roles)

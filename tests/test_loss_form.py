@@ -10,6 +10,8 @@ samples) combined as the engine combines them, the gradient too.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,16 @@ def _a_zero_written_through_a_view(o: torch.Tensor, y: torch.Tensor) -> torch.Te
     z = torch.zeros(2, dtype=o.dtype)
     z[0:1].fill_(3.0)  # no longer zeros: 3 added to the sum on every part
     return (F.mse_loss(o, y, reduction="sum") + z).sum()
+
+
+def _masked_mean(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    m = (y > 0).to(o.dtype)
+    return ((o - y) ** 2 * m).sum() / m.sum().clamp(min=1.0)
+
+
+with warnings.catch_warnings():  # TorchScript is deprecated; users' code still has it
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _scripted = torch.jit.script(_masked_mean)  # runs no torch function a mode sees
 
 
 def _per_sample_loop(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -89,8 +101,19 @@ CASES = {
     "mean over D, sum over H": (lambda o, y: ((o - y) ** 2).mean(2).sum(), "volume", R.KINDS, "sum"),
     "a branch on values": (lambda o, y: F.mse_loss(o, y) * (2 if y.mean() > 0 else 1), "volume", R.VALUES,
                            R.VALUES),
-    "its own value logged": (lambda o, y: (lambda v: (print(end="" if v.item() else ""), v)[1])(
-        F.mse_loss(o, y)), "volume", "mean", "mean"),
+    "its own value read": (lambda o, y: (lambda v: v if v.item() > 0 else 2 * v)(F.mse_loss(o, y)), "volume",
+                           R.VALUES, R.VALUES),
+    "a branch on torch.equal": (lambda o, y: F.mse_loss(o, y) * (2 if torch.equal(y[:, :, :1], y[:, :, :1])
+                                                                else 1), "volume", R.VALUES, R.VALUES),
+    "a scripted masked mean": (lambda o, y: _scripted(o, y), "volume", R.UNFOLLOWED, R.UNFOLLOWED),
+    "a scripted term": (lambda o, y: F.mse_loss(o, y) + _scripted(o, y), "volume", R.UNFOLLOWED,
+                        R.UNFOLLOWED),
+    "a count of argwhere": (lambda o, y: ((o - y) ** 2 * (y > 0)).sum() / max(
+        1, torch.argwhere(y > 0).shape[0]), "volume", R.EXTENTS, R.EXTENTS),
+    "a fill of a value of the output's": (lambda o, y: F.mse_loss(o, y) * torch.full(
+        (), (y > 0).double().mean()), "volume", R.UNFOLLOWED, R.UNFOLLOWED),
+    "a gather of fewer positions": (lambda o, y: o.gather(1, torch.zeros(
+        (len(o), 1, 1, 1, 1), dtype=torch.long)).pow(2).mean(), "volume", R.MIXES, "values"),
     "its own value, then scaled in place": (lambda o, y: (lambda v: v.mul_(0.5 if v.item() > 0 else 1.0))(
         F.mse_loss(o, y)), "volume", R.VALUES, R.VALUES),
     "the reciprocal of a mean": (lambda o, y: torch.div(1, F.mse_loss(o, y)), "volume", R.RATIO, R.RATIO),

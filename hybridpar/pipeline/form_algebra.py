@@ -146,6 +146,8 @@ def _misplaced(form: Form | None, shape: Sequence[int], uniform: bool, k: int, r
     on the cut data laid along it (the whole's positions, not the part's)."""
     if not 0 <= k < len(shape):
         return False
+    if shape[k] not in (1, extent):  # more positions than the result keeps (a gather's smaller index)
+        return True
     if form is not None and form.local_at(role) == k:
         return shape[k] == 1 and extent != 1
     return shape[k] != 1 and not uniform

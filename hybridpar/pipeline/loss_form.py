@@ -40,6 +40,7 @@ from hybridpar.pipeline import form_calls as fc
 from hybridpar.pipeline.form_algebra import BATCH, MEAN, SUM, Form
 from hybridpar.pipeline.form_index import Indexing
 from hybridpar.pipeline.loss_check import FORM, Finding
+from hybridpar.pipeline.loss_params import is_alias
 from hybridpar.planner import calls
 from hybridpar.planner.calls import SAFE, VALUE_READS, carriers_of, reads_shape, tensors_in
 from hybridpar.planner.elementwise import elementwise, name_of
@@ -56,8 +57,8 @@ class LossForm(Indexing, TorchFunctionMode):
         self.fills: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor of one value -> it (None: unknown)
         self.source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the leaf of y it holds
         self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> views taken of it
-        self.read: dict[int, int] = {}  # role -> why: split extents read into Python
-        self.values: list[tuple[weakref.ref, int, set[int]]] = []  # values read into Python: version, roles
+        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every tensor a call here returned
+        self.read: dict[int, int] = {}  # role -> why: values or split extents read into Python
         self.counted = False  # the samples' count read (a mean written by hand: the values tell)
         self.ignores: list[tuple[torch.Tensor, int, set[int], int | None]] = []
         volume = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5), None)
@@ -88,7 +89,16 @@ class LossForm(Indexing, TorchFunctionMode):
             self._follow(func, args, kwargs, result)
         except Exception:  # noqa: BLE001 (a call read wrongly breaks what it touches: never a wrong form)
             self._give(result, self._broken(args, kwargs, fa.UNFOLLOWED))
+        for r in _tensors(result):
+            self.seen[r] = True
         return result
+
+    def _escaped(self, t: Any) -> bool:
+        """Whether ``t`` was computed where this mode could not see, from what may be the output: it has a
+        gradient's history but no call here made it (a ``torch.jit.script`` function, a block with
+        torch functions disabled, an activation the model kept on itself)."""
+        return (isinstance(t, torch.Tensor) and t.grad_fn is not None and t not in self.forms
+                and t not in self.seen and not is_alias(t))
 
     def _broken(self, args: tuple, kwargs: dict, why: int) -> Form:
         forms = [self.forms[t] for t in tensors_in(args, kwargs) if t in self.forms]
@@ -98,8 +108,7 @@ class LossForm(Indexing, TorchFunctionMode):
         return fa.made([], {}, broken)
 
     def _give(self, result: Any, form: Form | list[Form]) -> None:
-        outs = [r for r in (result if isinstance(result, tuple | list) else [result])
-                if isinstance(r, torch.Tensor)]
+        outs = _tensors(result)
         forms = form if isinstance(form, list) else [form] * len(outs)
         for r, f in zip(outs, forms, strict=False):
             if f.roles():
@@ -112,12 +121,21 @@ class LossForm(Indexing, TorchFunctionMode):
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         name = name_of(func)
-        if name in fc.FILLS and isinstance(result, torch.Tensor) and not (
-                name.endswith("_like") and args and args[0] in self.forms):  # of a part's extents: followed
+        tensors = tensors_in(args, kwargs)
+        if any(self._escaped(t) for t in tensors):  # what it computes from there: nothing to vouch for
+            unfollowed = fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles})
+            target = args[0] if fc.in_place(name) and args and isinstance(args[0], torch.Tensor) else result
+            self._give(target, unfollowed)
+            return
+        like = name.startswith("new_") or name.endswith("_like")
+        if name in fc.FILLS and isinstance(result, torch.Tensor) and not any(
+                t in self.forms for t in (tensors[1:] if like else tensors)) \
+                and not (name.endswith("_like") and tensors and tensors[0] in self.forms):
+            # (a value of the output's filled in, or a part's extents: followed, not a fill)
             value = fc.FILLS[name]
             self.fills[result] = value if value is not None else fc.fill_value(name, args, kwargs)
             return
-        followed = [t for t in tensors_in(args, kwargs) if t in self.forms]
+        followed = [t for t in tensors if t in self.forms]
         if not followed:
             written = [args[0]] if args and isinstance(args[0], torch.Tensor) and fc.in_place(name) else []
             written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
@@ -127,13 +145,19 @@ class LossForm(Indexing, TorchFunctionMode):
                     self.fills.pop(t._base, None)
             return
         if name in VALUE_READS:
-            for t in followed:  # harmless only where it is the loss returned, as it was then
-                self.values.append((weakref.ref(t), t._version, self.forms[t].roles()))
+            for t in followed:  # a branch on it may take another path on each part
+                for r in self.forms[t].roles():
+                    self.read.setdefault(r, fa.VALUES)
             return
         if reads_shape(func) or name in fc.EXTENT_READS:
             self._extents(name, args, kwargs)
             return
         if name in SAFE:
+            return
+        if result is not None and not _tensors(result):  # torch.equal, allclose, is_nonzero: read as values
+            for t in followed:
+                for r in self.forms[t].roles():
+                    self.read.setdefault(r, fa.VALUES)
             return
         before = self.forms.get(args[0]) if args and isinstance(args[0], torch.Tensor) else None
         form = self._rule(func, name, args, kwargs, result)
@@ -168,7 +192,7 @@ class LossForm(Indexing, TorchFunctionMode):
 
     def _extents(self, name: str, args: tuple, kwargs: dict) -> None:
         """A shape read: the extents read along cut roles (a split one breaks it; the samples' count
-        leaves the kind to the checks on values)."""
+        leaves the kind to the checks on values), or of a value broken along one."""
         t = args[0]
         form = self.forms[t]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -182,6 +206,8 @@ class LossForm(Indexing, TorchFunctionMode):
                     self.counted = True
                 else:
                     self.read.setdefault(r, fa.EXTENTS)
+        for r, _ in form.broken:  # an extent that data along it decides (argwhere, unique, a selection)
+            self.read.setdefault(r, fa.EXTENTS)
 
     # ------------------------------------------------------------------ the rules
     def _operand(self, a: Any) -> tuple[Form | None, tuple[int, ...], bool]:
@@ -375,9 +401,9 @@ class LossForm(Indexing, TorchFunctionMode):
                 leaves = [[t for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in others]
                 if leaf is None or any(bool((ls[leaf] == value).any()) for ls in leaves if leaf < len(ls)):
                     ignored[BATCH] = fa.SELECTION
-        read = {r: fa.VALUES for ref, version, roles in self.values
-                if ref() is not loss or loss._version != version for r in roles}
-        broken, counted = ignored | read | self.read, {BATCH} if self.counted else set()
+        if form is None and self._escaped(loss):
+            form = fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles})
+        broken, counted = ignored | self.read, {BATCH} if self.counted else set()
 
         def found(roles: set[int]) -> list[Finding]:
             why, kind = fa.judged(form, roles, broken, counted)
@@ -386,3 +412,9 @@ class LossForm(Indexing, TorchFunctionMode):
             return [Finding(FORM, 1.0, float(kind == MEAN), float(kind == SUM))] if kind else []
 
         return found(self.roles - {BATCH}), found(self.roles & {BATCH})
+
+
+def _tensors(result: Any) -> list[torch.Tensor]:
+    """The tensors a call returned (itself, or those of a tuple or list)."""
+    return [r for r in (result if isinstance(result, tuple | list) else [result])
+            if isinstance(r, torch.Tensor)]

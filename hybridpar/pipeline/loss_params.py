@@ -54,6 +54,11 @@ class _Aside(torch.autograd.Function):
         return None, None
 
 
+def is_alias(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the alias :class:`LossReads` hands a call in place of a parameter."""
+    return getattr(t.grad_fn, "_forward_cls", None) is _Aside
+
+
 class _Watch(TorchFunctionMode):
     def __init__(self, reads: LossReads) -> None:
         super().__init__()

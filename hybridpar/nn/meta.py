@@ -31,6 +31,7 @@ from hybridpar.nn.families import BATCH_NORM, reduces_over_job
 from hybridpar.nn.meta_kernels import ShapeOnlyResampling
 from hybridpar.nn.sharing import TORCH_OWN
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
+from hybridpar.nn.torch_args import complete
 
 
 def meta_state(module: nn.Module, grads: bool = False) -> tuple[dict[str, torch.Tensor], torch.dtype]:
@@ -92,7 +93,7 @@ class OnMeta(TorchFunctionMode):
                 self._kernels.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = complete(func, kwargs or {})
         self.calls.append(getattr(func, "__name__", ""))
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.comm.reduce import grad_split, replicated_into_shards
+from hybridpar.nn.torch_args import complete
 
 __all__ = ["check_uses", "follow_values", "unfollowed"]
 
@@ -66,7 +67,7 @@ class _Flow(TorchFunctionMode):
         return replicated_into_shards(t, self.group) if isinstance(t, torch.Tensor) and t in self.whole else t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = complete(func, kwargs or {})
         if self.paused:
             return func(*args, **kwargs)
         self.seen = True

@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hybridpar.nn.torch_args import complete
 from hybridpar.pipeline import form_algebra as fa
 from hybridpar.pipeline import form_calls as fc
 from hybridpar.pipeline.form_algebra import BATCH, MEAN, SUM, Form
@@ -56,14 +58,17 @@ class LossForm(Indexing, TorchFunctionMode):
         self.forms: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.fills: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor of one value -> it (None: unknown)
         self.source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the leaf of y it holds
-        self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> views taken of it
+        self.storages: dict[int, list[weakref.ref]] = {}  # a storage's address -> tensors on it
         self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every tensor a call here returned
+        self.depth = 0  # calls of this mode under way
+        self.unseen = ""  # an operation that ran outside them (the first's name), or none
         self.read: dict[int, int] = {}  # role -> why: values or split extents read into Python
         self.counted = False  # the samples' count read (a mean written by hand: the values tell)
         self.ignores: list[tuple[torch.Tensor, int, set[int], int | None]] = []
         volume = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 5), None)
         box = tuple(volume.shape[2:]) if volume is not None else None
-        samples = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() else None
+        first = next((t for t in tree_leaves((y, out)) if isinstance(t, torch.Tensor) and t.dim()), None)
+        samples = first.shape[0] if first is not None else None  # a dict or tuple target's, or none
         for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
             self._start(t, box, samples, spatial, batch)
         for i, t in enumerate(t for t in tree_leaves(y) if isinstance(t, torch.Tensor)):
@@ -80,15 +85,30 @@ class LossForm(Indexing, TorchFunctionMode):
                 dims[t.dim() - 3 + d].add(d + 1)
         if any(dims):
             self.forms[t] = fa.made([frozenset(d) for d in dims], {}, {})
+            self._share(t)
 
     # ------------------------------------------------------------------ following
+    def __enter__(self) -> LossForm:
+        self._below = _Unseen(self).__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._below.__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+        kwargs = complete(func, kwargs or {})
+        if torch._C._are_functorch_transforms_active() and not self.unseen:  # vmap, grad: on wrapped values
+            self.unseen = f"{name_of(func)} under a torch.func transform"
+        self.depth += 1
         try:
-            self._follow(func, args, kwargs, result)
-        except Exception:  # noqa: BLE001 (a call read wrongly breaks what it touches: never a wrong form)
-            self._give(result, self._broken(args, kwargs, fa.UNFOLLOWED))
+            result = func(*args, **kwargs)
+            try:
+                self._follow(func, args, kwargs, result)
+            except Exception:  # noqa: BLE001 (a call read wrongly breaks what it touches: never a wrong form)
+                self._give(result, self._broken(args, kwargs, fa.UNFOLLOWED))
+        finally:
+            self.depth -= 1
         for r in _tensors(result):
             self.seen[r] = True
         return result
@@ -115,12 +135,26 @@ class LossForm(Indexing, TorchFunctionMode):
                 if len(f.dims) != r.dim():
                     f = fa.broken_all(f, f.broken[0][1] if f.broken else fa.UNFOLLOWED, r.dim())
                 self.forms[r] = f
-            base = r._base
-            if base is not None and (base in self.forms or base in self.fills):
-                self.views.setdefault(base, []).append(weakref.ref(r))
+            self._share(r)
+
+    def _share(self, t: torch.Tensor) -> None:
+        """Note ``t`` among the tensors on its storage (a view, ``x.detach()``, ``x.data``: a write
+        through one changes the others)."""
+        at = t.untyped_storage().data_ptr()
+        if at:
+            self.storages.setdefault(at, []).append(weakref.ref(t))
+
+    def _sharing(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors noted on ``t``'s storage, but ``t``."""
+        refs = self.storages.get(t.untyped_storage().data_ptr(), []) if t.untyped_storage().data_ptr() else []
+        return [u for ref in refs if (u := ref()) is not None and u is not t]
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         name = name_of(func)
+        if name == "__set__":  # an attribute set: x.data = v writes v's values into x
+            if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                self._set_data(*args[:2])
+            return
         tensors = tensors_in(args, kwargs)
         if any(self._escaped(t) for t in tensors):  # what it computes from there: nothing to vouch for
             unfollowed = fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles})
@@ -134,15 +168,15 @@ class LossForm(Indexing, TorchFunctionMode):
             # (a value of the output's filled in, or a part's extents: followed, not a fill)
             value = fc.FILLS[name]
             self.fills[result] = value if value is not None else fc.fill_value(name, args, kwargs)
+            self._share(result)
             return
         followed = [t for t in tensors if t in self.forms]
         if not followed:
             written = [args[0]] if args and isinstance(args[0], torch.Tensor) and fc.in_place(name) else []
             written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
             for t in written:  # a constant written, itself or through a view: no longer of one value
-                self.fills.pop(t, None)
-                if t._base is not None:
-                    self.fills.pop(t._base, None)
+                for u in (t, *self._sharing(t)):
+                    self.fills.pop(u, None)
             return
         if name in VALUE_READS:
             for t in followed:  # a branch on it may take another path on each part
@@ -151,6 +185,9 @@ class LossForm(Indexing, TorchFunctionMode):
             return
         if reads_shape(func) or name in fc.EXTENT_READS:
             self._extents(name, args, kwargs)
+            return
+        if name in fc.FILLS and not name.endswith("_like"):  # of a value of the output's (new_full(s, m))
+            self._give(result, fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles}))
             return
         if name in SAFE:
             return
@@ -169,26 +206,37 @@ class LossForm(Indexing, TorchFunctionMode):
             self._written(target, before, new)
             return
         self._give(result, form)
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor):  # written as in place: what shares its storage changes too
+            self.fills.pop(out, None)
+            written = self.forms.get(out) or fa.made([], {}, {r: fa.MIXES for r in self.roles})
+            self._written(out, None, written)
         if name in fc.KEEPS_VALUES and args and args[0] in self.source and isinstance(result, torch.Tensor):
             self.source[result] = self.source[args[0]]
 
     def _written(self, target: torch.Tensor, before: Form | None, form: Form) -> None:
-        """``target`` written in place, its form now ``form``: its base, where it is a view, holds other
-        values than its form says unless the view's form stays whole (a write through ``x[:, :, 0]``
-        changes ``x`` at one plane), and so do other views of either where the form changed."""
-        base = target._base
-        related = []
-        if base is not None and (form != before or form.broken):
-            related += [base, *(v for ref in self.views.get(base, []) if (v := ref()) is not None)]
-        if form != before:
-            related += [v for ref in self.views.get(target, []) if (v := ref()) is not None]
-        for t in related:
-            if t is target:
-                continue
+        """``target`` written in place, its form now ``form``: the tensors that share its storage hold
+        other values than their forms say unless its form stayed as it was and whole (a write through
+        ``x[:, :, 0]`` or ``y.detach()[:, :, 0]`` changes ``x`` or ``y`` at one plane)."""
+        if form == before and not form.broken:
+            return
+        for t in self._sharing(target):
             old = self.forms.get(t)
             roles = form.roles() | (old.roles() if old is not None else set())
             self.forms[t] = fa.made([frozenset()] * t.dim(), {}, {r: fa.MIXES for r in roles})
             self.fills.pop(t, None)
+
+    def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        before, new = self.forms.get(target), self.forms.get(value)
+        self.fills.pop(target, None)
+        if value in self.fills:
+            self.fills[target] = self.fills[value]
+        if new is not None:
+            self.forms[target] = new
+        elif before is not None:
+            del self.forms[target]
+        self._written(target, before, new or fa.made([frozenset()] * target.dim(), {}, {}))
+        self._share(target)
 
     def _extents(self, name: str, args: tuple, kwargs: dict) -> None:
         """A shape read: the extents read along cut roles (a split one breaks it; the samples' count
@@ -238,6 +286,8 @@ class LossForm(Indexing, TorchFunctionMode):
             return self._index(name, args)
         if name == "one_hot":
             f = self.forms[args[0]]
+            if (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:  # as many as the data's
+                return fa.broken_all(f, fa.VALUES, outs[0].dim())
             return fa.made([*f.dims, frozenset()], {}, fa.broken_all(f, fa.RATIO).broken
                            if f.linear else dict(f.broken), f.picked)
         if name in ("repeat", "tile"):
@@ -329,14 +379,16 @@ class LossForm(Indexing, TorchFunctionMode):
         return forms
 
     def _per_sample(self, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> list[Form]:
-        """A function of each sample alone (:data:`fc.PER_SAMPLE`): its samples stay along dim 0, every
-        other role it meets is mixed."""
-        tensors = [t for t in tensors_in(args, kwargs) if t in self.forms]
-        samples = {t.shape[0] for t in tensors if t.dim() and BATCH in self.forms[t].dims[0]}
+        """A function of each sample alone (:data:`fc.PER_SAMPLE`) of its first argument: its samples
+        stay along dim 0, every other role it meets is mixed (a weight of the output's, a kernel per
+        sample, mixes them all)."""
         whole = self._broken(args, kwargs, fa.MIXES)
-        if len(samples) != 1 or any(t.dim() and BATCH not in self.forms[t].dims[0]
-                                    and BATCH in self.forms[t].roles() for t in tensors):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        form = self.forms.get(x) if x is not None else None
+        others = [t for t in tensors_in(args[1:], kwargs) if t in self.forms]
+        if form is None or others or not x.dim() or form.dims[0] != {BATCH} or BATCH in form.picked:
             return [whole] * len(outs)
+        samples = {x.shape[0]}
         broken = {r: w for r, w in whole.broken if r != BATCH}
         return [fa.made([frozenset({BATCH}), *[frozenset()] * (r.dim() - 1)], {}, broken)
                 if r.dim() and r.shape[0] in samples else whole for r in outs]
@@ -351,12 +403,14 @@ class LossForm(Indexing, TorchFunctionMode):
         a = bound.arguments
         if a.get("size_average") is not None or a.get("reduce") is not None:
             return self._broken(args, kwargs, fa.UNFOLLOWED)
-        x, target = a["input"], a["target"]
+        x, target, weight = a["input"], a["target"], a.get("weight")
         if name in ("cross_entropy", "nll_loss"):
             c = 1 if x.dim() >= 2 else 0
             fx = self.forms.get(x)
             if fx is not None and fx.dims[c]:
                 return self._broken(args, kwargs, fa.MIXES)
+            if isinstance(weight, torch.Tensor) and weight in self.forms:  # class weights of the data's
+                return self._broken(args, kwargs, fa.RATIO)
             drop = lambda t: (fa.reduced(self.forms[t], [c], None, False) if t in self.forms else None,  # noqa: E731
                               (*t.shape[:c], *t.shape[c + 1:]), t in self.fills)
             index = not target.is_floating_point()
@@ -378,30 +432,30 @@ class LossForm(Indexing, TorchFunctionMode):
             summed = fa.reduced(terms, everything, SUM, False)
             first = terms.dims[0] if terms.dims else frozenset()
             return fa.made([], {r: MEAN if r in first else k for r, k in summed.linear}, dict(summed.broken))
+        roles = set().union(*terms.dims) if terms.dims else set()
+        if weight is not None and not name.startswith("binary_cross_entropy"):  # a mean by the weights' sum
+            return fa.made([], {}, dict(terms.broken) | {r: fa.RATIO for r in roles | {
+                r for r, _ in terms.linear}})
         if name in ("cross_entropy", "nll_loss") and not target.is_floating_point():
-            roles = set().union(*terms.dims) if terms.dims else set()
-            if a.get("weight") is not None:  # a mean weighted by the target's classes: a ratio
-                return fa.made([], {}, dict(terms.broken) | {r: fa.RATIO for r in roles | {
-                    r for r, _ in terms.linear}})
-            self.ignores.append((target, int(a["ignore_index"]), roles, self.source.get(target)))
+            value = int(a["ignore_index"])  # whether it occurs, as the call found it (the target may change)
+            self.ignores.append(((target == value).any(), value, roles, self.source.get(target)))
         return fa.reduced(terms, everything, MEAN, False)
 
     # ------------------------------------------------------------------ the verdict
     def findings(self, loss: Any, others: Sequence[Any] = ()) -> tuple[list[Finding], list[Finding]]:
         """The loss's form as findings along the output's shards and along the samples (see module doc).
         ``others``: the step's other micro-batches' targets, checked for a cross entropy's
-        ``ignore_index`` as this one's is (a sync: in the check, once per step)."""
+        ``ignore_index`` as this one's was (a sync: in the check, once per step)."""
         form = self.forms.get(loss) if isinstance(loss, torch.Tensor) else None
         ignored: dict[int, int] = {}
-        for target, value, roles, leaf in self.ignores:
-            hits = bool((target == value).any())
-            if hits:
+        for hit, value, roles, leaf in self.ignores:
+            if bool(hit):
                 ignored.update({r: fa.SELECTION for r in roles})
             if BATCH in roles and others:
                 leaves = [[t for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in others]
                 if leaf is None or any(bool((ls[leaf] == value).any()) for ls in leaves if leaf < len(ls)):
                     ignored[BATCH] = fa.SELECTION
-        if form is None and self._escaped(loss):
+        if (form is None and self._escaped(loss)) or self.unseen:
             form = fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles})
         broken, counted = ignored | self.read, {BATCH} if self.counted else set()
 
@@ -418,3 +472,18 @@ def _tensors(result: Any) -> list[torch.Tensor]:
     """The tensors a call returned (itself, or those of a tuple or list)."""
     return [r for r in (result if isinstance(result, tuple | list) else [result])
             if isinstance(r, torch.Tensor)]
+
+
+class _Unseen(TorchDispatchMode):
+    """Below autograd, every operation the loss runs: one outside any call :class:`LossForm` saw ran
+    where torch functions do not reach (a ``torch.jit.script`` function, a block with them disabled,
+    ``x.set_(v)``, a transform), on values the form then knows nothing of."""
+
+    def __init__(self, form: LossForm) -> None:
+        super().__init__()
+        self.form = form
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.form.depth and not self.form.unseen:
+            self.form.unseen = str(func)
+        return func(*args, **(kwargs or {}))

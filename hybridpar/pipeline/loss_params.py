@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hybridpar.nn.torch_args import complete
 from hybridpar.planner import applied
 from hybridpar.user_lines import caller
 
@@ -65,13 +66,14 @@ class _Watch(TorchFunctionMode):
         self.reads = reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = complete(func, kwargs or {})
         if getattr(func, "__name__", None) == "register_hook":
             raise ValueError(f"loss_fn registers a gradient hook at {caller()}: the engine evaluates "
                              f"the loss on each rank's part of the output (of a volume split, of a batch in "
                              f"parts), whose gradient alone the hook would see; register it in the model's "
                              f"forward, where a hook on a split activation is given the whole gradient")
         swap = self.reads.alias
-        return func(*tree_map(swap, args), **tree_map(swap, kwargs or {}))
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
 def _refuse_function(cls: type, apply: Any, args: tuple, kwargs: dict) -> Any:

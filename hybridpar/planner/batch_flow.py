@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar.nn.meta import OnMeta, meta_state, meta_stop, run_unseen
+from hybridpar.nn.torch_args import complete
 from hybridpar.planner import applied, batch_extent, per_sample
 from hybridpar.planner.elementwise import name_of
 from hybridpar.planner.terms import SpecError
@@ -74,7 +75,8 @@ class _Recorded(OnMeta):
         return applied.PASS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        given = _plain((args, kwargs or {}), self._tag)
+        kwargs = complete(func, kwargs or {})
+        given = _plain((args, kwargs), self._tag)
         if in_torch_layer():  # its tensors alone: the numbers it makes of its input's shape are its own
             given = tuple(n for n in _leaves(given) if isinstance(n, str) and n[:1] in ("@", "#"))
         if per_sample.draws(name_of(func)):  # the global generator's state: seeded in the forward?

@@ -11,6 +11,7 @@ samples) combined as the engine combines them, the gradient too.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,32 @@ def _masked_mean(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 with warnings.catch_warnings():  # TorchScript is deprecated; users' code still has it
     warnings.simplefilter("ignore", DeprecationWarning)
     _scripted = torch.jit.script(_masked_mean)  # runs no torch function a mode sees
+
+
+def _count_through_data(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = torch.zeros((), dtype=o.dtype)
+    z.data = (y > 0).sum().to(o.dtype)
+    return ((o - y) ** 2 * (y > 0)).sum() / z.clamp(min=1)
+
+
+def _zeroed_through_detach(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = y.clone()
+    t.detach()[:, :, 0] = 0  # the part's first plane
+    return F.mse_loss(o, t)
+
+
+def _count_into_a_view(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(2, dtype=o.dtype)
+    with torch.no_grad():
+        torch.sum((y > 0).to(o.dtype), dim=(0, 1, 2, 3, 4), out=buf[0])
+    return ((o - y) ** 2 * (y > 0)).sum() / buf.sum().clamp(min=1)
+
+
+def _ignore_cleared(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = torch.where(y == 0, 255, y)
+    loss = F.cross_entropy(o, t, ignore_index=255)
+    t.data[t.data == 255] = 0
+    return loss
 
 
 def _per_sample_loop(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -121,6 +148,35 @@ CASES = {
     "a sum by a stride": (lambda o, y: ((o - y) ** 2).sum() / o.stride(1), "volume", R.EXTENTS, "values"),
     "a sum by a count of ones": (lambda o, y: ((o - y) ** 2).sum() / torch.ones_like(o).sum(), "volume",
                                  R.RATIO, R.RATIO),
+    "weighted l1": (lambda o, y: F.l1_loss(o, y, weight=(y > 0).to(o.dtype) + 0.5), "volume", R.RATIO,
+                    R.RATIO),
+    "a dict target": (lambda o, y: F.mse_loss(o, y["t"], reduction="sum"), "dict", "sum", "sum"),
+    "no target": (lambda o, y: o.pow(2).sum(), "none", "sum", "sum"),
+    "class weights of the batch": (lambda o, y: F.cross_entropy(o, y, weight=1.0 / torch.bincount(
+        y.flatten(), minlength=3).clamp(min=1).to(o.dtype), reduction="sum"), "classes", R.UNFOLLOWED,
+        R.UNFOLLOWED),
+    "a vmapped count": (lambda o, y: ((o - y) ** 2 * (y > 0)).sum() / torch.vmap(lambda t: (t > 0).sum())(y)
+                        .sum().clamp(min=1), "volume", R.UNFOLLOWED, R.UNFOLLOWED),
+    "a count written through .data": (_count_through_data, "volume", R.RATIO, R.RATIO),
+    "the target zeroed through detach": (_zeroed_through_detach, "volume", R.MIXES, R.MIXES),
+    "a count into a view of zeros": (_count_into_a_view, "volume", R.MIXES, R.MIXES),
+    "ignore_index cleared after the call": (_ignore_cleared, "classes", R.SELECTION, R.SELECTION),
+    "kernels of the output's": (lambda o, y: F.conv3d(o, o.mean((1, 2, 3, 4)).view(-1, 1, 1, 1, 1)).mean(),
+                                "volume", R.MIXES, R.MIXES),
+    "an accumulator from torch.tensor(0.)": (lambda o, y: torch.tensor(0.0, dtype=o.dtype) + F.mse_loss(
+        o, y, reduction="sum"), "volume", "sum", "sum"),
+    "a count of a zero volume": (lambda o, y: ((o - y) ** 2).sum() / (y * 0 + 1).sum(), "volume", R.RATIO,
+                                 R.RATIO),
+    "DDP's unused-output trick": (lambda o, y: F.mse_loss(o, y) + 0 * o.sum(), "volume", "mean", "mean"),
+    "channels picked by a list": (lambda o, y: F.mse_loss(torch.cat([o, y], 1)[:, [0]], y), "volume", "mean",
+                                  "mean"),
+    "a class-weight table": (lambda o, y: (F.cross_entropy(o, y, reduction="none") * torch.tensor(
+        [0.2, 1.0, 3.0], dtype=o.dtype)[y]).sum(), "classes", "sum", "sum"),
+    "channels last, masked": (lambda o, y: F.cross_entropy(o.permute(0, 2, 3, 4, 1)[y >= 0], y[y >= 0],
+                                                           reduction="sum"), "classes", "sum", "sum"),
+    "std over channels": (lambda o, y: torch.std(torch.cat([o, y], 1), 1, True).mean(), "volume", "mean",
+                          "mean"),
+    "n = o.shape[1]": (lambda o, y: ((o - y) ** 2).sum() / o.shape[1], "volume", "sum", "sum"),
     "a mean by hand": (lambda o, y: ((o - y) ** 2).sum() / o.numel(), "volume", R.EXTENTS, "values"),
     "written through a view": (_written_through_a_view, "volume", R.MIXES, R.MIXES),
     "a loop over samples": (_per_sample_loop, "volume", "mean", R.MIXES),
@@ -156,13 +212,24 @@ CASES = {
 }
 
 
-def _data(target: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(target: str) -> tuple[torch.Tensor, Any]:
+    if target in ("dict", "none"):
+        o, y = _data("volume")
+        return o, ({"t": y} if target == "dict" else None)
     g = torch.Generator().manual_seed(0)
     if target == "classes":
         return (torch.randn((2, 3, 5, 7, 4), dtype=torch.float64, generator=g),
                 torch.randint(0, 3, (2, 5, 7, 4), generator=g))
     return (torch.randn((2, 1, 5, 7, 4), dtype=torch.float64, generator=g),
             torch.randn((2, 1, 5, 7, 4), dtype=torch.float64, generator=g))
+
+
+def _part(y: Any, box: tuple, target: str, axis: str) -> Any:
+    if y is None:
+        return None
+    if isinstance(y, dict):
+        return {k: _part(v, box, "volume", axis) for k, v in y.items()}
+    return y[box] if target == "volume" or axis == "batch" else y[(box[0], *box[2:])]
 
 
 def _verdict(found: list) -> str | int:
@@ -203,7 +270,7 @@ def test_the_form_of_a_loss(name):
             continue
         total, grad = 0.0, torch.zeros_like(o)
         for box in boxes[axis]:
-            yb = y[box] if target == "volume" or axis == "batch" else y[(box[0], *box[2:])]
+            yb = _part(y, box, target, axis)
             ob = o[box].detach().requires_grad_()
             part = loss_fn(ob, yb)
             share = ob.numel() / o.numel() if kind == "mean" else 1.0

@@ -17,6 +17,8 @@ FILLS = {"zeros": 0.0, "new_zeros": 0.0, "zeros_like": 0.0, "empty": 0.0, "new_e
 """Calls that make a tensor of one value (its value where known; an empty one counts as zero: what it
 holds is only ever what is written into it); ``zeros_like`` of a followed value has its extents, and is
 followed as an elementwise call of it."""
+FROM_NUMBER = ("tensor", "as_tensor", "scalar_tensor", "new_tensor")
+"""Calls that make a tensor of a number given (``torch.tensor(0.0)``): a fill of that value."""
 EXTENT_READS = ("nbytes", "stride", "storage_offset")
 """Reads that tell a tensor's extents without naming a shape (a stride is the product of later extents)."""
 UNARY = {"neg", "neg_", "__neg__", "negative", "__pos__", "positive", "to", "type", "type_as", "float",

@@ -28,13 +28,29 @@ class Indexing:
 
     def _index(self, name: str, args: tuple) -> Form:
         """``x[index]`` (and ``x[index] = v``): slices, ints, ``None`` and ``...`` along dims the engine
-        does not cut, full slices along those it does, or one mask of ``x``'s leading dims (a selection)."""
+        does not cut, full slices along those it does, one list of positions along a dim it does not
+        cut (``o[:, [0, 2]]``), one mask of ``x``'s leading dims (a selection), or a constant table
+        looked up at the output's values (``weights[y]``: one entry per position)."""
         t, index = args[0], args[1]
         form = self.forms.get(t) or fa.made([frozenset()] * t.dim(), {}, {})
         items = list(index) if isinstance(index, tuple) else [index]
         masks = [i for i in items if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
         if masks:
             return self._masked(name, args, form, items, masks[0])
+        if name == "__getitem__" and t not in self.forms and len(items) == 1 and isinstance(
+                index, torch.Tensor) and index in self.forms and not index.is_floating_point():
+            looked = self.forms[index]
+            broken = dict(looked.broken) | {r: fa.RATIO for r, _ in looked.linear}
+            return fa.made([*looked.dims, *[frozenset()] * (t.dim() - 1)], {}, broken, looked.picked)
+        listed = [k for k, i in enumerate(items) if isinstance(i, torch.Tensor | list)]
+        if len(listed) == 1 and _positions(items[listed[0]]) and not (
+                isinstance(items[listed[0]], torch.Tensor) and items[listed[0]] in self.forms):
+            k = listed[0]
+            named = sum(1 for i in items if i is not None and i is not Ellipsis)
+            at = sum(t.dim() - named if i is Ellipsis else i is not None for i in items[:k])
+            if at >= t.dim() or form.dims[at]:
+                return self._index_failed(name, args, form)
+            items = [*items[:k], slice(None), *items[k + 1:]]  # the dim stays, not cut: as a full slice
         if any(isinstance(i, torch.Tensor | list) for i in items) or items.count(Ellipsis) > 1:
             return self._index_failed(name, args, form)
         named = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -69,13 +85,17 @@ class Indexing:
         t = args[0]
         if len(items) != 1 or tuple(mask.shape) != tuple(t.shape[:mask.dim()]):
             return self._index_failed(name, args, form)
+        k = mask.dim()
+        mf, ms, mu = self._operand(mask)  # a mask indexes the leading dims: laid from the left
+        pad = t.dim() - k
+        laid = (None if mf is None else fa.made([*mf.dims, *[frozenset()] * pad], dict(mf.linear),
+                                                dict(mf.broken), mf.picked), (*ms, *[1] * pad), mu)
+        both = fa.elementwise(t.shape, [self._operand(t), laid], fa.OTHER, self.roles)
         if name == "__setitem__":
             value = args[2]
             if isinstance(value, torch.Tensor) and value in self.forms:
                 return self._index_failed(name, args, form)
-            return fa.elementwise(t.shape, [self._operand(t), self._operand(mask)], fa.OTHER, self.roles)
-        both = fa.elementwise(t.shape, [self._operand(t), self._operand(mask)], fa.OTHER, self.roles)
-        k = mask.dim()
+            return both
         picked = frozenset().union(*both.dims[:k])
         return fa.made([picked, *both.dims[k:]], dict(both.linear), dict(both.broken), both.picked | picked)
 
@@ -106,3 +126,10 @@ class Indexing:
         if not self._zero(t):
             operands.append(self._operand(t))
         return fa.elementwise(t.shape, operands, fa.LINEAR_JOIN, self.roles)
+
+
+def _positions(index: Any) -> bool:
+    """A list of ints or a 1-D integer tensor: positions along one dim."""
+    if isinstance(index, list):
+        return all(isinstance(i, int) and not isinstance(i, bool) for i in index)
+    return index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from hybridpar.pipeline.form_algebra import BATCH, MEAN, SUM, Form
 from hybridpar.pipeline.form_index import Indexing
 from hybridpar.pipeline.loss_check import FORM, Finding
 from hybridpar.pipeline.loss_params import is_alias
+from hybridpar.pipeline.read_dims import dims_read
 from hybridpar.planner import calls
 from hybridpar.planner.calls import SAFE, VALUE_READS, carriers_of, reads_shape, tensors_in
 from hybridpar.planner.elementwise import elementwise, name_of
@@ -61,6 +63,7 @@ class LossForm(Indexing, TorchFunctionMode):
         self.storages: dict[int, list[weakref.ref]] = {}  # a storage's address -> tensors on it
         self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every tensor a call here returned
         self.depth = 0  # calls of this mode under way
+        self._reader = None  # the frame of the line reading a shape (see read_dims)
         self.unseen = ""  # an operation that ran outside them (the first's name), or none
         self.read: dict[int, int] = {}  # role -> why: values or split extents read into Python
         self.counted = False  # the samples' count read (a mean written by hand: the values tell)
@@ -69,6 +72,8 @@ class LossForm(Indexing, TorchFunctionMode):
         box = tuple(volume.shape[2:]) if volume is not None else None
         first = next((t for t in tree_leaves((y, out)) if isinstance(t, torch.Tensor) and t.dim()), None)
         samples = first.shape[0] if first is not None else None  # a dict or tuple target's, or none
+        for t in (t for t in tree_leaves((out, y)) if isinstance(t, torch.Tensor)):
+            self.seen[t] = True  # given, not computed out of sight (a penalty the forward returns)
         for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
             self._start(t, box, samples, spatial, batch)
         for i, t in enumerate(t for t in tree_leaves(y) if isinstance(t, torch.Tensor)):
@@ -100,6 +105,7 @@ class LossForm(Indexing, TorchFunctionMode):
         kwargs = complete(func, kwargs or {})
         if torch._C._are_functorch_transforms_active() and not self.unseen:  # vmap, grad: on wrapped values
             self.unseen = f"{name_of(func)} under a torch.func transform"
+        self._reader = sys._getframe(1) if reads_shape(func) else None  # the line reading a shape
         self.depth += 1
         try:
             result = func(*args, **kwargs)
@@ -140,13 +146,14 @@ class LossForm(Indexing, TorchFunctionMode):
     def _share(self, t: torch.Tensor) -> None:
         """Note ``t`` among the tensors on its storage (a view, ``x.detach()``, ``x.data``: a write
         through one changes the others)."""
-        at = t.untyped_storage().data_ptr()
+        at = _storage(t)
         if at:
             self.storages.setdefault(at, []).append(weakref.ref(t))
 
     def _sharing(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The tensors noted on ``t``'s storage, but ``t``."""
-        refs = self.storages.get(t.untyped_storage().data_ptr(), []) if t.untyped_storage().data_ptr() else []
+        at = _storage(t)
+        refs = self.storages.get(at, []) if at else []
         return [u for ref in refs if (u := ref()) is not None and u is not t]
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
@@ -160,6 +167,15 @@ class LossForm(Indexing, TorchFunctionMode):
             unfollowed = fa.made([], {}, {r: fa.UNFOLLOWED for r in self.roles})
             target = args[0] if fc.in_place(name) and args and isinstance(args[0], torch.Tensor) else result
             self._give(target, unfollowed)
+            return
+        number = _number(args[1] if name == "new_tensor" and len(args) > 1 else args[0] if args else None)
+        if name in fc.FROM_NUMBER and number is not None and isinstance(result, torch.Tensor):
+            self.fills[result] = number  # torch.tensor(0.0): an accumulator's start
+            self._share(result)
+            return
+        if name in fc.SCALE and not fc.in_place(name) and any(_number(a) == 0.0 for a in args) and isinstance(
+                result, torch.Tensor) and result.dim() == 0:  # 0 * o.sum(): DDP's unused-output trick, a zero
+            self.fills[result] = 0.0  # (a scalar: a zero volume has the part's extents, which a sum counts)
             return
         like = name.startswith("new_") or name.endswith("_like")
         if name in fc.FILLS and isinstance(result, torch.Tensor) and not any(
@@ -203,6 +219,7 @@ class LossForm(Indexing, TorchFunctionMode):
             new = form[0] if isinstance(form, list) else form
             self.forms[target] = new
             self.fills.pop(target, None)
+            self.source.pop(target, None)  # its values are no longer the target's leaf's
             self._written(target, before, new)
             return
         self._give(result, form)
@@ -218,9 +235,12 @@ class LossForm(Indexing, TorchFunctionMode):
         """``target`` written in place, its form now ``form``: the tensors that share its storage hold
         other values than their forms say unless its form stayed as it was and whole (a write through
         ``x[:, :, 0]`` or ``y.detach()[:, :, 0]`` changes ``x`` or ``y`` at one plane)."""
+        sharing = self._sharing(target)
+        for t in sharing:  # their values changed: no longer a target leaf's (an ignore_index may be new)
+            self.source.pop(t, None)
         if form == before and not form.broken:
             return
-        for t in self._sharing(target):
+        for t in sharing:
             old = self.forms.get(t)
             roles = form.roles() | (old.roles() if old is not None else set())
             self.forms[t] = fa.made([frozenset()] * t.dim(), {}, {r: fa.MIXES for r in roles})
@@ -246,8 +266,12 @@ class LossForm(Indexing, TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if name == "__len__":
             dim = 0
-        dims = range(t.dim()) if dim is None or name in ("numel", "nelement", *fc.EXTENT_READS) else [
-            dim % t.dim()]
+        if dim is not None and name not in fc.EXTENT_READS:
+            dims = [dim % t.dim()]
+        elif name in ("numel", "nelement", *fc.EXTENT_READS):
+            dims = list(range(t.dim()))
+        else:  # x.shape, x.size(): the dims its line indexes
+            dims = dims_read(self._reader, t.dim())
         for i in dims:
             for r in form.dims[i]:
                 if r == BATCH:
@@ -275,7 +299,7 @@ class LossForm(Indexing, TorchFunctionMode):
             return self._loss(func, name, args, kwargs)
         if name in fc.REDUCTIONS and not (name in ("max", "min") and len(args) > 1
                                        and isinstance(args[1], torch.Tensor)):
-            return self._reduction(name, args, kwargs)
+            return self._reduction(name, args, kwargs, outs[0] if outs else None)
         if name in fc.RESHAPES:
             return fa.regrouped(self.forms[args[0]], args[0].shape, outs[0].shape)
         if name in fc.PERMUTES:
@@ -317,18 +341,19 @@ class LossForm(Indexing, TorchFunctionMode):
             given = [a for a in given if not self._zero(a)]
         return fa.elementwise(shape, [self._operand(a) for a in given], how, self.roles)
 
-    def _reduction(self, name: str, args: tuple, kwargs: dict) -> Form:
+    def _reduction(self, name: str, args: tuple, kwargs: dict, out: torch.Tensor | None) -> Form:
+        """A reduction over the dims it names (all where none), kept where the result keeps them (read
+        off the result: ``std(x, 1, True)``'s third argument is no keepdim)."""
         t = args[0]
         at = fc.DIM_AT.get(name, 1)
         dim = kwargs.get("dim", kwargs.get("axis", args[at] if len(args) > at and not isinstance(
             args[at], bool) else None))
-        keep = kwargs.get("keepdim", kwargs.get("keepdims", args[at + 1] if len(args) > at + 1 and isinstance(
-            args[at + 1], bool) else False))
         if dim is None or (isinstance(dim, list | tuple) and not dim):
             dims = list(range(t.dim()))
         else:
             dims = sorted({d % t.dim() for d in (dim if isinstance(dim, list | tuple) else [dim])})
-        return fa.reduced(self.forms[t], dims, fc.LINEAR.get(name), bool(keep))
+        keep = out is not None and out.dim() == t.dim() and bool(dims)
+        return fa.reduced(self.forms[t], dims, fc.LINEAR.get(name), keep)
 
     def _repeat(self, t: torch.Tensor, out: torch.Tensor) -> Form:
         form = self.forms[t]
@@ -487,3 +512,16 @@ class _Unseen(TorchDispatchMode):
         if not self.form.depth and not self.form.unseen:
             self.form.unseen = str(func)
         return func(*args, **(kwargs or {}))
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 where it has none to share (empty, or a transform's wrapper)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _number(a: Any) -> float | None:
+    """``a`` as a float where it is a Python number (not a bool)."""
+    return float(a) if isinstance(a, int | float) and not isinstance(a, bool) else None

@@ -144,7 +144,8 @@ EXACT = [
 # (world, model, loss, spec): no mean or sum over the output's shards, evaluated on the whole output
 # (gathered) and trained exactly as one process
 WHOLE = [
-    (2, "Plain", "masked mean", S2), (2, "Plain", "weighted l1", S2), (2, "Plain", "dice", S2), (2, "Plain", "pearson", S2),
+    (2, "Plain", "masked mean", S2), (2, "Plain", "weighted l1", S2), (2, "Plain", "dice", S2),
+    (2, "Plain", "pearson", S2),
     (2, "Plain", "TV along D", S2), (2, "Plain", "nearly a mean", S2), (4, "Plain", "TV along H", S4),
     (2, "Classes", "weighted CE", S2), (4, "Classes", "weighted CE", S4), (4, "Plain", "sample dice", DS),
     (4, "Plain", "sample dice", DSM), (4, "Deep", "deep dice", S4),
@@ -435,7 +436,6 @@ def _across_target(model: str, batch: int) -> torch.Tensor:
 def _across_body(rank: int, world: int, case: str) -> tuple[str, bool, float]:
     """What one step said, whether it left the weights and gradients untouched, and how far its
     gradients are from one process's."""
-    import hybridpar as hp
 
     _, model, loss_fn, spec, _ = ACROSS[case]
     batch = 2 if model == "Head" else 4
@@ -452,6 +452,15 @@ def _across_body(rank: int, world: int, case: str) -> tuple[str, bool, float]:
     if case.endswith("float32"):  # the pieces are compared in float64 whatever the model's dtype
         mine, x, y = mine.float(), x.float(), y.float()
     ref = globals()[model]().to(next(mine.parameters()).dtype)
+    return _against_one_process(mine, ref, spec, loss_fn, x, y)
+
+
+def _against_one_process(mine: nn.Module, ref: nn.Module, spec: dict, loss_fn, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[str, bool, float]:
+    """One step of ``mine`` parallelized by ``spec`` (what it said, whether it left the model untouched)
+    and how far its gradients are from ``ref``'s (a copy) in one process."""
+    import hybridpar as hp
+
     ref.load_state_dict(mine.state_dict())
     said, untouched = _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
     loss_fn(ref(x), y).backward()
@@ -570,19 +579,12 @@ BLIND = {  # case: (world, loss, spec, what one step does)
 
 
 def _blind_body(rank: int, world: int, case: str) -> tuple[str, bool, float]:
-    import hybridpar as hp
 
     _, loss_fn, spec, _ = BLIND[case]
     x = torch.randn(BIG, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     y = _blind_target(case)
     torch.manual_seed(0)
-    mine, ref = Plain().double(), Plain().double()
-    ref.load_state_dict(mine.state_dict())
-    said, untouched = _one_step(hp.parallelize(mine, spec, loss_fn=loss_fn), mine, x, y)
-    loss_fn(ref(x), y).backward()
-    off = max(math.inf if p.grad is None else (p.grad - q.grad).abs().max().item()
-              for p, q in zip(mine.parameters(), ref.parameters(), strict=True))
-    return said, untouched, off
+    return _against_one_process(Plain().double(), Plain().double(), spec, loss_fn, x, y)
 
 
 @pytest.mark.parametrize("case", list(BLIND))

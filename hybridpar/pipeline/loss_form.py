@@ -103,7 +103,7 @@ class LossForm(Indexing, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = complete(func, kwargs or {})
-        if torch._C._are_functorch_transforms_active() and not self.unseen:  # vmap, grad: on wrapped values
+        if _transforming() and not self.unseen:  # vmap, grad: on wrapped values
             self.unseen = f"{name_of(func)} under a torch.func transform"
         self._reader = sys._getframe(1) if reads_shape(func) else None  # the line reading a shape
         self.depth += 1
@@ -525,3 +525,9 @@ def _storage(t: torch.Tensor) -> int:
 def _number(a: Any) -> float | None:
     """``a`` as a float where it is a Python number (not a bool)."""
     return float(a) if isinstance(a, int | float) and not isinstance(a, bool) else None
+
+
+def _transforming() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad) is running: its values are wrappers of others."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False

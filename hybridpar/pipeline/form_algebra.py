@@ -14,9 +14,9 @@ them) or a spatial dim (1-3: D, H, W, where the grid splits it). Along each role
 
 - *local* (the role is one of its dims: each entry computed from the data at one position along it),
 - *linear* of kind ``sum`` or ``mean`` (the role was summed or averaged away and only linear steps
-  followed: adding terms of the same kind, scaling by what does not depend on that role), ``any``
-  where the loss also read the part's extent (a hand-written ``s / x.size(0)``: the checks on values
-  tell the kind),
+  followed: adding terms of the same kind, scaling by what does not depend on that role; where the
+  loss also read the samples' count, a hand-written ``s / x.size(0)``, the checks on values tell
+  which),
 - *broken*, with the reason (:data:`REASONS`): nothing the engine can combine,
 - or absent: it does not depend on data along that role.
 """
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 BATCH = 0  # the role of the samples; spatial dim d (0-2 of D, H, W) is role d + 1
-SUM, MEAN, ANY = "sum", "mean", "any"
+SUM, MEAN = "sum", "mean"
 
 RATIO, EXTREME, MIXES, VALUES, EXTENTS, UNFOLLOWED, SELECTION, OFFSET, KINDS, KEPT = range(10)
 REASONS = (
@@ -90,10 +90,8 @@ def broken_all(form: Form | None, why: int, ndim: int = 0) -> Form:
 
 def combine(kinds: Sequence[str]) -> str | None:
     """The kind of a sum of terms of these kinds; None where a mean meets a sum."""
-    known = set(kinds) - {ANY}
-    if len(known) > 1:
-        return None
-    return known.pop() if known else ANY
+    known = set(kinds)
+    return known.pop() if len(known) == 1 else None
 
 
 LINEAR_JOIN, SCALE, NUMERATOR, OTHER = "join", "scale", "numerator", "other"
@@ -263,7 +261,7 @@ def judged(form: Form | None, roles: set[int], broken: dict[int, int], counted: 
         kind = form.kind(r) if form is not None else None
         if kind is None:
             kinds.add(MEAN)  # the same on every part: their shares recombine it
-        elif kind != ANY and r not in counted:
+        elif r not in counted:
             kinds.add(kind)
     if whys or len(kinds) > 1:
         return min(whys) if whys else KINDS, None

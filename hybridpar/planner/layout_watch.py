@@ -19,10 +19,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar.nn import families, registry
+from hybridpar.nn import families, registry, torch_args
 from hybridpar.nn.meta import meta_call, meta_state, unwatched
 from hybridpar.nn.sound_values import UNKNOWN, SoundValues
-from hybridpar.nn.torch_args import complete
 from hybridpar.planner import batch_extent, calls, per_sample
 from hybridpar.planner.analysis import KEPT_WHOLE, REPLICATED, dense_on_split, node_halos, splits_under
 from hybridpar.planner.backward_calls import BackwardCalls
@@ -168,7 +167,7 @@ class LayoutWatch(LayerHooks, BackwardCalls, BatchReads, TorchFunctionMode):
             self.batched.update((t, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = calls.canonical(complete(func, kwargs or {}))
+        kwargs = calls.canonical(torch_args.complete(func, kwargs or {}))
         if self.depth:
             return func(*args, **kwargs)
         tensors = calls.tensors_in(args, kwargs)
